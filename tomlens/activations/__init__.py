@@ -1,0 +1,1 @@
+"""tomlens.activations"""

@@ -1,0 +1,46 @@
+"""The `tomlens` command: a thin layer over the Python API, one module per subcommand."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from tomlens.commands import COMMANDS
+from tomlens.errors import TomlensError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tomlens", description="Theory-of-mind interpretability for open-weight LMs."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name in COMMANDS:
+        try:
+            module = importlib.import_module(f"tomlens.commands.{name}")
+        except ModuleNotFoundError as e:
+            if e.name == f"tomlens.commands.{name}":
+                continue  # subcommand not built yet
+            raise
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        result = args.func(args)
+    except TomlensError as e:
+        print(f"tomlens {args.command}: error: {e.problem}", file=sys.stderr)
+        if e.fix:
+            print(f"  fix: {e.fix}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"tomlens {args.command}: interrupted; finished work is kept", file=sys.stderr)
+        return 130
+    return int(result or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,47 @@
+"""Stimuli: generated ToM tasks, external sets and user files, all as `Stimulus` records."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from tomlens.errors import TomlensError
+from tomlens.stimuli.records import Span, Stimulus, stimuli_hash, to_dataset, write_jsonl
+
+# family name -> (module, function). Each function takes (n, seed, **options) -> list[Stimulus].
+FAMILIES: dict[str, tuple[str, str]] = {
+    "unexpected-transfer": ("tomlens.stimuli.false_belief", "unexpected_transfer"),
+    "unexpected-contents": ("tomlens.stimuli.false_belief", "unexpected_contents"),
+    "goal-encoding": ("tomlens.stimuli.goal_encoding", "goal_encoding"),
+    "belief-tracking": ("tomlens.stimuli.tracking", "belief_tracking"),
+    "belief-statements": ("tomlens.stimuli.statements", "belief_statements"),
+}
+
+
+def generate(family: str, n: int = 20, seed: int = 0, **options: Any) -> list[Stimulus]:
+    """Generate `n` tasks of a built-in family, deterministically given `seed`."""
+    if family not in FAMILIES:
+        raise TomlensError(
+            f"unknown stimulus family {family!r}",
+            f"use one of {sorted(FAMILIES)} (or `load_bigtom(path)` / `load_user_file(path)`)",
+        )
+    module, fn = FAMILIES[family]
+    return getattr(importlib.import_module(module), fn)(n=n, seed=seed, **options)
+
+
+def read_jsonl(path):  # noqa: ANN001 - thin re-export
+    from tomlens.stimuli.user import load_user_file
+
+    return load_user_file(path)
+
+
+def load_bigtom(path, **options):  # noqa: ANN001
+    from tomlens.stimuli.bigtom import load_bigtom as _load
+
+    return _load(path, **options)
+
+
+__all__ = [
+    "FAMILIES", "Span", "Stimulus", "generate", "load_bigtom", "read_jsonl", "stimuli_hash",
+    "to_dataset", "write_jsonl",
+]

@@ -1,0 +1,189 @@
+"""The one record type that flows through every stage: a prompt, its two options and its labels.
+
+Spans are character offsets into `text` (start inclusive, end exclusive), so later stages can find
+token positions through the tokenizer's offsets without hard-coded indices.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any, Iterable, Literal, Sequence
+
+from tomlens.errors import TomlensError
+
+PromptType = Literal["reality", "belief", "goal"]
+PROMPT_TYPES: tuple[str, ...] = ("reality", "belief", "goal")
+
+# Role names used in `spans`. Generators use these; user files may add their own.
+ROLE_NAMES: tuple[str, ...] = (
+    "protagonist",  # first mention of the protagonist
+    "other_agent",  # first mention of the other agent (mover, informant)
+    "object",  # first mention of the object (or the container's contents)
+    "location_1",  # first mention of the starting location / container / label word
+    "location_2",  # first mention of the second location / true contents
+    "container",  # the container in unexpected contents
+    "contrast",  # the sentence that carries the FB / TB contrast
+    "query",  # the final query (prompt) sentence
+)
+
+
+@dataclass(frozen=True)
+class Span:
+    """Character offsets `[start, end)` into a stimulus text."""
+
+    start: int
+    end: int
+
+    def of(self, text: str) -> str:
+        return text[self.start : self.end]
+
+
+@dataclass(frozen=True)
+class Stimulus:
+    """One prompt with two answer options and the labels that probes and patching need.
+
+    `world_state` is what is true, `protagonist_belief` what the protagonist believes;
+    `reference_state` is the story-relative anchor (the object's starting location in a transfer
+    story, the label word in a contents story) so that binary targets such as "the protagonist
+    believes the object is where it started" mean the same thing in every item.
+    `meta` holds family-specific labels (k habituations, agent type, prefix index, ...).
+    """
+
+    id: str
+    text: str
+    options: tuple[str, str]
+    answer: str
+    family: str = "user"
+    task_id: str = ""
+    template_id: str = ""
+    condition: str = ""
+    reversed: bool = False
+    prompt_type: str = "belief"
+    world_state: str | None = None
+    protagonist_belief: str | None = None
+    reference_state: str | None = None
+    spans: dict[str, Span] = field(default_factory=dict)
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        problems = validate(self)
+        if problems:
+            raise TomlensError(
+                f"stimulus {self.id!r}: " + "; ".join(problems),
+                "fix the generator or the input row",
+            )
+
+    @property
+    def answer_index(self) -> int:
+        return self.options.index(self.answer)
+
+    @property
+    def belief_differs(self) -> bool:
+        """True when the protagonist's belief and the world disagree (false-belief items)."""
+        return (
+            self.world_state is not None
+            and self.protagonist_belief is not None
+            and self.world_state != self.protagonist_belief
+        )
+
+    @property
+    def world_is_reference(self) -> bool | None:
+        if self.world_state is None or self.reference_state is None:
+            return None
+        return self.world_state == self.reference_state
+
+    @property
+    def belief_is_reference(self) -> bool | None:
+        if self.protagonist_belief is None or self.reference_state is None:
+            return None
+        return self.protagonist_belief == self.reference_state
+
+    def span_text(self, role: str) -> str:
+        return self.spans[role].of(self.text)
+
+    def with_(self, **changes: Any) -> Stimulus:
+        return replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["options"] = list(self.options)
+        d["spans"] = {k: [s.start, s.end] for k, s in self.spans.items()}
+        d["belief_differs"] = self.belief_differs
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Stimulus:
+        d = dict(d)
+        d.pop("belief_differs", None)
+        d["options"] = tuple(d["options"])
+        d["spans"] = {k: Span(int(v[0]), int(v[1])) for k, v in (d.get("spans") or {}).items()}
+        d["meta"] = dict(d.get("meta") or {})
+        return cls(**d)
+
+
+def validate(s: Stimulus) -> list[str]:
+    """Return a list of problems with a record (empty when it is well-formed)."""
+    problems: list[str] = []
+    if not s.id:
+        problems.append("empty id")
+    if not s.text:
+        problems.append("empty text")
+    if len(s.options) != 2 or not all(isinstance(o, str) and o for o in s.options):
+        problems.append(f"options must be two non-empty strings, got {s.options!r}")
+    elif s.options[0] == s.options[1]:
+        problems.append(f"the two options are identical ({s.options[0]!r})")
+    elif s.answer not in s.options:
+        problems.append(f"answer {s.answer!r} is not one of the options {list(s.options)!r}")
+    if s.prompt_type not in PROMPT_TYPES:
+        problems.append(f"prompt_type {s.prompt_type!r} is not one of {PROMPT_TYPES}")
+    for role, span in s.spans.items():
+        if not (0 <= span.start < span.end <= len(s.text)):
+            problems.append(
+                f"span {role!r} [{span.start}, {span.end}) is outside the text (length {len(s.text)})"
+            )
+    return problems
+
+
+def write_jsonl(stimuli: Iterable[Stimulus], path: str | Path) -> Path:
+    """Write records as JSON lines, atomically (temporary name, then rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("w", encoding="utf-8") as f:
+        for s in stimuli:
+            f.write(json.dumps(s.to_dict(), ensure_ascii=False) + "\n")
+    tmp.replace(path)
+    return path
+
+
+def read_jsonl(path: str | Path) -> list[Stimulus]:
+    """Read records written by `write_jsonl` (for user files see `tomlens.stimuli.user`)."""
+    from tomlens.stimuli.user import load_user_file
+
+    return load_user_file(path)
+
+
+def stimuli_hash(stimuli: Sequence[Stimulus]) -> str:
+    """A content hash over the records, in order: provenance and cache keys use it."""
+    h = hashlib.sha256()
+    for s in stimuli:
+        h.update(json.dumps(s.to_dict(), sort_keys=True, ensure_ascii=False).encode())
+        h.update(b"\n")
+    return h.hexdigest()[:16]
+
+
+def to_dataset(stimuli: Sequence[Stimulus]):  # -> datasets.Dataset
+    """Export to a Hugging Face `datasets.Dataset` (spans and meta as JSON strings)."""
+    import datasets
+
+    rows = []
+    for s in stimuli:
+        d = s.to_dict()
+        d["options"] = list(s.options)
+        d["spans"] = json.dumps(d["spans"])
+        d["meta"] = json.dumps(d["meta"])
+        rows.append(d)
+    return datasets.Dataset.from_list(rows)
