@@ -11,6 +11,8 @@ import copy
 import hashlib
 import importlib.util
 import json
+import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -86,8 +88,6 @@ def _save_tokenizer(tokenizer: Any, folder: Path) -> None:
 
 def _replace_stale(folder: Path) -> None:
     if folder.exists():
-        import shutil
-
         shutil.rmtree(folder)
 
 
@@ -131,19 +131,26 @@ def embedded_dir(*, progress: bool = True) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if progress:
-        print(f"tomlens: converting {source.name} once into {folder} (about 30 s) ...", flush=True)
+        print(
+            f"tomlens: converting {source.name} once into {folder} (about 30 s) ...",
+            file=sys.stderr,
+            flush=True,
+        )
     _replace_stale(folder)
     with atomic_dir(folder) as tmp:
         tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
         model = AutoModelForCausalLM.from_pretrained(
             source.parent, gguf_file=source.name, dtype=torch.float32
         )
-        # The de-quantized weights are plain tensors now: drop the GGUF quantization record so
-        # the saved folder loads as an ordinary float checkpoint.
-        for attr in ("quantization_config",):
-            if hasattr(model.config, attr):
-                delattr(model.config, attr)
-        model.save_pretrained(tmp, safe_serialization=True)
+        # The de-quantized weights are plain float tensors, but transformers refuses to save a
+        # model it loaded through GGUF; copy them into a plain model built from the same config.
+        config = copy.deepcopy(model.config)
+        if hasattr(config, "quantization_config"):
+            delattr(config, "quantization_config")
+        plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        plain.load_state_dict(model.state_dict())
+        plain.save_pretrained(tmp)
+        del model, plain
         config_path = tmp / "config.json"
         config = json.loads(config_path.read_text())
         config.pop("quantization_config", None)
