@@ -1,1 +1,15 @@
-"""tomlens.models"""
+"""Model names -> TransformerBridge (embedded SmolLM2, tiny test models, hub ids, local folders),
+provenance of what was loaded, and text -> left-padded token batches."""
+
+from tomlens.models.registry import DEFAULT_MODEL, ModelName, list_models, load_model, provenance
+from tomlens.models.tokens import EncodedBatch, encode
+
+__all__ = [
+    "DEFAULT_MODEL",
+    "EncodedBatch",
+    "ModelName",
+    "encode",
+    "list_models",
+    "load_model",
+    "provenance",
+]

@@ -11,7 +11,6 @@ import copy
 import hashlib
 import importlib.util
 import json
-import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -77,6 +76,13 @@ def _write_marker(folder: Path, source: Path, what: str) -> None:
     (folder / MARKER).write_text(json.dumps(record, indent=2))
 
 
+def _gguf_needed(e: ImportError) -> TomlensError:
+    return TomlensError(
+        f"reading the embedded GGUF needs the 'gguf' package ({e})",
+        "pip install 'gguf>=0.10' (it is a tomlens dependency), or pass a local model directory",
+    )
+
+
 def _save_tokenizer(tokenizer: Any, folder: Path) -> None:
     """Save with `add_bos_token` written out, so TransformerLens never reaches for the hub."""
     tokenizer.save_pretrained(folder)
@@ -84,11 +90,6 @@ def _save_tokenizer(tokenizer: Any, folder: Path) -> None:
     config = json.loads(config_path.read_text())
     config["add_bos_token"] = True
     config_path.write_text(json.dumps(config, indent=2))
-
-
-def _replace_stale(folder: Path) -> None:
-    if folder.exists():
-        shutil.rmtree(folder)
 
 
 def tokenizer_dir() -> Path:
@@ -102,9 +103,11 @@ def tokenizer_dir() -> Path:
         return model_folder
     from transformers import AutoTokenizer
 
-    _replace_stale(folder)
     with atomic_dir(folder) as tmp:
-        tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
+        except ImportError as e:
+            raise _gguf_needed(e) from e
         _save_tokenizer(tokenizer, tmp)
         _write_marker(tmp, source, "tokenizer")
     return folder
@@ -136,12 +139,14 @@ def embedded_dir(*, progress: bool = True) -> Path:
             file=sys.stderr,
             flush=True,
         )
-    _replace_stale(folder)
     with atomic_dir(folder) as tmp:
-        tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
-        model = AutoModelForCausalLM.from_pretrained(
-            source.parent, gguf_file=source.name, dtype=torch.float32
-        )
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
+            model = AutoModelForCausalLM.from_pretrained(
+                source.parent, gguf_file=source.name, dtype=torch.float32
+            )
+        except ImportError as e:
+            raise _gguf_needed(e) from e
         # The de-quantized weights are plain float tensors, but transformers refuses to save a
         # model it loaded through GGUF; copy them into a plain model built from the same config.
         config = copy.deepcopy(model.config)

@@ -72,6 +72,9 @@ def load_bigtom(
             f"unknown BigToM condition(s) {unknown!r}" if unknown else "no BigToM condition given",
             f"choose from {list(CONDITIONS)}",
         )
+    if limit is not None and (not isinstance(limit, int) or limit < 1):
+        raise TomlensError(f"limit={limit!r} must be a positive number of stories",
+                           "pass limit=None for all stories")
     if answer_format not in ("tail", "sentence"):
         raise TomlensError(f"unknown answer_format {answer_format!r}", "use 'tail' or 'sentence'")
     if not path.is_file():

@@ -305,7 +305,9 @@ def _answer(value: Any, options: tuple[str, str]) -> str:
     )
 
 
-def _string(row: dict[str, Any], name: str, *, required: bool = False, allow_int: bool = False) -> str:
+def _string(
+    row: dict[str, Any], name: str, *, required: bool = False, allow_int: bool = False
+) -> str:
     value = row[name]
     if allow_int and isinstance(value, int) and not isinstance(value, bool):
         value = str(value)

@@ -1,0 +1,246 @@
+"""The activation cache: right numbers in the caller's row order, a store that is reused, resumed
+after an interruption, never loads half-written files, and says what it holds."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import tomlens.activations.cache as cache_mod
+import tomlens.activations.store as store_mod
+from tomlens.activations import ActivationSet, cache_activations, load_activations
+from tomlens.cli import main as cli_main
+from tomlens.errors import TomlensError
+from tomlens.hooks import Site, capture, resolve_positions
+from tomlens.models import encode
+from tomlens.stimuli.records import Span, Stimulus, stimuli_hash, write_jsonl
+
+NAMES = [("Anne", "ball", "basket", "box"), ("Xiaoling", "marble", "cupboard", "drawer"),
+         ("Li", "key", "bag", "jar"), ("Bartholomew", "scarf", "wardrobe", "suitcase"),
+         ("Mo", "pen", "cup", "tin"), ("Sam", "book", "shelf", "desk"), ("Ida", "coin", "purse", "pocket")]
+
+
+def story(i: int, name: str, obj: str, loc1: str, loc2: str) -> Stimulus:
+    prefix = "It was a quiet morning in the old house by the river. " * (i % 3)  # lengths differ
+    text = (f"{prefix}{name} put the {obj} in the {loc1}. While {name} was away, Max moved the {obj} "
+            f"to the {loc2}. {name} will look for the {obj} in the")
+
+    def span(word: str, after: int = 0) -> Span:
+        start = text.index(word, after)
+        return Span(start, start + len(word))
+
+    c0 = text.index("While")
+    fb = i % 2 == 0
+    return Stimulus(
+        id=f"story-{i}", text=text, options=(loc1, loc2), answer=loc1 if fb else loc2, family="test",
+        task_id=f"task-{i // 2}", condition="false_belief" if fb else "true_belief",
+        world_state=loc2, protagonist_belief=loc1 if fb else loc2, reference_state=loc1,
+        spans={"protagonist": span(name, len(prefix)), "object": span(obj, len(prefix)),
+               "location_1": span(loc1, len(prefix)), "location_2": span(loc2, c0),
+               "contrast": Span(c0, text.index(".", c0) + 1)},
+    )
+
+
+STORIES = [story(i, *n) for i, n in enumerate(NAMES)]
+SITES = ["resid_post", "z:1", "head_out:0", "attn_out:1", "resid_pre:0"]
+POSITIONS = ["final", "protagonist", "object:first", "contrast_end"]
+
+
+class Forwards:
+    """Counts prompts that reach the model (a hook on the first block's input)."""
+
+    def __init__(self, model):
+        self.model, self.rows = model, 0
+
+    def __enter__(self):
+        self._ctx = self.model.hooks(fwd_hooks=[("blocks.0.hook_resid_pre", self._count)])
+        self._ctx.__enter__()
+        return self
+
+    def _count(self, tensor, hook):
+        self.rows += tensor.shape[0]
+
+    def __exit__(self, *exc):
+        return self._ctx.__exit__(*exc)
+
+
+def _single(model, s: Stimulus, sites: list[Site], positions: list[str]) -> dict[Site, torch.Tensor]:
+    batch = encode(model, [s.text])
+    with torch.inference_mode():
+        return capture(model, batch, sites, resolve_positions([s], batch, positions))
+
+
+def test_batched_cache_equals_one_prompt_at_a_time_in_caller_order(tiny_model, tmp_path):
+    acts = cache_activations(tiny_model, STORIES, SITES, POSITIONS, store=tmp_path, batch_size=3, progress=False)
+    assert acts.ids == [s.id for s in STORIES] and len(acts) == len(STORIES)
+    n_heads, d_head, d = tiny_model.cfg.n_heads, tiny_model.cfg.d_head, tiny_model.cfg.d_model
+    n_layers = tiny_model.cfg.n_layers
+    assert acts.layers("resid_post") == list(range(n_layers)) and acts.layers("z") == [1]
+    assert acts.get("resid_post", "final").shape == (7, n_layers, d)
+    assert acts.get("z", "protagonist").shape == (7, 1, n_heads, d_head)
+    assert acts.get("head_out", "final").shape == (7, 1, n_heads, d)
+    assert acts.get("resid_pre", "contrast_end").shape == (7, 1, d)
+    assert acts.get("attn_out", "final").dtype == torch.float32
+    sites = [Site("resid_post", L) for L in range(n_layers)] + [Site("z", 1), Site("head_out", 0)]
+    for row, s in enumerate(STORIES):
+        one = _single(tiny_model, s, sites, POSITIONS)
+        for j, pos in enumerate(POSITIONS):
+            for L in range(n_layers):
+                torch.testing.assert_close(acts.get("resid_post", pos)[row, L], one[Site("resid_post", L)][0, j],
+                                           atol=1e-4, rtol=0)
+            torch.testing.assert_close(acts.get("z", pos)[row, 0], one[Site("z", 1)][0, j], atol=1e-4, rtol=0)
+            torch.testing.assert_close(acts.get("head_out", pos)[row, 0], one[Site("head_out", 0)][0, j],
+                                       atol=1e-4, rtol=0)
+
+
+def test_same_request_loads_without_running_the_model(load_tiny, tmp_path):
+    model = load_tiny("tiny-llama")
+    with Forwards(model) as first:
+        a = cache_activations(model, STORIES, SITES, POSITIONS, store=tmp_path, progress=False)
+    with Forwards(model) as second:
+        b = cache_activations(model, STORIES, SITES, POSITIONS, store=tmp_path, progress=False)
+    assert first.rows == len(STORIES) and second.rows == 0
+    assert not a.reused and b.reused and a.path == b.path
+    assert torch.equal(a.get("resid_post", "final"), b.get("resid_post", "final"))
+    # a different request gets its own folder
+    c = cache_activations(model, STORIES, SITES, ["final"], store=tmp_path, progress=False)
+    assert c.path != a.path and not c.reused
+    assert load_activations(a.path).ids == a.ids
+
+
+def test_interrupted_run_resumes_from_finished_shards(load_tiny, tmp_path, monkeypatch):
+    model = load_tiny("tiny-gpt2")
+    reference = cache_activations(model, STORIES, SITES, POSITIONS, store=tmp_path / "ref", progress=False)
+
+    real_write = store_mod.write_shard
+    written = []
+
+    def write_then_die(path, tensors, metadata):
+        if written:
+            raise KeyboardInterrupt("killed")
+        real_write(path, tensors, metadata)
+        written.append(path)
+
+    monkeypatch.setattr(store_mod, "write_shard", write_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        cache_activations(model, STORIES, SITES, POSITIONS, store=tmp_path, shard_rows=3, progress=False)
+    monkeypatch.setattr(store_mod, "write_shard", real_write)
+    (folder,) = [p for p in tmp_path.iterdir() if p.is_dir() and p.name != "ref"]
+    assert len(written) == 1 and not (folder / "manifest.json").exists()
+    with pytest.raises(TomlensError, match="no finished activation cache"):
+        load_activations(folder)
+
+    with Forwards(model) as resumed:  # shard_rows is ignored now: the plan on disk decides
+        acts = cache_activations(model, STORIES, SITES, POSITIONS, store=tmp_path, progress=False)
+    assert resumed.rows == len(STORIES) - 3  # the first shard (3 rows) was not recomputed
+    assert acts.path == folder and len(acts.manifest["shards"]) == 3
+    for kind in ("resid_post", "z", "head_out"):
+        for pos in POSITIONS:
+            torch.testing.assert_close(acts.get(kind, pos), reference.get(kind, pos), atol=1e-5, rtol=0)
+
+
+def test_leftover_temporaries_and_damaged_shards_never_load(load_tiny, tmp_path):
+    model = load_tiny("tiny-gpt2")
+    acts = cache_activations(model, STORIES, ["resid_post"], ["final"], store=tmp_path, shard_rows=4,
+                             progress=False)
+    folder, good = acts.path, acts.get("resid_post", "final").clone()
+    del acts
+    # simulate a killed writer: manifest gone, shard 1 half-written under its temporary name,
+    # and shard 0 overwritten by garbage under its final name
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    tmp = folder / f".shard-00001.safetensors.{int(dead.stdout)}.tmp"
+    tmp.write_bytes((folder / "shard-00001.safetensors").read_bytes()[:100])
+    (folder / "shard-00001.safetensors").unlink()
+    (folder / "shard-00000.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}garbage")
+    (folder / "manifest.json").unlink()
+    with pytest.raises(TomlensError):
+        ActivationSet.load(folder)
+    with Forwards(model) as rerun:
+        again = cache_activations(model, STORIES, ["resid_post"], ["final"], store=tmp_path, progress=False)
+    assert rerun.rows == len(STORIES)  # both shards recomputed
+    assert not tmp.exists()  # the dead writer's temporary is cleaned up
+    torch.testing.assert_close(again.get("resid_post", "final"), good, atol=1e-5, rtol=0)
+
+
+def test_manifest_says_what_the_store_holds(load_tiny, tmp_path):
+    model = load_tiny("tiny-llama")
+    acts = cache_activations(model, STORIES, SITES, POSITIONS, store=tmp_path, progress=False)
+    m = json.loads((acts.path / "manifest.json").read_text())
+    assert m["complete"] is True and m["key"] == acts.path.name
+    assert m["model"]["model"] == "tiny-llama" and m["model"]["revision"] == "random-init:seed=0"
+    assert m["model"]["versions"]["transformer_lens"].startswith("4.3")
+    assert m["dtype"] == "float32" and m["tokenizer"]["vocab_size"] > 1000 and m["tokenizer"]["hash"]
+    assert m["stimuli_hash"] == stimuli_hash(STORIES)
+    assert m["positions"] == POSITIONS
+    assert m["layers"] == {"resid_post": [0, 1], "z": [1], "head_out": [0], "attn_out": [1], "resid_pre": [0]}
+    assert "z:1" in m["sites"] and "resid_post:0" in m["sites"]
+    assert [r["id"] for r in m["rows"]] == [s.id for s in STORIES]
+    assert m["rows"][1]["condition"] == "true_belief" and m["rows"][0]["belief_differs"] is True
+    assert m["shapes"]["z@final"] == [7, 1, 4, model.cfg.d_head]
+    labels = acts.labels()
+    assert list(labels["id"]) == acts.ids and labels["belief_is_reference"].tolist()[:2] == [True, False]
+    assert [s.id for s in load_activations(acts.path).stimuli] == acts.ids  # records come back from disk
+    assert "resid_post" in acts.describe() and str(acts.path) in acts.describe()
+
+
+def test_store_dtype_and_default_store(load_tiny, tmp_path, monkeypatch):
+    model = load_tiny("tiny-gpt2")
+    monkeypatch.setenv("TOMLENS_HOME", str(tmp_path))
+    acts = cache_activations(model, STORIES[:2], ["resid_post:1"], ["final"], dtype="bfloat16", progress=False)
+    assert acts.path.parent == tmp_path / "activations"
+    assert acts.get("resid_post", "final").dtype == torch.bfloat16
+
+
+def test_out_of_memory_halves_the_batch_and_goes_on(load_tiny, tmp_path, monkeypatch):
+    model = load_tiny("tiny-gpt2")
+    reference = cache_activations(model, STORIES, ["resid_post"], ["final"], store=tmp_path / "ref",
+                                  batch_size=1, progress=False)
+    real_capture = cache_mod.capture
+    seen: list[int] = []
+
+    def small_gpu(model, batch, *args, **kwargs):
+        seen.append(batch.input_ids.shape[0])
+        if batch.input_ids.shape[0] > 2:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real_capture(model, batch, *args, **kwargs)
+
+    monkeypatch.setattr(cache_mod, "capture", small_gpu)
+    acts = cache_activations(model, STORIES, ["resid_post"], ["final"], store=tmp_path, batch_size=8, progress=False)
+    assert seen[:3] == [7, 4, 2] and acts.manifest["batch_size"] == 2
+    torch.testing.assert_close(acts.get("resid_post", "final"), reference.get("resid_post", "final"),
+                               atol=1e-4, rtol=0)
+
+
+def test_user_mistakes_are_named(load_tiny, tmp_path):
+    model = load_tiny("tiny-gpt2")
+    with pytest.raises(TomlensError, match="story-0.*'location_3'"):
+        cache_activations(model, STORIES, ["resid_post"], ["location_3"], store=tmp_path, progress=False)
+    with pytest.raises(TomlensError, match="more than once"):
+        cache_activations(model, STORIES + STORIES[:1], ["resid_post"], ["final"], store=tmp_path)
+    with pytest.raises(TomlensError, match="names one head"):
+        cache_activations(model, STORIES, [Site("z", 0, head=1)], ["final"], store=tmp_path)
+    acts = cache_activations(model, STORIES, ["resid_post:0"], ["final"], store=tmp_path, progress=False)
+    with pytest.raises(TomlensError, match="mlp_out"):
+        acts.get("mlp_out", "final")
+    with pytest.raises(TomlensError, match="object"):
+        acts.get("resid_post", "object")
+
+
+def test_cli_caches_then_reuses(tmp_path, capsys):
+    stimuli = write_jsonl(STORIES[:3], tmp_path / "stories.jsonl")
+    args = ["cache", "--model", "tiny-gpt2", "--stimuli", str(stimuli), "--sites", "resid_post", "head_out:1",
+            "--positions", "final", "protagonist", "--store", str(tmp_path / "store"), "--no-progress"]
+    assert cli_main(args) == 0
+    out = capsys.readouterr().out
+    assert str(tmp_path / "store") in out and "head_out" in out and "3 rows" in out and "reused" not in out
+    assert cli_main(args) == 0
+    assert "reused, model not run" in capsys.readouterr().out
+    bad = [a if a != "resid_post" else "resid_pst" for a in args]
+    assert cli_main(bad) == 2
+    assert "unknown site kind 'resid_pst'" in capsys.readouterr().err
+    assert os.path.isdir(tmp_path / "store")

@@ -1,0 +1,63 @@
+"""Behavioural scoring: batched and left-padded scoring equals one prompt at a time, and equals a
+direct computation from the model's logits."""
+
+import math
+
+import pytest
+import torch
+
+from tomlens.experiments.behaviour import score, score_options
+from tomlens.models import load_model
+from tomlens.stimuli.records import Stimulus
+
+
+def _stimuli() -> list[Stimulus]:
+    texts = [
+        ("Anna puts the ring in the drawer and leaves. She will look for the ring in the", ("drawer", "jewelry box")),
+        ("The cat jumps out of the", ("basket", "box")),
+        ("A long story about a boy called Tom, who puts his ball in a cupboard, goes out to play in the garden, and then comes back home wanting his ball. Tom looks in the", ("cupboard", "garden shed")),
+    ]
+    return [Stimulus(id=f"s{i}", text=t, options=o, answer=o[i % 2]) for i, (t, o) in enumerate(texts)]
+
+
+@pytest.mark.parametrize("name", ["tiny-gpt2", "tiny-llama", "tiny-neox"])
+def test_batched_scoring_equals_one_at_a_time(name):
+    model = load_model(name)
+    stimuli = _stimuli()
+    batched = score_options(model, stimuli, batch_size=8, progress=False)
+    single = [score_options(model, [s], batch_size=1, progress=False)[0] for s in stimuli]
+    for (ba, bb), (sa, sb) in zip(batched, single):
+        for b, s in ((ba, sa), (bb, sb)):
+            assert b.n_tokens == s.n_tokens
+            assert b.logp_sum == pytest.approx(s.logp_sum, abs=1e-4)
+            assert b.logp_first == pytest.approx(s.logp_first, abs=1e-4)
+
+
+def test_scores_equal_direct_logit_computation():
+    model = load_model("tiny-llama")
+    s = _stimuli()[0]
+    (a, b), = score_options(model, [s], batch_size=1, progress=False)
+    tok = model.tokenizer
+    for opt, got in zip(s.options, (a, b)):
+        prompt_ids = tok(s.text)["input_ids"]
+        full_ids = tok(f"{s.text} {opt}")["input_ids"]
+        assert full_ids[: len(prompt_ids)] == prompt_ids
+        cont = full_ids[len(prompt_ids):]
+        with torch.inference_mode():
+            logits = model(torch.tensor([full_ids]))
+        lp = torch.log_softmax(logits[0].float(), -1)
+        want = [lp[len(prompt_ids) - 1 + j, t].item() for j, t in enumerate(cont)]
+        assert got.n_tokens == len(cont)
+        assert got.logp_sum == pytest.approx(sum(want), abs=1e-4)
+        assert got.logp_first == pytest.approx(want[0], abs=1e-4)
+
+
+def test_score_table_normalises_two_options():
+    model = load_model("tiny-gpt2")
+    df = score(model, _stimuli(), progress=False)
+    assert len(df) == 3 and df["id"].tolist() == ["s0", "s1", "s2"]
+    for r in df.itertuples():
+        assert 0 < r.p_a < 1
+        assert r.p_a == pytest.approx(1 / (1 + math.exp(r.logp_b - r.logp_a)))
+        assert r.correct == (r.p_answer > 0.5)
+        assert (r.p_answer == r.p_a) == (r.answer == r.option_a)

@@ -1,0 +1,245 @@
+"""load_model: names, tiny models, offline behaviour, errors, provenance, the embedded model."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+
+import pytest
+import torch
+
+from tomlens.cli import main as cli_main
+from tomlens.errors import TomlensError
+from tomlens.models import encode, list_models, load_model, provenance
+from tomlens.models import embedded
+from tomlens.models.devices import resolve_dtype
+from tomlens.models.paths import atomic_dir
+
+SHAPES = {  # n_layers, n_heads, n_key_value_heads, d_model, d_head
+    "tiny-gpt2": (2, 4, 4, 64, 16),
+    "tiny-llama": (2, 4, 2, 64, 16),
+    "tiny-neox": (2, 4, 4, 64, 16),
+}
+
+
+def test_tiny_models_have_the_promised_shape(tiny_model):
+    n_layers, n_heads, n_kv, d_model, d_head = SHAPES[provenance(tiny_model)["model"]]
+    cfg = tiny_model.cfg
+    assert (cfg.n_layers, cfg.n_heads, cfg.d_model, cfg.d_head) == (n_layers, n_heads, d_model, d_head)
+    assert cfg.d_vocab == 49152
+    assert not tiny_model.training
+    assert tiny_model.tokenizer.padding_side == "left"
+    assert tiny_model.tokenizer.pad_token_id is not None
+    prov = provenance(tiny_model)
+    assert prov["n_key_value_heads"] == n_kv
+    assert prov["source"] == "tiny" and prov["seed"] == 0 and prov["dtype"] == "float32"
+
+
+def test_gqa_model_reports_its_kv_heads(load_tiny):
+    model = load_tiny("tiny-llama")
+    assert model.cfg.n_key_value_heads == 2
+    batch = encode(model, ["Anne moved the ball."])
+    shapes: dict[str, tuple[int, ...]] = {}
+
+    def recorder(kind):
+        def record(x, hook):
+            shapes[kind] = tuple(x.shape)
+
+        return record
+
+    hooks = [(f"blocks.0.attn.hook_{n}", recorder(n)) for n in ("k", "z")]
+    with torch.inference_mode():
+        model.run_with_hooks(batch.input_ids, fwd_hooks=hooks, **batch.forward_kwargs())
+    assert shapes["k"][2] == 2 and shapes["z"][2] == 4  # [batch, pos, heads, d_head]
+
+
+def test_tiny_models_are_deterministic_by_seed(load_tiny):
+    batch_text = ["The box is empty."]
+    a = load_tiny("tiny-llama", seed=0)
+    b = load_model("tiny-llama", dtype="float32", seed=0)
+    c = load_tiny("tiny-llama", seed=1)
+    assert a is not b
+    with torch.inference_mode():
+        la = a(encode(a, batch_text).input_ids)
+        lb = b(encode(b, batch_text).input_ids)
+        lc = c(encode(c, batch_text).input_ids)
+    torch.testing.assert_close(la, lb, atol=0, rtol=0)
+    assert not torch.allclose(la, lc)
+    assert provenance(c)["revision"] == "random-init:seed=1"
+
+
+def test_each_load_is_a_fresh_bridge_without_hooks(load_tiny):
+    first = load_model("tiny-gpt2")
+    first.add_hook("blocks.0.hook_resid_post", lambda x, hook: x * 0, is_permanent=True)
+    second = load_model("tiny-gpt2")
+    assert second is not first
+    batch = encode(second, ["Hello there"])
+    with torch.inference_mode():
+        clean = second(batch.input_ids, **batch.forward_kwargs())
+        zeroed = first(batch.input_ids, **batch.forward_kwargs())
+    assert not torch.allclose(clean, zeroed)
+    torch.testing.assert_close(clean, load_tiny("tiny-gpt2")(batch.input_ids, **batch.forward_kwargs()))
+
+
+def test_tiny_load_touches_no_network(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"network access attempted: {args}")
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setattr(socket, "create_connection", refuse)
+    model = load_model("tiny-neox")
+    assert model.cfg.n_layers == 2
+
+
+def test_dtype_choice(load_tiny):
+    assert resolve_dtype("bf16", torch.device("cpu")) == torch.bfloat16
+    assert resolve_dtype(None, torch.device("cpu")) == torch.float32
+    assert resolve_dtype(None, torch.device("cuda")) == torch.bfloat16
+    with pytest.raises(TomlensError, match="unknown dtype"):
+        resolve_dtype("float13", torch.device("cpu"))
+    model = load_model("tiny-llama", dtype="bf16")
+    assert next(model.parameters()).dtype == torch.bfloat16
+    assert provenance(model)["dtype"] == "bfloat16"
+
+
+def test_unknown_names_say_what_to_do():
+    with pytest.raises(TomlensError, match="did you mean 'tiny-gpt2'"):
+        load_model("tiny-gtp2")
+    with pytest.raises(TomlensError, match="not in the local Hugging Face cache") as err:
+        load_model("tomlens-test/no-such-model-anywhere")
+    assert "local model directory" in (err.value.fix or "")
+    with pytest.raises(TomlensError, match="does not exist"):
+        load_model("./no/such/folder")
+    with pytest.raises(TomlensError, match="unknown device"):
+        load_model("tiny-gpt2", device="toaster")
+    with pytest.raises(TomlensError, match="no revisions"):
+        load_model("tiny-gpt2", revision="main")
+
+
+def test_folder_without_config_is_rejected(tmp_path):
+    (tmp_path / "weights.txt").write_text("not a model")
+    with pytest.raises(TomlensError, match="no config.json"):
+        load_model(str(tmp_path))
+
+
+def test_local_directory_round_trip(tmp_path, load_tiny):
+    """A folder written by save_pretrained loads by path and computes the same logits."""
+    from tomlens.models.tiny import build_tiny
+
+    build_tiny("tiny-llama", seed=0).save_pretrained(tmp_path)
+    source = load_tiny("tiny-llama")
+    source.tokenizer.save_pretrained(tmp_path)
+    model = load_model(str(tmp_path), dtype="float32")
+    prov = provenance(model)
+    assert prov["source"] == "local" and str(tmp_path.resolve()) in prov["revision"]
+    assert model.tokenizer.padding_side == "left"
+    texts = ["Sally looks in the basket.", "Hi"]
+    with torch.inference_mode():
+        a = source(encode(source, texts).input_ids, **encode(source, texts).forward_kwargs())
+        b = model(encode(model, texts).input_ids, **encode(model, texts).forward_kwargs())
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+
+
+def test_provenance_carries_versions_and_shape(load_tiny):
+    prov = provenance(load_tiny("tiny-gpt2"))
+    assert prov["model"] == "tiny-gpt2" and prov["architecture"] == "GPT2LMHeadModel"
+    assert set(prov["versions"]) == {"tomlens", "torch", "transformer_lens", "transformers"}
+    assert prov["versions"]["transformer_lens"].startswith("4.3")
+    assert prov["n_layers"] == 2 and prov["d_vocab"] == 49152
+    json.dumps(prov)  # provenance goes into JSON manifests
+
+
+def test_atomic_dir_leaves_nothing_when_killed(tmp_path):
+    final = tmp_path / "model"
+    with pytest.raises(RuntimeError):
+        with atomic_dir(final) as tmp:
+            (tmp / "half.safetensors").write_text("partial")
+            raise RuntimeError("killed")
+    assert not final.exists()
+    assert list(tmp_path.iterdir()) == []
+    with atomic_dir(final) as tmp:
+        (tmp / "a").write_text("1")
+    with atomic_dir(final) as tmp:
+        (tmp / "b").write_text("2")
+    assert sorted(p.name for p in final.iterdir()) == ["b"]
+    assert [p.name for p in tmp_path.iterdir()] == ["model"]
+
+
+def test_converted_folder_counts_only_with_its_marker(tmp_path):
+    source = embedded.gguf_path()
+    assert source.name == embedded.GGUF_NAME and source.stat().st_size > 50_000_000
+    (tmp_path / "config.json").write_text("{}")
+    assert not embedded._is_current(tmp_path, source)  # a half folder (no marker) is never used
+    (tmp_path / embedded.MARKER).write_text(json.dumps({"gguf_file": source.name, "gguf_size": 1}))
+    assert not embedded._is_current(tmp_path, source)  # another GGUF version: convert again
+    (tmp_path / embedded.MARKER).write_text(
+        json.dumps({"gguf_file": source.name, "gguf_size": source.stat().st_size})
+    )
+    assert embedded._is_current(tmp_path, source)
+
+
+def test_cli_lists_the_names(capsys):
+    assert cli_main(["models"]) == 0
+    out = capsys.readouterr().out
+    for m in list_models():
+        assert m.name in out
+    assert "[default]" in out and "smollm2-135m" in out
+
+
+def test_offline_env_is_set_for_tests():
+    assert os.environ["HF_HUB_OFFLINE"] == "1"
+
+
+@pytest.mark.slow
+def test_embedded_model_predicts_paris(smollm2):
+    prov = provenance(smollm2)
+    assert (prov["n_layers"], prov["n_heads"], prov["n_key_value_heads"], prov["d_model"]) == (30, 9, 3, 576)
+    assert prov["source"] == "embedded" and "sha256:" in prov["revision"]
+    tok = smollm2.tokenizer
+    texts = ["The capital of France is", "Paris is the capital of"]
+    batch = encode(smollm2, texts)
+    with torch.inference_mode():
+        logits = smollm2(batch.input_ids, **batch.forward_kwargs())
+        single = smollm2(encode(smollm2, texts[:1]).input_ids)
+    paris = tok.encode(" Paris", add_special_tokens=False)[0]
+    banana = tok.encode(" banana", add_special_tokens=False)[0]
+    assert logits[0, -1, paris] > logits[0, -1, banana] + 5
+    assert logits[0, -1].argmax().item() == paris
+    france = tok.encode(" France", add_special_tokens=False)[0]
+    assert logits[1, -1, france] > logits[1, -1, banana] + 5
+    torch.testing.assert_close(logits[0, batch.pad[0]:], single[0], atol=1e-3, rtol=0)
+
+
+def test_hub_id_loads_offline_from_the_local_cache(tmp_path, monkeypatch, load_tiny):
+    """A hub id already in the HF cache loads with no network; its commit is the revision."""
+    from huggingface_hub import constants
+
+    from tomlens.models.tiny import build_tiny
+
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "models--tomlens-test--tiny-llama"
+    snapshot = repo / "snapshots" / commit
+    build_tiny("tiny-llama", seed=0).save_pretrained(snapshot)
+    load_tiny("tiny-llama").tokenizer.save_pretrained(snapshot)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    model = load_model("tomlens-test/tiny-llama", dtype="float32")
+    prov = provenance(model)
+    assert prov["source"] == "hub" and prov["revision"] == commit and prov["n_key_value_heads"] == 2
+    assert model.tokenizer.padding_side == "left"
+    with pytest.raises(TomlensError, match="not in the local Hugging Face cache"):
+        load_model("tomlens-test/tiny-llama", revision="v2")
+
+
+@pytest.mark.slow
+def test_cli_convert_leaves_a_complete_folder(capsys):
+    assert cli_main(["models", "--convert"]) == 0
+    folder = embedded.embedded_dir()
+    assert f"converted: {folder}" in capsys.readouterr().out
+    assert embedded._is_current(folder, embedded.gguf_path())
+    config = json.loads((folder / "config.json").read_text())
+    assert "quantization_config" not in config and config["num_key_value_heads"] == 3
+    assert json.loads((folder / "tokenizer_config.json").read_text())["add_bos_token"] is True
+    assert list(folder.glob("*.safetensors")) and not list(folder.glob("*.bin"))

@@ -1,0 +1,142 @@
+"""Sentence-by-sentence belief tracking: prefixes, lead-in sentence, per-prefix labels."""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+
+import pytest
+
+from tomlens.errors import TomlensError
+from tomlens.stimuli import generate
+from tomlens.stimuli.false_belief import unexpected_contents, unexpected_transfer
+from tomlens.stimuli.tracking import UNKNOWN, belief_tracking
+
+N_TRANSFER, N_CONTENTS = 8, 8  # sentences per false-belief story
+
+
+def _sentences(text: str) -> list[str]:
+    return re.split(r"(?<=\.) ", text)
+
+
+def _full_fb(stims, task_id, rev, prompt_type):
+    return next(s for s in stims if s.task_id == task_id and s.condition == "false_belief"
+                and s.reversed == rev and s.prompt_type == prompt_type)
+
+
+@pytest.mark.parametrize("family,n_sent,gen", [
+    ("unexpected-transfer", N_TRANSFER, unexpected_transfer),
+    ("unexpected-contents", N_CONTENTS, unexpected_contents),
+])
+def test_every_prefix_with_both_prompts(family, n_sent, gen):
+    track = belief_tracking(3, seed=4, family=family)
+    full = gen(3, seed=4, conditions=("false_belief",))
+    assert len(track) == 3 * 2 * (n_sent + 1) * 2
+    assert len({s.id for s in track}) == len(track)
+    assert Counter(s.meta["prefix"] for s in track) == {k: 3 * 2 * 2 for k in range(n_sent + 1)}
+    for s in track:
+        assert s.family == "belief-tracking" and s.meta["story_family"] == family
+        assert s.condition == "false_belief"
+        ref = _full_fb(full, s.task_id, s.reversed, s.prompt_type)
+        assert s.options == ref.options and s.template_id == ref.template_id
+        story = _sentences(ref.text[: ref.spans["query"].start].rstrip())
+        assert len(story) == n_sent
+        k = s.meta["prefix"]
+        query = s.span_text("query")
+        assert s.text.endswith(query) and query == ref.span_text("query")
+        body = s.text[: s.spans["query"].start].rstrip()
+        got = _sentences(body) if body else []
+        lead_in = family == "unexpected-transfer" and s.prompt_type == "belief" and k < n_sent
+        assert s.meta["lead_in"] == lead_in
+        if lead_in:  # K24: the story's last sentence comes before the belief prompt
+            assert got == story[:k] + [story[-1]]
+            assert s.span_text("lead_in") == story[-1]
+        else:
+            assert got == story[:k]
+        if k == n_sent:  # the whole story: same text and labels as the full false-belief item
+            assert s.text == ref.text
+            assert (s.world_state, s.protagonist_belief) == (ref.world_state,
+                                                             ref.protagonist_belief)
+            assert s.answer == ref.answer
+
+
+def _labels(track, prompt_type="reality", rev=False):
+    first = track[0].task_id
+    rows = sorted((s for s in track if s.task_id == first and s.prompt_type == prompt_type
+                   and s.reversed == rev), key=lambda s: s.meta["prefix"])
+    return rows
+
+
+def test_transfer_labels_follow_the_story():
+    track = belief_tracking(2, seed=0, family="unexpected-transfer")
+    for rev in (False, True):
+        rows = _labels(track, rev=rev)
+        roles = [r.meta["sentence_role"] for r in rows]
+        assert roles[0] is None and roles[1:] == ["setting", "listing", "put", "move", "tell",
+                                                  "closing", "leave", "return"]
+        start = rows[-1].reference_state
+        other = next(o for o in rows[-1].options if o != start)
+        world = [r.meta["world_state_t"] for r in rows]
+        belief = [r.meta["belief_t"] for r in rows]
+        put, move = roles.index("put"), roles.index("move")
+        assert world[:put] == [UNKNOWN] * put and belief[:put] == [UNKNOWN] * put
+        assert world[put:move] == [start] * (move - put)
+        assert world[move:] == [other] * (len(rows) - move)  # reality flips at the transfer...
+        assert belief[put:] == [start] * (len(rows) - put)  # ...belief stays at the start
+        for r in rows:
+            assert (r.world_state is None) == (r.meta["world_state_t"] == UNKNOWN)
+            assert r.meta["label_known"] == (r.world_state is not None)
+            assert r.answer == (r.world_state if r.world_state else rows[-1].answer)
+            if r.world_state and r.protagonist_belief:
+                assert r.belief_differs == (r.meta["prefix"] >= move)
+        # reversed stories are the mirror image
+        if rev:
+            fwd = _labels(track, rev=False)
+            assert fwd[-1].reference_state == other and rows[-1].reference_state == start
+
+
+def test_contents_labels_follow_the_story():
+    track = belief_tracking(4, seed=0, family="unexpected-contents")
+    for rev in (False, True):
+        rows = _labels(track, prompt_type="belief", rev=rev)
+        roles = [r.meta["sentence_role"] for r in rows]
+        label = rows[-1].reference_state
+        contents = next(o for o in rows[-1].options if o != label)
+        fill, read = roles.index("fill"), roles.index("read")
+        world = [r.meta["world_state_t"] for r in rows]
+        belief = [r.meta["belief_t"] for r in rows]
+        assert world[:fill] == [UNKNOWN] * fill and world[fill:] == [contents] * (len(rows) - fill)
+        # the protagonist believes nothing until reading the label, then the label
+        assert belief[:read] == [UNKNOWN] * read
+        assert belief[read:] == [label] * (len(rows) - read)
+        assert rows[-1].answer == label and rows[0].answer == label  # unknown -> final answer
+        assert not rows[0].meta["label_known"] and rows[-1].meta["label_known"]
+        assert "contrast" in rows[-1].spans and "contrast" not in rows[read].spans
+
+
+def test_true_belief_controls_and_options():
+    track = belief_tracking(1, seed=0, family="unexpected-transfer", conditions=("present",),
+                            include_reversed=False)
+    rows = _labels(track)
+    move = [r.meta["sentence_role"] for r in rows].index("move")
+    assert rows[move].meta["belief_t"] == rows[move].meta["world_state_t"] != rows[move - 1].meta[
+        "world_state_t"]
+    assert all(not r.belief_differs for r in track)
+    assert {s.condition for s in track} == {"present"} and not any(s.reversed for s in track)
+
+
+def test_deterministic_and_dispatch():
+    a = [s.to_dict() for s in belief_tracking(2, seed=5, family="unexpected-contents")]
+    assert a == [s.to_dict() for s in belief_tracking(2, seed=5, family="unexpected-contents")]
+    assert a != [s.to_dict() for s in belief_tracking(2, seed=6, family="unexpected-contents")]
+    b = [s.to_dict() for s in generate("belief-tracking", n=2, seed=5)]
+    assert b == [s.to_dict() for s in belief_tracking(2, seed=5)]
+
+
+def test_bad_arguments():
+    with pytest.raises(TomlensError, match="no story family"):
+        belief_tracking(2, seed=0, family="goal-encoding")
+    with pytest.raises(TomlensError, match="conditions"):
+        belief_tracking(2, seed=0, conditions=("open_container",))
+    with pytest.raises(TomlensError, match="n >= 1"):
+        belief_tracking(0, seed=0)

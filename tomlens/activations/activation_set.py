@@ -1,0 +1,171 @@
+"""What a finished cache holds: memory-mapped activations with the stimulus of every row.
+
+Rows keep the order of the stimuli given to `cache_activations` (batches are sorted by length for
+speed, then put back), so `ids[i]`, `stimuli[i]` and row `i` of every tensor belong together.
+
+Loading is lazy: safetensors maps each shard, and pages are read only when touched. `get` on a
+store with one shard (the usual case: shards hold thousands of prompts) returns the mapped tensor
+itself; with several shards it concatenates the shards' tensors for that one (kind, position)
+(one copy of what was asked for, not of the store).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from jaxtyping import Float
+from torch import Tensor
+
+from tomlens.activations import store as st
+from tomlens.errors import TomlensError
+from tomlens.hooks.sites import PER_HEAD_KINDS, Site
+from tomlens.stimuli.records import Stimulus
+
+# Labels kept for every row in the manifest (and in `labels()`), so results trace to their stimulus.
+LABEL_FIELDS: tuple[str, ...] = (
+    "family", "task_id", "template_id", "condition", "prompt_type", "reversed", "answer",
+    "answer_index", "world_state", "protagonist_belief", "reference_state", "belief_differs",
+    "world_is_reference", "belief_is_reference",
+)
+
+
+def row_labels(s: Stimulus) -> dict[str, Any]:
+    return {"id": s.id, **{k: getattr(s, k) for k in LABEL_FIELDS}}
+
+
+@dataclass
+class ActivationSet:
+    """Activations of `stimuli` at `sites` and `positions`, as stored under `path`.
+
+    `get(kind, position)` gives `[n, layer, d_model]` for resid_pre/resid_mid/resid_post/attn_out/
+    mlp_out, `[n, layer, head, d_head]` for `z` and `[n, layer, head, d_model]` for `head_out`;
+    `layers(kind)` lists which model layers the layer axis holds.
+    """
+
+    path: Path
+    manifest: dict[str, Any]
+    stimuli: list[Stimulus]
+    reused: bool = False
+    _shards: list[dict[str, Tensor]] | None = field(default=None, repr=False)
+
+    @classmethod
+    def load(cls, path: str | Path, stimuli: list[Stimulus] | None = None, *, reused: bool = False) -> ActivationSet:
+        """Open a finished store folder; `stimuli` (same records, same order) saves re-reading them."""
+        folder = Path(path)
+        if not st.is_complete(folder):
+            raise TomlensError(
+                f"{folder} holds no finished activation cache (no complete manifest)",
+                "run cache_activations / `tomlens cache` with the same request; it resumes from finished shards",
+            )
+        manifest = st.read_json(folder / st.MANIFEST) or {}
+        if stimuli is None:
+            lines = (folder / st.STIMULI).read_text(encoding="utf-8").splitlines()
+            stimuli = [Stimulus.from_dict(json.loads(line)) for line in lines if line.strip()]
+        ids = [r["id"] for r in manifest["rows"]]
+        if [s.id for s in stimuli] != ids:
+            raise TomlensError(f"the stimuli do not match the rows stored in {folder}",
+                               "load the store without passing stimuli")
+        return cls(path=folder, manifest=manifest, stimuli=list(stimuli), reused=reused)
+
+    def __len__(self) -> int:
+        return len(self.stimuli)
+
+    @property
+    def ids(self) -> list[str]:
+        return [s.id for s in self.stimuli]
+
+    @property
+    def positions(self) -> list[str]:
+        return list(self.manifest["positions"])
+
+    @property
+    def sites(self) -> list[Site]:
+        return [Site.from_label(label) for label in self.manifest["sites"]]
+
+    @property
+    def kinds(self) -> list[str]:
+        return list(self.manifest["layers"])
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return st.dtype_from_name(self.manifest["dtype"])
+
+    @property
+    def nbytes(self) -> int:
+        return st.folder_bytes(self.path)
+
+    def layers(self, kind: str) -> list[int]:
+        """The model layers stored for `kind`, in the order of the layer axis."""
+        self._check_kind(kind)
+        return list(self.manifest["layers"][kind])
+
+    def get(self, kind: str, position: str) -> Float[Tensor, "n layer *d"]:
+        """Activations of `kind` at `position` for every row: `[n, layer, d]` or `[n, layer, head, d]`."""
+        self._check_kind(kind)
+        if position not in self.manifest["positions"]:
+            raise TomlensError(
+                f"position {position!r} is not in this cache (it has {self.manifest['positions']})",
+                "cache it, or choose one of the cached positions",
+            )
+        name = st.tensor_name(kind, position)
+        parts = [shard[name] for shard in self._open()]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def labels(self):  # -> pandas.DataFrame
+        """One row per stimulus: id and labels (condition, world state, belief, ...), row order."""
+        import pandas as pd
+
+        return pd.DataFrame(self.manifest["rows"])
+
+    def _check_kind(self, kind: str) -> None:
+        if kind not in self.manifest["layers"]:
+            raise TomlensError(
+                f"site kind {kind!r} is not in this cache (it has {self.kinds})",
+                "cache it, or choose one of the cached kinds",
+            )
+
+    def _open(self) -> list[dict[str, Tensor]]:
+        if self._shards is None:
+            self._shards = [st.open_shard(self.path / s["file"]) for s in self.manifest["shards"]]
+        return self._shards
+
+    def describe(self) -> str:
+        """A few lines saying where the store is and what it holds."""
+        m = self.manifest
+        lines = [
+            f"store:     {self.path}" + ("  (reused, model not run)" if self.reused else ""),
+            f"model:     {m['model']['model']} (revision {m['model']['revision']}, run in {m['model']['dtype']})",
+            f"stimuli:   {len(self)} rows, hash {m['stimuli_hash']}",
+            f"positions: {', '.join(m['positions'])}",
+            f"dtype:     {m['dtype']}; {len(m['shards'])} shard(s), {self.nbytes / 2**20:.1f} MiB",
+        ]
+        for kind, layers in m["layers"].items():
+            shape = m["shapes"][st.tensor_name(kind, m["positions"][0])]
+            axes = "n layer head d" if kind in PER_HEAD_KINDS else "n layer d"
+            lines.append(f"  {kind:<10} layers {_ranges(layers)}  [{axes}] = {shape}")
+        return "\n".join(lines)
+
+
+def _ranges(xs: list[int]) -> str:
+    out: list[str] = []
+    start = prev = None
+    for x in xs:
+        if start is None:
+            start = prev = x
+        elif x == prev + 1:
+            prev = x
+        else:
+            out.append(f"{start}-{prev}" if start != prev else str(start))
+            start = prev = x
+    if start is not None:
+        out.append(f"{start}-{prev}" if start != prev else str(start))
+    return ",".join(out)
+
+
+def load_activations(path: str | Path) -> ActivationSet:
+    """Open a finished store folder (as printed by `tomlens cache`)."""
+    return ActivationSet.load(path, reused=True)

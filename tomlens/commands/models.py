@@ -1,0 +1,38 @@
+"""`tomlens models`: list the built-in model names; `--convert` prepares the embedded model offline."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "models",
+        help="list the built-in model names",
+        description="List the built-in model names. Any Hugging Face id or local model directory "
+        "also works wherever a model name is asked for.",
+    )
+    parser.add_argument(
+        "--convert",
+        action="store_true",
+        help="convert the embedded SmolLM2 GGUF into the local safetensors cache now "
+        "(otherwise it happens on first use)",
+    )
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from tomlens.models import DEFAULT_MODEL, list_models
+
+    names = list_models()
+    width = max(len(m.name) for m in names)
+    for m in names:
+        default = "  [default]" if m.name == DEFAULT_MODEL else ""
+        print(f"{m.name:<{width}}  {m.kind:<8}  {m.description}{default}")
+    print(f"{'<hf-id>':<{width}}  {'hub':<8}  any Hugging Face causal LM id, e.g. HuggingFaceTB/SmolLM2-360M (--revision to pin)")
+    print(f"{'<folder>':<{width}}  {'local':<8}  a directory written by save_pretrained (config.json, weights, tokenizer)")
+    if args.convert:
+        from tomlens.models.embedded import embedded_dir
+
+        print(f"converted: {embedded_dir()}")
+    return 0

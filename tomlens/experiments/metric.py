@@ -1,0 +1,163 @@
+"""The patching metric and its statistics: logit difference, normalised effect, intervals over pairs.
+
+The metric is the logit difference at the belief prompt's last token between the belief-consistent
+answer (the clean story's answer) and the world-consistent one, first token of each option with its
+leading space. Logit difference rather than probability because it is linear in the residual stream
+(Zhang & Nanda 2023), which is also what makes attribution patching a fair first-order estimate.
+
+Effects are normalised so that 0 is the corrupted run and 1 the clean run. By default ("pooled")
+every pair's raw change is divided by the MEAN clean-corrupted gap over all pairs, so the mean of the
+per-pair values is the ratio of means: stable when a single pair's gap is near zero, which a per-pair
+ratio is not. `normalize="per_pair"` divides by each pair's own gap instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Sequence
+
+import numpy as np
+import torch
+from jaxtyping import Float, Int
+from torch import Tensor
+
+from tomlens.errors import TomlensError
+
+METRIC_NAME = "logit_diff(belief - world), first token of ' ' + option, at the last token"
+Normalize = Literal["pooled", "per_pair"]
+
+
+def option_first_tokens(model, stimuli: Sequence, options: Sequence[tuple[str, str]]) -> Int[Tensor, "n 2"]:
+    """First token of `" " + option` for each stimulus and each of its two options, in context.
+
+    Tokenised as a continuation of the stimulus text and located through the tokenizer's offsets,
+    so tokenizers that merge the leading space (BPE) or split it off (SentencePiece) both give the
+    token the model would actually emit next.
+    """
+    from tomlens.models.tokens import encode
+
+    texts: list[str] = []
+    ends: list[int] = []
+    for s, opts in zip(stimuli, options):
+        for opt in opts:
+            texts.append(f"{s.text} {opt}")
+            ends.append(len(s.text))
+    out = torch.empty(len(texts), dtype=torch.long)
+    for b0 in range(0, len(texts), 64):
+        batch = encode(model, texts[b0 : b0 + 64])
+        for row in range(len(batch.lengths)):
+            i = b0 + row
+            offs = batch.offsets[row]
+            first = next(
+                (t for t, (cs, ce) in enumerate(offs) if cs >= ends[i] or ce > ends[i]), None
+            )
+            if first is None or first == 0:
+                raise TomlensError(
+                    f"stimulus {stimuli[i // 2].id!r}: option {texts[i][ends[i]:]!r} produced no "
+                    "continuation token",
+                    "check the stimulus text and options",
+                )
+            out[i] = batch.input_ids[row, batch.pad[row] + first]
+    out = out.view(-1, 2)
+    same = (out[:, 0] == out[:, 1]).nonzero().flatten().tolist()
+    if same:
+        s = stimuli[same[0]]
+        raise TomlensError(
+            f"stimulus {s.id!r}: both options {list(options[same[0]])!r} start with the same token, "
+            "so their first-token logit difference is always 0",
+            "use options whose first tokens differ (or drop these pairs)",
+        )
+    return out
+
+
+def logit_diff(
+    last_logits: Float[Tensor, "batch vocab"], tokens: Int[Tensor, "batch 2"]
+) -> Float[Tensor, "batch"]:
+    """logit(tokens[:, 0]) - logit(tokens[:, 1]) per row, in float32."""
+    picked = last_logits.gather(-1, tokens.to(last_logits.device)).float()
+    return picked[:, 0] - picked[:, 1]
+
+
+@dataclass(frozen=True)
+class Summary:
+    """Mean, standard error and percentile-bootstrap interval of normalised effects, per cell."""
+
+    mean: np.ndarray
+    se: np.ndarray
+    ci_low: np.ndarray
+    ci_high: np.ndarray
+    n: np.ndarray
+
+
+def normalise(
+    values: Float[Tensor, "cell pair"],
+    clean: Float[Tensor, "pair"],
+    corrupted: Float[Tensor, "pair"],
+    normalize: Normalize = "pooled",
+) -> Float[Tensor, "cell pair"]:
+    """Per-pair effects on the 0 = corrupted, 1 = clean scale (NaN stays NaN: pair not patched)."""
+    values, clean, corrupted = values.double(), clean.double(), corrupted.double()
+    if normalize == "pooled":
+        gap = (clean - corrupted).mean()
+        return (values - corrupted) / gap
+    if normalize == "per_pair":
+        return (values - corrupted) / (clean - corrupted)
+    raise TomlensError(f"unknown normalisation {normalize!r}", "use 'pooled' or 'per_pair'")
+
+
+def summarise(
+    values: Float[Tensor, "cell pair"],
+    clean: Float[Tensor, "pair"],
+    corrupted: Float[Tensor, "pair"],
+    *,
+    normalize: Normalize = "pooled",
+    n_boot: int = 1000,
+    seed: int = 0,
+    alpha: float = 0.05,
+) -> Summary:
+    """Summarise normalised effects per cell; NaN entries (pair lacks that position) are skipped.
+
+    The bootstrap resamples pairs. Under "pooled" each replicate recomputes the ratio of means
+    (numerator over the resampled pairs that have the cell, denominator over all resampled pairs),
+    so the interval includes the uncertainty of the gap; SE is the plain standard error of the
+    per-pair normalised values.
+    """
+    v = values.double().cpu()
+    c = clean.double().cpu()
+    r = corrupted.double().cpu()
+    n_cell, n_pair = v.shape
+    norm = normalise(v, c, r, normalize)
+    have = ~torch.isnan(norm)
+    n = have.sum(1)
+    filled = torch.where(have, norm, torch.zeros((), dtype=norm.dtype))
+    mean = filled.sum(1) / n.clamp(min=1)
+    var = (torch.where(have, norm - mean[:, None], torch.zeros((), dtype=norm.dtype)) ** 2).sum(1)
+    se = (var / (n - 1).clamp(min=1)).sqrt() / n.clamp(min=1).sqrt()
+    gen = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, n_pair, (n_boot, n_pair), generator=gen)
+    counts = torch.zeros(n_boot, n_pair, dtype=torch.float64)
+    counts.scatter_add_(1, idx, torch.ones_like(idx, dtype=torch.float64))  # [boot, pair] multiplicity
+    haved = have.double()
+    if normalize == "pooled":
+        top = torch.where(have, v - r, torch.zeros((), dtype=v.dtype))
+        den = (counts @ (c - r)) / n_pair  # [boot]: mean gap over the resampled pairs
+    else:
+        top = filled
+        den = None
+    lo = torch.full((n_cell,), float("nan"), dtype=torch.float64)
+    hi = torch.full((n_cell,), float("nan"), dtype=torch.float64)
+    step = max(1, 2_000_000 // max(n_boot, 1))  # bound the [cells, boot] block to ~16 MB
+    for a in range(0, n_cell, step):
+        weight = haved[a : a + step] @ counts.T  # [cell, boot]: resampled pairs that have the cell
+        boot = (top[a : a + step] @ counts.T) / weight.clamp(min=1e-12)
+        if den is not None:
+            boot = boot / den[None]
+        boot = torch.where(weight > 0, boot, torch.full_like(boot, float("nan")))
+        ok = ~torch.isnan(boot).all(1)
+        if ok.any():
+            lo[a : a + step][ok] = torch.nanquantile(boot[ok], alpha / 2, dim=1)
+            hi[a : a + step][ok] = torch.nanquantile(boot[ok], 1 - alpha / 2, dim=1)
+    none = n == 0
+    mean = torch.where(none, torch.full_like(mean, float("nan")), mean)
+    se = torch.where(n <= 1, torch.full_like(se, float("nan")), se)
+    return Summary(mean.numpy(), se.numpy(), lo.numpy(), hi.numpy(), n.numpy())

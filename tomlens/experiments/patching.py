@@ -1,0 +1,582 @@
+"""Exact activation patching over minimal pairs, batched: every patched run of a sweep is a batch row.
+
+A sweep patches one site at a time (a head's output, the residual stream at a layer and position,
+an attention or MLP output) from one run of a pair into the other and reads the logit difference.
+Denoising patches clean into corrupted ("is this site sufficient to restore the belief answer?"),
+noising patches corrupted into clean ("is it necessary?"). Both report the same scale: 0 is the
+corrupted run, 1 the clean run.
+
+Why it is fast and still exact:
+- Pairs are processed in groups; each group's clean and corrupted runs are cached once (activations
+  at the patched sites, keys/values, last-token logits).
+- Every (cell, pair) patched run is a row; rows are chunked to a memory budget and run together.
+- Clean and corrupted stories are token-identical up to the contrast span, so nothing can change
+  before the first differing token; positions before it are never recomputed (their keys and values
+  come from the base run) and cells patched only there are not run at all.
+
+Positions: "all" (every token), a selector from `tomlens.hooks.resolve_positions` ("final", a span
+role, ...), or "each" (one cell per token). "each" indexes tokens right-aligned across pairs (pairs
+of different lengths share their ending, the belief question); a pair without a token at an index
+gives NaN there and is left out of that cell's statistics.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Literal, Mapping, Sequence
+
+import numpy as np
+import pandas as pd
+import torch
+from jaxtyping import Float, Int
+from torch import Tensor
+from tqdm.auto import tqdm
+
+from tomlens.errors import TomlensError
+from tomlens.experiments.metric import Normalize, logit_diff, option_first_tokens, summarise
+from tomlens.hooks.patch import PatchIndex, PrefixCache, forward_last, patch_hooks, record_hooks
+
+Direction = Literal["denoise", "noise"]
+
+KIND_ALIASES: dict[str, str] = {
+    "heads": "head", "head": "head", "z": "head", "head_out": "head",
+    "resid": "resid_pre", "resid_pre": "resid_pre", "resid_mid": "resid_mid",
+    "resid_post": "resid_post",
+    "attn": "attn_out", "attn_out": "attn_out", "mlp": "mlp_out", "mlp_out": "mlp_out",
+}
+# Patching the whole residual stream at every position restores the clean run outright, so the
+# residual stream is swept per position; heads, attention and MLP outputs at all positions.
+DEFAULT_POSITIONS: dict[str, tuple[str, ...]] = {
+    "head": ("all",), "resid_pre": ("each",), "resid_mid": ("each",), "resid_post": ("each",),
+    "attn_out": ("all",), "mlp_out": ("all",),
+}
+
+
+def canonical_kind(name: str) -> str:
+    try:
+        return KIND_ALIASES[name.strip()]
+    except KeyError:
+        raise TomlensError(
+            f"unknown patching site {name!r}", f"use one of {sorted(set(KIND_ALIASES))}"
+        ) from None
+
+
+def hook_for(kind: str, layer: int) -> str:
+    """TransformerLens hook name for a patching kind; a head's output is patched through its z."""
+    from tomlens.hooks import Site, hook_name
+
+    return hook_name(Site("z" if kind == "head" else kind, layer))
+
+
+# --------------------------------------------------------------------------------------------
+# Pairs, tokenised and grouped
+
+
+@dataclass
+class Group:
+    """A batch of pairs: rows `0..g-1` are the clean stories, `g..2g-1` the corrupted ones."""
+
+    index: list[int]
+    batch: Any  # tomlens.models.tokens.EncodedBatch
+    tokens: Int[Tensor, "story 2"]
+    first_diff: Int[Tensor, "g"]  # padded column of the first token where clean != corrupted
+    positions: dict[str, Int[Tensor, "g"]]  # selector -> padded column (same in clean and corrupted)
+
+    @property
+    def g(self) -> int:
+        return len(self.index)
+
+    @property
+    def width(self) -> int:
+        return int(self.batch.input_ids.shape[1])
+
+    def pad(self, j: int) -> int:
+        return int(self.batch.pad[j])
+
+
+@dataclass
+class PreparedPairs:
+    """Pairs tokenised once for a model: groups, answer tokens, aligned position labels."""
+
+    pairs: list[Any]
+    groups: list[Group]
+    lengths: list[int]
+    n_aligned: int
+    token_labels: list[str]
+    selectors: tuple[str, ...]
+
+    @property
+    def ids(self) -> list[str]:
+        return [p.id for p in self.pairs]
+
+
+def _other(options: tuple[str, str], answer: str) -> str:
+    return options[1] if options[0] == answer else options[0]
+
+
+def prepare_pairs(
+    model, pairs: Sequence[Any], *, selectors: Sequence[str] = (), batch_pairs: int = 8
+) -> PreparedPairs:
+    """Tokenise pairs for `model`, check they are aligned, resolve selector positions.
+
+    Pairs are sorted by length into groups of `batch_pairs` so a group carries little padding.
+    """
+    from tomlens.models.tokens import encode
+
+    pairs = list(pairs)
+    if not pairs:
+        raise TomlensError("no minimal pairs to patch", "generate pairs with `tomlens pairs` first")
+    for p in pairs:
+        if tuple(p.clean.options) != tuple(p.corrupted.options):
+            raise TomlensError(
+                f"pair {p.id!r}: clean and corrupted stories have different options "
+                f"({list(p.clean.options)} vs {list(p.corrupted.options)})",
+                "build pairs with tomlens.stimuli.pairs.make_pairs",
+            )
+    selectors = tuple(s for s in selectors if s not in ("all", "each"))
+    options = [(p.clean.answer, _other(p.clean.options, p.clean.answer)) for p in pairs]
+    tokens = option_first_tokens(model, [p.clean for p in pairs], options)
+    tok = model.tokenizer
+    lengths = [len(tok(p.clean.text, add_special_tokens=True)["input_ids"]) for p in pairs]
+    order = sorted(range(len(pairs)), key=lambda i: (-lengths[i], i))
+    groups: list[Group] = []
+    for a in range(0, len(order), max(1, batch_pairs)):
+        idx = order[a : a + batch_pairs]
+        g = len(idx)
+        batch = encode(model, [pairs[i].clean.text for i in idx] + [pairs[i].corrupted.text for i in idx])
+        ids = batch.input_ids
+        first = torch.empty(g, dtype=torch.long)
+        for j, i in enumerate(idx):
+            if batch.lengths[j] != batch.lengths[g + j]:
+                raise TomlensError(
+                    f"pair {pairs[i].id!r} is not aligned: the clean story has {batch.lengths[j]} "
+                    f"tokens, the corrupted one {batch.lengths[g + j]}",
+                    "align pairs for this model's tokenizer with tomlens.stimuli.pairs.align_pairs",
+                )
+            diff = (ids[j] != ids[g + j]).nonzero().flatten()
+            first[j] = int(diff[0]) if len(diff) else ids.shape[1]
+        positions: dict[str, Tensor] = {}
+        if selectors:
+            from tomlens.hooks import resolve_positions
+
+            stories = [pairs[i].clean for i in idx] + [pairs[i].corrupted for i in idx]
+            pos = resolve_positions(stories, batch, list(selectors)).cpu().long()
+            for s_i, sel in enumerate(selectors):
+                c, r = pos[:g, s_i], pos[g:, s_i]
+                bad = (c != r).nonzero().flatten().tolist()
+                if bad:
+                    j = bad[0]
+                    raise TomlensError(
+                        f"pair {pairs[idx[j]].id!r}: position {sel!r} is token {int(c[j])} in the "
+                        f"clean story and {int(r[j])} in the corrupted one",
+                        "patch at selectors outside the contrast span, or re-align the pairs",
+                    )
+                positions[sel] = c
+        t = tokens[idx]
+        groups.append(Group(idx, batch, torch.cat([t, t]), first, positions))
+    lengths = [0] * len(pairs)
+    for grp in groups:
+        for j, i in enumerate(grp.index):
+            lengths[i] = int(grp.batch.lengths[j])
+    n_aligned = max(lengths)
+    return PreparedPairs(pairs, groups, lengths, n_aligned, _token_labels(model, groups, n_aligned), selectors)
+
+
+def _token_labels(model, groups: Sequence[Group], n_aligned: int) -> list[str]:
+    """Axis labels for right-aligned positions, from the longest pair ("clean|corrupted" where
+    the two stories differ)."""
+    grp = groups[0]  # the first group holds the longest pairs
+    ids = grp.batch.input_ids
+    width = grp.width
+    out = []
+    for k in range(n_aligned):
+        col = width - n_aligned + k
+        if col < grp.pad(0):
+            out.append(f"{k}")
+            continue
+        a = model.tokenizer.decode([int(ids[0, col])])
+        b = model.tokenizer.decode([int(ids[grp.g, col])])
+        out.append(f"{k}:{a}" if a == b else f"{k}:{a}|{b}")
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# The engine: base runs cached once, then chunks of patched rows
+
+
+@dataclass
+class Run:
+    """One patched forward: a base story and the cells overwritten in it.
+
+    `patches` holds (hook name, head or -1, padded columns, source row) tuples; the source row
+    indexes the `sources` tensors given to `run_patched`.
+    """
+
+    base: int
+    patches: list[tuple[str, int, list[int], int]]
+
+    @property
+    def start(self) -> int:
+        return min(min(c) for _, _, c, _ in self.patches)
+
+
+@dataclass
+class BasePass:
+    """Last-token metric, activations at the patched sites and keys/values of every story of a group."""
+
+    metric: Float[Tensor, "story"]
+    sources: dict[str, Tensor]
+    prefix: PrefixCache | None
+
+
+def base_pass(model, group: Group, hook_names: Iterable[str], *, reuse_prefix: bool = True) -> BasePass:
+    store: dict[str, Tensor] = {}
+    batch = group.batch
+    with torch.inference_mode():
+        last, prefix = forward_last(
+            model, batch.input_ids, batch.forward_kwargs(), record_hooks(sorted(set(hook_names)), store),
+            keep_cache=reuse_prefix,
+        )
+    return BasePass(logit_diff(last, group.tokens), store, prefix)
+
+
+def _row_bytes(model, width: int, new: int) -> int:
+    """Rough memory of one patched row: its KV cache over all layers, one layer's transient
+    activations and attention scores for the recomputed columns, and the last-token logits."""
+    cfg = model.cfg
+    n_kv = getattr(cfg, "n_key_value_heads", None) or cfg.n_heads
+    d_mlp = getattr(cfg, "d_mlp", None) or 4 * cfg.d_model
+    elt = torch.finfo(getattr(cfg, "dtype", torch.float32) or torch.float32).bits // 8
+    floats = (
+        cfg.n_layers * 2 * n_kv * cfg.d_head * width
+        + new * (12 * cfg.d_model + 4 * d_mlp)
+        + 4 * cfg.n_heads * new * width
+        + 2 * cfg.d_vocab
+    )
+    return int(1.5 * floats * elt)
+
+
+def _entries(chunk: Sequence[Run], sources: Mapping[str, Tensor]) -> dict[str, PatchIndex]:
+    acc: dict[str, tuple[list[int], list[int], list[int], list[int]]] = {}
+    for r, run in enumerate(chunk):
+        for hook, head, cols, src in run.patches:
+            rows, cs, hs, ss = acc.setdefault(hook, ([], [], [], []))
+            rows.extend([r] * len(cols))
+            cs.extend(cols)
+            hs.extend([head] * len(cols))
+            ss.extend([src] * len(cols))
+    out: dict[str, PatchIndex] = {}
+    for hook, (rows, cs, hs, ss) in acc.items():
+        src = sources[hook]
+        r_t = torch.tensor(rows, dtype=torch.long)
+        c_t = torch.tensor(cs, dtype=torch.long)
+        s_t = torch.tensor(ss, dtype=torch.long, device=src.device)
+        if hs[0] >= 0:
+            h_t = torch.tensor(hs, dtype=torch.long)
+            values = src[s_t, c_t.to(src.device), h_t.to(src.device)]
+        else:
+            h_t = None
+            values = src[s_t, c_t.to(src.device)]
+        out[hook] = PatchIndex(r_t, c_t, h_t, values)
+    return out
+
+
+def run_patched(
+    model,
+    group: Group,
+    runs: Sequence[Run],
+    sources: Mapping[str, Tensor],
+    prefix: PrefixCache | None,
+    *,
+    memory_mb: float = 1024,
+    bar: Any = None,
+) -> Float[Tensor, "run"]:
+    """Metric of every patched run, many runs per forward.
+
+    Runs are sorted by their first patched column (latest first) and cut into chunks that fit
+    `memory_mb`; a chunk recomputes only the columns from its earliest start on, taking earlier
+    keys and values from the base runs (`prefix`).
+    """
+    out = torch.empty(len(runs), dtype=torch.float32)
+    if not runs:
+        return out
+    width = group.width
+    starts = [run.start if prefix is not None else 0 for run in runs]
+    order = sorted(range(len(runs)), key=lambda i: -starts[i])
+    budget = memory_mb * 2**20
+    batch = group.batch
+    fk = batch.forward_kwargs()
+    a = 0
+    while a < len(order):
+        b = a + 1
+        while b < len(order) and b - a < 4096:
+            if (b - a + 1) * _row_bytes(model, width, width - starts[order[b]]) > budget:
+                break
+            b += 1
+        chunk_idx = order[a:b]
+        chunk = [runs[i] for i in chunk_idx]
+        start = starts[order[b - 1]]
+        rows = torch.tensor([run.base for run in chunk], dtype=torch.long)
+        hooks = patch_hooks(_entries(chunk, sources), offset=start if prefix is not None else 0)
+        with torch.inference_mode():
+            last, _ = forward_last(
+                model, batch.input_ids, fk, hooks, rows=rows, prefix=prefix, start=start
+            )
+            values = logit_diff(last, group.tokens[rows])
+        out[torch.tensor(chunk_idx)] = values.cpu()
+        if bar is not None:
+            bar.update(len(chunk))
+        a = b
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Sweeps
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One patched site: kind ("head", "resid_pre", "attn_out", "mlp_out", ...), layer, head (-1
+    when not a head), position ("all", a selector or "each") and aligned token index (-1 unless
+    position is "each")."""
+
+    kind: str
+    layer: int
+    head: int
+    position: str
+    pos: int
+
+
+def plan_cells(
+    model,
+    sites: Sequence[str] | Mapping[str, Sequence[str]],
+    positions: Sequence[str] = (),
+    *,
+    n_aligned: int,
+    layers: Sequence[int] | None = None,
+) -> list[Cell]:
+    """Cells of a sweep. `sites` lists kinds (each with its default positions plus `positions`)
+    or maps kinds to their own position lists."""
+    if isinstance(sites, str):
+        sites = [s for s in sites.split(",") if s.strip()]
+    if isinstance(sites, Mapping):
+        spec = {canonical_kind(k): tuple(v) for k, v in sites.items()}
+    else:
+        spec = {}
+        for k in sites:
+            kind = canonical_kind(k)
+            spec[kind] = tuple(dict.fromkeys(DEFAULT_POSITIONS[kind] + tuple(positions)))
+    n_layers = model.cfg.n_layers
+    layers = list(range(n_layers)) if layers is None else list(layers)
+    bad = [l for l in layers if not 0 <= l < n_layers]
+    if bad:
+        raise TomlensError(f"layers {bad} do not exist (the model has {n_layers})", "pick layers in range")
+    cells: list[Cell] = []
+    for kind, poss in spec.items():
+        heads = range(model.cfg.n_heads) if kind == "head" else [-1]
+        for position in poss:
+            ks = range(n_aligned) if position == "each" else [-1]
+            for layer in layers:
+                for k in ks:
+                    for h in heads:
+                        cells.append(Cell(kind, layer, h, position, k))
+    return cells
+
+
+def cell_columns(cell: Cell, group: Group, j: int, n_aligned: int) -> list[int] | None:
+    """Padded columns the cell patches in pair `j` of a group, dropping columns before the first
+    differing token (identical in both runs). None when the pair has no token at that position."""
+    width, fd = group.width, int(group.first_diff[j])
+    if cell.position == "all":
+        return list(range(fd, width))
+    if cell.position == "each":
+        col = width - n_aligned + cell.pos
+        if col < group.pad(j):
+            return None
+        return [col] if col >= fd else []
+    col = int(group.positions[cell.position][j])
+    return [col] if col >= fd else []
+
+
+def _roles(direction: Direction, g: int, j: int) -> tuple[int, int]:
+    """(base row, source row) of pair j: denoising runs the corrupted story with clean values."""
+    if direction == "denoise":
+        return g + j, j
+    if direction == "noise":
+        return j, g + j
+    raise TomlensError(f"unknown patching direction {direction!r}", "use 'denoise' or 'noise'")
+
+
+@dataclass
+class PatchingResult:
+    """Raw patched metric for every cell and pair, with the clean and corrupted baselines.
+
+    `values[c, p]` is the logit difference of pair p with cell c patched (for attribution: the
+    first-order estimate of it); NaN where the pair has no token at that position.
+    """
+
+    method: str
+    direction: str
+    cells: list[Cell]
+    values: Float[Tensor, "cell pair"]
+    clean: Float[Tensor, "pair"]
+    corrupted: Float[Tensor, "pair"]
+    pair_ids: list[str]
+    token_labels: list[str]
+    normalize: Normalize = "pooled"
+    _summary: pd.DataFrame | None = field(default=None, repr=False)
+
+    def cell_frame(self) -> pd.DataFrame:
+        return pd.DataFrame(
+            {
+                "kind": [c.kind for c in self.cells],
+                "layer": [c.layer for c in self.cells],
+                "head": [c.head for c in self.cells],
+                "position": [c.position for c in self.cells],
+                "pos": [c.pos for c in self.cells],
+            }
+        )
+
+    def summary(self, *, n_boot: int = 1000, seed: int = 0) -> pd.DataFrame:
+        """One row per cell: normalised effect (mean over pairs), SE, bootstrap 95% interval,
+        number of pairs and the mean raw logit difference after the patch."""
+        if self._summary is not None:
+            return self._summary
+        s = summarise(self.values, self.clean, self.corrupted, normalize=self.normalize, n_boot=n_boot, seed=seed)
+        df = self.cell_frame()
+        df.insert(0, "direction", self.direction)
+        df.insert(0, "method", self.method)
+        df["token"] = [self.token_labels[c.pos] if c.pos >= 0 else "" for c in self.cells]
+        df["effect"] = s.mean
+        df["se"] = s.se
+        df["ci_low"] = s.ci_low
+        df["ci_high"] = s.ci_high
+        df["n_pairs"] = s.n
+        with np.errstate(all="ignore"):
+            df["logit_diff"] = np.nanmean(self.values.double().numpy(), axis=1) if len(self.cells) else []
+        self._summary = df
+        return df
+
+    def per_pair(self) -> pd.DataFrame:
+        """Long table: one row per (cell, pair) with the raw and the normalised value."""
+        from tomlens.experiments.metric import normalise
+
+        norm = normalise(self.values, self.clean, self.corrupted, self.normalize).numpy()
+        n_cell, n_pair = self.values.shape
+        df = self.cell_frame().loc[np.repeat(np.arange(n_cell), n_pair)].reset_index(drop=True)
+        df.insert(0, "cell", np.repeat(np.arange(n_cell), n_pair))
+        df["pair_id"] = np.tile(np.array(self.pair_ids, dtype=object), n_cell)
+        df["logit_diff"] = self.values.double().numpy().reshape(-1)
+        df["effect"] = norm.reshape(-1)
+        return df
+
+    def baselines(self) -> dict[str, float]:
+        return {
+            "clean_logit_diff": float(self.clean.double().mean()),
+            "corrupted_logit_diff": float(self.corrupted.double().mean()),
+            "n_pairs": len(self.pair_ids),
+        }
+
+    def select(self, kind: str, position: str) -> pd.DataFrame:
+        df = self.summary()
+        return df[(df.kind == canonical_kind(kind)) & (df.position == position)]
+
+    def grid(self, kind: str, position: str, column: str = "effect") -> np.ndarray:
+        """`[layer, head]` for heads, `[layer, pos]` for position "each", `[layer, 1]` otherwise."""
+        df = self.select(kind, position)
+        if df.empty:
+            raise TomlensError(f"the result has no cells of kind {kind!r} at position {position!r}")
+        col = "head" if canonical_kind(kind) == "head" and position != "each" else "pos"
+        if canonical_kind(kind) == "head" and position == "each":
+            raise TomlensError("a per-position head sweep has three axes; use select() instead")
+        layers = sorted(df.layer.unique())
+        keys = sorted(df[col].unique())
+        out = np.full((len(layers), len(keys)), np.nan)
+        li = {l: i for i, l in enumerate(layers)}
+        ki = {k: i for i, k in enumerate(keys)}
+        for l, k, v in zip(df.layer, df[col], df[column]):
+            out[li[l], ki[k]] = v
+        return out
+
+
+def _needed_hooks(cells: Sequence[Cell]) -> list[str]:
+    return sorted({hook_for(c.kind, c.layer) for c in cells})
+
+
+def exact_patching(
+    model,
+    pairs: Sequence[Any] | PreparedPairs,
+    *,
+    sites: Sequence[str] | Mapping[str, Sequence[str]] = ("heads",),
+    positions: Sequence[str] = (),
+    direction: Direction = "denoise",
+    layers: Sequence[int] | None = None,
+    normalize: Normalize = "pooled",
+    batch_pairs: int = 8,
+    memory_mb: float = 1024,
+    reuse_prefix: bool = True,
+    progress: bool = True,
+) -> PatchingResult:
+    """Patch every cell of the requested sites, one batched forward per chunk of (cell, pair) runs.
+
+    `sites`: kinds ("heads", "resid", "attn", "mlp", "resid_mid", ...) with their default positions
+    (heads/attn/mlp at "all", resid at "each") plus `positions`, or a mapping kind -> positions.
+    """
+    prepared = pairs if isinstance(pairs, PreparedPairs) else prepare_pairs(
+        model, pairs, selectors=_selectors(sites, positions), batch_pairs=batch_pairs
+    )
+    cells = plan_cells(model, sites, positions, n_aligned=prepared.n_aligned, layers=layers)
+    _check_selectors(cells, prepared)
+    n_pair = len(prepared.pairs)
+    values = torch.full((len(cells), n_pair), float("nan"), dtype=torch.float64)
+    clean = torch.empty(n_pair, dtype=torch.float64)
+    corrupted = torch.empty(n_pair, dtype=torch.float64)
+    hooks = _needed_hooks(cells)
+    bar = tqdm(total=len(cells) * n_pair, desc=f"patching ({direction})", unit="run", disable=not progress)
+    for group in prepared.groups:
+        g = group.g
+        bp = base_pass(model, group, hooks, reuse_prefix=reuse_prefix)
+        metric = bp.metric.double().cpu()
+        clean[group.index] = metric[:g]
+        corrupted[group.index] = metric[g:]
+        runs: list[Run] = []
+        targets: list[tuple[int, int]] = []
+        for c_i, cell in enumerate(cells):
+            hook = hook_for(cell.kind, cell.layer)
+            for j, p_i in enumerate(group.index):
+                base, src = _roles(direction, g, j)
+                cols = cell_columns(cell, group, j, prepared.n_aligned)
+                if cols is None:
+                    continue
+                if not cols:
+                    values[c_i, p_i] = metric[base]
+                    continue
+                runs.append(Run(base, [(hook, cell.head, cols, src)]))
+                targets.append((c_i, p_i))
+        bar.update(len(cells) * g - len(runs))
+        out = run_patched(model, group, runs, bp.sources, bp.prefix, memory_mb=memory_mb, bar=bar)
+        if targets:
+            t = torch.tensor(targets)
+            values[t[:, 0], t[:, 1]] = out.double()
+        del bp
+    bar.close()
+    return PatchingResult(
+        "exact", direction, cells, values, clean, corrupted, prepared.ids, prepared.token_labels, normalize
+    )
+
+
+def _selectors(sites: Any, positions: Sequence[str]) -> tuple[str, ...]:
+    found = list(positions)
+    if isinstance(sites, Mapping):
+        for v in sites.values():
+            found.extend(v)
+    return tuple(dict.fromkeys(s for s in found if s not in ("all", "each")))
+
+
+def _check_selectors(cells: Sequence[Cell], prepared: PreparedPairs) -> None:
+    missing = {c.position for c in cells if c.position not in ("all", "each")} - set(prepared.selectors)
+    if missing:
+        raise TomlensError(
+            f"positions {sorted(missing)} were not resolved when the pairs were prepared",
+            "pass them as `selectors` to prepare_pairs",
+        )

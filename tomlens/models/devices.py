@@ -1,0 +1,51 @@
+"""Device and dtype defaults: CUDA with bf16 when present, else CPU with fp32 (fp16 on CPU is slow)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from tomlens.errors import TomlensError
+
+DTYPES: dict[str, torch.dtype] = {
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "float": torch.float32,
+}
+
+
+def resolve_device(device: Any = None) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise TomlensError(f"unknown device {device!r}", "use 'cpu', 'cuda' or 'cuda:N'") from e
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise TomlensError(f"device {device!r} asked for, but CUDA is not available", "use device 'cpu'")
+    if resolved.type == "mps" and not torch.backends.mps.is_available():
+        raise TomlensError(f"device {device!r} asked for, but MPS is not available", "use device 'cpu'")
+    return resolved
+
+
+def resolve_dtype(dtype: Any, device: torch.device) -> torch.dtype:
+    if dtype is None:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, torch.dtype):
+        if not dtype.is_floating_point:
+            raise TomlensError(f"dtype {dtype} is not a floating-point type", "use bf16, fp16 or fp32")
+        return dtype
+    key = str(dtype).strip().lower().removeprefix("torch.")
+    if key not in DTYPES:
+        raise TomlensError(f"unknown dtype {dtype!r}", f"use one of {', '.join(sorted(DTYPES))}")
+    return DTYPES[key]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

@@ -1,0 +1,134 @@
+"""Text -> left-padded token batch that knows where every character went.
+
+Left padding puts every row's last real token in the last column. A padded row only computes the
+same numbers as the unpadded prompt if the forward gets the attention mask (pads are never
+attended) AND positions counted from each row's first real token (learned or rotary positions
+would otherwise be shifted by the pad count). `forward_kwargs()` carries both, so every forward in
+tomlens is `model(batch.input_ids, **batch.forward_kwargs())`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from jaxtyping import Int
+from torch import Tensor
+
+from tomlens.errors import TomlensError
+
+
+@dataclass(frozen=True)
+class EncodedBatch:
+    """A left-padded batch of texts with per-token character offsets (unpadded order)."""
+
+    input_ids: Int[Tensor, "batch pos"]
+    attention_mask: Int[Tensor, "batch pos"]
+    offsets: list[list[tuple[int, int]]]
+    pad: list[int]
+    lengths: list[int]
+    last: Int[Tensor, "batch"]
+    position_ids: Int[Tensor, "batch pos"]
+    pass_position_ids: bool = True
+    texts: tuple[str, ...] = field(default=(), repr=False)
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def char_to_position(self, row: int, char_index: int, *, first: bool = False) -> int:
+        """Padded index of the token covering character `char_index` of text `row`.
+
+        If several tokens cover it (a multi-byte character split by byte-level BPE), the last one
+        is returned, or the first with `first=True`. Special tokens (BOS) cover no character.
+        """
+        found = [
+            t for t, (start, end) in enumerate(self.offsets[row]) if start <= char_index < end
+        ]
+        if not found:
+            text = self.texts[row] if row < len(self.texts) else None
+            where = f" ({text[max(0, char_index - 10):char_index + 10]!r})" if text else ""
+            raise TomlensError(
+                f"no token covers character {char_index} of text {row}{where}",
+                "check the span offsets against the text (end is exclusive, spans must not be empty)",
+            )
+        t = found[0] if first else found[-1]
+        return self.pad[row] + t
+
+    def forward_kwargs(self) -> dict[str, Tensor]:
+        """Keyword arguments that make a left-padded forward equal to one prompt at a time."""
+        kwargs = {"attention_mask": self.attention_mask}
+        if self.pass_position_ids:
+            kwargs["position_ids"] = self.position_ids
+        return kwargs
+
+
+def _model_device(model: Any) -> torch.device:
+    try:
+        return next(model.parameters()).device
+    except (StopIteration, AttributeError):
+        return torch.device(getattr(getattr(model, "cfg", None), "device", None) or "cpu")
+
+
+def _accepts_position_ids(model: Any) -> bool:
+    """Whether the wrapped HF model takes `position_ids` (TransformerLens's own check, when present)."""
+    check = getattr(model, "_accepts_derived_position_ids", None)
+    if callable(check):
+        return bool(check())
+    return False
+
+
+def encode(model: Any, texts: Sequence[str]) -> EncodedBatch:
+    """Tokenize `texts` with the model's tokenizer (its own BOS rule), left-pad, keep char offsets.
+
+    Tensors are placed on the model's device. Needs a fast tokenizer (for character offsets).
+    """
+    if isinstance(texts, str):
+        raise TypeError("encode takes a sequence of texts, not a single string")
+    texts = list(texts)
+    if not texts:
+        raise TomlensError("no texts to encode", "pass at least one prompt")
+    tokenizer = model.tokenizer
+    if not getattr(tokenizer, "is_fast", False):
+        raise TomlensError(
+            f"the tokenizer of this model ({type(tokenizer).__name__}) gives no character offsets",
+            "use a model with a fast (Rust) tokenizer: tomlens maps spans to tokens through offsets",
+        )
+    enc = tokenizer(texts, return_offsets_mapping=True, padding=False, truncation=False)
+    ids: list[list[int]] = [list(x) for x in enc["input_ids"]]
+    offsets = [[(int(a), int(b)) for a, b in row] for row in enc["offset_mapping"]]
+    lengths = [len(x) for x in ids]
+    if min(lengths) == 0:
+        empty = lengths.index(0)
+        raise TomlensError(f"text {empty} tokenizes to nothing", "remove empty prompts")
+    n_ctx = getattr(getattr(model, "cfg", None), "n_ctx", None)
+    if n_ctx is not None and max(lengths) > n_ctx:
+        longest = lengths.index(max(lengths))
+        raise TomlensError(
+            f"text {longest} is {max(lengths)} tokens long; the model's context is {n_ctx}",
+            "shorten the prompt or use a model with a longer context",
+        )
+    width = max(lengths)
+    pad_id = tokenizer.pad_token_id
+    if pad_id is None:
+        pad_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
+    pads = [width - n for n in lengths]
+    input_ids = torch.full((len(ids), width), int(pad_id), dtype=torch.long)
+    mask = torch.zeros((len(ids), width), dtype=torch.long)
+    for row, (seq, p) in enumerate(zip(ids, pads)):
+        input_ids[row, p:] = torch.tensor(seq, dtype=torch.long)
+        mask[row, p:] = 1
+    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+    device = _model_device(model)
+    return EncodedBatch(
+        input_ids=input_ids.to(device),
+        attention_mask=mask.to(device),
+        offsets=offsets,
+        pad=pads,
+        lengths=lengths,
+        last=torch.full((len(ids),), width - 1, dtype=torch.long, device=device),
+        position_ids=position_ids.to(device),
+        pass_position_ids=_accepts_position_ids(model),
+        texts=tuple(texts),
+    )

@@ -1,0 +1,121 @@
+"""Leak-free splits: every story (task) lies wholly on one side, optionally every template too.
+
+The prompts of one task share their story, so a prompt-level split lets a probe memorise stories
+(RepBelief's 80/20 split over prompts can put one story's prompts on both sides). Here rows are
+grouped first and groups are assigned to folds; folds are deterministic given the seed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+from jaxtyping import Int
+from torch import Tensor
+
+from tomlens.errors import TomlensError
+from tomlens.stimuli.records import Stimulus
+
+GROUPINGS: dict[str, tuple[str, ...]] = {
+    "task": ("task_id",),  # no story on both sides
+    "template": ("task_id", "template_id"),  # no story and no template on both sides
+}
+
+
+@dataclass(frozen=True)
+class Split:
+    """Row indices of one train/test split (sorted, disjoint)."""
+
+    train: Int[Tensor, " n_train"]
+    test: Int[Tensor, " n_test"]
+
+
+def group_codes(stimuli: Sequence[Stimulus], by: str = "task") -> Int[Tensor, " n"]:
+    """One integer group per row. Rows sharing a value of any field in the grouping are joined
+    (union-find), so `by="template"` also keeps a task whose prompts use several templates
+    together. Rows with an empty task id are their own group."""
+    if by not in GROUPINGS:
+        raise TomlensError(f"unknown grouping {by!r}", f"use one of {sorted(GROUPINGS)}")
+    parent = list(range(len(stimuli)))
+
+    def find(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    for field in GROUPINGS[by]:
+        first: dict[str, int] = {}
+        for i, s in enumerate(stimuli):
+            value = getattr(s, field) or (s.id if field == "task_id" else "")
+            if not value:
+                continue
+            j = first.setdefault(value, i)
+            ri, rj = find(i), find(j)
+            if ri != rj:
+                parent[ri] = rj
+    roots = [find(i) for i in range(len(stimuli))]
+    _, codes = np.unique(np.asarray(roots), return_inverse=True)
+    return torch.as_tensor(codes, dtype=torch.long)
+
+
+def as_codes(groups: Sequence[Any] | Tensor | None, n: int) -> Int[Tensor, " n"]:
+    """Integer codes for arbitrary group labels; None makes every row its own group."""
+    if groups is None:
+        return torch.arange(n)
+    values = groups.tolist() if isinstance(groups, Tensor) else list(groups)
+    if len(values) != n:
+        raise TomlensError(f"{len(values)} group labels for {n} rows", "pass one group label per row")
+    _, codes = np.unique(np.asarray([str(v) for v in values]), return_inverse=True)
+    return torch.as_tensor(codes, dtype=torch.long)
+
+
+def group_kfold(groups: Sequence[Any] | Tensor, n_splits: int = 5, seed: int = 0) -> list[Split]:
+    """K folds over groups: each group is in exactly one test fold.
+
+    Groups are shuffled by `seed`, then placed largest first into the fold with the fewest rows,
+    so folds are balanced even when groups differ in size.
+    """
+    codes = as_codes(groups, len(groups))
+    uniq, counts = torch.unique(codes, return_counts=True)
+    if n_splits < 2:
+        raise TomlensError(f"n_splits={n_splits}", "use at least 2 folds")
+    if uniq.numel() < n_splits:
+        raise TomlensError(
+            f"{uniq.numel()} groups (stories) cannot fill {n_splits} grouped folds",
+            f"use fewer folds (at most {uniq.numel()}) or more stimuli",
+        )
+    rng = np.random.default_rng(seed)
+    order = rng.permutation(uniq.numel())
+    order = order[np.argsort(-counts.numpy()[order], kind="stable")]
+    fold_of_group = np.zeros(uniq.numel(), dtype=np.int64)
+    load = np.zeros(n_splits, dtype=np.int64)
+    for g in order:
+        f = int(np.argmin(load))
+        fold_of_group[g] = f
+        load[f] += int(counts[g])
+    fold = torch.as_tensor(fold_of_group)[torch.searchsorted(uniq, codes)]
+    rows = torch.arange(codes.numel())
+    return [Split(train=rows[fold != f], test=rows[fold == f]) for f in range(n_splits)]
+
+
+def holdout(groups: Sequence[Any] | Tensor, test_size: float = 0.2, seed: int = 0) -> Split:
+    """One grouped train/test split with about `test_size` of the rows in the test side."""
+    if not 0 < test_size < 1:
+        raise TomlensError(f"test_size={test_size}", "use a fraction between 0 and 1")
+    k = max(2, int(round(1 / test_size)))
+    return group_kfold(groups, k, seed)[0]
+
+
+def restrict(split: Split, train_mask: Tensor, test_mask: Tensor) -> Split:
+    """Keep only training rows where `train_mask` holds and test rows where `test_mask` holds
+    (e.g. train on true-belief stories, test on false-belief stories of held-out tasks)."""
+    return Split(train=split.train[train_mask[split.train]], test=split.test[test_mask[split.test]])
+
+
+def leaked_groups(split: Split, groups: Sequence[Any] | Tensor) -> set[int]:
+    """Group codes present on both sides of a split (empty for a leak-free split)."""
+    codes = as_codes(groups, len(groups))
+    return set(codes[split.train].tolist()) & set(codes[split.test].tolist())

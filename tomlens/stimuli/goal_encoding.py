@@ -1,0 +1,259 @@
+"""Goal encoding after Woodward (1998), in the text form of Ruis et al. (2023).
+
+An agent reaches k times for the same fruit on the same pillar (the other two fruits swap places),
+then the goal fruit moves to another pillar and the prompt stops at the test reach. Continuing with
+the goal fruit's new place is *object bias*; continuing with the habituated pillar (or the fruit now
+standing on it) is *location bias*. A selective goal encoder shows object bias for a deliberate
+agent and not for an inanimate mover or an agent acting by accident.
+
+Every item (one `task_id`) is rendered in every cell: test case (animate / inanimate / control) x
+k x target type (pillar / fruit) x animacy wording, from the same fruits, places and agent, so cells
+can be compared item by item and animate vs control prompts form minimal pairs.
+
+Design choice for those pairs: R23's animate agent "grasps" and its control agent "accidentally
+grasps", which adds a word. Here the animate agent "deliberately grasps" and the control agent
+"accidentally grasps" by default: a same-length swap (one token each in SmolLM2's tokenizer), so
+animate and control prompts have the same length and differ only in that adverb. Pass
+`animate_adverb=None` for R23's wording. With `manner_scope="all"` (R23) every reach sentence
+carries the adverb; with `manner_scope="test"` only the test reach does (the habituation reaches
+are plain "grasps"), so animate and control prompts differ only inside the `contrast` span.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Literal, Sequence
+
+from tomlens.errors import TomlensError
+from tomlens.stimuli.lexicon import NAMES
+from tomlens.stimuli.records import Span, Stimulus
+
+# Single-token fruits in common tokenizers, so first-token scores of the fruit targets differ.
+FRUITS: tuple[str, ...] = (
+    "kiwi", "orange", "fig", "pear", "plum", "lime", "peach", "mango", "lemon", "banana",
+    "cherry", "grape", "apple", "papaya", "coconut",
+)
+# Things that can move to and touch an item without wanting it.
+MOVERS: tuple[str, ...] = (
+    "rod", "pole", "stick", "ball", "rock", "stone", "block", "brick", "cube", "pipe",
+)
+ORDINALS: tuple[str, str, str] = ("first", "second", "third")
+# (habituated pillar, goal's new pillar): all six ordered pairs, cycled so targets spread evenly.
+PLACEMENTS: tuple[tuple[int, int], ...] = ((0, 1), (0, 2), (1, 0), (1, 2), (2, 0), (2, 1))
+
+TEST_CASES: tuple[str, ...] = ("animate", "inanimate", "control")
+TARGET_TYPES: tuple[str, ...] = ("pillar", "fruit")
+FAMILY = "goal-encoding"
+MAX_K = 50
+
+
+def article(word: str, capital: bool = False) -> str:
+    a = "an" if word[0].lower() in "aeiou" else "a"
+    return a.capitalize() if capital else a
+
+
+def goal_encoding(
+    n: int = 20,
+    seed: int = 0,
+    ks: Sequence[int] | int = (0, 1, 2, 3, 4, 5, 6),
+    *,
+    test_cases: Sequence[str] = TEST_CASES,
+    target_types: Sequence[str] = TARGET_TYPES,
+    anim_denotations: Sequence[bool] = (False, True),
+    animate_adverb: str | None = "deliberately",
+    control_adverb: str = "accidentally",
+    manner_scope: Literal["all", "test"] = "all",
+) -> list[Stimulus]:
+    """`n` items, each rendered in every cell (test case x k x target type x animacy wording).
+
+    `options` = (object-bias target, location-bias target), reversed for every other item
+    (`reversed=True` means the location target comes first). `answer` is the object-bias target:
+    the goal-consistent option, which a selective goal encoder picks in the animate case (in the
+    inanimate and control cases it is still the object target, so accuracy there reads as object
+    bias, not as correctness). Pillar targets are ordinals ("first"/"second"/"third"), fruit
+    targets are fruit names; the habituated and new pillars cycle through all six placements.
+    """
+    ks = [ks] if isinstance(ks, int) else list(ks)
+    test_cases = (test_cases,) if isinstance(test_cases, str) else tuple(test_cases)
+    target_types = (target_types,) if isinstance(target_types, str) else tuple(target_types)
+    anim_denotations = ((anim_denotations,) if isinstance(anim_denotations, bool)
+                        else tuple(anim_denotations))
+    _check(n, ks, test_cases, target_types, anim_denotations, manner_scope, control_adverb)
+    out: list[Stimulus] = []
+    for i in range(n):
+        item = _item(seed, i)
+        for target_type in target_types:
+            for anim in anim_denotations:
+                for k in ks:
+                    for test_case in test_cases:
+                        out.append(
+                            _render(item, seed, i, test_case, k, target_type, bool(anim),
+                                    animate_adverb, control_adverb, manner_scope)
+                        )
+    return out
+
+
+def _check(n, ks, test_cases, target_types, anim_denotations, manner_scope, control_adverb) -> None:
+    if not isinstance(n, int) or n < 1:
+        raise TomlensError(f"goal-encoding needs n >= 1 items, got {n!r}", "pass n=1 or more")
+    if (not ks or any(not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_K
+                      for k in ks) or len(set(ks)) != len(ks)):
+        raise TomlensError(
+            f"habituation counts ks={list(ks)!r} must be distinct integers from 0 to {MAX_K}",
+            "e.g. ks=(0, 1, 2, 3, 4, 5, 6)",
+        )
+    for name, values, allowed in (
+        ("test_cases", test_cases, TEST_CASES), ("target_types", target_types, TARGET_TYPES),
+    ):
+        bad = [v for v in values if v not in allowed]
+        if bad or not values:
+            raise TomlensError(f"{name}={list(values)!r} is not a non-empty subset of {allowed}",
+                               f"choose from {list(allowed)}")
+    if not anim_denotations or any(not isinstance(a, bool) for a in anim_denotations):
+        raise TomlensError(f"anim_denotations={list(anim_denotations)!r} must be booleans",
+                           "use (False, True), (False,) or (True,)")
+    if manner_scope not in ("all", "test"):
+        raise TomlensError(f"manner_scope={manner_scope!r}", "use 'all' (R23) or 'test'")
+    if not control_adverb:
+        raise TomlensError("control_adverb is empty", "use e.g. 'accidentally'")
+
+
+def _item(seed: int, i: int) -> dict:
+    """One item's lexical choices and placements; depends only on (seed, i), so items of a
+    smaller n are a prefix of a larger n."""
+    rng = random.Random(f"goal-encoding/{seed}/{i}")
+    goal, d1, d2 = rng.sample(FRUITS, 3)
+    hab, new = PLACEMENTS[(i + seed) % len(PLACEMENTS)]
+    third = 3 - hab - new
+    # At test one distractor takes the habituated pillar, the other the remaining one.
+    at_hab, at_third = (d1, d2) if rng.random() < 0.5 else (d2, d1)
+    test_scene = [""] * 3
+    test_scene[new], test_scene[hab], test_scene[third] = goal, at_hab, at_third
+    return {
+        "goal": goal, "distractors": (d1, d2), "hab": hab, "new": new,
+        "test_scene": test_scene,
+        "name": rng.choice(NAMES)[0],
+        "mover": rng.choice(MOVERS),
+        # Options order alternates item by item, and over 12 items each placement gets both orders.
+        "reversed": bool((i + i // len(PLACEMENTS)) % 2),
+    }
+
+
+def _habituation_scene(item: dict, j: int) -> list[str]:
+    scene = [""] * 3
+    scene[item["hab"]] = item["goal"]
+    others = [p for p in range(3) if p != item["hab"]]
+    d1, d2 = item["distractors"] if j % 2 == 0 else item["distractors"][::-1]
+    scene[others[0]], scene[others[1]] = d1, d2
+    return scene
+
+
+class _Text:
+    """Builds a text piece by piece and remembers where named pieces landed."""
+
+    def __init__(self) -> None:
+        self.parts: list[str] = []
+        self.length = 0
+
+    def add(self, piece: str) -> Span:
+        span = Span(self.length, self.length + len(piece))
+        self.parts.append(piece)
+        self.length += len(piece)
+        return span
+
+    def text(self) -> str:
+        return "".join(self.parts)
+
+
+def _scene(t: _Text, fruits: list[str]) -> tuple[list[Span], list[Span]]:
+    """'There is a kiwi on the first pillar, an orange on the second pillar, and ...'."""
+    fruit_spans, ordinal_spans = [], []
+    for p, fruit in enumerate(fruits):
+        t.add("There is " if p == 0 else (", and " if p == 2 else ", "))
+        t.add(article(fruit) + " ")
+        fruit_spans.append(t.add(fruit))
+        t.add(" on the ")
+        ordinal_spans.append(t.add(ORDINALS[p]))
+        t.add(" pillar")
+    t.add(".")
+    return fruit_spans, ordinal_spans
+
+
+def _agent(t: _Text, item: dict, test_case: str, anim: bool, adverb: str | None) -> Span:
+    """The reach's subject and verb; returns the span of the agent word (name or mover)."""
+    if test_case == "inanimate":
+        t.add("An inanimate " if anim else article(item["mover"], capital=True) + " ")
+        span = t.add(item["mover"])
+        t.add(" moves to and touches")
+        return span
+    if anim:
+        t.add("A person named ")
+    span = t.add(item["name"])
+    t.add(f" {adverb} grasps" if adverb else " grasps")
+    return span
+
+
+def _render(item: dict, seed: int, i: int, test_case: str, k: int, target_type: str, anim: bool,
+            animate_adverb: str | None, control_adverb: str, manner_scope: str) -> Stimulus:
+    adverb = {"animate": animate_adverb, "control": control_adverb, "inanimate": None}[test_case]
+    habituation_adverb = adverb if manner_scope == "all" else None
+    hab, new = item["hab"], item["new"]
+    t = _Text()
+    for j in range(k):
+        scene = _habituation_scene(item, j)
+        _scene(t, scene)
+        t.add(" ")
+        _agent(t, item, test_case, anim, habituation_adverb)
+        t.add(f" the item on the {ORDINALS[hab]} pillar." if target_type == "pillar"
+              else f" the {scene[hab]}.")
+        t.add("\n")
+    fruit_spans, ordinal_spans = _scene(t, item["test_scene"])
+    t.add(" ")
+    reach_start = t.length
+    agent_span = _agent(t, item, test_case, anim, adverb)
+    t.add(" the item on the" if target_type == "pillar" else " the")
+    reach = Span(reach_start, t.length)
+
+    if target_type == "pillar":
+        object_target, location_target = ORDINALS[new], ORDINALS[hab]
+    else:
+        object_target, location_target = item["goal"], item["test_scene"][hab]
+    options = (location_target, object_target) if item["reversed"] else (object_target,
+                                                                          location_target)
+    template = f"{target_type}-{'anim' if anim else 'plain'}"
+    task_id = f"goal-s{seed}-{i:04d}"
+    return Stimulus(
+        id=f"{task_id}-{test_case}-k{k}-{template}",
+        text=t.text(),
+        options=options,
+        answer=object_target,
+        family=FAMILY,
+        task_id=task_id,
+        template_id=template,
+        condition=test_case,
+        reversed=item["reversed"],
+        prompt_type="goal",
+        spans={
+            "protagonist": agent_span,
+            "object": fruit_spans[new],
+            "location_1": ordinal_spans[hab],
+            "location_2": ordinal_spans[new],
+            "contrast": reach,
+            "query": reach,
+        },
+        meta={
+            "test_case": test_case,
+            "k": k,
+            "target_type": target_type,
+            "anim_denotation": anim,
+            "goal_object": item["goal"],
+            "habituated_location": ORDINALS[hab],
+            "goal_location": ORDINALS[new],
+            "object_target": object_target,
+            "location_target": location_target,
+            "agent": item["mover"] if test_case == "inanimate" else item["name"],
+            "manner": adverb,
+            "manner_scope": manner_scope,
+            "test_scene": list(item["test_scene"]),
+        },
+    )
