@@ -30,7 +30,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-VARIANTS = ("hf_default", "hf_eager", "tomlens", "tl_run_with_cache")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -47,6 +46,16 @@ def _proc_status(field: str) -> int | None:
     return None
 
 
+def _malloc_trim() -> None:
+    """Hand memory freed by earlier work (the warm-up) back to the OS, so it cannot hide a peak."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 class PeakMemory:
     """Peak memory of a region: CUDA allocator stats on GPU, peak RSS (VmHWM) on CPU."""
 
@@ -59,9 +68,11 @@ class PeakMemory:
         import torch
 
         gc.collect()
+        _malloc_trim()
         if self.device == "cuda":
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
+            self.method = "torch.cuda.max_memory_allocated"
             self.base = torch.cuda.memory_allocated()
             return
         try:  # "5" resets the peak RSS counter (Linux >= 4.0)
@@ -104,19 +115,23 @@ def sorted_batches(encode_model: Any, stimuli: list[Any], batch_size: int) -> tu
     return [order[i : i + batch_size] for i in range(0, len(order), batch_size)], sum(lengths)
 
 
-def run_child(variant: str, args: argparse.Namespace) -> dict[str, Any]:
-    import torch
+class Setup:
+    """The prompts, the length-sorted batches and the callables that run one pass of each variant."""
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    stimuli = belief_prompts(args.prompts)
-    positions = ["final", "protagonist"]
-    result: dict[str, Any] = {"variant": variant, "device": device, "dtype": str(dtype),
-                              "threads": torch.get_num_threads()}
+    def __init__(self, args: argparse.Namespace, variants: list[str]):
+        import torch
 
-    if variant.startswith("hf_"):
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.dtype = torch.bfloat16 if self.device == "cuda" else torch.float32
+        self.stimuli = belief_prompts(args.prompts)
+        self.positions = ["final", "protagonist"]
+        self.batch_size = args.batch_size
+        self.passes = {v: getattr(self, "_" + v)() for v in variants}
+
+    def _hf(self, impl: str | None):
+        import torch
         from types import SimpleNamespace
 
         from transformers import AutoModelForCausalLM
@@ -125,13 +140,13 @@ def run_child(variant: str, args: argparse.Namespace) -> dict[str, Any]:
         from tomlens.models.embedded import embedded_dir, load_tokenizer
 
         folder = embedded_dir()
-        impl = "eager" if variant == "hf_eager" else None  # None: transformers' default (sdpa)
-        hf = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation=impl).to(device).eval()
+        hf = AutoModelForCausalLM.from_pretrained(folder, dtype=self.dtype, attn_implementation=impl)
+        hf = hf.to(self.device).eval()
         tok = load_tokenizer(folder)
         tok.add_bos_token, tok.padding_side = True, "left"
         shim = SimpleNamespace(tokenizer=tok, parameters=hf.parameters, cfg=SimpleNamespace(n_ctx=None))
-        result["attn_implementation"] = hf.config._attn_implementation
-        batches, n_tokens = sorted_batches(shim, stimuli, args.batch_size)
+        self.batches, self.tokens = sorted_batches(shim, self.stimuli, self.batch_size)
+        stimuli = self.stimuli
 
         def one_pass(rows_list: list[list[int]]) -> int:
             kept = 0
@@ -144,135 +159,180 @@ def run_child(variant: str, args: argparse.Namespace) -> dict[str, Any]:
                     del logits
             return kept
 
-        one_pass(batches[:1])  # warm-up
-        runs = []
-        for _ in range(args.repeats):
-            mem = PeakMemory(device)
-            mem.start()
-            t0 = time.perf_counter()
-            kept = one_pass(batches)
-            if device == "cuda":
-                torch.cuda.synchronize()
-            runs.append((time.perf_counter() - t0, mem.stop(), kept))
-    else:
-        from tomlens.activations import cache_activations
-        from tomlens.models import encode, load_model
-        from tomlens.hooks import resolve_positions
+        one_pass.info = {"attn_implementation": hf.config._attn_implementation}
+        return one_pass
 
-        model = load_model("smollm2-135m", device=device, dtype=dtype)
-        batches, n_tokens = sorted_batches(model, stimuli, args.batch_size)
+    def _hf_default(self):
+        return self._hf(None)  # transformers' default attention (sdpa)
+
+    def _hf_eager(self):
+        return self._hf("eager")
+
+    def _bridge(self):
+        if not hasattr(self, "model"):
+            from tomlens.models import load_model
+
+            self.model = load_model("smollm2-135m", device=self.device, dtype=self.dtype)
+            self.batches, self.tokens = sorted_batches(self.model, self.stimuli, self.batch_size)
+        return self.model
+
+    def _tomlens(self):
+        from tomlens.activations import cache_activations
+
+        model, stimuli, positions = self._bridge(), self.stimuli, self.positions
+
+        def one_pass(rows_list: list[list[int]]) -> int:
+            rows = sorted(r for b in rows_list for r in b)
+            with tempfile.TemporaryDirectory() as store:
+                acts = cache_activations(model, [stimuli[r] for r in rows], "resid_post", positions,
+                                         store=store, batch_size=self.batch_size, progress=False)
+                assert not acts.reused and acts.get("resid_post", "final").shape[1] == model.cfg.n_layers
+                return sum(acts.get("resid_post", p).nbytes for p in positions)
+
+        one_pass.info = {"sites": "resid_post (all layers)", "positions": positions}
+        return one_pass
+
+    def _tl_run_with_cache(self):
+        import torch
+
+        from tomlens.hooks import resolve_positions
+        from tomlens.models import encode
+
+        model, stimuli, positions = self._bridge(), self.stimuli, self.positions
         n_layers = model.cfg.n_layers
 
-        if variant == "tomlens":
-            def one_pass(rows_list: list[list[int]]) -> int:
-                rows = sorted(r for b in rows_list for r in b)
-                with tempfile.TemporaryDirectory() as store:
-                    acts = cache_activations(model, [stimuli[r] for r in rows], "resid_post", positions,
-                                             store=store, batch_size=args.batch_size, progress=False)
-                    assert not acts.reused and acts.get("resid_post", "final").shape[1] == n_layers
-                    return sum(acts.get("resid_post", p).nbytes for p in positions)
-        else:
-            def one_pass(rows_list: list[list[int]]) -> int:
-                kept = 0
-                with torch.inference_mode():
-                    for rows in rows_list:
-                        chunk = [stimuli[r] for r in rows]
-                        b = encode(model, [s.text for s in chunk])
-                        logits, cache = model.run_with_cache(b.input_ids, **b.forward_kwargs())
-                        pos = resolve_positions(chunk, b, positions)
-                        idx = torch.arange(len(rows))[:, None]
-                        _ = [cache[f"blocks.{L}.hook_resid_post"][idx, pos].clone() for L in range(n_layers)]
-                        kept = max(kept, sum(v.nbytes for v in cache.values()) + logits.nbytes)
-                        del logits, cache
-                return kept
+        def one_pass(rows_list: list[list[int]]) -> int:
+            kept = 0
+            with torch.inference_mode():
+                for rows in rows_list:
+                    chunk = [stimuli[r] for r in rows]
+                    b = encode(model, [s.text for s in chunk])
+                    logits, cache = model.run_with_cache(b.input_ids, **b.forward_kwargs())
+                    pos = resolve_positions(chunk, b, positions)
+                    idx = torch.arange(len(rows))[:, None]
+                    _ = [cache[f"blocks.{L}.hook_resid_post"][idx, pos].clone() for L in range(n_layers)]
+                    storages = {v.untyped_storage().data_ptr(): v.untyped_storage().nbytes()
+                                for v in cache.values()}
+                    kept = max(kept, sum(storages.values()) + logits.nbytes)
+                    del logits, cache
+            return kept
 
-        one_pass(batches[:1])  # warm-up (also builds the tokenizer fingerprint once)
-        runs = []
-        for _ in range(args.repeats):
-            mem = PeakMemory(device)
-            mem.start()
-            t0 = time.perf_counter()
-            kept = one_pass(batches)
-            if device == "cuda":
-                torch.cuda.synchronize()
-            runs.append((time.perf_counter() - t0, mem.stop(), kept))
+        one_pass.info = {"hooks": "every hook (names_filter=None)"}
+        return one_pass
 
-    best = min(runs, key=lambda r: r[0])
-    result.update({
-        "prompts": len(stimuli), "batch_size": args.batch_size, "batches": len(batches),
-        "seconds": best[0], "seconds_all": [r[0] for r in runs],
-        "peak_activation_bytes": max(r[1] for r in runs), "kept_bytes": best[2],
-        "tokens": n_tokens, "tokens_per_s": n_tokens / best[0],
-    })
-    return result
+
+def timed(setup: Setup, variant: str, measure_memory: bool) -> dict[str, Any]:
+    import torch
+
+    mem = PeakMemory(setup.device)
+    if measure_memory:
+        mem.start()
+    t0 = time.perf_counter()
+    kept = setup.passes[variant](setup.batches)
+    if setup.device == "cuda":
+        torch.cuda.synchronize()
+    out = {"seconds": time.perf_counter() - t0, "kept_bytes": kept}
+    if measure_memory:
+        out["peak_activation_bytes"] = mem.stop()
+        out["memory_method"] = mem.method
+    return out
+
+
+def run_timing(args: argparse.Namespace, variants: list[str]) -> dict[str, Any]:
+    """All timed variants in one process, passes interleaved (order rotating each round), so a
+    busy machine slows them alike; the fastest pass of each counts."""
+    setup = Setup(args, variants)
+    for v in variants:
+        setup.passes[v](setup.batches[:1])  # warm-up
+    seconds: dict[str, list[float]] = {v: [] for v in variants}
+    for r in range(args.repeats):
+        order = variants[r % len(variants):] + variants[: r % len(variants)]
+        for v in order:
+            seconds[v].append(timed(setup, v, measure_memory=False)["seconds"])
+    return {v: {"seconds": min(seconds[v]), "seconds_all": seconds[v], "tokens": setup.tokens,
+                "tokens_per_s": setup.tokens / min(seconds[v]), **setup.passes[v].info,
+                "device": setup.device, "dtype": str(setup.dtype), "prompts": len(setup.stimuli),
+                "batches": len(setup.batches), "batch_size": setup.batch_size} for v in variants}
+
+
+def run_memory(args: argparse.Namespace, variant: str) -> dict[str, Any]:
+    """One variant alone in a fresh process: its peak activation memory and what it keeps."""
+    setup = Setup(args, [variant])
+    setup.passes[variant](setup.batches[:1])  # warm-up
+    return timed(setup, variant, measure_memory=True)
 
 
 # ---------------------------------------------------------------------------------------------
 # driver
 
 
+def _child(args: argparse.Namespace, role: str) -> dict[str, Any]:
+    cmd = [sys.executable, __file__, "--child", role, "--prompts", str(args.prompts),
+           "--batch-size", str(args.batch_size), "--repeats", str(args.repeats), "--threads", str(args.threads)]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "TQDM_DISABLE": "1"})
+    line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    if proc.returncode != 0 or not line:
+        sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-4000:])
+        raise SystemExit(f"benchmark child {role} failed (exit {proc.returncode})")
+    print(f"  [{role}: {time.perf_counter() - t0:.0f} s]", flush=True)
+    return json.loads(line[-1][len("RESULT "):])
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--prompts", type=int, default=256)
     p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--repeats", type=int, default=1, help="timed passes per variant (the fastest counts)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="timed passes per variant, interleaved (the fastest counts); use 2-3 on a busy machine")
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
-    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     p.add_argument("--out", default="bench-out/cache.json")
-    p.add_argument("--child", choices=VARIANTS, help=argparse.SUPPRESS)
+    p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args()
 
     if args.child:
-        print("RESULT " + json.dumps(run_child(args.child, args)), flush=True)
+        if args.child == "timing":
+            result = run_timing(args, ["hf_default", "hf_eager", "tomlens"])
+        else:
+            result = run_memory(args, args.child)
+        print("RESULT " + json.dumps(result), flush=True)
         return 0
 
-    # the embedded model is converted once before any timing
     from tomlens.models.embedded import embedded_dir
 
-    embedded_dir()
-    results: dict[str, Any] = {}
-    for variant in args.variants:
-        cmd = [sys.executable, __file__, "--child", variant, "--prompts", str(args.prompts),
-               "--batch-size", str(args.batch_size), "--repeats", str(args.repeats),
-               "--threads", str(args.threads)]
-        t0 = time.perf_counter()
-        proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "TQDM_DISABLE": "1"})
-        line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-        if proc.returncode != 0 or not line:
-            sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-4000:])
-            raise SystemExit(f"variant {variant} failed (exit {proc.returncode})")
-        results[variant] = json.loads(line[-1][len("RESULT "):])
-        r = results[variant]
-        print(f"{variant:<18} {r['seconds']:7.2f} s   peak activations {r['peak_activation_bytes'] / 2**20:9.1f} MiB"
-              f"   kept {r['kept_bytes'] / 2**20:9.2f} MiB   (child wall {time.perf_counter() - t0:.0f} s)",
-              flush=True)
+    embedded_dir()  # convert the embedded model once, before anything is timed
+    print(f"caching resid_post x every layer at final + protagonist, {args.prompts} belief prompts, "
+          f"batch {args.batch_size}", flush=True)
+    timing = _child(args, "timing")
+    memory = {v: _child(args, v) for v in ("tomlens", "tl_run_with_cache")}
 
-    summary: dict[str, Any] = {"results": results}
-    if "tomlens" in results:
-        tl = results["tomlens"]
-        hf = [results[v] for v in ("hf_default", "hf_eager") if v in results]
-        if hf:
-            summary["time_ratio_vs_hf_default"] = (tl["seconds"] / results["hf_default"]["seconds"]
-                                                   if "hf_default" in results else None)
-            summary["time_ratio_vs_hf_eager"] = (tl["seconds"] / results["hf_eager"]["seconds"]
-                                                 if "hf_eager" in results else None)
-            fastest = min(hf, key=lambda r: r["seconds"])
-            summary["time_ratio"] = tl["seconds"] / fastest["seconds"]
-            summary["time_baseline"] = fastest["variant"]
-        if "tl_run_with_cache" in results:
-            base = results["tl_run_with_cache"]
-            summary["memory_ratio"] = tl["peak_activation_bytes"] / max(1, base["peak_activation_bytes"])
-            summary["kept_ratio"] = tl["kept_bytes"] / max(1, base["kept_bytes"])
-    summary["targets"] = {"time_ratio": 1.0, "memory_ratio": 0.1}
+    tl, fastest_hf = timing["tomlens"], min((timing["hf_default"], timing["hf_eager"]), key=lambda r: r["seconds"])
+    summary: dict[str, Any] = {
+        "task": {"model": "smollm2-135m", "sites": "resid_post, every layer", "positions": ["final", "protagonist"],
+                 "prompts": args.prompts, "batch_size": args.batch_size, "device": tl["device"], "dtype": tl["dtype"]},
+        "timing": timing,
+        "memory": memory,
+        "time_ratio": tl["seconds"] / fastest_hf["seconds"],
+        "time_ratio_vs_hf_default": tl["seconds"] / timing["hf_default"]["seconds"],
+        "time_ratio_vs_hf_eager": tl["seconds"] / timing["hf_eager"]["seconds"],
+        "memory_ratio": memory["tomlens"]["peak_activation_bytes"]
+        / max(1, memory["tl_run_with_cache"]["peak_activation_bytes"]),
+        "kept_bytes_ratio": memory["tomlens"]["kept_bytes"] / max(1, memory["tl_run_with_cache"]["kept_bytes"]),
+        "targets": {"time_ratio": 1.0, "memory_ratio": 0.1},
+    }
+    for v, r in timing.items():
+        print(f"  time   {v:<18} {r['seconds']:7.2f} s  ({r['tokens_per_s']:.0f} tok/s; passes "
+              f"{', '.join(f'{x:.1f}' for x in r['seconds_all'])})")
+    for v, r in memory.items():
+        print(f"  memory {v:<18} peak activations {r['peak_activation_bytes'] / 2**20:8.1f} MiB, "
+              f"kept {r['kept_bytes'] / 2**20:8.2f} MiB")
+    print(f"time ratio   tomlens / fastest plain transformers forward: {summary['time_ratio']:.2f} (target <= 1.0; "
+          f"vs sdpa {summary['time_ratio_vs_hf_default']:.2f}, vs eager {summary['time_ratio_vs_hf_eager']:.2f})")
+    print(f"memory ratio tomlens / run_with_cache(every hook), peak activations: {summary['memory_ratio']:.3f} "
+          f"(target <= 0.1); kept bytes {summary['kept_bytes_ratio']:.5f}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(summary, indent=2))
-    if "time_ratio" in summary:
-        print(f"time   tomlens / fastest plain transformers forward ({summary['time_baseline']}): "
-              f"{summary['time_ratio']:.2f}  (target <= 1.0)")
-    if "memory_ratio" in summary:
-        print(f"memory tomlens / run_with_cache(all hooks), peak activations: {summary['memory_ratio']:.3f}"
-              f"  (target <= 0.1); kept bytes ratio {summary['kept_ratio']:.5f}")
     print(f"wrote {out}")
     return 0
 

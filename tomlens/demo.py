@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tomlens.demo", description=__doc__)
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--out", default="demo-out")
-    parser.add_argument("--n", type=int, default=12, help="tasks per false-belief family")
+    parser.add_argument("--n", type=int, default=8, help="tasks per false-belief family")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     out = Path(args.out)

@@ -17,6 +17,7 @@ from jaxtyping import Float
 from torch import Tensor
 from tqdm.auto import tqdm
 
+from tomlens.errors import TomlensError
 from tomlens.models.tokens import encode
 from tomlens.stimuli.records import Stimulus
 
@@ -37,18 +38,55 @@ class OptionScore:
 
 
 def _continuation_logprobs(
-    logits: Float[Tensor, "batch pos vocab"],
-    input_ids: Tensor,
-    starts: Sequence[int],
-    ends: Sequence[int],
+    logits: Float[Tensor, "batch pos vocab"], targets: Sequence[tuple[int, list[int]]]
 ) -> list[list[float]]:
-    """Log-probs of tokens `[start, end)` (padded indices) of each row, from the previous position."""
+    """Log-probs of each row's target tokens: `targets[row] = (start, token_ids)`, where token
+    `token_ids[i]` sits at padded index `start + i` and is predicted from position `start - 1 + i`."""
     out: list[list[float]] = []
-    for row, (s, e) in enumerate(zip(starts, ends)):
-        lp = torch.log_softmax(logits[row, s - 1 : e - 1].float(), dim=-1)
-        tok = input_ids[row, s:e].to(lp.device)
-        out.append(lp.gather(-1, tok[:, None])[:, 0].tolist())
+    for row, (start, toks) in enumerate(targets):
+        lp = torch.log_softmax(logits[row, start - 1 : start - 1 + len(toks)].float(), dim=-1)
+        idx = torch.tensor(toks, device=lp.device)[:, None]
+        out.append(lp.gather(-1, idx)[:, 0].tolist())
     return out
+
+
+@dataclass(frozen=True)
+class _Job:
+    """One forward row: a text and, per (stimulus, option) it serves, the tokens to score."""
+
+    text: str
+    wants: tuple[tuple[int, int, tuple[int, ...]], ...]  # (stimulus index, option index, token ids)
+    joint: bool  # True: the option's tokens end the text; False: they follow the text
+
+
+def _plan(tokenizer, stimuli: Sequence[Stimulus]) -> list[_Job]:
+    """Score single-token options from one forward of the prompt; others as prompt + option.
+
+    An option's tokens are those of `text + " " + option` that start at or after the end of the
+    prompt (found through the offsets), so the leading space is part of the first token exactly as
+    the tokenizer would merge it. When the prompt's own tokens are a prefix of the joint
+    tokenization and the option is one token, the prompt's last-position logits score it.
+    """
+    jobs: list[_Job] = []
+    for i, s in enumerate(stimuli):
+        prompt_ids = tokenizer(s.text)["input_ids"]
+        shared: list[tuple[int, int, tuple[int, ...]]] = []
+        for j, opt in enumerate(s.options):
+            enc = tokenizer(f"{s.text} {opt}", return_offsets_mapping=True)
+            ids, offs = enc["input_ids"], enc["offset_mapping"]
+            first = next((t for t, (cs, ce) in enumerate(offs)
+                          if ce > cs and (cs >= len(s.text) or ce > len(s.text))), None)
+            if first is None or first == 0:
+                raise TomlensError(f"stimulus {s.id}: option {opt!r} could not be located in the tokens",
+                                   "check that the text does not end with whitespace")
+            cont = tuple(ids[first:])
+            if len(cont) == 1 and list(ids[:first]) == list(prompt_ids):
+                shared.append((i, j, cont))
+            else:
+                jobs.append(_Job(f"{s.text} {opt}", ((i, j, cont),), joint=True))
+        if shared:
+            jobs.append(_Job(s.text, tuple(shared), joint=False))
+    return jobs
 
 
 def score_options(
@@ -56,35 +94,25 @@ def score_options(
 ) -> list[tuple[OptionScore, OptionScore]]:
     """Score both options of every stimulus; returns `(score_a, score_b)` per stimulus, in order.
 
-    Sequences are sorted by length so batches carry little padding; results come back in input order.
+    Rows are sorted by length so batches carry little padding; results come back in input order.
     """
-    texts: list[str] = []
-    prompt_ends: list[int] = []
-    for s in stimuli:
-        for opt in s.options:
-            texts.append(f"{s.text} {opt}")
-            prompt_ends.append(len(s.text))
-    order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
-    scores: list[OptionScore | None] = [None] * len(texts)
-    bar = tqdm(total=len(stimuli), desc="scoring", unit="prompt", disable=not progress)
+    jobs = sorted(_plan(model.tokenizer, stimuli), key=lambda j: len(j.text))
+    scores: dict[tuple[int, int], OptionScore] = {}
+    bar = tqdm(total=len(jobs), desc="scoring", unit="seq", disable=not progress)
     with torch.inference_mode():
-        for b0 in range(0, len(order), batch_size):
-            idx = order[b0 : b0 + batch_size]
-            batch = encode(model, [texts[i] for i in idx])
-            starts, ends = [], []
-            for row, i in enumerate(idx):
-                offs = batch.offsets[row]
-                first = next(t for t, (cs, ce) in enumerate(offs) if cs >= prompt_ends[i] or ce > prompt_ends[i])
-                if first == 0:
-                    raise ValueError(f"prompt of {texts[i][:40]!r} tokenised to nothing")
-                starts.append(batch.pad[row] + first)
-                ends.append(batch.pad[row] + len(offs))
+        for b0 in range(0, len(jobs), batch_size):
+            chunk = jobs[b0 : b0 + batch_size]
+            batch = encode(model, [j.text for j in chunk])
             logits = model(batch.input_ids, **batch.forward_kwargs())
-            for row, lps in enumerate(_continuation_logprobs(logits, batch.input_ids, starts, ends)):
-                scores[idx[row]] = OptionScore(sum(lps), lps[0], len(lps))
-            bar.update(len(idx) / 2)
+            for row, job in enumerate(chunk):
+                end = batch.pad[row] + batch.lengths[row]
+                for i, j, toks in job.wants:
+                    start = end - len(toks) if job.joint else end
+                    (lps,) = _continuation_logprobs(logits[row : row + 1], [(start, list(toks))])
+                    scores[(i, j)] = OptionScore(sum(lps), lps[0], len(lps))
+            bar.update(len(chunk))
     bar.close()
-    return [(scores[2 * j], scores[2 * j + 1]) for j in range(len(stimuli))]  # type: ignore[misc]
+    return [(scores[(i, 0)], scores[(i, 1)]) for i in range(len(stimuli))]
 
 
 def _p_first_of_two(la: float, lb: float) -> float:

@@ -183,14 +183,14 @@ def _run_settings(
                 for l, h in heads:
                     cols = cell_columns(Cell("head", l, h, position, -1), group, j, prepared.n_aligned)
                     if cols:
-                        patches.append((hook_for("head", l), h, cols, src))
+                        patches.append((hook_for("head", l), l, h, cols, src))
                 if not patches:
                     values[s_i, p_i] = metric[base]
                     continue
                 runs.append(Run(base, patches))
                 targets.append((s_i, p_i))
         bar.update(len(head_sets) * g - len(runs))
-        out = run_patched(model, group, runs, bp.sources, bp.prefix, memory_mb=memory_mb, bar=bar)
+        out = run_patched(model, group, runs, bp.sources, bp, memory_mb=memory_mb, bar=bar)
         if targets:
             t = torch.tensor(targets)
             values[t[:, 0], t[:, 1]] = out.double()
@@ -313,9 +313,9 @@ def mean_ablation(
             for story in range(2 * g):
                 pad = group.pad(story % g if story < g else story - g)
                 cols = [width - 1] if mode == "final" else list(range(pad, width))
-                runs.append(Run(story, [(hook_for("head", l), h, cols, 0) for l, h in heads]))
+                runs.append(Run(story, [(hook_for("head", l), l, h, cols, 0) for l, h in heads]))
                 targets.append((s_i, 0 if story < g else 1, group.index[story % g]))
-        out = run_patched(model, group, runs, sources, bp.prefix, memory_mb=memory_mb, bar=bar)
+        out = run_patched(model, group, runs, sources, bp, memory_mb=memory_mb, bar=bar)
         t = torch.tensor(targets)
         ablated[t[:, 0], t[:, 1], t[:, 2]] = out.double()
     bar.close()

@@ -22,6 +22,8 @@ gives NaN there and is left out of that cell's statistics.
 
 from __future__ import annotations
 
+import warnings
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Literal, Mapping, Sequence
 
@@ -208,47 +210,67 @@ def _token_labels(model, groups: Sequence[Group], n_aligned: int) -> list[str]:
 class Run:
     """One patched forward: a base story and the cells overwritten in it.
 
-    `patches` holds (hook name, head or -1, padded columns, source row) tuples; the source row
-    indexes the `sources` tensors given to `run_patched`.
+    `patches` holds (hook name, layer, head or -1, padded columns, source row) tuples; the source
+    row indexes the `sources` tensors given to `run_patched`.
     """
 
     base: int
-    patches: list[tuple[str, int, list[int], int]]
+    patches: list[tuple[str, int, int, list[int], int]]
 
     @property
     def start(self) -> int:
-        return min(min(c) for _, _, c, _ in self.patches)
+        return min(min(p[3]) for p in self.patches)
+
+    @property
+    def layer(self) -> int:
+        return min(p[1] for p in self.patches)
 
 
 @dataclass
 class BasePass:
-    """Last-token metric, activations at the patched sites and keys/values of every story of a group."""
+    """Last-token metric, activations at the patched sites, the residual stream entering every
+    block and keys/values, for every story of a group."""
 
     metric: Float[Tensor, "story"]
     sources: dict[str, Tensor]
     prefix: PrefixCache | None
+    resid: dict[int, Tensor] = field(default_factory=dict)
 
 
-def base_pass(model, group: Group, hook_names: Iterable[str], *, reuse_prefix: bool = True) -> BasePass:
+def base_pass(
+    model, group: Group, hook_names: Iterable[str], *, reuse_prefix: bool = True, skip_layers: bool | None = None
+) -> BasePass:
+    """Run every story of a group once, keeping what the patched runs reuse.
+
+    With `skip_layers` (default: same as `reuse_prefix`), the residual stream entering each block
+    is kept so patched runs can start at the first block they patch.
+    """
+    from tomlens.hooks import Site, hook_name
+
+    skip_layers = reuse_prefix if skip_layers is None else skip_layers
+    names = set(hook_names)
+    resid_names = {hook_name(Site("resid_pre", l)): l for l in range(1, model.cfg.n_layers)} if skip_layers else {}
     store: dict[str, Tensor] = {}
     batch = group.batch
     with torch.inference_mode():
         last, prefix = forward_last(
-            model, batch.input_ids, batch.forward_kwargs(), record_hooks(sorted(set(hook_names)), store),
-            keep_cache=reuse_prefix,
+            model, batch.input_ids, batch.forward_kwargs(),
+            record_hooks(sorted(names | set(resid_names)), store), keep_cache=reuse_prefix,
         )
-    return BasePass(logit_diff(last, group.tokens), store, prefix)
+    sources = {n: store[n] for n in names}
+    resid = {l: store[n] for n, l in resid_names.items() if n in store}
+    return BasePass(logit_diff(last, group.tokens), sources, prefix, resid)
 
 
-def _row_bytes(model, width: int, new: int) -> int:
-    """Rough memory of one patched row: its KV cache over all layers, one layer's transient
+def _row_bytes(model, width: int, new: int, first_layer: int = 0) -> int:
+    """Rough memory of one patched row: its KV cache over the layers it runs, one layer's transient
     activations and attention scores for the recomputed columns, and the last-token logits."""
     cfg = model.cfg
     n_kv = getattr(cfg, "n_key_value_heads", None) or cfg.n_heads
     d_mlp = getattr(cfg, "d_mlp", None) or 4 * cfg.d_model
     elt = torch.finfo(getattr(cfg, "dtype", torch.float32) or torch.float32).bits // 8
     floats = (
-        cfg.n_layers * 2 * n_kv * cfg.d_head * width
+        (cfg.n_layers - first_layer + 1) * 2 * n_kv * cfg.d_head * width
         + new * (12 * cfg.d_model + 4 * d_mlp)
         + 4 * cfg.n_heads * new * width
         + 2 * cfg.d_vocab
@@ -259,7 +281,7 @@ def _row_bytes(model, width: int, new: int) -> int:
 def _entries(chunk: Sequence[Run], sources: Mapping[str, Tensor]) -> dict[str, PatchIndex]:
     acc: dict[str, tuple[list[int], list[int], list[int], list[int]]] = {}
     for r, run in enumerate(chunk):
-        for hook, head, cols, src in run.patches:
+        for hook, _, head, cols, src in run.patches:
             rows, cs, hs, ss = acc.setdefault(hook, ([], [], [], []))
             rows.extend([r] * len(cols))
             cs.extend(cols)
@@ -281,46 +303,96 @@ def _entries(chunk: Sequence[Run], sources: Mapping[str, Tensor]) -> dict[str, P
     return out
 
 
+# Whether shared-prefix / skipped-block runs reproduce a plain run on this model (checked once).
+_SHORTCUTS_OK: "weakref.WeakKeyDictionary[Any, bool]" = weakref.WeakKeyDictionary()
+
+
+def _shortcuts_ok(model, group: Group, bp: BasePass) -> bool:
+    """Check once per model that a run through the shortcuts (KV prefix from the last column,
+    blocks below the middle skipped) gives the base run's own metric; if not, do without them."""
+    if bp.prefix is None:
+        return False
+    try:
+        return _SHORTCUTS_OK[model]
+    except (KeyError, TypeError):
+        pass
+    ok = True
+    if ok:
+        width = group.width
+        start = width - 1
+        layer = model.cfg.n_layers // 2
+        rows = torch.tensor([0])
+        skip = (layer, bp.resid[layer][rows, start:]) if layer in bp.resid else None
+        batch = group.batch
+        try:
+            with torch.inference_mode():
+                last, _ = forward_last(
+                    model, batch.input_ids, batch.forward_kwargs(), rows=rows, prefix=bp.prefix,
+                    start=start, skip=skip,
+                )
+            got = float(logit_diff(last, group.tokens[rows])[0])
+            want = float(bp.metric[0])
+            ok = abs(got - want) <= 1e-3 * (1 + abs(want))
+        except Exception as e:  # noqa: BLE001 - an architecture the shortcuts do not fit
+            warnings.warn(f"patching without shared-prefix shortcuts: {type(e).__name__}: {e}", stacklevel=3)
+            ok = False
+        if not ok:
+            warnings.warn("shared-prefix shortcuts disagree with a plain run on this model; not using them", stacklevel=3)
+    try:
+        _SHORTCUTS_OK[model] = ok
+    except TypeError:
+        pass
+    return ok
+
+
 def run_patched(
     model,
     group: Group,
     runs: Sequence[Run],
     sources: Mapping[str, Tensor],
-    prefix: PrefixCache | None,
+    base: BasePass,
     *,
     memory_mb: float = 1024,
     bar: Any = None,
 ) -> Float[Tensor, "run"]:
     """Metric of every patched run, many runs per forward.
 
-    Runs are sorted by their first patched column (latest first) and cut into chunks that fit
-    `memory_mb`; a chunk recomputes only the columns from its earliest start on, taking earlier
-    keys and values from the base runs (`prefix`).
+    Runs are sorted by the first block they patch and their first patched column (latest first)
+    and cut into chunks that fit `memory_mb`. A chunk runs only the blocks from its earliest
+    patched block on (the base run's residual stream enters there) and only the columns from its
+    earliest patched column on (earlier keys and values come from the base run).
     """
     out = torch.empty(len(runs), dtype=torch.float32)
     if not runs:
         return out
     width = group.width
-    starts = [run.start if prefix is not None else 0 for run in runs]
-    order = sorted(range(len(runs)), key=lambda i: -starts[i])
+    shortcuts = _shortcuts_ok(model, group, base)
+    prefix = base.prefix if shortcuts else None
+    starts = [run.start if shortcuts else 0 for run in runs]
+    firsts = [run.layer if shortcuts and run.layer in base.resid else 0 for run in runs]
+    order = sorted(range(len(runs)), key=lambda i: (-firsts[i], -starts[i]))
     budget = memory_mb * 2**20
     batch = group.batch
     fk = batch.forward_kwargs()
     a = 0
     while a < len(order):
         b = a + 1
+        start, first = starts[order[a]], firsts[order[a]]
         while b < len(order) and b - a < 4096:
-            if (b - a + 1) * _row_bytes(model, width, width - starts[order[b]]) > budget:
+            s2, f2 = min(start, starts[order[b]]), min(first, firsts[order[b]])
+            if (b - a + 1) * _row_bytes(model, width, width - s2, f2) > budget:
                 break
+            start, first = s2, f2
             b += 1
         chunk_idx = order[a:b]
         chunk = [runs[i] for i in chunk_idx]
-        start = starts[order[b - 1]]
         rows = torch.tensor([run.base for run in chunk], dtype=torch.long)
-        hooks = patch_hooks(_entries(chunk, sources), offset=start if prefix is not None else 0)
+        offset = start if prefix is not None else 0
+        skip = (first, base.resid[first].index_select(0, rows.to(base.resid[first].device))[:, offset:]) if first > 0 else None
+        hooks = patch_hooks(_entries(chunk, sources), offset=offset)
         with torch.inference_mode():
             last, _ = forward_last(
-                model, batch.input_ids, fk, hooks, rows=rows, prefix=prefix, start=start
+                model, batch.input_ids, fk, hooks, rows=rows, prefix=prefix, start=start, skip=skip
             )
             values = logit_diff(last, group.tokens[rows])
         out[torch.tensor(chunk_idx)] = values.cpu()
@@ -551,10 +623,10 @@ def exact_patching(
                 if not cols:
                     values[c_i, p_i] = metric[base]
                     continue
-                runs.append(Run(base, [(hook, cell.head, cols, src)]))
+                runs.append(Run(base, [(hook, cell.layer, cell.head, cols, src)]))
                 targets.append((c_i, p_i))
         bar.update(len(cells) * g - len(runs))
-        out = run_patched(model, group, runs, bp.sources, bp.prefix, memory_mb=memory_mb, bar=bar)
+        out = run_patched(model, group, runs, bp.sources, bp, memory_mb=memory_mb, bar=bar)
         if targets:
             t = torch.tensor(targets)
             values[t[:, 0], t[:, 1]] = out.double()

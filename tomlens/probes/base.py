@@ -13,7 +13,8 @@ decision value.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from jaxtyping import Float, Int

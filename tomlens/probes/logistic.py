@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from jaxtyping import Float, Int
@@ -23,7 +24,7 @@ from torch import Tensor
 from tomlens.errors import TomlensError
 from tomlens.probes.base import Probe, encode_labels, one_vs_rest, scores_to_index, scores_to_proba
 from tomlens.probes.newton import newton_logistic
-from tomlens.probes.reduce import Standardiser, reduce_rows
+from tomlens.probes.reduce import BlockSums, Standardiser, reduce_rows
 from tomlens.probes.splits import Split, as_codes, group_kfold
 
 C_GRID: tuple[float, ...] = (0.001, 0.01, 0.1, 1.0, 10.0)
@@ -54,20 +55,21 @@ def _unit_chunks(u: int, n: int, d: int, j: int, budget_bytes: float) -> list[sl
     return [slice(a, min(a + size, u)) for a in range(0, u, size)]
 
 
-def _fit_reduced(Z: Tensor, m: int, T: Tensor, inv_c: Tensor, beta0: Tensor | None,
+def _fit_reduced(Z: Tensor, T: Tensor, inv_c: Tensor, beta0: Tensor | None,
                  max_iter: int, tol: float) -> tuple[Tensor, int]:
-    """Newton on the training rows of reduced features; `T` [j, m] targets shared by all units."""
+    """Newton on reduced training features `Z` [u, m, r]; `T` [j, m] targets shared by all units."""
     u, j = inv_c.shape
-    y = T.to(Z.device, torch.float64).T.unsqueeze(0).expand(u, m, j)
-    res = newton_logistic(Z[:, :m], y, inv_c, beta0=beta0, max_iter=max_iter, tol=tol)
+    y = T.to(Z.device, torch.float64).T.unsqueeze(0).expand(u, Z.shape[1], j)
+    res = newton_logistic(Z, y, inv_c, beta0=beta0, max_iter=max_iter, tol=tol)
     return res.beta, int(res.n_iter.max())
 
 
-def _cv_scores(Xc: Tensor, index: Tensor, n_classes: int, folds: list[Split], c_grid: Sequence[float],
-               standardize: bool, max_iter: int, tol: float) -> tuple[Tensor, Tensor, int]:
+def _cv_scores(Xc: Tensor, sums: BlockSums | None, index: Tensor, n_classes: int, folds: list[Split],
+               c_grid: Sequence[float], max_iter: int, tol: float) -> tuple[Tensor, Tensor, int]:
     """Mean validation accuracy and log-loss per (label, unit, C) over folds.
 
-    `index` [L, n]: class index of each row for each label vector."""
+    `index` [L, n]: class index of each row for each label vector; fold f's validation rows are
+    block f of `sums` (None: no standardisation)."""
     u = Xc.shape[0]
     L = index.shape[0]
     kk = 1 if n_classes == 2 else n_classes
@@ -75,22 +77,27 @@ def _cv_scores(Xc: Tensor, index: Tensor, n_classes: int, folds: list[Split], c_
     nll = torch.zeros_like(acc)
     iters = 0
     order = sorted(range(len(c_grid)), key=lambda i: c_grid[i])
-    for split in folds:
-        tr, va = split.train.to(Xc.device), split.test.to(Xc.device)
-        std = Standardiser.fit(Xc[:, tr], standardize)
-        red = reduce_rows(std(Xc[:, torch.cat([tr, va])]), tr.numel())
-        T = torch.cat([one_vs_rest(index[l_][tr.cpu()], n_classes) for l_ in range(L)])  # [L*kk, m]
+    for f, split in enumerate(folds):
+        tr, va = split.train, split.test
+        if sums is None:
+            Xs = Xc
+        else:
+            include = torch.ones(len(folds), dtype=torch.bool)
+            include[f] = False
+            Xs = Standardiser.from_blocks(sums, include)(Xc)
+        red = reduce_rows(Xs, tr)
+        del Xs
+        ztr, zv = red.Z[:, tr.to(Xc.device)], red.Z[:, va.to(Xc.device)]
+        T = torch.cat([one_vs_rest(index[l_][tr], n_classes) for l_ in range(L)])  # [L*kk, m]
+        yv = index[:, va].to(Xc.device)  # [L, nv]
         beta = None
         for ci in order:
             inv_c = torch.full((u, L * kk), 1.0 / c_grid[ci], dtype=torch.float64, device=Xc.device)
-            beta, it = _fit_reduced(red.Z, red.m, T, inv_c, beta, max_iter, tol)
+            beta, it = _fit_reduced(ztr, T, inv_c, beta, max_iter, tol)
             iters = max(iters, it)
-            zv = red.Z[:, red.m:]  # [u, nv, r]
             s = torch.bmm(zv, beta[..., :-1].transpose(1, 2)) + beta[..., -1].unsqueeze(1)  # [u, nv, L*kk]
             s = s.view(u, -1, L, kk).permute(2, 0, 1, 3)  # [L, u, nv, kk]
-            yv = index[:, va.cpu()].to(Xc.device)  # [L, nv]
-            pred = scores_to_index(s)
-            acc[:, :, ci] += (pred == yv.unsqueeze(1)).to(torch.float64).mean(2)
+            acc[:, :, ci] += (scores_to_index(s) == yv.unsqueeze(1)).to(torch.float64).mean(2)
             proba = scores_to_proba(s).clamp(1e-15, 1 - 1e-15)
             picked = torch.gather(proba, 3, yv.view(L, 1, -1, 1).expand(L, u, -1, 1)).squeeze(3)
             nll[:, :, ci] += -picked.log().mean(2)
@@ -176,20 +183,27 @@ def fit_logistic(
         if Xc.dtype in (torch.float16, torch.bfloat16):
             Xc = Xc.float()
         uc = Xc.shape[0]
+        sums = None
+        if standardize:
+            block = torch.zeros(n, dtype=torch.long)
+            for f, split in enumerate(folds):
+                block[split.test] = f
+            sums = BlockSums.of(Xc, block, max(len(folds), 1))
         if folds:
-            acc, nll, it = _cv_scores(Xc, index, n_classes, folds, c_grid, standardize, max_iter, tol)
+            acc, nll, it = _cv_scores(Xc, sums, index, n_classes, folds, c_grid, max_iter, tol)
             iters = max(iters, it)
             best = choose_c(acc, nll, c_grid)  # [L, uc]
             cv_acc[:, sl] = acc.cpu()
             c_u = torch.tensor(c_grid, dtype=torch.float64, device=dev)[best]
         else:
             c_u = torch.full((L, uc), c_grid[0], dtype=torch.float64, device=dev)
-        std = Standardiser.fit(Xc, standardize)
-        Xs = std(Xc)
-        red = reduce_rows(Xs, n)
+        std = Standardiser.identity(Xc) if sums is None else \
+            Standardiser.from_blocks(sums, torch.ones(sums.count.numel(), dtype=torch.bool))
+        Xs = std(Xc) if sums is not None else Xc
+        red = reduce_rows(Xs, torch.arange(n))
         T = torch.cat([one_vs_rest(index[l_], n_classes) for l_ in range(L)])  # [L*kk, n]
         inv_c = (1.0 / c_u).T.repeat_interleave(kk, dim=1)  # [uc, L*kk]
-        beta, it = _fit_reduced(red.Z, n, T, inv_c, None, max_iter, tol)
+        beta, it = _fit_reduced(red.Z, T, inv_c, None, max_iter, tol)
         iters = max(iters, it)
         w_std = red.weights(Xs, beta[..., :-1])  # [uc, L*kk, d]
         w_raw, b_raw = std.to_raw(w_std.to(torch.float64), beta[..., -1])

@@ -18,7 +18,7 @@ FAMILIES: dict[str, tuple[str, str]] = {
 }
 
 
-def generate(family: str, n: int = 20, seed: int = 0, **options: Any) -> list[Stimulus]:
+def generate(family: str, /, n: int = 20, seed: int = 0, **options: Any) -> list[Stimulus]:
     """Generate `n` tasks of a built-in family, deterministically given `seed`."""
     if family not in FAMILIES:
         raise TomlensError(

@@ -1,0 +1,236 @@
+"""Exact activation patching: batched sweeps equal TransformerLens's looped functions, shortcuts are
+exact, identities hold (identity patch, clean into clean = 1, corrupted into corrupted = 0)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from tomlens.errors import TomlensError
+from tomlens.experiments.metric import logit_diff, option_first_tokens, summarise
+from tomlens.experiments.patching import (
+    Run, base_pass, exact_patching, hook_for, prepare_pairs, run_patched,
+)
+from tomlens.hooks import Site, hook_name
+from tomlens.models import encode
+from tomlens.stimuli.pairs import MinimalPair, align_pairs
+from tomlens.stimuli.records import Span, Stimulus
+
+# Names of different token lengths, so a batch of pairs is left-padded.
+NAMES = ("Ann", "Maximilian Stone", "Bo", "Kate")
+
+
+def short_pairs(tokenizer, n: int = 3, objects=("ball", "coin", "key", "cup")) -> list[MinimalPair]:
+    """Short false-belief / present pairs (about 25 tokens) differing in one word of the contrast."""
+    pairs = []
+    for i in range(n):
+        name, obj = NAMES[i % len(NAMES)], objects[i % len(objects)]
+        stories = []
+        for cond, word, answer in (("false_belief", "away", "box"), ("present", "there", "bag")):
+            head = f"{name} put the {obj} in the box. "
+            contrast = f"While {name} was {word}, Tom moved the {obj} to the bag."
+            query = f" {name} will look for the {obj} in the"
+            text = head + contrast + query
+            spans = {
+                "protagonist": Span(0, len(name)),
+                "contrast": Span(len(head), len(head) + len(contrast)),
+                "query": Span(len(head) + len(contrast) + 1, len(text)),
+            }
+            stories.append(Stimulus(id=f"p{i}-{cond}", text=text, options=("box", "bag"), answer=answer,
+                                    condition=cond, spans=spans))
+        pairs.append(MinimalPair(f"p{i}", stories[0], stories[1], "unexpected-transfer", "present"))
+    aligned, report = align_pairs(pairs, tokenizer)
+    assert len(aligned) == n, report.summary()
+    return aligned
+
+
+def _tl_metric(model, pair):
+    tok = option_first_tokens(model, [pair.clean], [(pair.clean.answer, pair.other_answer)])
+    return lambda logits: logit_diff(logits[:, -1], tok.expand(logits.shape[0], 2)).mean()
+
+
+def _ours(result, kind, position, j):
+    df = result.cell_frame()
+    sel = ((df.kind == kind) & (df.position == position)).to_numpy()
+    return result.values[torch.from_numpy(sel), j]
+
+
+@pytest.mark.parametrize(
+    "name,by_pos_heads", [("tiny-llama", True), ("tiny-gpt2", False), ("tiny-neox", False)]
+)
+def test_batched_equals_transformer_lens_looped(load_tiny, name, by_pos_heads):
+    """Every cell of the batched sweep (left-padded groups, KV prefix, skipped blocks) equals
+    TransformerLens's one-forward-per-cell functions, run one pair at a time (they pass no mask)."""
+    from transformer_lens import patching
+
+    model = load_tiny(name)
+    pairs = short_pairs(model.tokenizer, 2)
+    sites = {"resid": ["each"], "heads": ["all"] + (["each"] if by_pos_heads else []), "attn": ["each"], "mlp": ["each"]}
+    res = exact_patching(model, pairs, sites=sites, batch_pairs=2, progress=False)
+    noise = exact_patching(model, pairs, sites={"heads": ["all"]}, direction="noise", progress=False)
+    L, H = model.cfg.n_layers, model.cfg.n_heads
+    n_al = max(encode(model, [p.clean.text]).lengths[0] for p in pairs)
+    spread = []
+    for j, pair in enumerate(pairs):
+        b = encode(model, [pair.clean.text, pair.corrupted.text])
+        clean_ids, corr_ids = b.input_ids[:1], b.input_ids[1:]
+        off = n_al - b.lengths[0]
+        metric = _tl_metric(model, pair)
+        with torch.inference_mode():
+            _, clean_cache = model.run_with_cache(clean_ids)
+            _, corr_cache = model.run_with_cache(corr_ids)
+            checks = [
+                (patching.get_act_patch_attn_head_out_all_pos, "head", "all", (L, H)),
+                (patching.get_act_patch_resid_pre, "resid_pre", "each", (L, n_al)),
+                (patching.get_act_patch_attn_out, "attn_out", "each", (L, n_al)),
+                (patching.get_act_patch_mlp_out, "mlp_out", "each", (L, n_al)),
+            ]
+            if by_pos_heads:
+                checks.append((patching.get_act_patch_attn_head_out_by_pos, "head", "each", (L, n_al, H)))
+            for fn, kind, position, shape in checks:
+                tl = fn(model, corr_ids, clean_cache, metric).double()
+                mine = _ours(res, kind, position, j).view(shape)
+                if position == "each":
+                    assert torch.isnan(mine[:, :off]).all()  # this pair has no token there
+                    mine = mine[:, off:]
+                assert mine.shape == tl.shape
+                torch.testing.assert_close(mine, tl, atol=1e-4, rtol=0, msg=f"{name} {kind} {position}")
+                spread.append(float(tl.max() - tl.min()))
+            # noising: the clean run with corrupted activations
+            tl = patching.get_act_patch_attn_head_out_all_pos(model, clean_ids, corr_cache, metric).double()
+            torch.testing.assert_close(_ours(noise, "head", "all", j).view(L, H), tl, atol=1e-4, rtol=0)
+    assert max(spread) > 1e-3  # the comparison is not between constants
+
+
+@pytest.mark.parametrize("name", ["tiny-gpt2", "tiny-llama", "tiny-neox"])
+def test_shortcuts_and_padding_are_exact(load_tiny, name):
+    """Shared KV prefix + skipped blocks equal plain full forwards; one group of padded pairs equals
+    one pair per group."""
+    model = load_tiny(name)
+    pairs = short_pairs(model.tokenizer, 3)
+    sites = {"heads": ["all", "final"], "resid": ["each"], "mlp": ["all"]}
+    fast = exact_patching(model, pairs, sites=sites, batch_pairs=3, progress=False)
+    plain = exact_patching(model, pairs, sites=sites, batch_pairs=3, reuse_prefix=False, progress=False)
+    single = exact_patching(model, pairs, sites=sites, batch_pairs=1, memory_mb=1, progress=False)
+    for other in (plain, single):
+        torch.testing.assert_close(fast.values, other.values, atol=1e-5, rtol=0, equal_nan=True)
+        torch.testing.assert_close(fast.clean, other.clean, atol=1e-5, rtol=0)
+
+
+def test_identity_patch_changes_nothing(load_tiny):
+    """Writing a run's own activations back into it (every head, the residual stream, all positions
+    or just the last) leaves its metric unchanged, through the batched engine and its shortcuts."""
+    model = load_tiny("tiny-llama")
+    prepared = prepare_pairs(model, short_pairs(model.tokenizer, 3), batch_pairs=3)
+    group = prepared.groups[0]
+    L, H = model.cfg.n_layers, model.cfg.n_heads
+    hooks = [hook_for("head", l) for l in range(L)] + [hook_for("resid_pre", l) for l in range(L)]
+    bp = base_pass(model, group, hooks)
+    runs = []
+    for story in range(2 * group.g):
+        pad = group.pad(story % group.g)
+        every = list(range(pad, group.width))
+        for cols, first in ((every, 0), ([group.width - 1], 0), (every[-3:], L - 1)):
+            patches = [(hook_for("head", l), l, h, cols, story) for l in range(first, L) for h in range(H)]
+            patches += [(hook_for("resid_pre", l), l, -1, cols, story) for l in range(max(first, 1), L)]
+            runs.append(Run(story, patches))
+    out = run_patched(model, group, runs, bp.sources, bp)
+    want = bp.metric.cpu().repeat_interleave(3)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=0)
+
+
+def test_clean_into_clean_is_one_and_corrupted_into_corrupted_is_zero(load_tiny):
+    model = load_tiny("tiny-gpt2")
+    pairs = short_pairs(model.tokenizer, 3)
+    prepared = prepare_pairs(model, pairs, batch_pairs=3)
+    group = prepared.groups[0]
+    g, L, H = group.g, model.cfg.n_layers, model.cfg.n_heads
+    bp = base_pass(model, group, [hook_for("head", l) for l in range(L)])
+    runs = []
+    for story in range(2 * g):  # every head of a story's own run, at every position
+        cols = list(range(group.pad(story % g), group.width))
+        runs.append(Run(story, [(hook_for("head", l), l, h, cols, story) for l in range(L) for h in range(H)]))
+    out = run_patched(model, group, runs, bp.sources, bp).double()
+    clean, corrupted = bp.metric[:g].double().cpu(), bp.metric[g:].double().cpu()
+    values = torch.stack([out[:g], out[g:]])  # [clean into clean, corrupted into corrupted]
+    s = summarise(values, clean, corrupted)
+    np.testing.assert_allclose(s.mean, [1.0, 0.0], atol=1e-4)
+    # and the same through sweeps: restoring the whole residual stream entering block 0 gives 1
+    # when denoising and 0 when noising (the corrupted run's own value)
+    sites = {"resid": ["all"]}
+    den = exact_patching(model, pairs, sites=sites, layers=[0], progress=False).summary()
+    noi = exact_patching(model, pairs, sites=sites, layers=[0], direction="noise", progress=False).summary()
+    assert den.effect.iloc[0] == pytest.approx(1.0, abs=1e-4)
+    assert noi.effect.iloc[0] == pytest.approx(0.0, abs=1e-4)
+
+
+def test_selector_positions(load_tiny):
+    """A head patched at "final" equals the per-position sweep's last column; the protagonist's
+    mention precedes the contrast, so patching there changes nothing (exactly the corrupted run)."""
+    model = load_tiny("tiny-llama")
+    pairs = short_pairs(model.tokenizer, 3)
+    res = exact_patching(
+        model, pairs, sites={"heads": ["final", "each"], "resid": ["protagonist"]}, progress=False
+    )
+    df = res.cell_frame()
+    final = res.values[torch.from_numpy((df.position == "final").to_numpy())]
+    n_al = int(df.pos.max()) + 1
+    last = torch.from_numpy(((df.position == "each") & (df.pos == n_al - 1)).to_numpy())
+    torch.testing.assert_close(final, res.values[last], atol=1e-6, rtol=0)
+    prot = res.values[torch.from_numpy((df.position == "protagonist").to_numpy())]
+    torch.testing.assert_close(prot, res.corrupted.expand_as(prot), atol=0, rtol=0)
+    s = res.summary()
+    assert (s[s.position == "protagonist"].effect == 0).all()
+    assert s.token.str.len().gt(0).sum() == (df.position == "each").sum()
+
+
+def test_gqa_heads_are_query_heads(load_tiny):
+    model = load_tiny("tiny-llama")
+    assert model.cfg.n_key_value_heads < model.cfg.n_heads
+    res = exact_patching(model, short_pairs(model.tokenizer, 2), sites=["heads"], progress=False)
+    grid = res.grid("head", "all")
+    assert grid.shape == (model.cfg.n_layers, model.cfg.n_heads) and np.isfinite(grid).all()
+    # two query heads sharing a KV head still have their own effects
+    assert len(np.unique(np.round(grid, 8))) == grid.size
+
+
+def test_misaligned_and_degenerate_pairs_are_refused(load_tiny):
+    model = load_tiny("tiny-gpt2")
+    good = short_pairs(model.tokenizer, 1)[0]
+    longer = good.corrupted.with_(text=good.corrupted.text.replace("was there", "was over there"))
+    with pytest.raises(TomlensError, match="not aligned"):
+        prepare_pairs(model, [MinimalPair("bad", good.clean, longer, good.family, good.contrast)])
+    same = good.clean.with_(options=("box", "boxes"))
+    with pytest.raises(TomlensError, match="same token"):
+        prepare_pairs(model, [MinimalPair("same", same, good.corrupted.with_(options=("box", "boxes"), answer="boxes"),
+                                          good.family, good.contrast)])
+    with pytest.raises(TomlensError, match="unknown patching site"):
+        exact_patching(model, [good], sites=["neurons"], progress=False)
+    with pytest.raises(TomlensError, match="no span"):
+        exact_patching(model, [good], sites={"heads": ["location_2"]}, progress=False)
+
+
+def test_summary_statistics():
+    clean = torch.tensor([2.0, 4.0, 3.0, 3.0])
+    corrupted = torch.tensor([0.0, 0.0, 1.0, -1.0])
+    values = torch.tensor([
+        [1.0, 2.0, 2.0, 1.0],  # halfway for every pair
+        [2.0, 4.0, 3.0, float("nan")],  # clean where present, one pair missing
+    ])
+    pooled = summarise(values, clean, corrupted, n_boot=500, seed=1)
+    gap = float((clean - corrupted).mean())  # 3.0
+    assert pooled.mean[0] == pytest.approx(float((values[0] - corrupted).mean()) / gap)
+    assert pooled.n.tolist() == [4, 3]
+    assert pooled.mean[1] == pytest.approx(float(((values[1] - corrupted)[:3]).mean()) / gap)
+    assert pooled.ci_low[0] <= pooled.mean[0] <= pooled.ci_high[0]
+    per = summarise(values, clean, corrupted, normalize="per_pair", n_boot=500)
+    assert per.mean[0] == pytest.approx(0.5) and per.se[0] == pytest.approx(0.0, abs=1e-12)
+    assert per.mean[1] == pytest.approx(1.0)
+    assert per.ci_low[0] == pytest.approx(0.5) and per.ci_high[0] == pytest.approx(0.5)
+    sd = float(((values[0] - corrupted) / gap).std())
+    assert pooled.se[0] == pytest.approx(sd / math.sqrt(4))
+    with pytest.raises(TomlensError):
+        summarise(values, clean, corrupted, normalize="median")

@@ -1,0 +1,519 @@
+"""The probe sweep: a probe for every layer (and every layer x head) on cached activations.
+
+For each target and site kind, probes are trained on grouped folds (no story on both sides) and
+scored on the held-out stories: by default every story is held out once (cross-fitting, C chosen
+inside each training split by a nested grouped CV), or on one held-out split, or on a second
+stimulus set (`test_acts`). Next to each score sit a shuffled-label control trained on the same
+folds (selectivity = score - control), the chance level of a guess with the training class
+frequencies, a bag-of-words baseline,
+and 95% intervals from resampling test stories. Generalisation across conditions trains on
+true-belief stories and tests on false-belief stories of held-out tasks (and the reverse, when
+the target varies there).
+
+The result is one tidy table: one row per (kind, layer, head, position, target, train_on,
+eval_set, metric), head = -1 for whole-layer sites; kind "bow" is the bag-of-words baseline.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Protocol
+
+import numpy as np
+import pandas as pd
+import torch
+from jaxtyping import Float
+from torch import Tensor
+
+from tomlens.errors import TomlensError
+from tomlens.probes import stats
+from tomlens.probes.base import Probe, encode_labels
+from tomlens.probes.controls import bag_of_words, shuffle_labels
+from tomlens.probes.directions import direction_name, save_directions, unit_norm
+from tomlens.probes.logistic import C_GRID, LogisticProbe, fit_logistic
+from tomlens.probes.mass_mean import MassMeanProbe
+from tomlens.probes.splits import Split, group_codes, group_kfold
+from tomlens.probes.targets import false_belief_mask, get_target, make_target, true_belief_mask
+from tomlens.stimuli.records import Stimulus, stimuli_hash
+
+PROBES = ("logistic", "mass_mean")
+COLUMNS = ["kind", "layer", "head", "position", "target", "probe", "train_on", "eval_set", "test_set",
+           "metric", "score", "ci_low", "ci_high", "control", "control_ci_low", "control_ci_high",
+           "selectivity", "selectivity_ci_low", "selectivity_ci_high", "chance", "n_train", "n_test",
+           "n_test_groups", "C"]
+
+
+class ActivationsLike(Protocol):
+    """What the sweep needs from `tomlens.activations.ActivationSet`."""
+
+    stimuli: list[Stimulus]
+    manifest: dict[str, Any]
+
+    def get(self, kind: str, position: str) -> Tensor: ...
+
+    def layers(self, kind: str) -> list[int]: ...
+
+
+@dataclass(frozen=True)
+class SweepConfig:
+    """How probes are trained and scored; every field is recorded in the provenance."""
+
+    c_grid: tuple[float, ...] = C_GRID
+    folds: int = 5  # outer grouped folds (held-out stories)
+    inner_folds: int = 4  # grouped folds inside each training split, to choose C
+    evaluation: str = "crossfit"  # "crossfit": every story tested once; "holdout": the first fold only
+    group_by: str = "task"  # "task", or "template" (no task and no template on both sides)
+    n_boot: int = 1000
+    level: float = 0.95
+    controls: bool = True  # shuffled-label control for every probe
+    bow: bool = True  # bag-of-words baseline
+    conditions: bool = True  # train on true-belief, test on false-belief (and the reverse)
+    directions: bool = True  # fit on all rows and keep the directions
+    device: str | None = None
+    progress: bool = True
+    unit_budget_bytes: float = 2**29  # activations per chunk of units
+
+    def __post_init__(self) -> None:
+        if self.evaluation not in ("crossfit", "holdout"):
+            raise TomlensError(f"unknown evaluation {self.evaluation!r}", "use 'crossfit' or 'holdout'")
+
+
+@dataclass
+class ProbeSweepResult:
+    table: pd.DataFrame
+    directions: dict[str, Tensor] = field(default_factory=dict)
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """Which rows train and which test, per split, for one `train_on` setting."""
+
+    train_on: str
+    eval_sets: dict[str, Tensor]  # name -> mask over test-pool rows
+    splits: list[Split]
+
+
+@dataclass
+class _Outcome:
+    """Out-of-split decisions of the probe and control for every test-pool row of one plan."""
+
+    scores: Tensor  # [L, U, n_test_pool, k]
+    predicted: Tensor  # [n_test_pool] bool
+    chance_correct: Tensor  # [n_test_pool] chance of a frequency-matched guess
+    classes: Tensor
+    n_train: list[int] = field(default_factory=list)
+    C: list[Tensor] = field(default_factory=list)  # per split [U]
+
+
+def _units(acts: ActivationsLike, kind: str, position: str) -> tuple[Tensor, list[int], int]:
+    """Activations as `[n, unit, d]` (unit = layer or layer x head), layer ids, heads per layer."""
+    X = acts.get(kind, position)
+    layers = list(acts.layers(kind))
+    if X.ndim == 3:
+        return X, layers, 0
+    if X.ndim == 4:
+        n, nl, nh, d = X.shape
+        return X.reshape(n, nl * nh, d), layers, nh
+    raise TomlensError(f"activations of kind {kind!r} have shape {tuple(X.shape)}",
+                       "expected [n, layer, d] or [n, layer, head, d]")
+
+
+def _chunks(n_units: int, n: int, d: int, budget: float) -> list[slice]:
+    per = max(1, int(budget // max(n * d * 4, 1)))
+    return [slice(a, min(a + per, n_units)) for a in range(0, n_units, per)]
+
+
+def _fit(probe: str, X: Tensor, Y: Tensor, groups: Tensor, cfg: SweepConfig, seed: int
+         ) -> tuple[list[Probe], Tensor]:
+    """Fit the probe for each label vector in Y; returns probes and the chosen C per unit."""
+    if probe == "logistic":
+        res = fit_logistic(X, Y, groups=groups, c_grid=cfg.c_grid, cv=cfg.inner_folds, seed=seed,
+                           device=cfg.device)
+        return [LogisticProbe.from_fit(res, i, cv=cfg.inner_folds, seed=seed, device=cfg.device)
+                for i in range(Y.shape[0])], res.C[0]
+    probes = [MassMeanProbe(device=cfg.device).fit(X, Y[i]) for i in range(Y.shape[0])]
+    return probes, torch.full((X.shape[0],), float("nan"), dtype=torch.float64)
+
+
+def _plans(train_st: Sequence[Stimulus], test_st: Sequence[Stimulus] | None, groups: Tensor,
+           cfg: SweepConfig, seed: int) -> list[_Plan]:
+    n = len(train_st)
+    pool = test_st if test_st is not None else train_st
+    fb_test, tb_test = false_belief_mask(pool), true_belief_mask(pool)
+    fb_train, tb_train = false_belief_mask(train_st), true_belief_mask(train_st)
+    if test_st is None:
+        outer = group_kfold(groups, cfg.folds, seed)
+        if cfg.evaluation == "holdout":
+            outer = outer[:1]
+    else:
+        outer = [Split(train=torch.arange(n), test=torch.arange(len(test_st)))]
+    everything = torch.ones(len(pool), dtype=torch.bool)
+    plans = [_Plan("all", {"all": everything, "false_belief": fb_test}, outer)]
+    if cfg.conditions:
+        for train_on, tr_mask, te_mask, name in (("true_belief", tb_train, fb_test, "false_belief"),
+                                                 ("false_belief", fb_train, tb_test, "true_belief")):
+            if bool(tr_mask.any()) and bool(te_mask.any()):
+                splits = [Split(s.train[tr_mask[s.train]], s.test[te_mask[s.test]]) for s in outer]
+                plans.append(_Plan(train_on, {name: te_mask}, splits))
+    return plans
+
+
+def _chance(y_train: Tensor, y_test: Tensor) -> Tensor:
+    """Per test row, the probability that a guess drawn with the training class frequencies is
+    right: 0.5 for balanced binary labels, and still meaningful on an eval set of one class."""
+    vals, counts = torch.unique(y_train, return_counts=True)
+    freq = counts.to(torch.float64) / counts.sum()
+    hit = y_test.unsqueeze(1) == vals.unsqueeze(0)
+    return (hit.to(torch.float64) * freq).sum(1)
+
+
+def _run_plan(plan: _Plan, probe: str, Xtr: Tensor, ytr: Tensor, gtr: Tensor, Xte: Tensor, yte: Tensor,
+              cfg: SweepConfig, seed: int, tick: Callable[[], None]) -> _Outcome | None:
+    """Fit on each split's training rows, score its test rows; None when no split can be fitted."""
+    n_pool = Xte.shape[1]
+    out: _Outcome | None = None
+    for i, split in enumerate(plan.splits):
+        tick()
+        tr, te = split.train, split.test
+        if tr.numel() == 0 or te.numel() == 0 or torch.unique(ytr[tr]).numel() < 2 \
+                or torch.unique(gtr[tr]).numel() < 2:
+            continue
+        Y = ytr[tr].unsqueeze(0)
+        if cfg.controls:
+            Y = torch.cat([Y, shuffle_labels(ytr[tr], seed + 1000 + i).unsqueeze(0)])
+        probes, C = _fit(probe, Xtr[:, tr], Y, gtr[tr], cfg, seed + i)
+        s = torch.stack([p.decision_function(Xte[:, te].to(torch.float64)) for p in probes])  # [L, U, t, k]
+        classes = probes[0].classes_
+        if out is None:
+            out = _Outcome(scores=torch.zeros(s.shape[0], s.shape[1], n_pool, s.shape[3], dtype=torch.float64),
+                           predicted=torch.zeros(n_pool, dtype=torch.bool),
+                           chance_correct=torch.zeros(n_pool, dtype=torch.float64), classes=classes)
+        if not torch.equal(out.classes, classes):
+            continue  # a split missing a class cannot share the decision columns of the others
+        out.scores[:, :, te] = s.cpu()
+        out.predicted[te] = True
+        out.chance_correct[te] = _chance(ytr[tr], yte[te])
+        out.n_train.append(int(tr.numel()))
+        out.C.append(C.cpu())
+    return out
+
+
+def _mode_c(cs: list[Tensor]) -> Tensor:
+    """Per unit, the C chosen most often across splits (ties: the smaller)."""
+    stack = torch.stack(cs)  # [splits, U]
+    if torch.isnan(stack).all():
+        return stack[0]
+    out = []
+    for col in stack.T.tolist():
+        vals, counts = np.unique(np.asarray(col), return_counts=True)
+        out.append(float(vals[counts == counts.max()].min()))
+    return torch.tensor(out, dtype=torch.float64)
+
+
+def _rows_for(outcome: _Outcome, plan: _Plan, yte: Tensor, gte: Tensor, cfg: SweepConfig, seed: int,
+              unit_keys: list[tuple[int, int]], common: dict[str, Any]) -> list[dict[str, Any]]:
+    classes = outcome.classes
+    rows: list[dict[str, Any]] = []
+    C = _mode_c(outcome.C)
+    n_train = int(round(float(np.mean(outcome.n_train))))
+    binary = classes.numel() == 2
+    for eval_set, mask in plan.eval_sets.items():
+        sel = (mask & outcome.predicted).nonzero().squeeze(1)
+        if sel.numel() == 0:
+            continue
+        y = yte[sel]
+        g = gte[sel]
+        s = outcome.scores[:, :, sel]  # [L, U, t, k]
+        pred = classes[(s[..., 0] > 0).long()] if binary else classes[s.argmax(-1)]
+        correct = (pred == y).to(torch.float64)  # [L, U, t]
+        acc = stats.bootstrap_mean(correct[0], g, n_boot=cfg.n_boot, seed=seed, level=cfg.level)
+        metrics = [("accuracy", acc, correct)]
+        if binary and torch.unique(y).numel() == 2:
+            yb = (y == classes[1]).long()
+            au = stats.bootstrap_auroc(s[0, ..., 0], yb, g, n_boot=cfg.n_boot, seed=seed, level=cfg.level)
+            metrics.append(("auroc", au, None))
+        chance = float(outcome.chance_correct[sel].mean())
+        for metric, est, corr in metrics:
+            ctrl = sel_iv = None
+            if cfg.controls:
+                if metric == "accuracy":
+                    ctrl = stats.bootstrap_mean(corr[1], g, n_boot=cfg.n_boot, seed=seed, level=cfg.level)
+                    sel_iv = stats.bootstrap_mean(corr[0] - corr[1], g, n_boot=cfg.n_boot, seed=seed,
+                                                  level=cfg.level)
+                else:
+                    ctrl = stats.bootstrap_auroc(s[1, ..., 0], yb, g, n_boot=cfg.n_boot, seed=seed, level=cfg.level)
+                    sel_iv = stats.bootstrap_auroc_difference(s[0, ..., 0], s[1, ..., 0], yb, g,
+                                                              n_boot=cfg.n_boot, seed=seed, level=cfg.level)
+            for ui, (layer, head) in enumerate(unit_keys):
+                row = {**common, "layer": layer, "head": head, "train_on": plan.train_on,
+                       "eval_set": eval_set, "metric": metric,
+                       "score": float(est.estimate[ui]), "ci_low": float(est.low[ui]),
+                       "ci_high": float(est.high[ui]),
+                       "chance": chance if metric == "accuracy" else 0.5,
+                       "n_train": n_train, "n_test": int(sel.numel()),
+                       "n_test_groups": int(torch.unique(g).numel()), "C": float(C[ui])}
+                if ctrl is not None and sel_iv is not None:
+                    row.update(control=float(ctrl.estimate[ui]), control_ci_low=float(ctrl.low[ui]),
+                               control_ci_high=float(ctrl.high[ui]), selectivity=float(sel_iv.estimate[ui]),
+                               selectivity_ci_low=float(sel_iv.low[ui]),
+                               selectivity_ci_high=float(sel_iv.high[ui]))
+                rows.append(row)
+    return rows
+
+
+def _progress(total: int, enabled: bool, desc: str):  # noqa: ANN202 - tqdm or a stand-in
+    if enabled:
+        from tqdm.auto import tqdm
+
+        return tqdm(total=total, desc=desc, unit="fit", leave=False)
+
+    class _Null:
+        def update(self, k: int = 1) -> None:
+            pass
+
+        def close(self) -> None:
+            pass
+
+    return _Null()
+
+
+def _check_test_set(train: Sequence[Stimulus], test: Sequence[Stimulus]) -> None:
+    shared = {s.text for s in train} & {s.text for s in test}
+    if shared:
+        raise TomlensError(
+            f"the test stimuli share {len(shared)} prompt text(s) with the training stimuli",
+            "use a test set with different stories (or leave --test-stimuli out to cross-validate)",
+        )
+
+
+def run_probe_sweep(
+    acts: ActivationsLike,
+    target: str | Sequence[str],
+    *,
+    kinds: Sequence[str] = ("resid_post", "head_out"),
+    position: str = "final",
+    test_acts: ActivationsLike | None = None,
+    probe: str = "logistic",
+    seed: int = 0,
+    config: SweepConfig | None = None,
+    **overrides: Any,
+) -> ProbeSweepResult:
+    """Probe every layer (and head) of `kinds` at `position` for one or more targets.
+
+    `config` (or keyword overrides of its fields, e.g. `folds=3`) sets the CV, controls and
+    intervals. Returns the tidy table, the directions of probes fitted on all rows (for patching
+    and steering) and provenance.
+    """
+    cfg = replace(config or SweepConfig(), **overrides)
+    if probe not in PROBES:
+        raise TomlensError(f"unknown probe {probe!r}", f"use one of {', '.join(PROBES)}")
+    targets = [target] if isinstance(target, str) else list(target)
+    for t in targets:
+        get_target(t)
+    t0 = time.time()
+    train_st = list(acts.stimuli)
+    test_st = list(test_acts.stimuli) if test_acts is not None else None
+    if test_st is not None:
+        _check_test_set(train_st, test_st)
+    test_name = "same" if test_st is None else f"stimuli:{stimuli_hash(test_st)}"
+    rows: list[dict[str, Any]] = []
+    directions: dict[str, Tensor] = {}
+    notes: list[str] = []
+    for tname in targets:
+        y_all, keep = make_target(train_st, tname)
+        ktr = keep.nonzero().squeeze(1)
+        st_tr = [train_st[i] for i in ktr.tolist()]
+        ytr = y_all[ktr]
+        gtr = group_codes(st_tr, cfg.group_by)
+        if test_st is not None:
+            y_te_all, keep_te = make_target(test_st, tname)
+            kte = keep_te.nonzero().squeeze(1)
+            st_te = [test_st[i] for i in kte.tolist()]
+            yte = y_te_all[kte]
+            gte = group_codes(st_te, cfg.group_by)
+        else:
+            kte, st_te, yte, gte = ktr, st_tr, ytr, gtr
+        encode_labels(ytr)  # at least two classes, or a clear error
+        plans = _plans(st_tr, st_te if test_st is not None else None, gtr, cfg, seed)
+        common = {"position": position, "target": tname, "probe": probe, "test_set": test_name}
+
+        feature_sets: list[tuple[str, Callable[[], Iterator[tuple[Tensor, Tensor, list[tuple[int, int]]]]], bool]] = []
+        for kind in kinds:
+            feature_sets.append((kind, _activation_chunks(acts, test_acts, kind, position, ktr, kte, cfg), True))
+        if cfg.bow:
+            feature_sets.append(("bow", _bow_chunks(st_tr, st_te), False))
+        n_fits = sum(len(p.splits) for p in plans) + int(cfg.directions)
+        for kind, chunks, keep_dirs in feature_sets:
+            for Xtr, Xte, unit_keys in chunks():
+                bar = _progress(n_fits, cfg.progress, f"{tname} {kind} units {unit_keys[0][0]}-{unit_keys[-1][0]}")
+                for plan in plans:
+                    outcome = _run_plan(plan, probe, Xtr, ytr, gtr, Xte, yte, cfg, seed, bar.update)
+                    if outcome is None:
+                        notes.append(f"{tname}/{kind}: train_on={plan.train_on} skipped "
+                                     "(no training split with two classes)")
+                        continue
+                    rows.extend(_rows_for(outcome, plan, yte, gte, cfg, seed, unit_keys,
+                                          {**common, "kind": kind}))
+                if cfg.directions and keep_dirs:
+                    bar.update()
+                    _collect_directions(directions, probe, Xtr, ytr, gtr, cfg, seed, tname, kind, position,
+                                        unit_keys)
+                bar.close()
+    table = pd.DataFrame(rows, columns=COLUMNS)
+    directions = _stack_directions(directions)
+    meta = {
+        "provenance": _provenance(acts, test_acts, cfg, seed, probe, targets, kinds, position, time.time() - t0),
+        "notes": sorted(set(notes)),
+        "targets": {t: get_target(t).description for t in targets},
+    }
+    return ProbeSweepResult(table=table.reset_index(drop=True), directions=directions, metadata=meta)
+
+
+def probe_sweep(
+    acts: ActivationsLike,
+    target: str | Sequence[str],
+    *,
+    kinds: Sequence[str] = ("resid_post", "head_out"),
+    position: str = "final",
+    test_acts: ActivationsLike | None = None,
+    probe: str = "logistic",
+    seed: int = 0,
+    **config: Any,
+) -> pd.DataFrame:
+    """The tidy table of `run_probe_sweep` (see there); keyword options are `SweepConfig` fields."""
+    return run_probe_sweep(acts, target, kinds=kinds, position=position, test_acts=test_acts,
+                           probe=probe, seed=seed, **config).table
+
+
+def _activation_chunks(acts: ActivationsLike, test_acts: ActivationsLike | None, kind: str, position: str,
+                       ktr: Tensor, kte: Tensor, cfg: SweepConfig):  # noqa: ANN202
+    def gen() -> Iterator[tuple[Tensor, Tensor, list[tuple[int, int]]]]:
+        Xa, layers, nh = _units(acts, kind, position)
+        if test_acts is not None:
+            Xb, layers_b, nh_b = _units(test_acts, kind, position)
+            if layers_b != layers or nh_b != nh or Xb.shape[2] != Xa.shape[2]:
+                raise TomlensError(f"the test activations of {kind!r} do not match the training ones "
+                                   f"(layers {layers_b} vs {layers})",
+                                   "cache the same sites for both stimulus sets")
+        else:
+            Xb = Xa
+        keys = [(layer, h) for layer in layers for h in range(nh)] if nh else [(layer, -1) for layer in layers]
+        for sl in _chunks(len(keys), int(ktr.numel()), Xa.shape[2], cfg.unit_budget_bytes):
+            Xtr = Xa[:, sl][ktr].transpose(0, 1).float().contiguous()  # [U, n, d]
+            Xte = Xtr if test_acts is None else Xb[:, sl][kte].transpose(0, 1).float().contiguous()
+            yield Xtr, Xte, keys[sl]
+    return gen
+
+
+def _bow_chunks(st_tr: Sequence[Stimulus], st_te: Sequence[Stimulus]):  # noqa: ANN202
+    def gen() -> Iterator[tuple[Tensor, Tensor, list[tuple[int, int]]]]:
+        Xtr, vocab = bag_of_words(st_tr)
+        Xte = Xtr if st_te is st_tr else bag_of_words(st_te, vocab)[0]
+        yield Xtr.unsqueeze(0), Xte.unsqueeze(0), [(-1, -1)]
+    return gen
+
+
+def _collect_directions(store: dict[str, Any], probe: str, X: Tensor, y: Tensor, groups: Tensor,
+                        cfg: SweepConfig, seed: int, target: str, kind: str, position: str,
+                        unit_keys: list[tuple[int, int]]) -> None:
+    probes, C = _fit(probe, X, y.unsqueeze(0), groups, cfg, seed)
+    p = probes[0]
+    mm = p if isinstance(p, MassMeanProbe) else MassMeanProbe(device=cfg.device, calibrate=False).fit(X, y)
+    key = (target, kind, position)
+    entry = store.setdefault(key, {"keys": [], "coef": [], "intercept": [], "direction": [], "mass_mean": [],
+                                   "C": [], "classes": p.classes_})
+    entry["keys"].extend(unit_keys)
+    entry["coef"].append(p.coef_)
+    entry["intercept"].append(p.intercept_)
+    entry["direction"].append(p.direction)
+    entry["mass_mean"].append(unit_norm(mm.theta_))
+    entry["C"].append(C)
+
+
+def _stack_directions(store: dict[Any, Any]) -> dict[str, Tensor]:
+    out: dict[str, Tensor] = {}
+    for (target, kind, position), e in store.items():
+        keys = e["keys"]
+        layers = sorted({k[0] for k in keys})
+        heads = sorted({k[1] for k in keys})
+        shape = (len(layers),) if heads == [-1] else (len(layers), len(heads))
+        for what in ("coef", "intercept", "direction", "mass_mean", "C"):
+            t = torch.cat(e[what]).to(torch.float32)
+            out[direction_name(target, kind, position, what)] = t.reshape(*shape, *t.shape[1:])
+        out[direction_name(target, kind, position, "layers")] = torch.tensor(layers)
+        out[direction_name(target, kind, position, "classes")] = e["classes"].clone()
+    return out
+
+
+def _versions() -> dict[str, str]:
+    import importlib.metadata as md
+
+    out = {}
+    for pkg in ("tomlens", "torch", "transformer-lens", "scikit-learn"):
+        try:
+            out[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            out[pkg] = "not installed"
+    return out
+
+
+def _provenance(acts: ActivationsLike, test_acts: ActivationsLike | None, cfg: SweepConfig, seed: int,
+                probe: str, targets: list[str], kinds: Sequence[str], position: str, seconds: float) -> dict[str, Any]:
+    man = acts.manifest or {}
+    return {
+        "model": man.get("model"),
+        "stimuli_hash": stimuli_hash(acts.stimuli),
+        "n_stimuli": len(acts.stimuli),
+        "test_stimuli_hash": None if test_acts is None else stimuli_hash(test_acts.stimuli),
+        "activations": str(getattr(acts, "path", "")) or None,
+        "targets": targets, "kinds": list(kinds), "position": position, "probe": probe, "seed": seed,
+        "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(cfg).items()},
+        "versions": _versions(),
+        "seconds": round(seconds, 2),
+    }
+
+
+def write_probe_sweep(result: ProbeSweepResult, out: str | Path, *, table_format: str = "parquet") -> Path:
+    """Write `probes.parquet` (or .csv), `probes.json` (provenance, notes) and
+    `directions.safetensors` (+ .json) into `out`; returns `out`."""
+    from tomlens.experiments.io import write_json, write_table
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    if table_format not in ("parquet", "csv"):
+        raise TomlensError(f"unknown table format {table_format!r}", "use 'parquet' or 'csv'")
+    write_table(result.table, out / f"probes.{table_format}")
+    if result.directions:
+        save_directions(out / "directions.safetensors", result.directions,
+                        {**result.metadata, "tensors": {k: list(v.shape) for k, v in result.directions.items()}})
+    write_json(result.metadata, out / "probes.json")
+    return out
+
+
+def activations_from_tensors(stimuli: Sequence[Stimulus], tensors: dict[tuple[str, str], Float[Tensor, "n layer *d"]],
+                             manifest: dict[str, Any] | None = None) -> ActivationsLike:
+    """An in-memory stand-in for an ActivationSet (tests, benchmarks, activations from elsewhere)."""
+    return _TensorActivations(list(stimuli), dict(tensors), dict(manifest or {}))
+
+
+@dataclass
+class _TensorActivations:
+    stimuli: list[Stimulus]
+    tensors: dict[tuple[str, str], Tensor]
+    manifest: dict[str, Any]
+
+    def get(self, kind: str, position: str) -> Tensor:
+        if (kind, position) not in self.tensors:
+            raise TomlensError(f"no activations for {kind!r} at {position!r}",
+                               f"available: {sorted(self.tensors)}")
+        return self.tensors[(kind, position)]
+
+    def layers(self, kind: str) -> list[int]:
+        for (k, _), t in self.tensors.items():
+            if k == kind:
+                return list(range(t.shape[1]))
+        raise TomlensError(f"no activations of kind {kind!r}", f"available: {sorted(self.tensors)}")

@@ -1,0 +1,123 @@
+"""Per-layer probe figures from a probe-sweep table: score against layer, and layer x head maps.
+
+Each line is one (target, training set, evaluation set) with its 95% interval as a shaded band;
+the shuffled-label control is the dotted line of the same colour, the bag-of-words baseline the
+dash-dot line, and chance the grey dashed line. HTML files carry plotly.js inline, so they open on
+a machine without network access.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from collections.abc import Sequence
+
+import pandas as pd
+import plotly.graph_objects as go
+from plotly.colors import qualitative
+
+from tomlens.errors import TomlensError
+
+_PALETTE = qualitative.Plotly
+
+
+def _label(target: str, train_on: str, eval_set: str) -> str:
+    evl = eval_set.replace("_", " ")
+    if train_on == "all":
+        return f"{target} · {evl}"
+    return f"{target} · train {train_on.replace('_', ' ')} → test {evl}"
+
+
+def _rgba(hex_colour: str, alpha: float) -> str:
+    h = hex_colour.lstrip("#")
+    r, g, b = (int(h[i:i + 2], 16) for i in (0, 2, 4))
+    return f"rgba({r},{g},{b},{alpha})"
+
+
+def layer_figure(table: pd.DataFrame, *, kind: str = "resid_post", metric: str = "accuracy",
+                 targets: Sequence[str] | None = None, title: str | None = None) -> go.Figure:
+    """Score vs layer for whole-layer probes of `kind`, one line per target / train / eval set."""
+    rows = table[(table["kind"] == kind) & (table["metric"] == metric) & (table["head"] == -1)]
+    if targets is not None:
+        rows = rows[rows["target"].isin(list(targets))]
+    if rows.empty:
+        raise TomlensError(f"the probe table has no whole-layer {kind!r} rows for metric {metric!r}",
+                           "probe a per-layer kind (e.g. resid_post), or use head_heatmap for heads")
+    bow = table[(table["kind"] == "bow") & (table["metric"] == metric)]
+    fig = go.Figure()
+    chance_seen: set[float] = set()
+    keys = rows[["target", "train_on", "eval_set"]].drop_duplicates().itertuples(index=False)
+    for i, (target, train_on, eval_set) in enumerate(keys):
+        colour = _PALETTE[i % len(_PALETTE)]
+        r = rows[(rows["target"] == target) & (rows["train_on"] == train_on)
+                 & (rows["eval_set"] == eval_set)].sort_values("layer")
+        name = _label(target, train_on, eval_set)
+        x = r["layer"].tolist()
+        fig.add_trace(go.Scatter(x=x + x[::-1], y=r["ci_high"].tolist() + r["ci_low"].tolist()[::-1],
+                                 fill="toself", fillcolor=_rgba(colour, 0.15), line={"width": 0},
+                                 hoverinfo="skip", showlegend=False, legendgroup=name))
+        fig.add_trace(go.Scatter(x=x, y=r["score"], mode="lines+markers", name=name, legendgroup=name,
+                                 line={"color": colour}, customdata=r[["ci_low", "ci_high", "n_test"]],
+                                 hovertemplate="layer %{x}: %{y:.3f} [%{customdata[0]:.3f}, "
+                                               "%{customdata[1]:.3f}], n=%{customdata[2]}<extra></extra>"))
+        if "control" in r and r["control"].notna().any():
+            fig.add_trace(go.Scatter(x=x, y=r["control"], mode="lines", name=f"{name} · shuffled labels",
+                                     legendgroup=name, line={"color": colour, "dash": "dot", "width": 1}))
+        b = bow[(bow["target"] == target) & (bow["train_on"] == train_on) & (bow["eval_set"] == eval_set)]
+        if len(b) and x:
+            fig.add_trace(go.Scatter(x=[min(x), max(x)], y=[float(b["score"].iloc[0])] * 2, mode="lines",
+                                     name=f"{name} · bag of words", legendgroup=name,
+                                     line={"color": colour, "dash": "dashdot", "width": 1}))
+        chance = round(float(r["chance"].mean()), 4) if "chance" in r and r["chance"].notna().any() else None
+        if chance is not None and chance not in chance_seen and x:
+            chance_seen.add(chance)
+            fig.add_trace(go.Scatter(x=[min(x), max(x)], y=[chance, chance], mode="lines",
+                                     name=f"chance ({chance:.2f})", line={"color": "grey", "dash": "dash", "width": 1}))
+    fig.update_layout(title=title or f"Linear probes on {kind} ({metric})", xaxis_title="layer",
+                      yaxis_title=metric, yaxis_range=[0, 1.02], template="plotly_white",
+                      legend={"font": {"size": 10}})
+    return fig
+
+
+def head_heatmap(table: pd.DataFrame, *, target: str, kind: str = "head_out", metric: str = "accuracy",
+                 train_on: str = "all", eval_set: str = "all", value: str = "score",
+                 title: str | None = None) -> go.Figure:
+    """Layer x head map of `value` (score, selectivity, ...) for per-head probes."""
+    rows = table[(table["kind"] == kind) & (table["metric"] == metric) & (table["head"] >= 0)
+                 & (table["target"] == target) & (table["train_on"] == train_on)
+                 & (table["eval_set"] == eval_set)]
+    if rows.empty:
+        raise TomlensError(f"the probe table has no per-head {kind!r} rows for {target!r} "
+                           f"(train_on={train_on}, eval_set={eval_set}, metric={metric})",
+                           "run the sweep with a per-head kind such as head_out")
+    grid = rows.pivot_table(index="layer", columns="head", values=value, aggfunc="first").sort_index()
+    fig = go.Figure(go.Heatmap(z=grid.values, x=[str(h) for h in grid.columns], y=[str(v) for v in grid.index],
+                               colorscale="Viridis", colorbar={"title": value},
+                               hovertemplate="layer %{y}, head %{x}: %{z:.3f}<extra></extra>"))
+    fig.update_layout(title=title or f"{target}: {value} per head ({kind}, {_label(target, train_on, eval_set)})",
+                      xaxis_title="head", yaxis_title="layer", template="plotly_white")
+    return fig
+
+
+def write_html(fig: go.Figure, path: str | Path) -> Path:
+    """A standalone HTML file with plotly.js inline (no CDN), written atomically."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    fig.write_html(str(tmp), include_plotlyjs=True, full_html=True)
+    tmp.replace(path)
+    return path
+
+
+def write_probe_figures(table: pd.DataFrame, out: str | Path) -> list[Path]:
+    """`layers_<kind>.html` for each whole-layer kind and `heads_<target>.html` for per-head kinds."""
+    out = Path(out)
+    written: list[Path] = []
+    probed = table[table["kind"] != "bow"]
+    for kind in probed.loc[probed["head"] == -1, "kind"].unique():
+        written.append(write_html(layer_figure(table, kind=kind), out / f"layers_{kind}.html"))
+    heads = probed[probed["head"] >= 0]
+    for kind in heads["kind"].unique():
+        for target in heads.loc[heads["kind"] == kind, "target"].unique():
+            fig = head_heatmap(table, target=target, kind=kind)
+            written.append(write_html(fig, out / f"heads_{kind}_{target}.html"))
+    return written

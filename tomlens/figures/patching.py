@@ -1,0 +1,153 @@
+"""Patching figures: per-head heatmap, residual-stream heatmap over the story's tokens, attribution
+against exact patching, and the top-k recovery curve. Plotly, written as self-contained HTML
+(plotly.js inlined, so a figure opens offline)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tomlens.experiments.patching import PatchingResult, canonical_kind
+
+
+def _go():
+    import plotly.graph_objects as go
+
+    return go
+
+
+def _effect_scale(values: np.ndarray) -> dict[str, Any]:
+    """Diverging colours centred on 0 (the corrupted run), symmetric so 0 is always white."""
+    finite = values[np.isfinite(values)]
+    bound = float(np.max(np.abs(finite))) if finite.size else 1.0
+    bound = bound or 1.0
+    return {"colorscale": "RdBu", "reversescale": True, "zmin": -bound, "zmax": bound, "zmid": 0.0}
+
+
+def _title(result: PatchingResult, what: str) -> str:
+    b = result.baselines()
+    return (
+        f"{what}: {result.method} patching ({result.direction}), effect 0 = corrupted, 1 = clean"
+        f"<br><sup>{b['n_pairs']} pairs; logit diff clean {b['clean_logit_diff']:.2f}, "
+        f"corrupted {b['corrupted_logit_diff']:.2f}</sup>"
+    )
+
+
+def head_heatmap(result: PatchingResult, position: str = "all") -> Any:
+    """Layer x head grid of the normalised patching effect (hover: interval and pairs)."""
+    go = _go()
+    df = result.select("head", position)
+    grid = result.grid("head", position)
+    lo = result.grid("head", position, "ci_low")
+    hi = result.grid("head", position, "ci_high")
+    layers = sorted(df.layer.unique())
+    heads = sorted(df["head"].unique())
+    text = [[f"[{a:.2f}, {b:.2f}]" for a, b in zip(r1, r2)] for r1, r2 in zip(lo, hi)]
+    fig = go.Figure(
+        go.Heatmap(
+            z=grid, x=[f"H{h}" for h in heads], y=[f"L{l}" for l in layers], text=text,
+            hovertemplate="%{y} %{x}<br>effect %{z:.3f}<br>95%% CI %{text}<extra></extra>",
+            colorbar={"title": "effect"}, **_effect_scale(grid),
+        )
+    )
+    fig.update_layout(
+        title=_title(result, f"Heads at {position!r} positions"), xaxis_title="head",
+        yaxis_title="layer", yaxis={"autorange": "reversed"},
+    )
+    return fig
+
+
+def resid_heatmap(result: PatchingResult, kind: str = "resid_pre") -> Any:
+    """Layer x token grid for a per-position sweep, with the story's tokens on the x axis
+    (right-aligned across pairs; "clean|corrupted" where the two stories differ)."""
+    go = _go()
+    kind = canonical_kind(kind)
+    df = result.select(kind, "each")
+    grid = result.grid(kind, "each")
+    layers = sorted(df.layer.unique())
+    pos = sorted(df.pos.unique())
+    labels = [result.token_labels[p] for p in pos]
+    fig = go.Figure(
+        go.Heatmap(
+            z=grid, x=labels, y=[f"L{l}" for l in layers],
+            hovertemplate="%{y} token %{x}<br>effect %{z:.3f}<extra></extra>",
+            colorbar={"title": "effect"}, **_effect_scale(grid),
+        )
+    )
+    fig.update_layout(
+        title=_title(result, f"{kind} by layer and position"), xaxis_title="token",
+        yaxis_title="layer", yaxis={"autorange": "reversed"}, xaxis={"tickangle": -60, "type": "category"},
+        width=max(800, 14 * len(labels)),
+    )
+    return fig
+
+
+def attribution_scatter(exact: PatchingResult, attribution: PatchingResult, position: str = "all") -> Any:
+    """One point per head: attribution estimate against exact effect, with the y = x line."""
+    from tomlens.experiments.attribution import compare
+
+    go = _go()
+    a = exact.select("head", position).set_index(["layer", "head"]).effect
+    b = attribution.select("head", position).set_index(["layer", "head"]).effect
+    j = a.to_frame("exact").join(b.to_frame("attribution"), how="inner").dropna()
+    stats = compare(exact, attribution, kind="head", position=position)
+    lo = float(min(j.exact.min(), j.attribution.min(), 0.0)) if len(j) else 0.0
+    hi = float(max(j.exact.max(), j.attribution.max(), 1.0)) if len(j) else 1.0
+    names = [f"L{l}H{h}" for l, h in j.index]
+    fig = go.Figure(
+        [
+            go.Scatter(
+                x=j.exact, y=j.attribution, mode="markers", text=names, name="heads",
+                hovertemplate="%{text}<br>exact %{x:.3f}<br>attribution %{y:.3f}<extra></extra>",
+            ),
+            go.Scatter(x=[lo, hi], y=[lo, hi], mode="lines", name="y = x", line={"dash": "dash", "color": "grey"}),
+        ]
+    )
+    fig.update_layout(
+        title=(
+            f"Attribution vs exact patching, heads at {position!r} ({exact.direction})"
+            f"<br><sup>Spearman {stats['spearman']:.2f}, top-{stats['k']} overlap {stats['topk_overlap']:.2f}</sup>"
+        ),
+        xaxis_title="exact effect", yaxis_title="attribution estimate",
+    )
+    return fig
+
+
+def recovery_curve(table: Any) -> Any:
+    """Fraction of the logit difference recovered by the top-k heads against k random heads."""
+    go = _go()
+    k = list(table.k)
+    fig = go.Figure(
+        [
+            go.Scatter(
+                x=k + k[::-1], y=list(table.random_high) + list(table.random_low)[::-1], fill="toself",
+                line={"width": 0}, fillcolor="rgba(150,150,150,0.3)", name="random 95% range", hoverinfo="skip",
+            ),
+            go.Scatter(x=k, y=table.random_mean, mode="lines+markers", name="random heads (mean)", line={"color": "grey"}),
+            go.Scatter(
+                x=k + k[::-1], y=list(table.top_ci_high) + list(table.top_ci_low)[::-1], fill="toself",
+                line={"width": 0}, fillcolor="rgba(31,119,180,0.25)", name="top-k 95% CI", hoverinfo="skip",
+            ),
+            go.Scatter(
+                x=k, y=table.top_effect, mode="lines+markers", name="top-k heads", text=list(table.heads),
+                hovertemplate="k=%{x}: %{y:.3f}<br>%{text}<extra></extra>", line={"color": "rgb(31,119,180)"},
+            ),
+        ]
+    )
+    fig.update_layout(
+        title="Top-k heads patched together: fraction of the logit difference recovered",
+        xaxis_title="k (heads patched)", yaxis_title="recovered (0 = corrupted, 1 = clean)",
+    )
+    return fig
+
+
+def write_figure(fig: Any, path: str | Path) -> Path:
+    """Self-contained HTML (plotly.js inlined), written atomically."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    fig.write_html(tmp, include_plotlyjs=True, full_html=True)
+    tmp.replace(path)
+    return path
