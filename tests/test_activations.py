@@ -244,3 +244,36 @@ def test_cli_caches_then_reuses(tmp_path, capsys):
     assert cli_main(bad) == 2
     assert "unknown site kind 'resid_pst'" in capsys.readouterr().err
     assert os.path.isdir(tmp_path / "store")
+
+
+@pytest.mark.slow
+def test_real_model_caches_generated_stories_at_their_spans(smollm2, tmp_path):
+    from tomlens.stimuli import generate
+
+    stimuli = [s for s in generate("unexpected-transfer", n=1, seed=0) if s.prompt_type == "belief"][:4]
+    positions = ["final", "protagonist", "location_1", "contrast_end"]
+    acts = cache_activations(smollm2, stimuli, "resid_post:0,29 head_out:20", positions, store=tmp_path,
+                             batch_size=4, progress=False)
+    assert acts.get("resid_post", "final").shape == (4, 2, 576)
+    assert acts.get("head_out", "protagonist").shape == (4, 1, 9, 576)  # 9 query heads over 3 kv heads
+    batch = encode(smollm2, [s.text for s in stimuli])
+    pos = resolve_positions(stimuli, batch, ["protagonist:first", "protagonist", "location_1", "contrast_end"])
+    for row, s in enumerate(stimuli):
+        ids = batch.input_ids[row]
+        name = smollm2.tokenizer.decode(ids[int(pos[row, 0]) : int(pos[row, 1]) + 1].tolist()).strip()
+        words = [smollm2.tokenizer.decode([int(ids[p])]).strip() for p in pos[row, 2:]]
+        assert [name, *words] == [s.span_text("protagonist"), s.span_text("location_1"), "."]
+    one = _single(smollm2, stimuli[2], [Site("resid_post", 29), Site("head_out", 20)], positions)
+    torch.testing.assert_close(acts.get("resid_post", "protagonist")[2, 1], one[Site("resid_post", 29)][0, 1],
+                               atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(acts.get("head_out", "final")[2, 0], one[Site("head_out", 20)][0, 0],
+                               atol=1e-4, rtol=1e-4)
+
+
+def test_a_shard_that_does_not_match_its_manifest_is_refused(load_tiny, tmp_path):
+    model = load_tiny("tiny-gpt2")
+    a = cache_activations(model, STORIES, ["resid_post"], ["final"], store=tmp_path, shard_rows=4, progress=False)
+    b = cache_activations(model, STORIES[:4], ["resid_post"], ["final"], store=tmp_path, progress=False)
+    (a.path / "shard-00000.safetensors").write_bytes((b.path / "shard-00000.safetensors").read_bytes())
+    with pytest.raises(TomlensError, match="does not hold the rows"):
+        load_activations(a.path).get("resid_post", "final")

@@ -58,7 +58,7 @@ def sklearn_reference(X, y, groups_tr, tr, te, folds, c_grid, multiclass=False):
         for f in folds:
             a, b = f.train.numpy(), f.test.numpy()
             for ci, C in enumerate(c_grid):
-                lr = LogisticRegression(C=C, max_iter=5000, tol=1e-8)
+                lr = LogisticRegression(C=C, solver="newton-cholesky", max_iter=200, tol=1e-10)
                 m = make_pipeline(StandardScaler(), OneVsRestClassifier(lr) if multiclass else lr)
                 m.fit(Xtr[a], ytr[a])
                 cv_acc[ci] += (m.predict(Xtr[b]) == ytr[b]).mean() / len(folds)
@@ -66,7 +66,7 @@ def sklearn_reference(X, y, groups_tr, tr, te, folds, c_grid, multiclass=False):
                 idx = np.searchsorted(m.classes_, ytr[b])
                 cv_nll[ci] += -np.log(proba[np.arange(len(b)), idx]).mean() / len(folds)
         best = int(choose_c(torch.tensor(cv_acc), torch.tensor(cv_nll), c_grid))
-        lr = LogisticRegression(C=c_grid[best], max_iter=5000, tol=1e-8)
+        lr = LogisticRegression(C=c_grid[best], solver="newton-cholesky", max_iter=200, tol=1e-10)
         m = make_pipeline(StandardScaler(), OneVsRestClassifier(lr) if multiclass else lr).fit(Xtr, ytr)
         accs.append((m.predict(Xk[te]) == y[te].numpy()).mean())
         chosen.append(c_grid[best])
@@ -130,7 +130,8 @@ def test_one_vs_rest_multiclass_matches_sklearn():
 def test_coefficients_match_sklearn_well_conditioned(low_rank):
     g = torch.Generator().manual_seed(1)
     n, d = 80, 40
-    if low_rank:  # like a head's output: rank 8 inside a 40-dimensional space, fewer rows than d
+    if low_rank:  # like a head's output: rank 8 inside a 120-dimensional space, fewer rows than d
+        d = 120
         X = torch.bmm(torch.randn(2, n, 8, generator=g, dtype=torch.float64),
                       torch.randn(2, 8, d, generator=g, dtype=torch.float64))
     else:
@@ -144,8 +145,27 @@ def test_coefficients_match_sklearn_well_conditioned(low_rank):
         m.fit(sc.transform(X[k].numpy()), y.numpy())
         coef = m.coef_[0] / sc.scale_
         intercept = m.intercept_[0] - coef @ sc.mean_
-        np.testing.assert_allclose(probe.coef_[k, 0].numpy(), coef, rtol=1e-5, atol=1e-7 * np.abs(coef).max())
-        assert abs(float(probe.intercept_[k, 0]) - intercept) < 1e-5 * (1 + abs(intercept))
+        np.testing.assert_allclose(probe.coef_[k, 0].numpy(), coef, rtol=1e-4, atol=1e-6 * np.abs(coef).max())
+        assert abs(float(probe.intercept_[k, 0]) - intercept) < 1e-4 * (1 + abs(intercept))
+
+
+def test_low_rank_path_gives_the_same_probes_as_per_fold_reduction():
+    # heads: rank-6 rows in 50 dimensions, plus one unit of full rank (a "dead head" whose
+    # standardised rounding noise fills the space) that must take the per-fold route
+    g = torch.Generator().manual_seed(4)
+    n, d = 60, 50
+    y = torch.randint(0, 2, (n,), generator=g)
+    Z = torch.randn(4, n, 6, generator=g, dtype=torch.float64) + 0.8 * y.view(1, n, 1)
+    X = torch.bmm(Z, torch.randn(4, 6, d, generator=g, dtype=torch.float64)) + 3.0
+    X[3] = torch.randn(n, d, generator=g, dtype=torch.float64)
+    groups = torch.arange(n) // 4
+    kw = dict(groups=groups, c_grid=(0.01, 1.0, 10.0), cv=3, device="cpu")
+    fast = fit_logistic(X, y.unsqueeze(0), low_rank=True, **kw)
+    slow = fit_logistic(X, y.unsqueeze(0), low_rank=False, **kw)
+    assert torch.equal(fast.C, slow.C)
+    assert torch.allclose(fast.cv_accuracy, slow.cv_accuracy)
+    assert torch.allclose(fast.coef, slow.coef, rtol=1e-6, atol=1e-8 * float(slow.coef.abs().max()))
+    assert torch.allclose(fast.intercept, slow.intercept, rtol=1e-6, atol=1e-7)
 
 
 def test_mass_mean_probe_direction_and_accuracy():
@@ -163,7 +183,7 @@ def test_mass_mean_probe_direction_and_accuracy():
 
 
 def test_probe_errors_are_user_errors():
-    X, y, _ = planted(u=1, n=40, d=5)
+    X, y, _ = planted(u=1, n=40, d=5, signal_unit=0)
     with pytest.raises(TomlensError, match="two classes"):
         LogisticProbe(C=1.0, device="cpu").fit(X, torch.zeros(40, dtype=torch.long))
     with pytest.raises(TomlensError, match="not fitted"):
@@ -177,6 +197,7 @@ def test_runtime_shape_check_catches_mismatched_rows():
     X, y, groups = planted(u=2, n=40, d=5)
     with pytest.raises(Exception) as info:
         checked(fit_logistic)(X, y[:30].unsqueeze(0), c_grid=(1.0,), device="cpu")
+    assert not isinstance(info.value, TomlensError)  # the annotation check fired before the code ran
     assert "n" in str(info.value)
 
 

@@ -130,8 +130,21 @@ class ActivationSet:
 
     def _open(self) -> list[dict[str, Tensor]]:
         if self._shards is None:
-            self._shards = [st.open_shard(self.path / s["file"]) for s in self.manifest["shards"]]
+            shards = []
+            for s in self.manifest["shards"]:
+                expected = {"key": self.manifest["key"], "start": str(s["start"]), "stop": str(s["stop"])}
+                path = self.path / s["file"]
+                if not st.shard_is_valid(path, expected, self._shapes(s["stop"] - s["start"])):
+                    raise TomlensError(
+                        f"{path} does not hold the rows its manifest lists (written by another run?)",
+                        f"delete {self.path} and cache again",
+                    )
+                shards.append(st.open_shard(path))
+            self._shards = shards
         return self._shards
+
+    def _shapes(self, n_rows: int) -> dict[str, tuple[int, ...]]:
+        return {name: (n_rows, *shape[1:]) for name, shape in self.manifest["shapes"].items()}
 
     def describe(self) -> str:
         """A few lines saying where the store is and what it holds."""

@@ -145,8 +145,9 @@ def patch_experiment(
                 res = exact_patching(model, prepared, memory_mb=memory_mb, **kwargs)
             else:
                 res = attribution_patching(model, prepared, **kwargs)
+            res.seed = seed
             results[(m, d)] = res
-            files.append(str(write_table(res.summary(seed=seed), out / f"cells_{m}_{d}{ext}")))
+            files.append(str(write_table(res.summary(), out / f"cells_{m}_{d}{ext}")))
             files.append(str(write_table(res.per_pair(), out / f"pairs_{m}_{d}{ext}")))
             if "head" in kinds:
                 files.append(str(write_figure(head_heatmap(res, "all"), figs / f"heads_{m}_{d}.html")))
@@ -238,6 +239,9 @@ def run(args: argparse.Namespace) -> int:
     b = next(iter(summary["baselines"].values()))
     print(f"{summary['pairs']['n_aligned']} pairs; logit diff clean {b['clean_logit_diff']:.3f}, "
           f"corrupted {b['corrupted_logit_diff']:.3f}")
+    if not abs(b["gap"]) > 2 * b["gap_se"]:
+        print(f"note: the clean - corrupted gap ({b['gap']:.3f} +/- {b['gap_se']:.3f}) is close to 0, so effects "
+              "normalised by it are unstable; read the raw logit_diff columns")
     if "top_heads" in summary:
         print(f"top heads ({summary['ranked_by']}): {', '.join(summary['top_heads'][:10])}")
     for c in summary["comparisons"]:

@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 
 from tomlens.experiments.metric import Normalize, logit_diff
 from tomlens.experiments.patching import (
+    _SHORTCUTS_OK,
     Cell,
     Direction,
     PatchingResult,
@@ -38,9 +39,16 @@ from tomlens.experiments.patching import (
 from tomlens.hooks.patch import forward_last, record_hooks
 
 
-def _group_scores(model, group, hooks: Sequence[str], direction: Direction) -> tuple[dict[str, Tensor], Tensor, Tensor]:
+def _group_scores(
+    model, group, hooks: Sequence[str], direction: Direction, *, reuse_prefix: bool = True
+) -> tuple[dict[str, Tensor], Tensor, Tensor]:
     """Per-hook attribution scores `[g, pos, head]` (head axis 1 for non-head sites), and the base
-    and source metrics of the group's pairs."""
+    and source metrics of the group's pairs.
+
+    The two stories of a pair share every token before the first that differs, so the
+    grad-enabled base run starts there, on the source run's keys and values (no activation
+    differs earlier, so no score is lost).
+    """
     g = group.g
     base_rows = torch.tensor([_roles(direction, g, j)[0] for j in range(g)])
     src_rows = torch.tensor([_roles(direction, g, j)[1] for j in range(g)])
@@ -48,12 +56,19 @@ def _group_scores(model, group, hooks: Sequence[str], direction: Direction) -> t
     fk = batch.forward_kwargs()
     src: dict[str, Tensor] = {}
     with torch.inference_mode():
-        src_last, _ = forward_last(model, batch.input_ids, fk, record_hooks(hooks, src), rows=src_rows)
+        src_last, prefix = forward_last(
+            model, batch.input_ids, fk, record_hooks(hooks, src), rows=src_rows, keep_cache=reuse_prefix
+        )
         src_metric = logit_diff(src_last, group.tokens[src_rows])
+    if _SHORTCUTS_OK.get(model) is False:  # exact patching found the KV prefix unfaithful here
+        prefix = None
+    start = int(group.first_diff.min()) if prefix is not None else 0
+    start = min(start, group.width - 1)
     base: dict[str, Tensor] = {}
     with torch.enable_grad():
         last, _ = forward_last(
-            model, batch.input_ids, fk, record_hooks(hooks, base, requires_grad=True), rows=base_rows
+            model, batch.input_ids, fk, record_hooks(hooks, base, requires_grad=True), rows=base_rows,
+            prefix=prefix, start=start, prefix_rows=torch.arange(g),
         )
         metric = logit_diff(last, group.tokens[base_rows])
         names = [h for h in hooks if h in base]
@@ -65,10 +80,12 @@ def _group_scores(model, group, hooks: Sequence[str], direction: Direction) -> t
         act = base[name].detach()
         if grad is None:
             grad = torch.zeros_like(act)
-        s = ((src[name].to(act.dtype) - act) * grad).float().sum(-1).cpu()  # [g, pos] or [g, pos, head]
+        s = ((src[name][:, start:].to(act.dtype) - act) * grad).float().sum(-1).cpu()  # [g, pos - start(, head)]
         if s.ndim == 2:
             s = s[..., None]
-        scores[name] = s * keep[..., None].to(s.dtype)
+        full = torch.zeros((g, width) + tuple(s.shape[2:]), dtype=s.dtype)
+        full[:, start:] = s
+        scores[name] = full * keep[..., None].to(s.dtype)
     return scores, metric.detach().double().cpu(), src_metric.double().cpu()
 
 
@@ -82,6 +99,7 @@ def attribution_patching(
     layers: Sequence[int] | None = None,
     normalize: Normalize = "pooled",
     batch_pairs: int = 8,
+    reuse_prefix: bool = True,
     progress: bool = True,
 ) -> PatchingResult:
     """Attribution scores for the same cells `exact_patching` would run, vectorised over pairs.
@@ -102,7 +120,7 @@ def attribution_patching(
     hooks = _needed_hooks(cells)
     for group in tqdm(prepared.groups, desc=f"attribution ({direction})", unit="group", disable=not progress):
         g, width = group.g, group.width
-        scores, base_metric, src_metric = _group_scores(model, group, hooks, direction)
+        scores, base_metric, src_metric = _group_scores(model, group, hooks, direction, reuse_prefix=reuse_prefix)
         idx = torch.tensor(group.index)
         if direction == "denoise":
             clean[idx], corrupted[idx] = src_metric, base_metric

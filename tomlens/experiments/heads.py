@@ -311,7 +311,7 @@ def mean_ablation(
         targets: list[tuple[int, int, int]] = []
         for s_i, (*_, heads) in enumerate(settings):
             for story in range(2 * g):
-                pad = group.pad(story % g if story < g else story - g)
+                pad = group.pad(story % g)  # a pair's two stories share their padding
                 cols = [width - 1] if mode == "final" else list(range(pad, width))
                 runs.append(Run(story, [(hook_for("head", l), l, h, cols, 0) for l, h in heads]))
                 targets.append((s_i, 0 if story < g else 1, group.index[story % g]))

@@ -20,7 +20,7 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import pandas as pd
@@ -33,7 +33,7 @@ from tomlens.probes import stats
 from tomlens.probes.base import Probe, encode_labels
 from tomlens.probes.controls import bag_of_words, shuffle_labels
 from tomlens.probes.directions import direction_name, save_directions, unit_norm
-from tomlens.probes.logistic import C_GRID, LogisticProbe, fit_logistic
+from tomlens.probes.logistic import C_GRID, LogisticProbe, cpu_threads_for, default_device, fit_logistic
 from tomlens.probes.mass_mean import MassMeanProbe
 from tomlens.probes.splits import Split, group_codes, group_kfold
 from tomlens.probes.targets import false_belief_mask, get_target, make_target, true_belief_mask
@@ -46,6 +46,7 @@ COLUMNS = ["kind", "layer", "head", "position", "target", "probe", "train_on", "
            "n_test_groups", "C"]
 
 
+@runtime_checkable
 class ActivationsLike(Protocol):
     """What the sweep needs from `tomlens.activations.ActivationSet`."""
 
@@ -315,6 +316,7 @@ def run_probe_sweep(
     for t in targets:
         get_target(t)
     t0 = time.time()
+    dev = torch.device(cfg.device) if cfg.device is not None else default_device()
     train_st = list(acts.stimuli)
     test_st = list(test_acts.stimuli) if test_acts is not None else None
     if test_st is not None:
@@ -349,19 +351,20 @@ def run_probe_sweep(
         n_fits = sum(len(p.splits) for p in plans) + int(cfg.directions)
         for kind, chunks, keep_dirs in feature_sets:
             for Xtr, Xte, unit_keys in chunks():
-                bar = _progress(n_fits, cfg.progress, f"{tname} {kind} units {unit_keys[0][0]}-{unit_keys[-1][0]}")
-                for plan in plans:
-                    outcome = _run_plan(plan, probe, Xtr, ytr, gtr, Xte, yte, cfg, seed, bar.update)
-                    if outcome is None:
-                        notes.append(f"{tname}/{kind}: train_on={plan.train_on} skipped "
-                                     "(no training split with two classes)")
-                        continue
-                    rows.extend(_rows_for(outcome, plan, yte, gte, cfg, seed, unit_keys,
-                                          {**common, "kind": kind}))
-                if cfg.directions and keep_dirs:
-                    bar.update()
-                    _collect_directions(directions, probe, Xtr, ytr, gtr, cfg, seed, tname, kind, position,
-                                        unit_keys)
+                bar = _progress(n_fits, cfg.progress, f"{tname} {kind} layers {unit_keys[0][0]}-{unit_keys[-1][0]}")
+                with cpu_threads_for(float(Xtr.numel()), dev):
+                    for plan in plans:
+                        outcome = _run_plan(plan, probe, Xtr, ytr, gtr, Xte, yte, cfg, seed, bar.update)
+                        if outcome is None:
+                            notes.append(f"{tname}/{kind}: train_on={plan.train_on} skipped "
+                                         "(no training split with two classes)")
+                            continue
+                        rows.extend(_rows_for(outcome, plan, yte, gte, cfg, seed, unit_keys,
+                                              {**common, "kind": kind}))
+                    if cfg.directions and keep_dirs:
+                        bar.update()
+                        _collect_directions(directions, probe, Xtr, ytr, gtr, cfg, seed, tname, kind,
+                                            position, unit_keys)
                 bar.close()
     table = pd.DataFrame(rows, columns=COLUMNS)
     directions = _stack_directions(directions)

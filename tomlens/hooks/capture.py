@@ -5,6 +5,7 @@ logits. Here each hook gathers its few positions into a fresh tensor (so nothing
 the full activation), and the hook that captures the last site still missing raises, which ends
 the forward right there: later blocks, the final norm and the unembedding never run. That is
 TransformerLens's `stop_at_layer`, moved from "before block k" to "after the last site needed".
+No KV cache is built either: a single forward never reads it back.
 """
 
 from __future__ import annotations
@@ -63,9 +64,12 @@ def capture(
         return hook
 
     fwd_hooks = [(name, make_hook(name, group)) for name, group in groups.items()]
+    # use_cache=False: otherwise Hugging Face keeps every layer's keys and values for generation,
+    # which is most of the memory of a caching forward (SmolLM2, batch 16 x 106: 126 -> 55 MiB).
+    kwargs = {"use_cache": False, **batch.forward_kwargs()}
     with model.hooks(fwd_hooks=fwd_hooks):
         try:
-            model(batch.input_ids, **batch.forward_kwargs())
+            model(batch.input_ids, **kwargs)
         except _Captured:
             pass
     missing = [str(s) for s in sites if s not in out]

@@ -5,10 +5,12 @@ another run (clean, corrupted or a mean). Here a whole chunk of such runs shares
 hook for an activation receives `[rows, pos, ...]` and writes each row's own cells in one
 `index_put`. The values are gathered before the forward, so the hook does no lookups.
 
-Two savings keep the forward small, both exact:
+Three savings keep the forward small, all exact:
 - *Shared prefix.* A patch can change nothing at positions before its first patched position, so a
   chunk whose rows all start at or after column `P` reuses the base run's keys and values for
   columns `< P` (the Hugging Face KV cache the bridge accepts) and recomputes only columns `>= P`.
+- *Skipped blocks.* Nothing a patch at block `L` changes reaches blocks below it, so those blocks
+  return at once and the base run's residual stream enters block `L` (`skip_blocks`).
 - *Last-token logits.* The metric needs the last position only: `logits_to_keep=1` skips the
   unembedding everywhere else (at a 49k vocabulary, a fifth of a small model's compute).
 
@@ -196,12 +198,14 @@ def forward_last(
     prefix: PrefixCache | None = None,
     start: int = 0,
     skip: tuple[int, Tensor] | None = None,
+    prefix_rows: Int[Tensor, "r"] | None = None,
     keep_cache: bool = False,
 ) -> tuple[Float[Tensor, "r vocab"], PrefixCache | None]:
     """Run (rows of) a left-padded batch and return the last position's logits.
 
-    With `prefix` and `start > 0`, columns `< start` come from the prefix cache (base rows given by
-    `rows`), and only columns `>= start` run: hooks then see `[r, pos - start, ...]` tensors.
+    With `prefix` and `start > 0`, columns `< start` come from the prefix cache (its rows given by
+    `prefix_rows`, default `rows`), and only columns `>= start` run: hooks then see
+    `[r, pos - start, ...]` tensors.
     `skip=(L, resid)` runs blocks `>= L` only, with `resid` (`[r, new pos, d_model]`) entering block L.
     `keep_cache=True` also returns this run's keys and values as a `PrefixCache` (or None when the
     architecture's cache is not a plain one).
@@ -212,8 +216,9 @@ def forward_last(
     if _keeps_last_logits(model):
         kwargs["logits_to_keep"] = 1
     if use_prefix:
-        base_rows = rows if rows is not None else torch.arange(ids.shape[0])
-        kwargs["past_key_values"] = prefix.select(base_rows, start, skip[0] if skip else 0)
+        if prefix_rows is None:
+            prefix_rows = rows if rows is not None else torch.arange(ids.shape[0])
+        kwargs["past_key_values"] = prefix.select(prefix_rows, start, skip[0] if skip else 0)
         ids = ids[:, start:]
     cache = None
     below, resid = skip if skip is not None else (0, None)

@@ -1,1 +1,26 @@
-"""tomlens.probes"""
+"""Linear probes for many layers and heads at once, leak-free splits, targets, controls and intervals.
+
+    from tomlens.probes import LogisticProbe, make_target, group_codes
+    y, keep = make_target(stimuli, "protagonist_belief")
+    probe = LogisticProbe().fit(X[:, keep], y[keep], groups=group_codes(kept_stimuli))  # X: [unit, n, d]
+    probe.score(X_test, y_test)    # accuracy per unit
+    probe.direction                # [unit, k, d] unit vectors in activation space
+
+The sweep over cached activations lives in `tomlens.experiments.probe_sweep`.
+"""
+
+from tomlens.probes.base import Probe
+from tomlens.probes.controls import bag_of_words, shuffle_labels
+from tomlens.probes.directions import load_directions, save_directions
+from tomlens.probes.logistic import C_GRID, LogisticFit, LogisticProbe, fit_logistic
+from tomlens.probes.mass_mean import MassMeanProbe
+from tomlens.probes.splits import Split, group_codes, group_kfold, holdout, leaked_groups
+from tomlens.probes.stats import Interval, bootstrap_auroc, bootstrap_mean
+from tomlens.probes.targets import TARGETS, false_belief_mask, make_target, true_belief_mask
+
+__all__ = [
+    "C_GRID", "Interval", "LogisticFit", "LogisticProbe", "MassMeanProbe", "Probe", "Split", "TARGETS",
+    "bag_of_words", "bootstrap_auroc", "bootstrap_mean", "false_belief_mask", "fit_logistic",
+    "group_codes", "group_kfold", "holdout", "leaked_groups", "load_directions", "make_target",
+    "save_directions", "shuffle_labels", "true_belief_mask",
+]

@@ -62,7 +62,8 @@ class Probe(ABC):
         return scores_to_proba(self.decision_function(X))
 
     def predict(self, X: Float[Tensor, "unit n d"]) -> Int[Tensor, "unit n"]:
-        return self.classes_.to(X.device)[scores_to_index(self.decision_function(X))]
+        index = scores_to_index(self.decision_function(X))
+        return self.classes_.to(X.device)[index]
 
     def score(self, X: Float[Tensor, "unit n d"], y: Int[Tensor, " n"]) -> Float[Tensor, " unit"]:
         """Accuracy of each unit's probe."""

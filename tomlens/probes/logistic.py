@@ -1,9 +1,11 @@
 """L2-regularised logistic probes for many units at once, C chosen per unit by grouped CV.
 
-Per fold: standardise on the fold's training rows, reduce every unit's problem to at most
-min(n_train, d) columns (`reduce`), then walk the C grid from the strongest penalty to the
-weakest, each C's Newton solve warm-started from the last (`newton`). Validation accuracy picks C
-per unit (ties: lower log-loss, then the smaller C); the final fit uses all rows with that C.
+Per fold: standardise on the fold's training rows, reduce every unit's problem exactly to at most
+min(n_train, d) columns (`reduce`: a pivoted Cholesky of the fold's Gram matrix, or, for units
+whose rows span few dimensions such as per-head outputs, one row basis shared by all folds), then
+walk the C grid from the strongest penalty to the weakest, each C's Newton solve warm-started from
+the last (`newton`), units batched by rank. Validation accuracy picks C per unit (ties: lower
+log-loss, then the smaller C); the final fit uses all rows with that C.
 
 Several label vectors can be fitted on the same features in one pass (`fit_logistic`'s `Y`): the
 shuffled-label control shares every Gram matrix and factorisation with the real labels, so it
@@ -13,8 +15,9 @@ costs little more than the probe itself.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
-from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -24,10 +27,11 @@ from torch import Tensor
 from tomlens.errors import TomlensError
 from tomlens.probes.base import Probe, encode_labels, one_vs_rest, scores_to_index, scores_to_proba
 from tomlens.probes.newton import newton_logistic
-from tomlens.probes.reduce import BlockSums, Standardiser, reduce_rows
+from tomlens.probes.reduce import BlockSums, RowBasis, Standardiser, reduce_rows
 from tomlens.probes.splits import Split, as_codes, group_kfold
 
 C_GRID: tuple[float, ...] = (0.001, 0.01, 0.1, 1.0, 10.0)
+SMALL_WORK = 4e6  # unit x row x feature elements below which a fit runs on one CPU thread
 
 
 @dataclass(frozen=True)
@@ -47,25 +51,108 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+@contextmanager
+def cpu_threads_for(work: float, device: torch.device) -> Iterator[None]:
+    """One CPU thread for small problems, the configured number otherwise.
+
+    A probe fit is thousands of small tensor operations; splitting each across threads gains
+    nothing when the tensors are small, and on a busy machine every split waits for a time slice
+    for the second thread, which can make a small sweep thirty times slower.
+    """
+    if device.type != "cpu" or work >= SMALL_WORK or torch.get_num_threads() == 1:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def _unit_chunks(u: int, n: int, d: int, j: int, budget_bytes: float) -> list[slice]:
     """Split units so one chunk's working set (features, Gram, reduced problems) fits the budget."""
     r = min(n, d)
-    per_unit = 4 * n * d * 3 + 8 * n * n * 2 + 8 * j * (n * (r + 1) * 3 + (r + 1) ** 2 * 3)
+    per_unit = 8 * n * d * 3 + 8 * n * n * 2 + 8 * j * (n * (r + 1) * 3 + (r + 1) ** 2 * 3)
     size = max(1, int(budget_bytes // max(per_unit, 1)))
     return [slice(a, min(a + size, u)) for a in range(0, u, size)]
 
 
+def rank_buckets(ranks: Int[Tensor, " u"], ratio: float = 1.25, slack: int = 8) -> list[tuple[Tensor, int]]:
+    """Group units of similar rank, so each Newton batch is only as wide as its widest member.
+
+    One dead head (constant output, whose standardised rounding noise has nearly full rank) would
+    otherwise make every head's problem as wide as its own."""
+    order = torch.argsort(ranks, stable=True)
+    out: list[tuple[Tensor, int]] = []
+    start = 0
+    r = ranks[order].tolist()
+    for i in range(1, len(r) + 1):
+        if i == len(r) or r[i] > max(r[start] * ratio, r[start] + slack):
+            out.append((order[start:i], max(int(r[i - 1]), 1)))
+            start = i
+    return out
+
+
 def _fit_reduced(Z: Tensor, T: Tensor, inv_c: Tensor, beta0: Tensor | None,
-                 max_iter: int, tol: float) -> tuple[Tensor, int]:
-    """Newton on reduced training features `Z` [u, m, r]; `T` [j, m] targets shared by all units."""
+                 max_iter: int, tol: float, ranks: Tensor | None = None) -> tuple[Tensor, int]:
+    """Newton on reduced training features `Z` [u, m, r]; `T` [j, m] targets shared by all units.
+
+    Units are solved in buckets of similar `ranks` (the leading columns that carry data); the
+    returned `beta` [u, j, r+1] has zeros in each unit's unused columns and the intercept last."""
     u, j = inv_c.shape
-    y = T.to(Z.device, torch.float64).T.unsqueeze(0).expand(u, Z.shape[1], j)
-    res = newton_logistic(Z, y, inv_c, beta0=beta0, max_iter=max_iter, tol=tol)
-    return res.beta, int(res.n_iter.max())
+    m, r = Z.shape[1], Z.shape[2]
+    y = T.to(Z.device, torch.float64).T.unsqueeze(0)
+    beta = torch.zeros(u, j, r + 1, dtype=torch.float64, device=Z.device) if beta0 is None else beta0.clone()
+    iters = 0
+    buckets = [(torch.arange(u, device=Z.device), r)] if ranks is None else rank_buckets(ranks.cpu())
+    for idx, rb in buckets:
+        idx = idx.to(Z.device)
+        b0 = torch.cat([beta[idx, :, :rb], beta[idx, :, r:]], 2)
+        res = newton_logistic(Z[idx, :, :rb], y.expand(idx.numel(), m, j), inv_c[idx], beta0=b0,
+                              max_iter=max_iter, tol=tol)
+        beta[idx, :, :rb] = res.beta[..., :rb]
+        beta[idx, :, r] = res.beta[..., rb]
+        iters = max(iters, int(res.n_iter.max()))
+    return beta, iters
 
 
-def _cv_scores(Xc: Tensor, sums: BlockSums | None, index: Tensor, n_classes: int, folds: list[Split],
-               c_grid: Sequence[float], max_iter: int, tol: float) -> tuple[Tensor, Tensor, int]:
+@dataclass
+class _Problem:
+    """One fold's reduced problem for a set of units: coordinates of all rows, per-unit ranks, and
+    the map from reduced solutions back to raw-space weights."""
+
+    Z: Tensor  # [u, n, r], rows in the chunk's order
+    ranks: Tensor  # [u]
+    to_raw: Callable[[Tensor], tuple[Tensor, Tensor]]  # beta [u, j, r+1] -> (coef [u, j, d], intercept [u, j])
+
+
+def _problem(Xc: Tensor, sums: BlockSums | None, basis: RowBasis | None, include: Tensor | None,
+             train: Tensor, weights: bool) -> _Problem:
+    """Standardise on the blocks in `include` (None: no standardisation) and reduce."""
+    std = Standardiser.identity(Xc) if sums is None else Standardiser.from_blocks(sums, include)
+    if basis is not None:
+        Z, Wt = basis.standardised(std, weights)
+
+        def to_raw(beta: Tensor) -> tuple[Tensor, Tensor]:
+            return std.to_raw(torch.bmm(beta[..., :-1], Wt), beta[..., -1])
+
+        return _Problem(Z, basis.ranks, to_raw)
+    Xs = Xc if sums is None else std(Xc)
+    red = reduce_rows(Xs, train)
+
+    def to_raw_k(beta: Tensor) -> tuple[Tensor, Tensor]:
+        return std.to_raw(red.weights(Xs, beta[..., :-1]), beta[..., -1])
+
+    return _Problem(red.Z, red.ranks(red.Z[:, train.to(red.Z.device)]), to_raw_k if weights else _no_weights)
+
+
+def _no_weights(beta: Tensor) -> tuple[Tensor, Tensor]:
+    raise RuntimeError("weights were not requested for this fold")
+
+
+def _cv_scores(Xc: Tensor, sums: BlockSums | None, basis: RowBasis | None, index: Tensor, n_classes: int,
+               folds: list[Split], c_grid: Sequence[float], max_iter: int, tol: float) -> tuple[Tensor, Tensor, int]:
     """Mean validation accuracy and log-loss per (label, unit, C) over folds.
 
     `index` [L, n]: class index of each row for each label vector; fold f's validation rows are
@@ -79,21 +166,16 @@ def _cv_scores(Xc: Tensor, sums: BlockSums | None, index: Tensor, n_classes: int
     order = sorted(range(len(c_grid)), key=lambda i: c_grid[i])
     for f, split in enumerate(folds):
         tr, va = split.train, split.test
-        if sums is None:
-            Xs = Xc
-        else:
-            include = torch.ones(len(folds), dtype=torch.bool)
-            include[f] = False
-            Xs = Standardiser.from_blocks(sums, include)(Xc)
-        red = reduce_rows(Xs, tr)
-        del Xs
-        ztr, zv = red.Z[:, tr.to(Xc.device)], red.Z[:, va.to(Xc.device)]
+        include = torch.ones(len(folds), dtype=torch.bool)
+        include[f] = False
+        prob = _problem(Xc, sums, basis, include, tr, weights=False)
+        ztr, zv = prob.Z[:, tr.to(Xc.device)], prob.Z[:, va.to(Xc.device)]
         T = torch.cat([one_vs_rest(index[l_][tr], n_classes) for l_ in range(L)])  # [L*kk, m]
         yv = index[:, va].to(Xc.device)  # [L, nv]
         beta = None
         for ci in order:
             inv_c = torch.full((u, L * kk), 1.0 / c_grid[ci], dtype=torch.float64, device=Xc.device)
-            beta, it = _fit_reduced(ztr, T, inv_c, beta, max_iter, tol)
+            beta, it = _fit_reduced(ztr, T, inv_c, beta, max_iter, tol, prob.ranks)
             iters = max(iters, it)
             s = torch.bmm(zv, beta[..., :-1].transpose(1, 2)) + beta[..., -1].unsqueeze(1)  # [u, nv, L*kk]
             s = s.view(u, -1, L, kk).permute(2, 0, 1, 3)  # [L, u, nv, kk]
@@ -102,6 +184,33 @@ def _cv_scores(Xc: Tensor, sums: BlockSums | None, index: Tensor, n_classes: int
             picked = torch.gather(proba, 3, yv.view(L, 1, -1, 1).expand(L, u, -1, 1)).squeeze(3)
             nll[:, :, ci] += -picked.log().mean(2)
     return acc / len(folds), nll / len(folds), iters
+
+
+def _fit_units(Xc: Tensor, sums: BlockSums | None, basis: RowBasis | None, index: Tensor, n_classes: int,
+               folds: list[Split], c_grid: tuple[float, ...], max_iter: int, tol: float
+               ) -> tuple[Tensor, Tensor, Tensor, Tensor | None, int]:
+    """CV over the C grid, then the final fit on all rows: coef [L, u, k, d], intercept
+    [L, u, k], C [L, u], CV accuracy [L, u, grid] (None without CV), Newton iterations."""
+    u, n, d = Xc.shape
+    L = index.shape[0]
+    kk = 1 if n_classes == 2 else n_classes
+    dev = Xc.device
+    acc = None
+    iters = 0
+    if folds:
+        acc, nll, iters = _cv_scores(Xc, sums, basis, index, n_classes, folds, c_grid, max_iter, tol)
+        c_u = torch.tensor(c_grid, dtype=torch.float64, device=dev)[choose_c(acc, nll, c_grid)]  # [L, u]
+    else:
+        c_u = torch.full((L, u), c_grid[0], dtype=torch.float64, device=dev)
+    include = None if sums is None else torch.ones(sums.count.numel(), dtype=torch.bool)
+    prob = _problem(Xc, sums, basis, include, torch.arange(n), weights=True)
+    T = torch.cat([one_vs_rest(index[l_], n_classes) for l_ in range(L)])  # [L*kk, n]
+    inv_c = (1.0 / c_u).T.repeat_interleave(kk, dim=1)  # [u, L*kk]
+    beta, it = _fit_reduced(prob.Z, T, inv_c, None, max_iter, tol, prob.ranks)
+    w_raw, b_raw = prob.to_raw(beta)
+    coef = w_raw.view(u, L, kk, d).permute(1, 0, 2, 3)
+    intercept = b_raw.view(u, L, kk).permute(1, 0, 2)
+    return coef, intercept, c_u, acc, max(iters, it)
 
 
 def choose_c(acc: Float[Tensor, "... grid"], nll: Float[Tensor, "... grid"],
@@ -139,13 +248,20 @@ def fit_logistic(
     standardize: bool = True,
     device: str | torch.device | None = None,
     max_iter: int = 100,
-    tol: float = 1e-10,
-    memory_budget: float = 2**30,
+    tol: float = 1e-6,
+    dtype: torch.dtype = torch.float64,
+    low_rank: bool = True,
+    memory_budget: float = 2**31,
 ) -> LogisticFit:
     """Fit probes for every unit and every label vector in `Y` (which share one set of classes).
 
     With several C values, C is chosen per unit and label vector by grouped cross-validation over
     `groups` (rows without groups are their own group); the final probes are fitted on all rows.
+    `dtype` is the precision of standardisation and Gram matrices: float64 reproduces
+    scikit-learn's optimum; weakly regularised probes (large C) on data with d > n are
+    ill-conditioned enough that float32 rounding moves their decision values visibly.
+    `low_rank` lets units whose rows span no more dimensions than a fold has rows (per-head outputs) use
+    one basis for every fold instead of one Gram matrix per fold (same solution, less work).
     """
     dev = torch.device(device) if device is not None else default_device()
     if X.ndim != 3:
@@ -157,7 +273,7 @@ def fit_logistic(
     u, n, d = X.shape
     if Y.shape[1] != n:
         raise TomlensError(f"{Y.shape[1]} labels for {n} rows of activations", "pass one label per row")
-    classes, idx0 = encode_labels(Y[0])
+    classes, _ = encode_labels(Y[0])
     index = torch.searchsorted(classes, Y)  # [L, n]
     if not bool((classes[index.clamp_max(classes.numel() - 1)] == Y).all()):
         raise TomlensError("the label vectors do not share one set of classes",
@@ -171,45 +287,40 @@ def fit_logistic(
     codes = as_codes(groups, n)
     folds = inner_folds(codes, n, cv, seed) if len(c_grid) > 1 else []
 
-    coef = torch.zeros(L, u, kk, d, dtype=torch.float64)
-    intercept = torch.zeros(L, u, kk, dtype=torch.float64)
-    chosen = torch.zeros(L, u, dtype=torch.float64)
-    cv_acc = torch.zeros(L, u, len(c_grid), dtype=torch.float64) if folds else None
-    iters = 0
-    for sl in _unit_chunks(u, n, d, L * kk, memory_budget):
-        Xc = X[sl].to(dev)
-        if not Xc.is_floating_point():
-            Xc = Xc.float()
-        if Xc.dtype in (torch.float16, torch.bfloat16):
-            Xc = Xc.float()
-        uc = Xc.shape[0]
-        sums = None
-        if standardize:
-            block = torch.zeros(n, dtype=torch.long)
-            for f, split in enumerate(folds):
-                block[split.test] = f
-            sums = BlockSums.of(Xc, block, max(len(folds), 1))
-        if folds:
-            acc, nll, it = _cv_scores(Xc, sums, index, n_classes, folds, c_grid, max_iter, tol)
-            iters = max(iters, it)
-            best = choose_c(acc, nll, c_grid)  # [L, uc]
-            cv_acc[:, sl] = acc.cpu()
-            c_u = torch.tensor(c_grid, dtype=torch.float64, device=dev)[best]
-        else:
-            c_u = torch.full((L, uc), c_grid[0], dtype=torch.float64, device=dev)
-        std = Standardiser.identity(Xc) if sums is None else \
-            Standardiser.from_blocks(sums, torch.ones(sums.count.numel(), dtype=torch.bool))
-        Xs = std(Xc) if sums is not None else Xc
-        red = reduce_rows(Xs, torch.arange(n))
-        T = torch.cat([one_vs_rest(index[l_], n_classes) for l_ in range(L)])  # [L*kk, n]
-        inv_c = (1.0 / c_u).T.repeat_interleave(kk, dim=1)  # [uc, L*kk]
-        beta, it = _fit_reduced(red.Z, T, inv_c, None, max_iter, tol)
-        iters = max(iters, it)
-        w_std = red.weights(Xs, beta[..., :-1])  # [uc, L*kk, d]
-        w_raw, b_raw = std.to_raw(w_std.to(torch.float64), beta[..., -1])
-        coef[:, sl] = w_raw.view(uc, L, kk, d).permute(1, 0, 2, 3).cpu()
-        intercept[:, sl] = b_raw.view(uc, L, kk).permute(1, 0, 2).cpu()
-        chosen[:, sl] = c_u.cpu()
+    with cpu_threads_for(float(u) * n * d, dev):
+        coef = torch.zeros(L, u, kk, d, dtype=torch.float64)
+        intercept = torch.zeros(L, u, kk, dtype=torch.float64)
+        chosen = torch.zeros(L, u, dtype=torch.float64)
+        cv_acc = torch.zeros(L, u, len(c_grid), dtype=torch.float64) if folds else None
+        iters = 0
+        m_min = min((f.train.numel() for f in folds), default=n)
+        for sl in _unit_chunks(u, n, d, L * kk, memory_budget):
+            Xc = X[sl].to(dev, dtype)
+            uc = Xc.shape[0]
+            sums = None
+            parts: list[tuple[Tensor, RowBasis | None]] = [(torch.arange(uc, device=dev), None)]
+            if standardize:
+                block = torch.zeros(n, dtype=torch.long)
+                for f, split in enumerate(folds):
+                    block[split.test] = f
+                sums = BlockSums.of(Xc, block, max(len(folds), 1))
+                if low_rank and m_min < d:
+                    basis, small = RowBasis.of(Xc, max_rank=m_min)
+                    lo, hi = small.nonzero().squeeze(1), (~small).nonzero().squeeze(1)
+                    parts = [(lo, basis.subset(lo)), (hi, None)] if lo.numel() else parts
+            for idx, part_basis in parts:
+                if idx.numel() == 0:
+                    continue
+                sub = None if sums is None else sums.subset(idx)
+                cf, ic, c_u, acc, it = _fit_units(Xc[idx], sub, part_basis, index, n_classes, folds, c_grid,
+                                                  max_iter, tol)
+                where = torch.arange(sl.start, sl.stop)[idx.cpu()]
+                coef[:, where] = cf.cpu()
+                intercept[:, where] = ic.cpu()
+                chosen[:, where] = c_u.cpu()
+                if acc is not None:
+                    cv_acc[:, where] = acc.cpu()
+                iters = max(iters, it)
     return LogisticFit(coef=coef, intercept=intercept, C=chosen, classes=classes,
                        cv_accuracy=cv_acc, c_grid=c_grid, n_iter=iters)
 
@@ -223,8 +334,9 @@ class LogisticProbe(Probe):
 
     def __init__(self, C: float | Sequence[float] = C_GRID, *, cv: int = 4, seed: int = 0,
                  standardize: bool = True, device: str | torch.device | None = None,
-                 max_iter: int = 100, tol: float = 1e-10):
+                 max_iter: int = 100, tol: float = 1e-6, dtype: torch.dtype = torch.float64):
         self.C = C
+        self.dtype = dtype
         self.cv = cv
         self.seed = seed
         self.standardize = standardize
@@ -240,7 +352,7 @@ class LogisticProbe(Probe):
             groups: Sequence[Any] | Tensor | None = None) -> LogisticProbe:
         res = fit_logistic(X, torch.as_tensor(y).unsqueeze(0), groups=groups, c_grid=self.c_grid,
                            cv=self.cv, seed=self.seed, standardize=self.standardize,
-                           device=self.device, max_iter=self.max_iter, tol=self.tol)
+                           device=self.device, max_iter=self.max_iter, tol=self.tol, dtype=self.dtype)
         return self._set(res, 0)
 
     def _set(self, res: LogisticFit, label: int) -> LogisticProbe:

@@ -41,9 +41,13 @@ class MassMeanProbe(Probe):
 
     def fit(self, X: Float[Tensor, "unit n d"], y: Int[Tensor, " n"],
             groups: Sequence[Any] | Tensor | None = None) -> MassMeanProbe:
-        from tomlens.probes.logistic import default_device
+        from tomlens.probes.logistic import cpu_threads_for, default_device
 
         dev = torch.device(self.device) if self.device is not None else default_device()
+        with cpu_threads_for(float(X.numel()), dev):
+            return self._fit(X, y, dev)
+
+    def _fit(self, X: Tensor, y: Tensor, dev: torch.device) -> MassMeanProbe:
         classes, index = encode_labels(torch.as_tensor(y))
         T = one_vs_rest(index, classes.numel())  # [k, n]
         Xd = X.to(dev, torch.float64)

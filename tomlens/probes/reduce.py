@@ -34,6 +34,9 @@ class BlockSums:
     s2: Float[Tensor, "u blk d"]
     count: Float[Tensor, " blk"]
 
+    def subset(self, idx: Int[Tensor, " k"]) -> BlockSums:
+        return BlockSums(self.ref[idx], self.s1[idx], self.s2[idx], self.count)
+
     @classmethod
     def of(cls, X: Float[Tensor, "u n d"], block: Int[Tensor, " n"], n_blocks: int) -> BlockSums:
         ref = X.mean(1)
@@ -48,8 +51,8 @@ class BlockSums:
 
 @dataclass(frozen=True)
 class Standardiser:
-    """Per-unit feature means and scales fitted on a training split (scikit-learn's StandardScaler:
-    population standard deviation, scale 1 for constant features)."""
+    """Per-unit feature means and scales fitted on a training split, as scikit-learn's
+    StandardScaler does it (population standard deviation; scale 1 for constant features)."""
 
     mean: Float[Tensor, "u d"]
     scale: Float[Tensor, "u d"]
@@ -75,9 +78,12 @@ class Standardiser:
         m2 = sums.s2[:, inc].sum(1).to(torch.float64) / n
         var = (m2 - m1 * m1).clamp_min(0)
         mean = sums.ref.to(torch.float64) + m1
+        # scikit-learn's rule for a feature indistinguishable from a constant (error bound of the
+        # two-pass variance, float64 eps), and its floor on the scale
+        eps = torch.finfo(torch.float64).eps
+        constant = var <= n * eps * var + (n * mean * eps) ** 2
         scale = var.sqrt()
-        tiny = scale <= 1e-6 * mean.abs().clamp_min(1.0)
-        scale = torch.where(tiny, torch.ones_like(scale), scale)
+        scale = torch.where(constant | (scale < 10 * eps), torch.ones_like(scale), scale)
         dt = sums.s1.dtype
         return cls(mean.to(dt), scale.to(dt))
 
@@ -102,10 +108,19 @@ class Reduced:
     Z: Float[Tensor, "u n r"]
     pivots: Int[Tensor, "u r"] | None
     lp: Float[Tensor, "u r r"] | None
+    complete: Bool[Tensor, " u"] | None = None  # pivoted Cholesky stopped by max_rank: finished units
 
     @property
     def rank(self) -> int:
         return self.Z.shape[2]
+
+    def ranks(self, Ztr: Float[Tensor, "u m r"]) -> Int[Tensor, " u"]:
+        """Per unit, how many leading columns carry data (later ones are zero for that unit)."""
+        if self.pivots is None:
+            return torch.full((Ztr.shape[0],), Ztr.shape[2], dtype=torch.long, device=Ztr.device)
+        live = Ztr.abs().amax(1) > 0  # [u, r]
+        cols = torch.arange(1, live.shape[1] + 1, device=Ztr.device)
+        return (live * cols).amax(1).clamp_min(1)
 
     def weights(self, Xs: Float[Tensor, "u n d"], beta_w: Float[Tensor, "u j r"]) -> Float[Tensor, "u j d"]:
         """Map reduced weights back to (standardised) feature space."""
@@ -131,15 +146,21 @@ def reduce_rows(Xs: Float[Tensor, "u n d"], train: Int[Tensor, " m"], *,
     if m >= d:
         return Reduced(Z=Xs.to(torch.float64), pivots=None, lp=None)
     if rank_tol is None:
-        rank_tol = 1e-5 if Xs.dtype in (torch.float32, torch.float16, torch.bfloat16) else 1e-11
+        rank_tol = 1e-5 if Xs.dtype in (torch.float32, torch.float16, torch.bfloat16) else 1e-9
     if Xs.dtype in (torch.float16, torch.bfloat16):
         Xs = Xs.float()
     K = torch.bmm(Xs, Xs.transpose(1, 2)).to(torch.float64)  # [u, n, n]
     return pivoted_cholesky(K, train, rank_tol)
 
 
-def pivoted_cholesky(K: Float[Tensor, "u n n"], train: Int[Tensor, " m"], rank_tol: float) -> Reduced:
-    """Batched pivoted (partial) Cholesky of the training block of `K`, extended to all rows."""
+def pivoted_cholesky(K: Float[Tensor, "u n n"], train: Int[Tensor, " m"], rank_tol: float,
+                     max_rank: int | None = None) -> Reduced:
+    """Batched pivoted (partial) Cholesky of the training block of `K`, extended to all rows.
+
+    Units whose residual falls below `rank_tol` of their largest diagonal entry are finished; when
+    half of the working batch is finished the rest goes on as a smaller batch, so a few units of
+    high rank do not make every unit pay for their extra columns. With `max_rank` the
+    factorisation stops there; `Reduced.complete` says which units had finished by then."""
     u, n, _ = K.shape
     dev = K.device
     m = train.numel()
@@ -150,25 +171,40 @@ def pivoted_cholesky(K: Float[Tensor, "u n n"], train: Int[Tensor, " m"], rank_t
     floor = rank_tol * cand.max(1).values.clamp_min(torch.finfo(torch.float64).tiny)
     Lt = torch.zeros(u, m, n, dtype=torch.float64, device=dev)  # row k = column k of L
     pivots = torch.zeros(u, m, dtype=torch.long, device=dev)
-    rows = torch.arange(u, device=dev)
+    act = torch.arange(u, device=dev)  # units in the working batch
+    Kw, Lw, Pw, cw, fw = K, Lt, pivots, cand, floor
     k = 0
-    for k in range(m):
-        val, p = cand.max(1)
-        live = val > floor
-        if not bool(live.any()):
+    steps = m if max_rank is None else min(m, max_rank)
+    for k in range(steps):
+        val, p = cw.max(1)
+        live = val > fw
+        n_live = int(live.sum())
+        if n_live == 0:
             break
-        row = K[rows, p, :]  # [u, n]
+        if n_live <= act.numel() // 2:  # compact: finished units keep what they have
+            if Lw is not Lt:
+                Lt[act], pivots[act] = Lw, Pw
+            keep = live.nonzero().squeeze(1)
+            act, Kw, Lw, Pw, cw, fw = act[keep], Kw[keep], Lw[keep], Pw[keep], cw[keep], fw[keep]
+            val, p, live = val[keep], p[keep], live[keep]
+        rows = torch.arange(act.numel(), device=dev)
+        row = Kw[rows, p, :]  # [a, n]
         if k:
-            lp_k = Lt[rows, :k, p]  # [u, k]
-            row = row - torch.bmm(lp_k.unsqueeze(1), Lt[:, :k, :]).squeeze(1)
+            lp_k = Lw[rows, :k, p]  # [a, k]
+            row = row - torch.bmm(lp_k.unsqueeze(1), Lw[:, :k, :]).squeeze(1)
         root = torch.where(live, val, torch.ones_like(val)).sqrt()
         lk = torch.where(live.unsqueeze(1), row / root.unsqueeze(1), torch.zeros_like(row))
-        Lt[:, k, :] = lk
-        pivots[:, k] = p
-        cand = cand - lk * lk
-        cand[rows, p] = 0.0
+        Lw[:, k, :] = lk
+        Pw[:, k] = p
+        cw = cw - lk * lk
+        cw[rows, p] = 0.0
     else:
-        k = m
+        k = steps
+    if Lw is not Lt:
+        Lt[act], pivots[act] = Lw, Pw
+    complete = torch.ones(u, dtype=torch.bool, device=dev)
+    if k == steps and steps < m:
+        complete[act] = ~(cw.max(1).values > fw)
     r = max(k, 1)
     Lt = Lt[:, :r]
     pivots = pivots[:, :r]
@@ -177,4 +213,59 @@ def pivoted_cholesky(K: Float[Tensor, "u n n"], train: Int[Tensor, " m"], rank_t
     dead = Lt[:, :, train].abs().sum(2) == 0  # [u, r]
     eye = torch.eye(r, dtype=torch.bool, device=dev).unsqueeze(0)
     lp = torch.where(dead.unsqueeze(1), eye.to(lp.dtype).expand_as(lp), lp)
-    return Reduced(Z=Lt.transpose(1, 2).contiguous(), pivots=pivots, lp=torch.tril(lp))
+    return Reduced(Z=Lt.transpose(1, 2).contiguous(), pivots=pivots, lp=torch.tril(lp), complete=complete)
+
+
+@dataclass(frozen=True)
+class RowBasis:
+    """Rows of a chunk as `mean + B a` with B orthonormal `[d, r]`, for units whose centred rows
+    span few dimensions (a head's output z_h @ W_O[h] spans at most d_head).
+
+    Found once per chunk, it serves every cross-validation fold: standardising with a fold's mean
+    and scale keeps rows in the same span, so a fold's reduced problem is Z = (A - a_f) L_f with
+    L_f L_f^T = B^T diag(1/scale^2) B, an r x r matrix, instead of an n x n Gram per fold.
+    Columns past a unit's rank are zero.
+    """
+
+    mean: Float[Tensor, "u d"]
+    B: Float[Tensor, "u d r"]
+    A: Float[Tensor, "u n r"]
+    ranks: Int[Tensor, " u"]
+
+    @classmethod
+    def of(cls, X: Float[Tensor, "u n d"], max_rank: int, rank_tol: float = 1e-12) -> tuple[RowBasis, Tensor]:
+        """The basis of each unit's centred rows, and which units have rank <= `max_rank` (the
+        others are cut off there and must be reduced per fold instead)."""
+        X = X.to(torch.float64)
+        mean = X.mean(1)
+        Xc = X - mean.unsqueeze(1)
+        n = X.shape[1]
+        red = pivoted_cholesky(torch.bmm(Xc, Xc.transpose(1, 2)), torch.arange(n, device=X.device),
+                               rank_tol, max_rank=max_rank)
+        A = red.Z
+        ranks = red.ranks(A)
+        xp = torch.gather(Xc, 1, red.pivots.unsqueeze(2).expand(-1, -1, Xc.shape[2]))
+        Bt = torch.linalg.solve_triangular(red.lp, xp, upper=False)  # L_P^-1 Xc[P] = B^T
+        live = torch.arange(A.shape[2], device=X.device).unsqueeze(0) < ranks.unsqueeze(1)
+        Bt = Bt * live.unsqueeze(2)
+        return cls(mean=mean, B=Bt.transpose(1, 2), A=A * live.unsqueeze(1), ranks=ranks), red.complete
+
+    def subset(self, idx: Int[Tensor, " k"]) -> RowBasis:
+        r = max(int(self.ranks[idx].max()), 1)
+        return RowBasis(self.mean[idx], self.B[idx, :, :r], self.A[idx, :, :r], self.ranks[idx])
+
+    def standardised(self, std: Standardiser, weights: bool = False
+                     ) -> tuple[Float[Tensor, "u n r"], Float[Tensor, "u r d"] | None]:
+        """Reduced coordinates of every row under `std`, and (optionally) the map from reduced to
+        standardised-feature weights: w_s = beta @ Wt with Wt = L^-1 (diag(1/scale) B)^T."""
+        inv = (1 / std.scale.to(torch.float64)).unsqueeze(2)  # [u, d, 1]
+        SB = self.B * inv  # diag(1/scale) B
+        M = torch.bmm(SB.transpose(1, 2), SB)
+        r = M.shape[1]
+        dead = torch.arange(r, device=M.device).unsqueeze(0) >= self.ranks.unsqueeze(1)
+        M = M + torch.diag_embed(dead.to(M.dtype))
+        Lf = torch.linalg.cholesky(M)
+        abar = torch.bmm((std.mean.to(torch.float64) - self.mean).unsqueeze(1), self.B)  # [u, 1, r]
+        Z = torch.bmm(self.A - abar, Lf)
+        Wt = torch.linalg.solve_triangular(Lf, SB.transpose(1, 2), upper=False) if weights else None
+        return Z, Wt

@@ -57,20 +57,19 @@ def group_codes(stimuli: Sequence[Stimulus], by: str = "task") -> Int[Tensor, " 
             ri, rj = find(i), find(j)
             if ri != rj:
                 parent[ri] = rj
-    roots = [find(i) for i in range(len(stimuli))]
-    _, codes = np.unique(np.asarray(roots), return_inverse=True)
-    return torch.as_tensor(codes, dtype=torch.long)
+    return as_codes([find(i) for i in range(len(stimuli))], len(stimuli))
 
 
 def as_codes(groups: Sequence[Any] | Tensor | None, n: int) -> Int[Tensor, " n"]:
-    """Integer codes for arbitrary group labels; None makes every row its own group."""
+    """Integer codes for arbitrary group labels, numbered by first appearance (so folds do not
+    depend on how groups are named); None makes every row its own group."""
     if groups is None:
         return torch.arange(n)
     values = groups.tolist() if isinstance(groups, Tensor) else list(groups)
     if len(values) != n:
         raise TomlensError(f"{len(values)} group labels for {n} rows", "pass one group label per row")
-    _, codes = np.unique(np.asarray([str(v) for v in values]), return_inverse=True)
-    return torch.as_tensor(codes, dtype=torch.long)
+    first: dict[Any, int] = {}
+    return torch.tensor([first.setdefault(v, len(first)) for v in values], dtype=torch.long)
 
 
 def group_kfold(groups: Sequence[Any] | Tensor, n_splits: int = 5, seed: int = 0) -> list[Split]:

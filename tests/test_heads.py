@@ -1,0 +1,180 @@
+"""Heads that carry belief: ranking, top-k recovery, mean ablation and the per-head table, each
+checked against a direct hook-by-hook computation on a tiny model."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from test_patching import _tl_metric, short_pairs
+
+from tomlens.errors import TomlensError
+from tomlens.experiments.attribution import attribution_patching
+from tomlens.experiments.heads import head_table, mean_ablation, probe_accuracy_by_head, rank_heads, topk_recovery
+from tomlens.experiments.patching import exact_patching, hook_for, prepare_pairs
+from tomlens.models import encode
+
+
+@pytest.fixture(scope="module")
+def setup(load_tiny):
+    model = load_tiny("tiny-llama")
+    pairs = short_pairs(model.tokenizer, 3)
+    prepared = prepare_pairs(model, pairs, batch_pairs=2)  # two groups: exercises the group loop
+    exact = exact_patching(model, prepared, sites=["heads"], progress=False)
+    return model, pairs, prepared, exact
+
+
+def test_rank_heads(setup):
+    model, pairs, prepared, exact = setup
+    r = rank_heads(exact)
+    assert len(r) == model.cfg.n_layers * model.cfg.n_heads
+    assert r["rank"].tolist() == list(range(1, len(r) + 1))
+    assert r.effect.is_monotonic_decreasing
+    a = rank_heads(exact, by="abs")
+    assert a.importance.is_monotonic_decreasing and (a.importance >= 0).all()
+    noise = exact_patching(model, prepared, sites=["heads"], direction="noise", progress=False)
+    rn = rank_heads(noise)
+    np.testing.assert_allclose(rn.importance, 1 - rn.effect)
+    assert rn.importance.is_monotonic_decreasing
+
+
+def _patch_heads_directly(model, pair, heads):
+    """Metric of the corrupted run with the given heads' clean z written at every position."""
+    b = encode(model, [pair.clean.text, pair.corrupted.text])
+    with torch.inference_mode():
+        _, cache = model.run_with_cache(b.input_ids[:1])
+        hooks = []
+        for layer in sorted({l for l, _ in heads}):
+            hs = [h for l, h in heads if l == layer]
+            name = hook_for("head", layer)
+
+            def put(act, hook=None, name=name, hs=hs):
+                act = act.clone()
+                act[:, :, hs] = cache[name][:, :, hs]
+                return act
+
+            hooks.append((name, put))
+        return float(_tl_metric(model, pair)(model.run_with_hooks(b.input_ids[1:], fwd_hooks=hooks)))
+
+
+def test_topk_recovery(setup):
+    model, pairs, prepared, exact = setup
+    ranking = list(zip(*[rank_heads(exact)[c] for c in ("layer", "head")]))
+    n_heads = len(ranking)
+    rec = topk_recovery(model, prepared, ranking, k_max=n_heads, n_random=4, seed=3, progress=False)
+    t = rec.table
+    assert t.k.tolist() == list(range(1, n_heads + 1))
+    # k = 1 is the best single head's own exact effect
+    assert t.top_effect.iloc[0] == pytest.approx(rank_heads(exact).effect.iloc[0], abs=1e-5)
+    # k = all heads: every head patched together, as a direct hook computation gives it
+    direct = torch.tensor([_patch_heads_directly(model, p, ranking) for p in pairs], dtype=torch.float64)
+    gap = float((exact.clean - exact.corrupted).mean())
+    want = float((direct - exact.corrupted).mean()) / gap
+    assert t.top_effect.iloc[-1] == pytest.approx(want, abs=1e-4)
+    # with all heads drawn, the random sets are the same set: same effect
+    assert t.random_mean.iloc[-1] == pytest.approx(want, abs=1e-4)
+    assert (t.random_low <= t.random_mean + 1e-12).all() and (t.random_mean <= t.random_high + 1e-12).all()
+    assert len(rec.draws) == 4 * n_heads and rec.draws.heads.str.count("L").tolist() == [k for k in t.k for _ in range(4)]
+    again = topk_recovery(model, prepared, ranking, k_max=2, n_random=4, seed=3, progress=False)
+    assert again.draws.heads.tolist() == rec.draws[rec.draws.k <= 2].heads.tolist()  # seeded
+
+
+def _ablate_directly(model, pairs, heads, mode):
+    """Logit differences [clean, corrupted] x pair with the heads' z replaced by their mean."""
+    stories = [s for p in pairs for s in (p.clean, p.corrupted)]
+    with torch.inference_mode():
+        zs = []
+        for s in stories:
+            _, cache = model.run_with_cache(encode(model, [s.text]).input_ids)
+            zs.append({l: cache[hook_for("head", l)][0] for l in range(model.cfg.n_layers)})
+        n_al = max(z[0].shape[0] for z in zs)
+        means = {}
+        for l in range(model.cfg.n_layers):
+            if mode == "final":
+                means[l] = torch.stack([z[l][-1] for z in zs]).mean(0)
+            else:  # right-aligned per-position mean over the stories that have that position
+                acc = torch.zeros((n_al,) + tuple(zs[0][l].shape[1:]))
+                cnt = torch.zeros(n_al)
+                for z in zs:
+                    acc[n_al - z[l].shape[0]:] += z[l]
+                    cnt[n_al - z[l].shape[0]:] += 1
+                means[l] = acc / cnt[:, None, None]
+        out = torch.empty(2, len(pairs), dtype=torch.float64)
+        for i, s in enumerate(stories):
+            ids = encode(model, [s.text]).input_ids
+            n = ids.shape[1]
+            hooks = []
+            for layer in sorted({l for l, _ in heads}):
+                hs = [h for l, h in heads if l == layer]
+
+                def put(act, hook=None, layer=layer, hs=hs):
+                    act = act.clone()
+                    if mode == "final":
+                        act[:, -1, hs] = means[layer][hs]
+                    else:
+                        act[:, :, hs] = means[layer][n_al - n:, hs]
+                    return act
+
+                hooks.append((hook_for("head", layer), put))
+            pair = pairs[i // 2]
+            out[i % 2, i // 2] = float(_tl_metric(model, pair)(model.run_with_hooks(ids, fwd_hooks=hooks)))
+        return out
+
+
+@pytest.mark.parametrize("mode", ["final", "all"])
+def test_mean_ablation(setup, mode):
+    model, pairs, prepared, exact = setup
+    ranking = list(zip(*[rank_heads(exact)[c] for c in ("layer", "head")]))
+    ab = mean_ablation(model, prepared, ranking, ks=[1, 3], n_random=3, seed=0, mode=mode, progress=False)
+    assert ab.baseline["fb_accuracy"] == pytest.approx(float((exact.clean > 0).double().mean()))
+    assert ab.baseline["tb_accuracy"] == pytest.approx(float((exact.corrupted < 0).double().mean()))
+    for k in (1, 3):
+        direct = _ablate_directly(model, pairs, ranking[:k], mode)
+        row = ab.table[ab.table.k == k].iloc[0]
+        assert row.clean_logit_diff == pytest.approx(float(direct[0].mean()), abs=1e-4)
+        assert row.fb_accuracy == pytest.approx(float((direct[0] > 0).double().mean()))
+        assert row.tb_accuracy == pytest.approx(float((direct[1] < 0).double().mean()))
+        assert row.fb_drop == pytest.approx(ab.baseline["fb_accuracy"] - row.fb_accuracy)
+    assert len(ab.draws) == 2 * 3 and set(ab.draws.k) == {1, 3}
+    with pytest.raises(TomlensError):
+        mean_ablation(model, prepared, ranking, ks=[1], mode="median", progress=False)
+
+
+def _probe_table():
+    rows = []
+    for layer in range(2):
+        for head in range(4):
+            for position, eval_set, acc in (("final", "test", 0.5 + 0.05 * (4 * layer + head)),
+                                            ("final", "train", 0.99), ("protagonist", "test", 0.1)):
+                rows.append(dict(kind="head_out", layer=layer, head=head, position=position,
+                                 target="protagonist_belief", eval_set=eval_set, accuracy=acc, control="none"))
+            rows.append(dict(kind="head_out", layer=layer, head=head, position="final", target="protagonist_belief",
+                             eval_set="test", accuracy=0.0, control="label_shuffle"))
+            rows.append(dict(kind="head_out", layer=layer, head=head, position="final", target="world_state",
+                             eval_set="test", accuracy=0.0, control="none"))
+    rows.append(dict(kind="resid_post", layer=0, head=-1, position="final", target="protagonist_belief",
+                     eval_set="test", accuracy=0.0, control="none"))
+    return pd.DataFrame(rows)
+
+
+def test_head_table(setup):
+    model, pairs, prepared, exact = setup
+    attr = attribution_patching(model, prepared, sites=["heads"], progress=False)
+    table = head_table(exact, attr, _probe_table())
+    assert len(table) == model.cfg.n_layers * model.cfg.n_heads
+    assert table.patch_rank.tolist() == list(range(1, len(table) + 1))
+    want = {(l, h): 0.5 + 0.05 * (4 * l + h) for l in range(2) for h in range(4)}
+    got = {(int(r.layer), int(r.head)): r.probe_accuracy for r in table.itertuples()}
+    assert got == pytest.approx(want)
+    assert set(table.probe_position) == {"final"} and set(table.probe_eval_set) == {"test"}
+    eff = exact.select("head", "all").set_index(["layer", "head"]).effect
+    for r in table.itertuples():
+        assert r.patch_effect == pytest.approx(eff[(r.layer, r.head)])
+        assert np.isfinite(r.attribution_effect) and 1 <= r.attribution_rank <= len(table)
+    prot = probe_accuracy_by_head(_probe_table(), position="protagonist")
+    assert (prot.probe_accuracy == 0.1).all()
+    with pytest.raises(TomlensError, match="lacks columns"):
+        head_table(exact, probe=pd.DataFrame({"layer": [0]}))
+    with pytest.raises(TomlensError, match="no head_out rows"):
+        head_table(exact, probe=_probe_table().assign(target="goal"))

@@ -1,0 +1,162 @@
+"""The probe sweep on planted activations, its files and figures, and the `tomlens probe` command."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pandas as pd
+import pytest
+import torch
+from beartype import beartype
+from jaxtyping import jaxtyped
+
+from tomlens.errors import TomlensError
+from tomlens.experiments.probe_sweep import (
+    COLUMNS, activations_from_tensors, probe_sweep, run_probe_sweep, write_probe_sweep,
+)
+from tomlens.figures.layers import head_heatmap, layer_figure, write_html, write_probe_figures
+from tomlens.probes.directions import load_directions
+from tomlens.stimuli import generate, write_jsonl
+
+FAST = dict(folds=3, inner_folds=2, c_grid=(0.1, 1.0), n_boot=200, progress=False, device="cpu")
+
+
+def planted_acts(stimuli, seed=0, d=16):
+    """resid_post: layer 1 carries the protagonist's belief, layer 2 the world state, layer 0
+    nothing; head_out: head 1 of layer 2 carries the belief."""
+    g = torch.Generator().manual_seed(seed)
+    n = len(stimuli)
+    belief = torch.tensor([2.0 * s.belief_is_reference - 1 for s in stimuli])
+    world = torch.tensor([2.0 * s.world_is_reference - 1 for s in stimuli])
+    resid = torch.randn(n, 3, d, generator=g)
+    resid[:, 1, 0] += 2.5 * belief
+    resid[:, 2, 3] += 2.5 * world
+    heads = torch.randn(n, 3, 2, d, generator=g)
+    heads[:, 2, 1, 5] += 2.5 * belief
+    return activations_from_tensors(stimuli, {("resid_post", "final"): resid, ("head_out", "final"): heads},
+                                    {"model": {"model": "planted"}})
+
+
+@pytest.fixture(scope="module")
+def stimuli():
+    return generate("unexpected-transfer", n=6, seed=0)
+
+
+@pytest.fixture(scope="module")
+def result(stimuli):
+    sweep = jaxtyped(typechecker=beartype)(run_probe_sweep)
+    return sweep(planted_acts(stimuli), ["protagonist_belief", "world_state"], **FAST)
+
+
+def pick(table, **kw):
+    rows = table
+    for k, v in kw.items():
+        rows = rows[rows[k] == v]
+    return rows
+
+
+def score(table, **kw):
+    rows = pick(table, metric="accuracy", **kw)
+    assert len(rows) == 1, kw
+    return rows.iloc[0]
+
+
+def test_sweep_table_is_tidy_and_finds_the_planted_layers(result, stimuli):
+    t = result.table
+    assert list(t.columns) == COLUMNS
+    assert set(t["metric"]) == {"accuracy", "auroc"}
+    assert not t.duplicated(["kind", "layer", "head", "target", "train_on", "eval_set", "metric"]).any()
+    b = score(t, kind="resid_post", layer=1, target="protagonist_belief", train_on="all", eval_set="all")
+    assert b["score"] > 0.85 and b["ci_low"] <= b["score"] <= b["ci_high"]
+    assert b["selectivity"] > 0.3 and abs(b["control"] - 0.5) < 0.2
+    assert b["n_test"] == len(stimuli) and b["n_test_groups"] == 6 and b["chance"] == pytest.approx(0.5)
+    assert b["C"] in (0.1, 1.0)
+    noise = score(t, kind="resid_post", layer=0, target="protagonist_belief", train_on="all", eval_set="all")
+    assert abs(noise["score"] - 0.5) < 0.2
+    w = score(t, kind="resid_post", layer=2, target="world_state", train_on="all", eval_set="all")
+    assert w["score"] > 0.85
+    heads = pick(t, kind="head_out", target="protagonist_belief", train_on="all", eval_set="all", metric="accuracy")
+    best = heads.loc[heads["score"].idxmax()]
+    assert (best["layer"], best["head"]) == (2, 1) and len(heads) == 6
+    assert len(pick(t, kind="bow", target="protagonist_belief", metric="accuracy")) >= 2
+
+
+def test_belief_and_world_probes_come_apart_on_false_belief_stories(result):
+    t = result.table
+    # trained on true-belief stories (belief == world), tested on false-belief stories of held-out tasks
+    kw = dict(kind="resid_post", target="protagonist_belief", train_on="true_belief", eval_set="false_belief")
+    assert score(t, layer=1, **kw)["score"] > 0.8  # the belief layer transfers
+    assert score(t, layer=2, **kw)["score"] < 0.2  # the world layer answers with the world
+    fb = score(t, kind="resid_post", layer=1, target="protagonist_belief", train_on="all", eval_set="false_belief")
+    assert fb["score"] > 0.8 and fb["n_test"] < score(t, kind="resid_post", layer=1, target="protagonist_belief",
+                                                      train_on="all", eval_set="all")["n_test"]
+    # belief never varies on false-belief rows, so that training set is skipped with a note
+    assert any("train_on=false_belief skipped" in note for note in result.metadata["notes"])
+
+
+def test_sweep_writes_table_provenance_directions_and_figures(result, tmp_path):
+    out = write_probe_sweep(result, tmp_path / "run")
+    table = pd.read_parquet(out / "probes.parquet")
+    assert len(table) == len(result.table)
+    meta = json.loads((out / "probes.json").read_text())
+    prov = meta["provenance"]
+    assert prov["model"] == {"model": "planted"} and prov["stimuli_hash"] and prov["config"]["folds"] == 3
+    assert "torch" in prov["versions"]
+    tensors, dmeta = load_directions(out / "directions.safetensors")
+    d = tensors["protagonist_belief/resid_post/final/direction"]
+    assert d.shape == (3, 1, 16)
+    assert abs(float(d[1, 0, 0])) > 0.8 and int(d[1, 0].abs().argmax()) == 0  # the planted axis
+    assert tensors["protagonist_belief/head_out/final/coef"].shape == (3, 2, 1, 16)
+    assert "provenance" in dmeta
+    files = write_probe_figures(result.table, out)
+    names = {f.name for f in files}
+    assert {"layers_resid_post.html", "heads_head_out_protagonist_belief.html"} <= names
+    html = (out / "layers_resid_post.html").read_text()
+    assert "Plotly.newPlot" in html and len(html) > 1_000_000  # plotly.js inline
+    assert not re.search(r"<script[^>]*\bsrc=", html)  # nothing fetched from the network
+    fig = layer_figure(result.table, targets=["protagonist_belief"])
+    assert any("shuffled labels" in (tr.name or "") for tr in fig.data)
+    assert any("bag of words" in (tr.name or "") for tr in fig.data)
+    assert any((tr.name or "").startswith("chance") for tr in fig.data)
+    hm = head_heatmap(result.table, target="protagonist_belief", value="selectivity")
+    assert hm.data[0].z.shape == (3, 2)
+    assert write_html(hm, tmp_path / "hm.html").exists()
+    with pytest.raises(TomlensError):
+        layer_figure(result.table, kind="mlp_out")
+
+
+def test_cross_set_generalisation_and_mass_mean(stimuli):
+    other = generate("unexpected-transfer", n=3, seed=7)
+    t = probe_sweep(planted_acts(stimuli), "protagonist_belief", kinds=("resid_post",),
+                    test_acts=planted_acts(other, seed=1), probe="mass_mean", bow=False, **FAST)
+    row = score(t, kind="resid_post", layer=1, train_on="all", eval_set="all")
+    assert row["score"] > 0.85 and row["n_test"] == len(other) and row["n_train"] == len(stimuli)
+    assert row["test_set"].startswith("stimuli:") and row["C"] != row["C"]  # mass-mean has no C
+    with pytest.raises(TomlensError, match="share"):
+        probe_sweep(planted_acts(stimuli), "protagonist_belief", test_acts=planted_acts(stimuli[:20]), **FAST)
+
+
+def test_holdout_and_template_grouping(stimuli):
+    t = probe_sweep(planted_acts(stimuli), "world_state", kinds=("resid_post",), evaluation="holdout",
+                    group_by="template", controls=False, conditions=False, bow=False, folds=2, inner_folds=2,
+                    c_grid=(1.0,), n_boot=100, progress=False, device="cpu")
+    row = score(t, kind="resid_post", layer=2, train_on="all", eval_set="all")
+    assert row["n_test"] < len(stimuli) and row["control"] != row["control"]  # no control: NaN
+    assert set(t["train_on"]) == {"all"}
+
+
+def test_probe_command_end_to_end_on_a_tiny_model(tmp_path, stimuli):
+    from tomlens.cli import main
+
+    path = write_jsonl(stimuli, tmp_path / "ut.jsonl")
+    out = tmp_path / "out"
+    rc = main(["probe", "--model", "tiny-gpt2", "--stimuli", str(path), "--target", "protagonist_belief",
+               "--out", str(out), "--store", str(tmp_path / "store"), "--folds", "3", "--inner-folds", "2",
+               "--c-grid", "0.1", "1", "--n-boot", "100", "--no-progress", "--device", "cpu", "--format", "csv"])
+    assert rc == 0
+    table = pd.read_csv(out / "probes.csv")
+    assert set(table["kind"]) == {"resid_post", "head_out", "bow"}
+    assert (out / "layers_resid_post.html").exists() and (out / "directions.safetensors").exists()
+    assert main(["probe", "--model", "tiny-gpt2", "--stimuli", str(path), "--target", "belief",
+                 "--out", str(out)]) == 2
