@@ -29,8 +29,8 @@ def _reference_scores(model, pair, hook: str) -> torch.Tensor:
         return act + delta
 
     logits = model.run_with_hooks(b.input_ids[1:], fwd_hooks=[(hook, add)])
-    metric(logits).backward()
-    return ((clean_act - kept["corrupted"]) * delta.grad).sum(-1)[0]  # [pos(, head)]
+    (grad,) = torch.autograd.grad(metric(logits), delta)  # no .backward(): the shared model keeps no weight grads
+    return ((clean_act - kept["corrupted"]) * grad).sum(-1)[0]  # [pos(, head)]
 
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-gpt2"])

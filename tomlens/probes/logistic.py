@@ -27,7 +27,7 @@ from torch import Tensor
 from tomlens.errors import TomlensError
 from tomlens.probes.base import Probe, encode_labels, one_vs_rest, scores_to_index, scores_to_proba
 from tomlens.probes.newton import newton_logistic
-from tomlens.probes.reduce import BlockSums, RowBasis, Standardiser, reduce_rows
+from tomlens.probes.reduce import BlockSums, RowBasis, Standardiser, reduce_rows, scale_spread
 from tomlens.probes.splits import Split, as_codes, group_kfold
 
 C_GRID: tuple[float, ...] = (0.001, 0.01, 0.1, 1.0, 10.0)
@@ -306,6 +306,11 @@ def fit_logistic(
                 sums = BlockSums.of(Xc, block, max(len(folds), 1))
                 if low_rank and m_min < d:
                     basis, small = RowBasis.of(Xc, max_rank=m_min)
+                    # the basis keeps raw directions down to ~1e-6 of the largest: units whose
+                    # standardisation blows up far smaller ones are reduced per fold instead
+                    n_blk = sums.count.numel()
+                    includes = [torch.arange(n_blk) != f for f in range(len(folds))]
+                    small &= scale_spread(sums, includes + [torch.ones(n_blk, dtype=torch.bool)]) >= 1e-4
                     lo, hi = small.nonzero().squeeze(1), (~small).nonzero().squeeze(1)
                     parts = [(lo, basis.subset(lo)), (hi, None)] if lo.numel() else parts
             for idx, part_basis in parts:

@@ -49,6 +49,36 @@ class BlockSums:
         return cls(ref=ref, s1=s1, s2=s2, count=onehot.sum(1))
 
 
+def _moments(sums: BlockSums, include: Bool[Tensor, " blk"]) -> tuple[Tensor, Tensor, Tensor]:
+    """Mean, population variance and scikit-learn's "indistinguishable from a constant" flag of
+    every feature over the rows of the blocks in `include` (float64, [u, d] each)."""
+    inc = include.to(sums.s1.device)
+    n = sums.count.to(sums.s1.device)[inc].sum()
+    m1 = sums.s1[:, inc].sum(1).to(torch.float64) / n
+    m2 = sums.s2[:, inc].sum(1).to(torch.float64) / n
+    var = (m2 - m1 * m1).clamp_min(0)
+    mean = sums.ref.to(torch.float64) + m1
+    # the error bound of the two-pass variance, float64 eps, as scikit-learn's StandardScaler has it
+    eps = torch.finfo(torch.float64).eps
+    constant = var <= n * eps * var + (n * mean * eps) ** 2
+    return mean, var, constant
+
+
+def scale_spread(sums: BlockSums, includes: list[Bool[Tensor, " blk"]]) -> Float[Tensor, " u"]:
+    """Per unit, the smallest ratio of two non-constant features' standard deviations over the given
+    block selections (training splits). Standardising multiplies a direction by up to its inverse,
+    so a basis of the raw rows that drops directions below a relative size of `spread` misses some."""
+    worst = None
+    for include in includes:
+        _, var, constant = _moments(sums, include)
+        sd = var.sqrt()
+        hi = torch.where(constant, torch.zeros_like(sd), sd).amax(1)
+        lo = torch.where(constant, torch.full_like(sd, torch.inf), sd).amin(1)
+        ratio = torch.where(torch.isfinite(lo) & (hi > 0), lo / hi.clamp_min(1e-300), torch.ones_like(hi))
+        worst = ratio if worst is None else torch.minimum(worst, ratio)
+    return worst
+
+
 @dataclass(frozen=True)
 class Standardiser:
     """Per-unit feature means and scales fitted on a training split, as scikit-learn's
@@ -72,16 +102,8 @@ class Standardiser:
 
     @classmethod
     def from_blocks(cls, sums: BlockSums, include: Bool[Tensor, " blk"]) -> Standardiser:
-        inc = include.to(sums.s1.device)
-        n = sums.count.to(sums.s1.device)[inc].sum()
-        m1 = sums.s1[:, inc].sum(1).to(torch.float64) / n
-        m2 = sums.s2[:, inc].sum(1).to(torch.float64) / n
-        var = (m2 - m1 * m1).clamp_min(0)
-        mean = sums.ref.to(torch.float64) + m1
-        # scikit-learn's rule for a feature indistinguishable from a constant (error bound of the
-        # two-pass variance, float64 eps), and its floor on the scale
+        mean, var, constant = _moments(sums, include)
         eps = torch.finfo(torch.float64).eps
-        constant = var <= n * eps * var + (n * mean * eps) ** 2
         scale = var.sqrt()
         scale = torch.where(constant | (scale < 10 * eps), torch.ones_like(scale), scale)
         dt = sums.s1.dtype
@@ -248,7 +270,12 @@ class RowBasis:
         Bt = torch.linalg.solve_triangular(red.lp, xp, upper=False)  # L_P^-1 Xc[P] = B^T
         live = torch.arange(A.shape[2], device=X.device).unsqueeze(0) < ranks.unsqueeze(1)
         Bt = Bt * live.unsqueeze(2)
-        return cls(mean=mean, B=Bt.transpose(1, 2), A=A * live.unsqueeze(1), ranks=ranks), red.complete
+        # B is orthonormal in exact arithmetic; a unit whose pivots were nearly dependent loses that
+        # in rounding, and its folds' r x r factorisations could fail: it is reduced per fold instead.
+        gram = torch.bmm(Bt, Bt.transpose(1, 2))
+        eye = torch.diag_embed(live.to(gram.dtype))
+        orthonormal = (gram - eye).abs().amax((1, 2)) <= 1e-6
+        return cls(mean=mean, B=Bt.transpose(1, 2), A=A * live.unsqueeze(1), ranks=ranks), red.complete & orthonormal
 
     def subset(self, idx: Int[Tensor, " k"]) -> RowBasis:
         r = max(int(self.ranks[idx].max()), 1)
