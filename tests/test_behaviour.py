@@ -61,3 +61,19 @@ def test_score_table_normalises_two_options():
         assert r.p_a == pytest.approx(1 / (1 + math.exp(r.logp_b - r.logp_a)))
         assert r.correct == (r.p_answer > 0.5)
         assert (r.p_answer == r.p_a) == (r.answer == r.option_a)
+
+
+def test_belief_tracking_prompts_give_one_curve_point_per_prefix(load_tiny):
+    from tomlens.experiments.behaviour_run import run_behaviour
+    from tomlens.stimuli import generate
+
+    stimuli = generate("belief-tracking", n=1, seed=0)
+    result = run_behaviour(load_tiny("tiny-gpt2"), stimuli, progress=False)
+    n_prefixes = len({s.meta["prefix_index"] for s in stimuli})
+    curves = result.prefix_curves
+    assert n_prefixes > 3
+    for _, g in curves.groupby(["family", "condition", "prompt_type"]):
+        assert sorted(g["prefix_index"]) == list(range(n_prefixes))
+    assert curves["p_answer"].between(0, 1).all()
+    # tracking prompts are left out of the strict whole-task rule
+    assert result.strict.empty or "belief-tracking" not in set(result.strict["family"])

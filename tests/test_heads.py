@@ -142,19 +142,19 @@ def test_mean_ablation(setup, mode):
 
 
 def _probe_table():
+    """Rows in the schema `tomlens probe` writes, with decoys the per-head table must skip."""
     rows = []
+    base = dict(kind="head_out", position="final", target="protagonist_belief", probe="logistic", train_on="all",
+                eval_set="all", metric="accuracy", ci_low=0.0, ci_high=1.0, selectivity=0.2)
     for layer in range(2):
         for head in range(4):
-            for position, eval_set, acc in (("final", "test", 0.5 + 0.05 * (4 * layer + head)),
-                                            ("final", "train", 0.99), ("protagonist", "test", 0.1)):
-                rows.append(dict(kind="head_out", layer=layer, head=head, position=position,
-                                 target="protagonist_belief", eval_set=eval_set, accuracy=acc, control="none"))
-            rows.append(dict(kind="head_out", layer=layer, head=head, position="final", target="protagonist_belief",
-                             eval_set="test", accuracy=0.0, control="label_shuffle"))
-            rows.append(dict(kind="head_out", layer=layer, head=head, position="final", target="world_state",
-                             eval_set="test", accuracy=0.0, control="none"))
-    rows.append(dict(kind="resid_post", layer=0, head=-1, position="final", target="protagonist_belief",
-                     eval_set="test", accuracy=0.0, control="none"))
+            acc = 0.5 + 0.05 * (4 * layer + head)
+            at = dict(base, layer=layer, head=head)
+            rows += [dict(at, score=acc), dict(at, eval_set="false_belief", score=acc / 2),
+                     dict(at, position="protagonist", score=0.1), dict(at, metric="auc", score=0.0),
+                     dict(at, train_on="true_belief", eval_set="false_belief", score=0.0),
+                     dict(at, target="world_state", score=0.0), dict(at, probe="mass_mean", score=0.0)]
+    rows.append(dict(base, kind="resid_post", layer=0, head=-1, score=0.0))
     return pd.DataFrame(rows)
 
 
@@ -167,7 +167,9 @@ def test_head_table(setup):
     want = {(l, h): 0.5 + 0.05 * (4 * l + h) for l in range(2) for h in range(4)}
     got = {(int(r.layer), int(r.head)): r.probe_accuracy for r in table.itertuples()}
     assert got == pytest.approx(want)
-    assert set(table.probe_position) == {"final"} and set(table.probe_eval_set) == {"test"}
+    fb = {(int(r.layer), int(r.head)): r.probe_accuracy_false_belief for r in table.itertuples()}
+    assert fb == pytest.approx({k: v / 2 for k, v in want.items()})
+    assert set(table.probe_position) == {"final"} and set(table.probe_selectivity) == {0.2}
     eff = exact.select("head", "all").set_index(["layer", "head"]).effect
     for r in table.itertuples():
         assert r.patch_effect == pytest.approx(eff[(r.layer, r.head)])
@@ -176,5 +178,5 @@ def test_head_table(setup):
     assert (prot.probe_accuracy == 0.1).all()
     with pytest.raises(TomlensError, match="lacks columns"):
         head_table(exact, probe=pd.DataFrame({"layer": [0]}))
-    with pytest.raises(TomlensError, match="no head_out rows"):
+    with pytest.raises(TomlensError, match="no head_out accuracy rows"):
         head_table(exact, probe=_probe_table().assign(target="goal"))

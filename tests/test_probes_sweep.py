@@ -158,5 +158,14 @@ def test_probe_command_end_to_end_on_a_tiny_model(tmp_path, stimuli):
     table = pd.read_csv(out / "probes.csv")
     assert set(table["kind"]) == {"resid_post", "head_out", "bow"}
     assert (out / "layers_resid_post.html").exists() and (out / "directions.safetensors").exists()
+    # the table feeds the per-head table of `tomlens patch` as written
+    from tomlens.experiments.heads import probe_accuracy_by_head
+
+    per_head = probe_accuracy_by_head(table).set_index(["layer", "head"])
+    want = table[(table["kind"] == "head_out") & (table["metric"] == "accuracy") & (table["train_on"] == "all")
+                 & (table["eval_set"] == "all")].set_index(["layer", "head"])["score"]
+    assert len(per_head) == len(want) > 0
+    assert per_head["probe_accuracy"].sort_index().tolist() == want.sort_index().tolist()
+    assert per_head["probe_accuracy_false_belief"].between(0, 1).all()
     assert main(["probe", "--model", "tiny-gpt2", "--stimuli", str(path), "--target", "belief",
                  "--out", str(out)]) == 2

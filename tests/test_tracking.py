@@ -33,7 +33,7 @@ def test_every_prefix_with_both_prompts(family, n_sent, gen):
     full = gen(3, seed=4, conditions=("false_belief",))
     assert len(track) == 3 * 2 * (n_sent + 1) * 2
     assert len({s.id for s in track}) == len(track)
-    assert Counter(s.meta["prefix"] for s in track) == {k: 3 * 2 * 2 for k in range(n_sent + 1)}
+    assert Counter(s.meta["prefix_index"] for s in track) == {k: 3 * 2 * 2 for k in range(n_sent + 1)}
     for s in track:
         assert s.family == "belief-tracking" and s.meta["story_family"] == family
         assert s.condition == "false_belief"
@@ -41,7 +41,7 @@ def test_every_prefix_with_both_prompts(family, n_sent, gen):
         assert s.options == ref.options and s.template_id == ref.template_id
         story = _sentences(ref.text[: ref.spans["query"].start].rstrip())
         assert len(story) == n_sent
-        k = s.meta["prefix"]
+        k = s.meta["prefix_index"]
         query = s.span_text("query")
         assert s.text.endswith(query) and query == ref.span_text("query")
         body = s.text[: s.spans["query"].start].rstrip()
@@ -63,7 +63,7 @@ def test_every_prefix_with_both_prompts(family, n_sent, gen):
 def _labels(track, prompt_type="reality", rev=False):
     first = track[0].task_id
     rows = sorted((s for s in track if s.task_id == first and s.prompt_type == prompt_type
-                   and s.reversed == rev), key=lambda s: s.meta["prefix"])
+                   and s.reversed == rev), key=lambda s: s.meta["prefix_index"])
     return rows
 
 
@@ -88,7 +88,7 @@ def test_transfer_labels_follow_the_story():
             assert r.meta["label_known"] == (r.world_state is not None)
             assert r.answer == (r.world_state if r.world_state else rows[-1].answer)
             if r.world_state and r.protagonist_belief:
-                assert r.belief_differs == (r.meta["prefix"] >= move)
+                assert r.belief_differs == (r.meta["prefix_index"] >= move)
         # reversed stories are the mirror image
         if rev:
             fwd = _labels(track, rev=False)

@@ -24,7 +24,7 @@ from tomlens.stimuli.records import Stimulus
 # Family-specific labels copied from `meta` into the table when present.
 META_COLUMNS: tuple[str, ...] = (
     "k", "test_case", "target_type", "anim_denotation", "object_target", "location_target",
-    "prefix_index", "n_prefix_sentences", "world_state_t", "belief_t", "order",
+    "prefix_index", "n_sentences", "world_state_t", "belief_t", "order",
 )
 
 

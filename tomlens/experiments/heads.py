@@ -373,44 +373,53 @@ def _pick(values: Sequence[Any], preferred: Sequence[Any]) -> Any:
     return sorted(values, key=str)[0]
 
 
-def probe_accuracy_by_head(
-    probe: pd.DataFrame, *, target: str = "protagonist_belief", position: str | None = None, eval_set: str | None = None
-) -> pd.DataFrame:
-    """Per-head belief-probe accuracy from a probe sweep table (`kind == "head_out"`).
+PROBE_COLUMNS = ("kind", "layer", "head", "target", "train_on", "eval_set", "metric", "score")
 
-    One position and one evaluation set are used: the ones given, else "final" and "test" when
-    present (else the first). Rows marked as controls (a `control` column other than
-    empty/"none") are left out; remaining duplicates per head are averaged.
+
+def probe_accuracy_by_head(
+    probe: pd.DataFrame, *, target: str = "protagonist_belief", position: str | None = None,
+    kind: str = "head_out", probe_name: str | None = None,
+) -> pd.DataFrame:
+    """Per-head probe accuracy from the table `tomlens probe` writes (one row per kind, layer,
+    head, position, target, train_on, eval_set and metric).
+
+    Probes trained on all stories (`train_on == "all"`) at one position (the one given, else
+    "final" when present): accuracy with its interval and selectivity on all held-out stories,
+    and accuracy on the false-belief stories alone, where belief and world disagree.
     """
-    need = {"kind", "layer", "head", "target", "accuracy"}
-    missing = need - set(probe.columns)
+    missing = [c for c in PROBE_COLUMNS if c not in probe.columns]
     if missing:
         raise TomlensError(
-            f"the probe table lacks columns {sorted(missing)}",
-            "pass the per-head table written by `tomlens probe` (columns kind, layer, head, position, target, eval_set, accuracy)",
+            f"the probe table lacks columns {missing}",
+            "pass the table written by `tomlens probe` (probes.parquet or probes.csv)",
         )
-    df = probe[(probe.kind == "head_out") & (probe.target == target)]
-    if "control" in df.columns:
-        c = df.control
-        df = df[c.isna() | c.astype(str).str.lower().isin(["", "none", "false"])]
+    df = probe[(probe["kind"] == kind) & (probe["target"] == target) & (probe["metric"] == "accuracy")
+               & (probe["train_on"] == "all") & (probe["head"] >= 0)]
     if df.empty:
         raise TomlensError(
-            f"the probe table has no head_out rows for target {target!r}",
-            "run the probe sweep with per-head sites (head_out) and that target",
+            f"the probe table has no {kind} accuracy rows for target {target!r} trained on all stories",
+            f"run `tomlens probe --target {target}` with --kinds including {kind}",
         )
-    chosen: dict[str, Any] = {}
-    for col, want, pref in (("position", position, ["final"]), ("eval_set", eval_set, ["test", "heldout", "val"])):
-        if col in df.columns:
-            vals = list(df[col].dropna().unique())
-            pick = want if want is not None else _pick(vals, pref)
-            df = df[df[col] == pick]
-            chosen[col] = pick
-    out = df.groupby(["layer", "head"], as_index=False).accuracy.mean()
-    out = out.rename(columns={"accuracy": "probe_accuracy"})
-    out["layer"] = out.layer.astype(int)
+    chosen_position = None
+    if "position" in df.columns:
+        chosen_position = position if position is not None else _pick(list(df["position"].unique()), ["final"])
+        df = df[df["position"] == chosen_position]
+    if "probe" in df.columns:
+        df = df[df["probe"] == (probe_name or _pick(list(df["probe"].unique()), ["logistic"]))]
+    if df.empty:
+        raise TomlensError(f"the probe table has no {kind} rows at position {chosen_position!r}",
+                           f"pick one of the table's positions: {sorted(probe['position'].unique())}")
+    key = ["layer", "head"]
+    everything = df[df["eval_set"] == "all"]
+    out = everything[key + ["score", "ci_low", "ci_high"] + (["selectivity"] if "selectivity" in df else [])]
+    out = out.rename(columns={"score": "probe_accuracy", "ci_low": "probe_ci_low", "ci_high": "probe_ci_high",
+                              "selectivity": "probe_selectivity"})
+    fb = df[df["eval_set"] == "false_belief"][key + ["score"]].rename(columns={"score": "probe_accuracy_false_belief"})
+    out = fb if out.empty else (out if fb.empty else out.merge(fb, on=key, how="outer"))
+    out = out.groupby(key, as_index=False).mean(numeric_only=True)
+    out["layer"] = out["layer"].astype(int)
     out["head"] = out["head"].astype(int)
-    out["probe_position"] = chosen.get("position")
-    out["probe_eval_set"] = chosen.get("eval_set")
+    out["probe_position"] = chosen_position
     return out
 
 

@@ -113,7 +113,7 @@ def prefix_stimulus(story: Story, k: int, prompt_type: str) -> Stimulus:
         spans=spans,
         meta={
             "story_family": story.family,
-            "prefix": k,
+            "prefix_index": k,
             "n_sentences": n_sent,
             "sentence_role": story.sentences[k - 1].role if k else None,
             "world_state_t": world_t if world_t is not None else UNKNOWN,
