@@ -34,7 +34,7 @@ def main() -> int:
         if path.exists():
             data = json.loads(path.read_text())
             for key, value in data.get("ratios", {}).items():
-                print(f"{name:<10}{key:<48}{value}")
+                print(f"{name:<10}{key:<72} {value}")
     if failed:
         print(f"failed: {', '.join(failed)}")
     return 1 if failed else 0
