@@ -113,6 +113,29 @@ def test_same_request_loads_without_running_the_model(load_tiny, tmp_path):
     assert load_activations(a.path).ids == a.ids
 
 
+def test_other_weights_under_the_same_name_get_their_own_store(tmp_path):
+    """A model saved anew into the same folder, or built by hand, must not reuse another's store."""
+    from tomlens.models import load_model
+    from tomlens.models.tiny import build_tiny
+
+    folder = tmp_path / "local-model"
+    tokenizer = load_model("tiny-llama").tokenizer
+    paths = []
+    for seed in (0, 1):
+        build_tiny("tiny-llama", seed).save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+        local = load_model(str(folder))
+        got = cache_activations(local, STORIES, ["resid_post:1"], ["final"], store=tmp_path / "s", progress=False)
+        assert not got.reused
+        paths.append(got.path)
+    assert paths[0] != paths[1]
+    # and two bridges that carry no revision at all differ by their weights
+    from tomlens.activations.cache import weights_fingerprint
+
+    assert weights_fingerprint(load_model("tiny-llama", seed=0)) != weights_fingerprint(load_model("tiny-llama", seed=1))
+    assert weights_fingerprint(load_model("tiny-llama", seed=0)) == weights_fingerprint(load_model("tiny-llama", seed=0))
+
+
 def test_interrupted_run_resumes_from_finished_shards(load_tiny, tmp_path, monkeypatch):
     model = load_tiny("tiny-gpt2")
     reference = cache_activations(model, STORIES, SITES, POSITIONS, store=tmp_path / "ref", progress=False)

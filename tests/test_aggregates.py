@@ -72,6 +72,8 @@ def test_object_bias_is_orientation_free():
     ({"animate": 0.8, "inanimate": 0.3, "control": 0.3}, True),
     ({"animate": 0.8, "inanimate": 0.3, "control": 0.8}, False),  # control looks like animate
     ({"animate": 0.5, "inanimate": 0.5, "control": 0.5}, False),  # no bias anywhere
+    ({"animate": 0.2, "inanimate": 0.6, "control": 0.6}, False),  # animate leans to the location
+    ({"animate": 0.46, "inanimate": 0.35, "control": 0.38}, True),  # a small but clear difference
 ])
 def test_selective_encoding_criterion(means, expected):
     sel = aggregates.selective_encoding(_goal_table(means))

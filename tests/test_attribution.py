@@ -124,3 +124,25 @@ def test_attribution_beside_exact(load_tiny):
     exact_noise = exact_patching(model, pairs, sites=["heads"], direction="noise", progress=False)
     torch.testing.assert_close(noise.clean, ex.clean, atol=1e-5, rtol=0)
     assert compare(exact_noise, noise, k=3)["spearman"] > 0.5
+
+
+def _synthetic(method: str, direction: str, effects: list[float], n_pairs: int = 4):
+    from tomlens.experiments.patching import Cell, PatchingResult
+
+    cells = [Cell("head", 0, h, "all", -1) for h in range(len(effects))]
+    values = torch.tensor(effects, dtype=torch.float32)[:, None].repeat(1, n_pairs)
+    values += 0.01 * torch.arange(n_pairs)[None, :]  # pairs differ a little
+    return PatchingResult(method, direction, cells, values, torch.ones(n_pairs), torch.zeros(n_pairs),
+                          [f"p{i}" for i in range(n_pairs)], ["tok"])
+
+
+def test_compare_ranks_noising_by_what_the_patch_destroys():
+    """Noising: the unpatched value is 1 and an important head pulls the effect towards 0."""
+    exact = _synthetic("exact", "noise", [0.98, 0.97, 0.99, 0.10, 0.95])
+    attribution = _synthetic("attribution", "noise", [1.0, 0.96, 0.98, 0.20, 0.99])
+    assert compare(exact, attribution, k=1)["topk_overlap"] == 1.0
+    flat = _synthetic("attribution", "noise", [1.0] * 5)
+    flat.values[:] = 1.0
+    assert np.isnan(compare(exact, flat, k=1)["topk_overlap"])  # nothing to rank is not agreement
+    with pytest.raises(Exception, match="same direction"):
+        compare(exact, _synthetic("attribution", "denoise", [0.0] * 5), k=1)

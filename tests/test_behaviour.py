@@ -67,13 +67,44 @@ def test_belief_tracking_prompts_give_one_curve_point_per_prefix(load_tiny):
     from tomlens.experiments.behaviour_run import run_behaviour
     from tomlens.stimuli import generate
 
+    from tomlens.stimuli.tracking import belief_tracking
+
     stimuli = generate("belief-tracking", n=1, seed=0)
-    result = run_behaviour(load_tiny("tiny-gpt2"), stimuli, progress=False)
+    contents = belief_tracking(1, seed=0, family="unexpected-contents", include_reversed=False)
+    result = run_behaviour(load_tiny("tiny-gpt2"), stimuli + contents, progress=False)
     n_prefixes = len({s.meta["prefix_index"] for s in stimuli})
     curves = result.prefix_curves
     assert n_prefixes > 3
-    for _, g in curves.groupby(["family", "condition", "prompt_type"]):
+    # transfer and contents stories have their own curves, never averaged together
+    assert set(curves["story_family"]) == {"unexpected-transfer", "unexpected-contents"}
+    transfer = curves[curves.story_family == "unexpected-transfer"]
+    for _, g in transfer.groupby(["family", "condition", "prompt_type"]):
         assert sorted(g["prefix_index"]) == list(range(n_prefixes))
+    assert (curves[curves.story_family == "unexpected-contents"]["n"] == 1).all()
     assert curves["p_answer"].between(0, 1).all()
     # tracking prompts are left out of the strict whole-task rule
     assert result.strict.empty or "belief-tracking" not in set(result.strict["family"])
+
+
+def test_prompt_ending_in_whitespace_is_refused(load_tiny):
+    from dataclasses import replace
+
+    from tomlens.errors import TomlensError
+    from tomlens.experiments.behaviour import score
+    from tomlens.stimuli import generate
+
+    good = generate("unexpected-transfer", n=1, seed=0)[0]
+    bad = replace(good, text=good.text + " ")
+    with pytest.raises(TomlensError, match="ends in whitespace"):
+        score(load_tiny("tiny-gpt2"), [bad], progress=False)
+
+
+def test_behave_cli_names_an_empty_stimulus_file(tmp_path, capsys):
+    from tomlens.cli import main
+
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    rc = main(["behave", "--model", "tiny-gpt2", "--stimuli", str(empty), "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "empty.jsonl" in err and "fix:" in err
+    assert not (tmp_path / "out").exists()

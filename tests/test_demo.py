@@ -24,3 +24,6 @@ def test_demo_writes_every_stage_and_one_report(tmp_path, capsys):
     assert json.loads((out / "patching" / "summary.json").read_text())["pairs"]["n_aligned"] == 2
     report = (out / "report.html").read_text()
     assert "Probes: protagonist belief vs world state" in report and "Provenance" in report
+    # the patching figures and the ablation validation reach the report, not only the files
+    assert "Attribution vs exact patching" in report and "Heads at" in report
+    assert "Mean ablation of the top heads" in report

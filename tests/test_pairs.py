@@ -159,7 +159,13 @@ def test_bigtom_pairs(tok, tmp_path):
     csv = tmp_path / "mini.csv"
     csv.write_text(ROW + "\n" + ROW.replace("Ida misses the helper", "Ida does not see the helper")
                    + "\n", encoding="utf-8")
+    # by default the aware sentence is the unaware one with "not" -> "indeed": one word apart
     pairs, report = make_pairs("bigtom", None, 0, tokenizer=tok, path=csv)
+    assert report.total == 2 and report.aligned == 2
+    assert pairs[1].corrupted.span_text("contrast") == "Ida does indeed see the helper swapping the loaf."
+    assert pairs[1].corrupted.meta["percept"] == "aligned" and pairs[0].corrupted.meta["percept"] == "original"
+    # BigToM's own wording ("sees" vs "does not see") differs in length: reported and left out
+    pairs, report = make_pairs("bigtom", None, 0, tokenizer=tok, path=csv, percept="original")
     assert report.total == 2 and [p.id for p in pairs] == ["bigtom-001-true_belief"]
     p = pairs[0]
     assert p.clean.condition == "false_belief" and p.corrupted.condition == "true_belief"
@@ -173,9 +179,10 @@ def test_bigtom_pairs(tok, tmp_path):
 def test_real_bigtom_file_reports_every_story(tok):
     pairs, report = make_pairs("bigtom", None, 0, tokenizer=tok, path=BIGTOM)
     assert report.total == 200 and report.aligned + report.dropped == 200
-    assert all(reason.split(":")[0] in {"token_count", "outside_contrast"}
+    assert report.aligned >= 190  # the "does indeed" percept form aligns nearly every story
+    assert all(reason.split(":")[0] in {"token_count", "outside_contrast", "options_share_first_token"}
                for _, reason in report.dropped_pairs)
-    for p in pairs:  # the few that align really differ in the percept sentence only
+    for p in pairs:  # aligned pairs really differ in the percept sentence only
         offsets = tok(p.clean.text, return_offsets_mapping=True)["offset_mapping"]
         contrast = p.clean.spans["contrast"]
         for i in diff_positions(p, tok):

@@ -70,9 +70,11 @@ def probe_stage(model: Any, out: Path, n: int, seed: int) -> Any:
     return result
 
 
-def patch_stage(model: Any, out: Path, n_pairs: int, probe_table: Path | None, seed: int) -> dict[str, Any]:
+def patch_stage(model: Any, out: Path, n_pairs: int, probe_table: Path | None, seed: int,
+                figures: dict[str, Any] | None = None) -> dict[str, Any]:
     """Every head patched from false-belief into matched present-protagonist stories (exact and
-    attribution), the top heads tested together against random heads."""
+    attribution), the top heads tested together against random heads. `figures` receives the
+    plotly figures by name."""
     from tomlens.commands.patch import patch_experiment
     from tomlens.stimuli.pairs import make_pairs, write_pairs
 
@@ -82,10 +84,14 @@ def patch_stage(model: Any, out: Path, n_pairs: int, probe_table: Path | None, s
     print(report.summary())
     write_pairs(pairs, out / "pairs.jsonl")
     summary = patch_experiment(model, pairs, out / "patching", method="both", sites="heads",
-                               top_k=3, n_random=3, probe_table=probe_table, seed=seed, fmt="csv")
+                               top_k=3, n_random=3, probe_table=probe_table, seed=seed, fmt="csv",
+                               figures=figures)
     b = summary["baselines"]["exact_denoise"]
     print(f"{summary['pairs']['n_aligned']} pairs; logit diff (belief - world answer): "
           f"false-belief {b['clean_logit_diff']:.3f}, protagonist present {b['corrupted_logit_diff']:.3f}")
+    if b["gap_unstable"]:
+        print(f"note: the gap between the two ({b['gap']:.3f} +/- {b['gap_se']:.3f}) is within two standard errors "
+              "of 0, so normalised effects are unstable here; more pairs (--pairs) or a larger model help")
     print(f"top heads by exact patching effect: {', '.join(summary['top_heads'][:5])}")
     for c in summary["comparisons"]:
         if c["kind"] == "head" and c["position"] == "all":
@@ -93,7 +99,8 @@ def patch_stage(model: Any, out: Path, n_pairs: int, probe_table: Path | None, s
     return summary
 
 
-def write_demo_report(out: Path, behaviour: Any, probes: Any, patching: dict[str, Any], provenance: dict) -> Path:
+def write_demo_report(out: Path, behaviour: Any, probes: Any, patching: dict[str, Any], provenance: dict,
+                      patch_figures: dict[str, Any] | None = None) -> Path:
     """One self-contained HTML page with the stages' tables and figures."""
     import pandas as pd
 
@@ -120,14 +127,30 @@ def write_demo_report(out: Path, behaviour: Any, probes: Any, patching: dict[str
     ]
     heads = read_table(patch_dir / "heads.csv")
     topk = read_table(patch_dir / "topk.csv")
+    figs = patch_figures or {}
+    b = patching["baselines"]["exact_denoise"]
+    gap_note = (f" The clean - corrupted gap here ({b['gap']:.3f} +/- {b['gap_se']:.3f}) is within two standard "
+                "errors of 0, so the normalised effects are unstable." if b["gap_unstable"] else "")
     sections.append(Section(
         "Patching: heads that carry belief",
         "Exact and attribution patching of every head from the false-belief story into its matched "
         "true-belief story (effect 0 = true-belief run, 1 = false-belief run), then the top-k heads "
-        "patched together against random heads.",
-        tables=[heads.head(15), topk], figures=[recovery_curve(topk)]))
+        "patched together against random heads." + gap_note,
+        tables=[heads.head(15), topk],
+        figures=[f for f in (figs.get("heads_exact_denoise"), figs.get("attribution_vs_exact_denoise"))
+                 if f is not None] + [recovery_curve(topk)]))
+    ablation = patch_dir / "ablation.csv"
+    if ablation.exists():
+        sections.append(Section(
+            "Mean ablation of the top heads",
+            "Each of the top-k heads' outputs replaced by its mean over all stories at the final token: "
+            "false-belief accuracy and its drop, against the same number of random heads.",
+            tables=[read_table(ablation)]))
+    comparisons = [c for c in patching["comparisons"] if c["kind"] == "head" and c["position"] == "all"]
     sections.append(Section("Patching summary", tables=[pd.DataFrame(
-        [{"pairs": patching["pairs"]["n_aligned"], "top heads": ", ".join(patching["top_heads"][:5])}])]))
+        [{"pairs": patching["pairs"]["n_aligned"], "top heads": ", ".join(patching["top_heads"][:5]),
+          **({"attribution vs exact Spearman": round(comparisons[0]["spearman"], 3),
+              f"top-{comparisons[0]['k']} overlap": comparisons[0]["topk_overlap"]} if comparisons else {})}])]))
     return write_report(out / "report.html", "tomlens demo: theory of mind in smollm2-135m", sections, provenance)
 
 
@@ -153,10 +176,11 @@ def main(argv: list[str] | None = None) -> int:
         _section("2/4 probes: where is the protagonist's belief readable?")
         probes = probe_stage(model, out, args.probe_tasks, args.seed)
         _section("3/4 patching: which heads carry it?")
-        patching = patch_stage(model, out, args.pairs, out / "probes" / "probes.csv", args.seed)
+        patch_figures: dict[str, Any] = {}
+        patching = patch_stage(model, out, args.pairs, out / "probes" / "probes.csv", args.seed, patch_figures)
         _section("4/4 report")
         path = write_demo_report(out, behaviour, probes, patching,
-                                 {**provenance(model), "seed": args.seed, "argv": sys.argv[1:]})
+                                 {**provenance(model), "seed": args.seed, "argv": sys.argv[1:]}, patch_figures)
         print(f"wrote {path}")
     except TomlensError as e:
         print(f"demo: error: {e}", file=sys.stderr)

@@ -67,6 +67,7 @@ def cache_activations(
         "format": st.FORMAT,
         "model": {k: v for k, v in prov.items() if k != "device"},
         "tokenizer": tokenizer["hash"],
+        "weights": weights_fingerprint(model),
         "dtype": st.dtype_to_name(store_dtype),
         "stimuli_hash": stimuli_hash(stimuli),
         "n": len(stimuli),
@@ -177,6 +178,25 @@ def _per_site_shape(model: Any, kind: str) -> tuple[int, ...]:
     return (int(cfg.d_model),)
 
 
+def weights_fingerprint(model: Any, per_tensor: int = 256) -> str:
+    """Hash of `per_tensor` evenly spaced values of every parameter (one transfer from the device).
+
+    The provenance names the weights only as well as the loader knew them (a model built by hand
+    has revision "unknown"); this keeps two different sets of weights from sharing a cache key."""
+    names, samples = [], []
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            flat = p.detach().reshape(-1)
+            k = min(per_tensor, flat.numel())
+            idx = torch.arange(k, device=flat.device) * (flat.numel() - 1) // max(k - 1, 1)
+            samples.append(flat[idx].float())
+            names.append(f"{name}:{tuple(p.shape)}")
+    values = torch.cat(samples).cpu().numpy().tobytes() if samples else b""
+    import hashlib
+
+    return hashlib.sha256("|".join(names).encode() + values).hexdigest()[:24]
+
+
 def _tokenizer_fingerprint(model: Any) -> dict[str, Any]:
     """Name, class, size and a hash of the vocabulary (computed once per tokenizer object)."""
     tok = model.tokenizer
@@ -184,8 +204,10 @@ def _tokenizer_fingerprint(model: Any) -> dict[str, Any]:
     if hit is not None and hit[0] is tok:
         return {**hit[1], "padding_side": tok.padding_side}
     vocab = sorted(tok.get_vocab().items())
+    backend = getattr(tok, "backend_tokenizer", None)
+    pipeline = backend.to_str() if backend is not None else None  # merges, normaliser, pre-tokeniser
     digest = st.request_key({"vocab": vocab, "bos": tok.bos_token, "pad": tok.pad_token,
-                             "add_bos": getattr(tok, "add_bos_token", None)})
+                             "add_bos": getattr(tok, "add_bos_token", None), "pipeline": pipeline})
     info = {"name": getattr(tok, "name_or_path", None), "class": type(tok).__name__,
             "vocab_size": len(vocab), "hash": digest}
     _FINGERPRINTS[id(tok)] = (tok, info)

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import argparse
 
+from tomlens.errors import TomlensError
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("behave", help="score both answer options of every prompt by log-probability")
     p.add_argument("--model", default="smollm2-135m", help="model name (see `tomlens models`)")
+    p.add_argument("--revision", default=None, help="hub commit, branch or tag to pin (hub ids only)")
     p.add_argument("--stimuli", required=True, help="stimulus file (JSONL or CSV)")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--batch-size", type=int, default=8)
@@ -22,7 +25,9 @@ def run(args: argparse.Namespace) -> int:
     from tomlens.stimuli import read_jsonl
 
     stimuli = read_jsonl(args.stimuli)
-    model = load_model(args.model, device=args.device)
+    if not stimuli:
+        raise TomlensError(f"{args.stimuli} has no stimuli", "write stimuli into it first, e.g. `tomlens stimuli ...`")
+    model = load_model(args.model, revision=args.revision, device=args.device)
     result = run_behaviour(model, stimuli, batch_size=args.batch_size, seed=args.seed)
     out = write_behaviour(result, args.out)
     print(format_accuracy(result.accuracy))

@@ -15,6 +15,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "resumes. Prints where the store is and what it holds.",
     )
     p.add_argument("--model", default="smollm2-135m", help="model name (see `tomlens models`)")
+    p.add_argument("--revision", default=None, help="hub commit, branch or tag to pin (hub ids only)")
     p.add_argument("--stimuli", required=True, help="stimulus file (JSONL or CSV)")
     p.add_argument("--sites", nargs="+", default=["resid_post"],
                    help="site specs: kind[:layers], kinds resid_pre resid_mid resid_post attn_out "
@@ -38,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
     from tomlens.stimuli import read_jsonl
 
     stimuli = read_jsonl(args.stimuli)
-    model = load_model(args.model, device=args.device, dtype=args.dtype, seed=args.seed)
+    model = load_model(args.model, revision=args.revision, device=args.device, dtype=args.dtype, seed=args.seed)
     result = cache_activations(model, stimuli, args.sites, args.positions, store=args.store,
                                batch_size=args.batch_size, progress=not args.no_progress)
     print(result.describe())

@@ -26,6 +26,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("family", choices=PAIR_FAMILIES, help="stimulus family")
     p.add_argument("--model", default="smollm2-135m",
                    help="model whose tokenizer decides alignment (see `tomlens models`)")
+    p.add_argument("--revision", default=None, help="hub commit, branch or tag to pin (hub ids only)")
     p.add_argument("--n", type=int, default=None,
                    help="tasks / items (default 20) or the first N BigToM stories (default all)")
     p.add_argument("--seed", type=int, default=0)
@@ -67,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
                                     **options)
     from tomlens.models import load_model
 
-    tokenizer = load_model(args.model, device="cpu").tokenizer
+    tokenizer = load_model(args.model, revision=args.revision, device="cpu").tokenizer
     pairs, token_report = align_pairs(candidates, tokenizer)
     report.merge(token_report)
     print(report.summary())

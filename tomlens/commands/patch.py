@@ -30,6 +30,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "(recovery, mean ablation) against random heads.",
     )
     p.add_argument("--model", default="smollm2-135m", help="model name (see `tomlens models`)")
+    p.add_argument("--revision", default=None, help="hub commit, branch or tag to pin (hub ids only)")
     p.add_argument("--pairs", required=True, help="minimal pairs file written by `tomlens pairs`")
     p.add_argument("--method", choices=METHODS, default="both")
     p.add_argument("--sites", default="heads,resid",
@@ -88,8 +89,12 @@ def patch_experiment(
     memory_mb: float = 1024,
     fmt: str = "parquet",
     progress: bool = True,
+    figures: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Run the whole patching experiment and write its tables, figures and summary under `out`."""
+    """Run the whole patching experiment and write its tables, figures and summary under `out`.
+
+    `figures`: a dict that also receives every plotly figure written, by file stem (for a report).
+    """
     import torch
 
     from tomlens.experiments.attribution import attribution_patching, compare
@@ -101,7 +106,7 @@ def patch_experiment(
         attribution_scatter, head_heatmap, recovery_curve, resid_heatmap, write_figure,
     )
     from tomlens.models import provenance
-    from tomlens.stimuli.pairs import align_pairs
+    from tomlens.stimuli.pairs import check_pairs
 
     if method not in METHODS:
         raise TomlensError(f"unknown method {method!r}", f"use one of {list(METHODS)}")
@@ -122,7 +127,7 @@ def patch_experiment(
 
     started = time.time()
     torch.manual_seed(seed)
-    aligned, report = align_pairs(list(pairs), model.tokenizer)
+    aligned, report = check_pairs(list(pairs), model.tokenizer)
     if report.dropped:
         print(report.summary())
     if not aligned:
@@ -133,6 +138,11 @@ def patch_experiment(
     prepared = prepare_pairs(model, aligned, selectors=selectors, batch_pairs=batch_pairs)
     out = Path(out)
     figs = out / "figures"
+
+    def _figure(fig: Any, stem: str) -> Path:
+        if figures is not None:
+            figures[stem] = fig
+        return write_figure(fig, figs / f"{stem}.html")
     ext = ".parquet" if fmt == "parquet" else ".csv"
     methods = ["exact", "attribution"] if method == "both" else [method]
     directions = ["denoise", "noise"] if direction == "both" else [direction]
@@ -150,10 +160,10 @@ def patch_experiment(
             files.append(str(write_table(res.summary(), out / f"cells_{m}_{d}{ext}")))
             files.append(str(write_table(res.per_pair(), out / f"pairs_{m}_{d}{ext}")))
             if "head" in kinds:
-                files.append(str(write_figure(head_heatmap(res, "all"), figs / f"heads_{m}_{d}.html")))
+                files.append(str(_figure(head_heatmap(res, "all"), f"heads_{m}_{d}")))
             for kind in kinds:
                 if kind.startswith("resid"):
-                    files.append(str(write_figure(resid_heatmap(res, kind), figs / f"{kind}_{m}_{d}.html")))
+                    files.append(str(_figure(resid_heatmap(res, kind), f"{kind}_{m}_{d}")))
 
     summary: dict[str, Any] = {
         "command": "patch",
@@ -180,7 +190,7 @@ def patch_experiment(
                     c = compare(ex, at, kind=kind, position=position, k=min(10, max(1, top_k)))
                     summary["comparisons"].append({"direction": d, **c})
             if "head" in kinds:
-                files.append(str(write_figure(attribution_scatter(ex, at, "all"), figs / f"attribution_vs_exact_{d}.html")))
+                files.append(str(_figure(attribution_scatter(ex, at, "all"), f"attribution_vs_exact_{d}")))
 
     main_dir = directions[0]
     ranking_source = results.get(("exact", main_dir)) or results.get(("attribution", main_dir))
@@ -199,7 +209,7 @@ def patch_experiment(
             )
             files.append(str(write_table(rec.table, out / f"topk{ext}")))
             files.append(str(write_table(rec.draws, out / f"topk_random{ext}")))
-            files.append(str(write_figure(recovery_curve(rec.table), figs / "topk_recovery.html")))
+            files.append(str(_figure(recovery_curve(rec.table), "topk_recovery")))
             summary["topk"] = rec.table.to_dict(orient="records")
             if ablation != "none":
                 ab = mean_ablation(
@@ -229,7 +239,7 @@ def run(args: argparse.Namespace) -> int:
     pairs = read_pairs(args.pairs)
     if not pairs:
         raise TomlensError(f"pairs file {args.pairs!r} holds no pairs", "write pairs with `tomlens pairs`")
-    model = load_model(args.model, device=args.device, dtype=args.dtype, seed=args.seed)
+    model = load_model(args.model, revision=args.revision, device=args.device, dtype=args.dtype, seed=args.seed)
     summary = patch_experiment(
         model, pairs, args.out, method=args.method, sites=args.sites, positions=args.positions,
         direction=args.direction, top_k=args.top_k, n_random=args.n_random, ablation=args.ablation,
@@ -239,7 +249,7 @@ def run(args: argparse.Namespace) -> int:
     b = next(iter(summary["baselines"].values()))
     print(f"{summary['pairs']['n_aligned']} pairs; logit diff clean {b['clean_logit_diff']:.3f}, "
           f"corrupted {b['corrupted_logit_diff']:.3f}")
-    if not abs(b["gap"]) > 2 * b["gap_se"]:
+    if b["gap_unstable"]:
         print(f"note: the clean - corrupted gap ({b['gap']:.3f} +/- {b['gap_se']:.3f}) is close to 0, so effects "
               "normalised by it are unstable; read the raw logit_diff columns")
     if "top_heads" in summary:

@@ -15,6 +15,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "probe directions (safetensors) and a per-layer figure (standalone HTML).",
     )
     p.add_argument("--model", default="smollm2-135m", help="model name (see `tomlens models`)")
+    p.add_argument("--revision", default=None, help="hub commit, branch or tag to pin (hub ids only)")
     p.add_argument("--stimuli", required=True, help="stimulus file (JSONL or CSV)")
     p.add_argument("--target", nargs="+", default=["protagonist_belief"],
                    help="targets: protagonist_belief world_state joint statement_protagonist "
@@ -62,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
         get_target(t)  # fail on a typo before loading anything
     stimuli = read_jsonl(args.stimuli)
     test = read_jsonl(args.test_stimuli) if args.test_stimuli else None
-    model = load_model(args.model, device=args.device, dtype=args.dtype, seed=args.seed)
+    model = load_model(args.model, revision=args.revision, device=args.device, dtype=args.dtype, seed=args.seed)
     sites = " ".join(args.kinds)
     progress = not args.no_progress
     acts = cache_activations(model, stimuli, sites, [args.position], store=args.store,

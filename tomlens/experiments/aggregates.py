@@ -100,35 +100,45 @@ class SelectiveEncoding:
     passes: bool
 
 
-def _diff_ci(a: np.ndarray, b: np.ndarray, rng: np.random.Generator, n_boot: int) -> tuple[float, float]:
-    boots = (rng.choice(a, (n_boot, len(a))).mean(1) - rng.choice(b, (n_boot, len(b))).mean(1))
+def _paired_diff_ci(a: np.ndarray, b: np.ndarray, rng: np.random.Generator, n_boot: int) -> tuple[float, float]:
+    """95% bootstrap interval of mean(a - b), resampling items (a[i] and b[i] are the same item)."""
+    idx = rng.integers(0, len(a), (n_boot, len(a)))
+    boots = (a[idx] - b[idx]).mean(1)
     return (float(np.quantile(boots, 0.025)), float(np.quantile(boots, 0.975)))
+
+
+def _by_item(g: pd.DataFrame) -> pd.DataFrame:
+    """o_b per item (row) and test case (column); items missing a case are dropped. Without
+    `task_id` (a table not made by tomlens) rows are paired by their order within each case."""
+    g = g.copy()
+    if "task_id" in g:
+        g["item"] = g["task_id"].astype(str)  # o_b is orientation-free: both option orders average
+    else:
+        g["item"] = g.groupby("test_case").cumcount()
+    return g.pivot_table(index="item", columns="test_case", values="o_b", aggfunc="mean").dropna()
 
 
 def selective_encoding(df: pd.DataFrame, *, margin: float = 0.1, n_boot: int = 1000,
                        seed: int = 0) -> pd.DataFrame:
-    """Apply the criterion: animate must clearly differ from both inanimate and control (bootstrap
-    95% CI of the difference excludes 0 and |difference| >= margin, same sign), while inanimate and
-    control are similar (|difference| < margin)."""
+    """Ruis et al.'s criterion per target type x animacy wording x k: the animate agent shows *more*
+    object bias than both the inanimate agent and the accidental control (paired bootstrap 95%
+    interval of each difference above 0, resampling items), while inanimate and control stay within
+    `margin` of each other. The direction matters: an animate agent with *less* object bias
+    (leaning to the location) is not goal encoding."""
     goal = df[df["prompt_type"] == "goal"].copy()
     goal["o_b"] = object_bias(goal)
     rng = np.random.default_rng(seed)
     out = []
     for (tt, anim, k), g in goal.groupby(["target_type", "anim_denotation", "k"], sort=True):
-        v = {c: g.loc[g["test_case"] == c, "o_b"].to_numpy() for c in ("animate", "inanimate", "control")}
-        if any(len(x) == 0 for x in v.values()):
+        wide = _by_item(g)
+        if any(c not in wide for c in ("animate", "inanimate", "control")) or len(wide) < 2:
             continue
+        v = {c: wide[c].to_numpy() for c in ("animate", "inanimate", "control")}
         m = {c: float(x.mean()) for c, x in v.items()}
-        ai = _diff_ci(v["animate"], v["inanimate"], rng, n_boot)
-        ac = _diff_ci(v["animate"], v["control"], rng, n_boot)
-        ic = _diff_ci(v["inanimate"], v["control"], rng, n_boot)
-
-        def clear(ci: tuple[float, float], d: float) -> bool:
-            return (ci[0] > 0 or ci[1] < 0) and abs(d) >= margin
-
-        d_ai, d_ac = m["animate"] - m["inanimate"], m["animate"] - m["control"]
-        passes = (clear(ai, d_ai) and clear(ac, d_ac) and np.sign(d_ai) == np.sign(d_ac)
-                  and abs(m["inanimate"] - m["control"]) < margin)
+        ai = _paired_diff_ci(v["animate"], v["inanimate"], rng, n_boot)
+        ac = _paired_diff_ci(v["animate"], v["control"], rng, n_boot)
+        ic = _paired_diff_ci(v["inanimate"], v["control"], rng, n_boot)
+        passes = ai[0] > 0 and ac[0] > 0 and abs(m["inanimate"] - m["control"]) < margin
         out.append(asdict(SelectiveEncoding(tt, bool(anim), int(k), m["animate"], m["inanimate"],
                                             m["control"], ai, ac, ic, bool(passes))))
     return pd.DataFrame(out)
@@ -136,12 +146,17 @@ def selective_encoding(df: pd.DataFrame, *, margin: float = 0.1, n_boot: int = 1
 
 def prefix_curves(df: pd.DataFrame) -> pd.DataFrame:
     """Mean probability of the reference answer (starting location / label word) and of the
-    correct answer at each sentence prefix, per family, condition and prompt type."""
+    correct answer at each sentence prefix, per family, story family (transfer and contents
+    stories kept apart), condition and prompt type."""
     tr = df[df["prefix_index"].notna()].copy() if "prefix_index" in df else df.iloc[0:0].copy()
+    keys = ["family", "story_family", "condition", "prompt_type", "prefix_index"]
     if tr.empty:
-        return pd.DataFrame(columns=["family", "prompt_type", "prefix_index", "p_reference", "p_answer", "n"])
+        return pd.DataFrame(columns=keys + ["p_reference", "p_answer", "n"])
+    if "story_family" not in tr:
+        tr["story_family"] = tr["family"]
+    tr["story_family"] = tr["story_family"].fillna(tr["family"])
     ref_is_a = tr["option_a"] == tr["reference_state"]
     tr["p_reference"] = np.where(ref_is_a, tr["p_a"], 1 - tr["p_a"])
-    g = tr.groupby(["family", "condition", "prompt_type", "prefix_index"], sort=True)
+    g = tr.groupby(keys, sort=True)
     return g.agg(p_reference=("p_reference", "mean"), p_answer=("p_answer", "mean"),
                  n=("id", "size")).reset_index()

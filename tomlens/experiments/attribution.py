@@ -17,10 +17,12 @@ from __future__ import annotations
 from typing import Any, Mapping, Sequence
 
 import numpy as np
+import pandas as pd
 import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
+from tomlens.errors import TomlensError
 from tomlens.experiments.metric import Normalize, logit_diff
 from tomlens.experiments.patching import (
     _SHORTCUTS_OK,
@@ -163,7 +165,9 @@ def compare(
     by: str = "abs",
 ) -> dict[str, Any]:
     """How well attribution ranks the cells exact patching finds: Spearman and Pearson correlation
-    of the effects, and the overlap of the top-k cells (by absolute effect unless `by="signed"`)."""
+    of the effects, and the overlap of the top-k cells by importance as `rank_heads` defines it
+    (the effect when denoising, 1 - effect when noising; its magnitude unless `by="signed"`).
+    The overlap is NaN when either ranking is all ties (nothing to rank)."""
     from scipy.stats import pearsonr, spearmanr
 
     a = exact.select(kind, position).set_index(["layer", "head", "pos"])["effect"]
@@ -171,9 +175,18 @@ def compare(
     joined = a.to_frame("exact").join(b.to_frame("attribution"), how="inner").dropna()
     n = len(joined)
     k = min(k, n)
-    key = (lambda s: s.abs()) if by == "abs" else (lambda s: s)
-    top_e = set(key(joined.exact).sort_values(ascending=False).index[:k])
-    top_a = set(key(joined.attribution).sort_values(ascending=False).index[:k])
+    if exact.direction != attribution.direction:
+        raise TomlensError(
+            f"cannot compare a {exact.direction} exact result with a {attribution.direction} attribution result",
+            "compare results of the same direction",
+        )
+
+    def importance(s: pd.Series) -> pd.Series:
+        score = s if exact.direction == "denoise" else 1 - s
+        return score.abs() if by == "abs" else score
+
+    top_e = set(importance(joined.exact).sort_values(ascending=False, kind="stable").index[:k])
+    top_a = set(importance(joined.attribution).sort_values(ascending=False, kind="stable").index[:k])
     corr_ok = n >= 3 and joined.exact.std() > 0 and joined.attribution.std() > 0
     return {
         "kind": kind,
@@ -183,6 +196,6 @@ def compare(
         "pearson": float(pearsonr(joined.exact, joined.attribution).statistic) if corr_ok else float("nan"),
         "k": k,
         "by": by,
-        "topk_overlap": (len(top_e & top_a) / k) if k else float("nan"),
+        "topk_overlap": (len(top_e & top_a) / k) if k and corr_ok else float("nan"),
         "max_abs_diff": float(np.nanmax(np.abs(joined.exact - joined.attribution))) if n else float("nan"),
     }

@@ -24,7 +24,7 @@ from tomlens.stimuli.records import Stimulus
 # Family-specific labels copied from `meta` into the table when present.
 META_COLUMNS: tuple[str, ...] = (
     "k", "test_case", "target_type", "anim_denotation", "object_target", "location_target",
-    "prefix_index", "n_sentences", "world_state_t", "belief_t", "order",
+    "prefix_index", "n_sentences", "story_family", "world_state_t", "belief_t", "order",
 )
 
 
@@ -69,6 +69,12 @@ def _plan(tokenizer, stimuli: Sequence[Stimulus]) -> list[_Job]:
     """
     jobs: list[_Job] = []
     for i, s in enumerate(stimuli):
+        if s.text != s.text.rstrip():
+            raise TomlensError(
+                f"stimulus {s.id}: the prompt ends in whitespace ({s.text[-3:]!r}), so each option would be "
+                "scored after an extra space or line break",
+                "end the prompt right before the answer (tomlens adds the space before each option)",
+            )
         prompt_ids = tokenizer(s.text)["input_ids"]
         shared: list[tuple[int, int, tuple[int, ...]]] = []
         for j, opt in enumerate(s.options):

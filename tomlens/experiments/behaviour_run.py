@@ -9,6 +9,7 @@ from typing import Sequence
 
 import pandas as pd
 
+from tomlens.errors import TomlensError
 from tomlens.experiments import aggregates
 from tomlens.experiments.behaviour import score
 from tomlens.experiments.io import write_json, write_table
@@ -30,6 +31,9 @@ def run_behaviour(model, stimuli: Sequence[Stimulus], *, batch_size: int = 8,
                   progress: bool = True, seed: int = 0) -> BehaviourResult:
     from tomlens.models import provenance
 
+    stimuli = list(stimuli)
+    if not stimuli:
+        raise TomlensError("no stimuli to score", "check the stimulus file: it has no rows")
     t0 = time.time()
     table = score(model, stimuli, batch_size=batch_size, progress=progress)
     acc = aggregates.accuracy_table(table)
@@ -60,8 +64,10 @@ def write_behaviour(result: BehaviourResult, out: str | Path) -> Path:
     write_table(result.table, out / "prompts.parquet")
     write_table(result.accuracy, out / "accuracy.csv")
     for name in ("strict", "object_bias", "selective", "prefix_curves"):
-        df = getattr(result, name)
+        df, path = getattr(result, name), out / f"{name}.csv"
         if len(df):
-            write_table(df, out / f"{name}.csv")
+            write_table(df, path)
+        elif path.exists():
+            path.unlink()  # from an earlier run into the same folder: it does not belong to this one
     write_json(result.summary, out / "summary.json")
     return out

@@ -105,6 +105,26 @@ def normalise(
     raise TomlensError(f"unknown normalisation {normalize!r}", "use 'pooled' or 'per_pair'")
 
 
+def gap_is_unstable(gap: Float[Tensor, "pair"]) -> bool:
+    """Whether the mean clean - corrupted gap is within two standard errors of 0 (or undefined):
+    effects normalised by it are then noise over noise."""
+    n = gap.numel()
+    if n < 2:
+        return not bool(gap.abs().sum() > 0)
+    return not bool(gap.mean().abs() > 2 * gap.std() / n**0.5)
+
+
+def _warn_if_unstable(gap: Float[Tensor, "pair"], normalize: Normalize) -> None:
+    import warnings
+
+    if normalize == "per_pair" and bool((gap == 0).any()):
+        warnings.warn(f"{int((gap == 0).sum())} pair(s) have clean == corrupted: their per-pair effects are "
+                      "undefined and left out; use normalize='pooled' or drop those pairs", stacklevel=3)
+    elif normalize == "pooled" and gap_is_unstable(gap):
+        warnings.warn(f"the mean clean - corrupted gap ({float(gap.mean()):.3g}) is within two standard errors "
+                      "of 0: normalised effects are unstable; read the raw logit differences", stacklevel=3)
+
+
 def summarise(
     values: Float[Tensor, "cell pair"],
     clean: Float[Tensor, "pair"],
@@ -126,6 +146,7 @@ def summarise(
     c = clean.double().cpu()
     r = corrupted.double().cpu()
     n_cell, n_pair = v.shape
+    _warn_if_unstable(c - r, normalize)
     norm = normalise(v, c, r, normalize)
     have = ~torch.isnan(norm)
     n = have.sum(1)

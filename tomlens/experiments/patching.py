@@ -38,7 +38,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from tomlens.errors import TomlensError
-from tomlens.experiments.metric import Normalize, logit_diff, option_first_tokens, summarise
+from tomlens.experiments.metric import Normalize, gap_is_unstable, logit_diff, option_first_tokens, summarise
 from tomlens.hooks.patch import PatchIndex, PrefixCache, forward_last, patch_hooks, record_hooks
 
 Direction = Literal["denoise", "noise"]
@@ -560,6 +560,7 @@ class PatchingResult:
             "corrupted_logit_diff": float(self.corrupted.double().mean()),
             "gap": float(gap.mean()),
             "gap_se": se,
+            "gap_unstable": gap_is_unstable(gap),
             "n_pairs": n,
         }
 

@@ -18,12 +18,14 @@ def _go():
     return go
 
 
-def _effect_scale(values: np.ndarray) -> dict[str, Any]:
-    """Diverging colours centred on 0 (the corrupted run), symmetric so 0 is always white."""
+def _effect_scale(values: np.ndarray, direction: str = "denoise") -> dict[str, Any]:
+    """Diverging colours centred on the unpatched run (white): 0 when denoising (the corrupted
+    run), 1 when noising (the clean run), symmetric around it."""
+    centre = 0.0 if direction == "denoise" else 1.0
     finite = values[np.isfinite(values)]
-    bound = float(np.max(np.abs(finite))) if finite.size else 1.0
+    bound = float(np.max(np.abs(finite - centre))) if finite.size else 1.0
     bound = bound or 1.0
-    return {"colorscale": "RdBu", "reversescale": True, "zmin": -bound, "zmax": bound, "zmid": 0.0}
+    return {"colorscale": "RdBu", "reversescale": True, "zmin": centre - bound, "zmax": centre + bound, "zmid": centre}
 
 
 def _title(result: PatchingResult, what: str) -> str:
@@ -48,8 +50,8 @@ def head_heatmap(result: PatchingResult, position: str = "all") -> Any:
     fig = go.Figure(
         go.Heatmap(
             z=grid, x=[f"H{h}" for h in heads], y=[f"L{l}" for l in layers], text=text,
-            hovertemplate="%{y} %{x}<br>effect %{z:.3f}<br>95%% CI %{text}<extra></extra>",
-            colorbar={"title": "effect"}, **_effect_scale(grid),
+            hovertemplate="%{y} %{x}<br>effect %{z:.3f}<br>95% CI %{text}<extra></extra>",
+            colorbar={"title": "effect"}, **_effect_scale(grid, result.direction),
         )
     )
     fig.update_layout(
@@ -73,7 +75,7 @@ def resid_heatmap(result: PatchingResult, kind: str = "resid_pre") -> Any:
         go.Heatmap(
             z=grid, x=labels, y=[f"L{l}" for l in layers],
             hovertemplate="%{y} token %{x}<br>effect %{z:.3f}<extra></extra>",
-            colorbar={"title": "effect"}, **_effect_scale(grid),
+            colorbar={"title": "effect"}, **_effect_scale(grid, result.direction),
         )
     )
     fig.update_layout(
@@ -136,8 +138,11 @@ def recovery_curve(table: Any) -> Any:
             ),
         ]
     )
+    noising = "direction" in table and set(table["direction"]) == {"noise"}
     fig.update_layout(
-        title="Top-k heads patched together: fraction of the logit difference recovered",
+        title="Top-k heads patched together: "
+        + ("the clean run's logit difference left (noising; lower = heads matter more)" if noising
+           else "fraction of the logit difference recovered (denoising)"),
         xaxis_title="k (heads patched)", yaxis_title="recovered (0 = corrupted, 1 = clean)",
     )
     return fig

@@ -55,7 +55,19 @@ def load_local(name: str, dtype: Any) -> tuple[Any, Any, str]:
             f"could not load model weights from {str(folder)!r} ({type(e).__name__}: {_first_line(e)})",
             "the folder needs config.json plus model weights (*.safetensors) of a causal language model",
         ) from e
-    return model, tokenizer, f"local:{folder.resolve()}"
+    return model, tokenizer, f"local:{folder.resolve()}@{_files_digest(folder)}"
+
+
+def _files_digest(folder: Path) -> str:
+    """Short digest of the folder's files (name, size, mtime): new weights saved into the same
+    folder give a new revision, so caches keyed on it are not reused."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for f in sorted(p for p in folder.rglob("*") if p.is_file()):
+        stat = f.stat()
+        h.update(f"{f.relative_to(folder)}:{stat.st_size}:{stat.st_mtime_ns};".encode())
+    return h.hexdigest()[:16]
 
 
 def load_hub(name: str, dtype: Any, revision: str | None) -> tuple[Any, Any, str]:

@@ -97,7 +97,12 @@ def load_model(
         info = {"source": "local", "revision": rev, "seed": None}
     else:
         _reject_near_miss(name)
-        hf_model, tokenizer, rev = hub.load_hub(name, dt, revision)
+        try:
+            hf_model, tokenizer, rev = hub.load_hub(name, dt, revision)
+        except TomlensError as e:
+            if "/" in name:
+                raise
+            raise TomlensError(e.problem, f"{e.fix}; built-in names: {', '.join(BUILTIN)}") from e
         info = {"source": "hub", "revision": rev, "seed": None}
 
     hf_model.to(dev)

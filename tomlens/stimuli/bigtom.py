@@ -48,6 +48,7 @@ def load_bigtom(
     *,
     answer_format: Literal["tail", "sentence"] = "tail",
     limit: int | None = None,
+    percept: Literal["original", "aligned"] = "original",
 ) -> list[Stimulus]:
     """Forward-belief prompts from BigToM's `bigtom.csv` (';'-separated, no header).
 
@@ -61,6 +62,10 @@ def load_bigtom(
     event; `reference_state` is always the old state (what was true before the event), so
     `belief_is_reference` separates false belief from true belief. `answer` is the belief.
     Options are in the same order for every condition of a story and alternate between stories.
+    `percept="aligned"` writes the aware sentence as the unaware one with "not" turned into
+    "indeed" ("Noor does indeed see ..." beside "Noor does not see ..."), so the two conditions
+    differ in one word of equal token count (for activation patching; `meta["percept"]` says
+    which form a prompt has); rows whose unaware sentence has no "not" keep BigToM's wording.
     A malformed row raises `TomlensError` naming the file and line.
     """
     path = Path(path)
@@ -74,9 +79,11 @@ def load_bigtom(
         )
     if limit is not None and (not isinstance(limit, int) or limit < 1):
         raise TomlensError(f"limit={limit!r} must be a positive number of stories",
-                           "pass limit=None for all stories")
+                           "ask for at least one story (CLI: --n 1 or more; leave --n out for all stories)")
     if answer_format not in ("tail", "sentence"):
         raise TomlensError(f"unknown answer_format {answer_format!r}", "use 'tail' or 'sentence'")
+    if percept not in ("original", "aligned"):
+        raise TomlensError(f"unknown percept form {percept!r}", "use 'original' or 'aligned'")
     if not path.is_file():
         raise TomlensError(
             f"BigToM file {str(path)!r} does not exist",
@@ -93,6 +100,13 @@ def load_bigtom(
             if limit is not None and n_stories >= limit:
                 break
             story = _parse_row(path, line_no, line.rstrip("\r\n"), answer_format)
+            story["rewritten"] = set()
+            if percept == "aligned":
+                for aware, unaware in (("aware", "unaware"), ("random_aware", "random_unaware")):
+                    rewritten = _NOT.sub(r"\1indeed\2", story[unaware], count=1)
+                    if rewritten != story[unaware]:
+                        story[aware] = rewritten
+                        story["rewritten"].add(aware)
             options = story["options"] if n_stories % 2 == 0 else story["options"][::-1]
             for condition in conditions:
                 out.append(_stimulus(story, condition, options, include_initial_belief))
@@ -170,6 +184,9 @@ def _word(word: str) -> re.Pattern[str]:
     return re.compile(rf"(?<!\w){re.escape(word)}(?!\w)")
 
 
+_NOT = re.compile(r"(\b(?:does|do|did) )not( )")  # "does not see" -> "does indeed see"
+
+
 def _split_common_prefix(a: str, b: str) -> tuple[str, str, str]:
     """Split two sentences into their shared leading words and the two differing tails."""
     wa, wb = a.split(), b.split()
@@ -183,10 +200,8 @@ def _stimulus(story: dict, condition: str, options: tuple[str, str], initial: bo
     causal, perceives = CONDITIONS[condition]
     setup = story["sentences"][:4] if initial else story["sentences"][:3]
     event = story["sentences"][4] if causal else story["random"]
-    if causal:
-        percept = story["aware"] if perceives else story["unaware"]
-    else:
-        percept = story["random_aware"] if perceives else story["random_unaware"]
+    key = ("aware" if perceives else "unaware") if causal else ("random_aware" if perceives else "random_unaware")
+    percept = story[key]
 
     text = " ".join(setup) + " "
     event_span = Span(len(text), len(text) + len(event))
@@ -232,5 +247,6 @@ def _stimulus(story: dict, condition: str, options: tuple[str, str], initial: bo
             "belief_answer_aware": story["answer_new"],
             "belief_answer_unaware": story["answer_old"],
             "generation_tag": story["tag"],
+            "percept": "aligned" if key in story.get("rewritten", ()) else "original",
         },
     )

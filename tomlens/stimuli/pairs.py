@@ -244,6 +244,7 @@ def _bigtom_pairs(path: str | Path | None, n: int | None,
     if "conditions" in options:
         raise TomlensError("BigToM pairs choose their own conditions",
                            "drop the conditions option")
+    options = {"percept": "aligned", **options}  # one word apart, so that tokens align
     stimuli = load_bigtom(path, conditions=("false_belief", "true_belief"), limit=n, **options)
     by_task: dict[str, dict[str, Stimulus]] = defaultdict(dict)
     for s in stimuli:
@@ -364,9 +365,12 @@ def align_pairs(pairs: Sequence[MinimalPair],
         return [], report
     texts = [t for p in pairs for t in (p.clean.text, p.corrupted.text)]
     encoded = _encode(tokenizer, texts)
+    with_options = _encode(tokenizer, [f"{p.clean.text} {o}" for p in pairs for o in p.clean.options[:2]])
     aligned = []
     for j, p in enumerate(pairs):
-        reason = _token_problem(p, encoded[2 * j], encoded[2 * j + 1], tokenizer)
+        reason = _token_problem(p, encoded[2 * j], encoded[2 * j + 1], tokenizer) or _option_clash(
+            p, with_options[2 * j : 2 * j + 2], tokenizer
+        )
         if reason:
             report.dropped_pairs.append((p.id, reason))
         else:
@@ -392,6 +396,24 @@ def _token_problem(pair: MinimalPair, clean: tuple[list[int], list[tuple[int, in
             pieces = tokenizer.convert_ids_to_tokens([ids_c[i], ids_k[i]])
             return (f"outside_contrast: token {i} differs outside the contrast span "
                     f"({pieces[0]!r} vs {pieces[1]!r})")
+    return None
+
+
+def _option_clash(pair: MinimalPair, encoded: list[tuple[list[int], list[tuple[int, int]]]],
+                  tokenizer: Any) -> str | None:
+    """The logit difference compares the first token of each option: equal first tokens (e.g.
+    " 5 AM" and " 3 AM" split as " " + digit) leave nothing to compare."""
+    end = len(pair.clean.text)
+    firsts = []
+    for ids, offs in encoded:
+        t = next((t for t, (cs, ce) in enumerate(offs) if cs >= end or ce > end), None)
+        if t is None:
+            return "options: an option could not be located in the tokens"
+        firsts.append(ids[t])
+    if firsts[0] == firsts[1]:
+        piece = tokenizer.convert_ids_to_tokens([firsts[0]])[0]
+        return (f"options_share_first_token: {pair.clean.options[0]!r} and {pair.clean.options[1]!r} "
+                f"both start with {piece!r}")
     return None
 
 
