@@ -135,6 +135,10 @@ def test_cross_set_generalisation_and_mass_mean(stimuli):
     assert row["test_set"].startswith("stimuli:") and row["C"] != row["C"]  # mass-mean has no C
     with pytest.raises(TomlensError, match="share"):
         probe_sweep(planted_acts(stimuli), "protagonist_belief", test_acts=planted_acts(stimuli[:20]), **FAST)
+    other_model = planted_acts(other, seed=1)
+    other_model.manifest["model"] = {"model": "another-model", "revision": "abc"}
+    with pytest.raises(TomlensError, match="same model"):
+        probe_sweep(planted_acts(stimuli), "protagonist_belief", test_acts=other_model, **FAST)
 
 
 def test_holdout_and_template_grouping(stimuli):

@@ -16,13 +16,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
     for name in COMMANDS:
-        try:
-            module = importlib.import_module(f"tomlens.commands.{name}")
-        except ModuleNotFoundError as e:
-            if e.name == f"tomlens.commands.{name}":
-                continue  # subcommand not built yet
-            raise
-        module.register(sub)
+        importlib.import_module(f"tomlens.commands.{name}").register(sub)
     return parser
 
 

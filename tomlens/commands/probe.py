@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from tomlens.errors import TomlensError
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -59,8 +61,14 @@ def run(args: argparse.Namespace) -> int:
     from tomlens.probes.targets import get_target
     from tomlens.stimuli import read_jsonl
 
+    from tomlens.hooks.sites import KINDS
+
     for t in args.target:
         get_target(t)  # fail on a typo before loading anything
+    bad = [k for k in args.kinds if k not in KINDS]
+    if bad:
+        raise TomlensError(f"--kinds {' '.join(bad)}: not a site kind (layers are not chosen here: every layer is probed)",
+                           f"use bare kinds from {', '.join(KINDS)}")
     stimuli = read_jsonl(args.stimuli)
     test = read_jsonl(args.test_stimuli) if args.test_stimuli else None
     model = load_model(args.model, revision=args.revision, device=args.device, dtype=args.dtype, seed=args.seed)

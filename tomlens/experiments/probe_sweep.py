@@ -35,7 +35,7 @@ from tomlens.probes.controls import bag_of_words, shuffle_labels
 from tomlens.probes.directions import direction_name, save_directions, unit_norm
 from tomlens.probes.logistic import C_GRID, LogisticProbe, cpu_threads_for, default_device, fit_logistic
 from tomlens.probes.mass_mean import MassMeanProbe
-from tomlens.probes.splits import Split, group_codes, group_kfold
+from tomlens.probes.splits import Split, group_codes, group_kfold, restrict
 from tomlens.probes.targets import false_belief_mask, get_target, make_target, true_belief_mask
 from tomlens.stimuli.records import Stimulus, stimuli_hash
 
@@ -158,7 +158,7 @@ def _plans(train_st: Sequence[Stimulus], test_st: Sequence[Stimulus] | None, gro
         for train_on, tr_mask, te_mask, name in (("true_belief", tb_train, fb_test, "false_belief"),
                                                  ("false_belief", fb_train, tb_test, "true_belief")):
             if bool(tr_mask.any()) and bool(te_mask.any()):
-                splits = [Split(s.train[tr_mask[s.train]], s.test[te_mask[s.test]]) for s in outer]
+                splits = [restrict(s, tr_mask, te_mask) for s in outer]
                 plans.append(_Plan(train_on, {name: te_mask}, splits))
     return plans
 
@@ -291,6 +291,19 @@ def _check_test_set(train: Sequence[Stimulus], test: Sequence[Stimulus]) -> None
         )
 
 
+def _check_same_model(acts: ActivationsLike, test_acts: ActivationsLike) -> None:
+    """Probes trained on one model's activations mean nothing on another's."""
+    def who(a: ActivationsLike) -> tuple[Any, Any]:
+        m = (getattr(a, "manifest", None) or {}).get("model") or {}
+        return m.get("model"), m.get("revision")
+
+    if who(acts) != who(test_acts):
+        raise TomlensError(
+            f"the training activations come from {who(acts)} and the test activations from {who(test_acts)}",
+            "cache both stimulus sets with the same model (and revision)",
+        )
+
+
 def run_probe_sweep(
     acts: ActivationsLike,
     target: str | Sequence[str],
@@ -321,6 +334,7 @@ def run_probe_sweep(
     test_st = list(test_acts.stimuli) if test_acts is not None else None
     if test_st is not None:
         _check_test_set(train_st, test_st)
+        _check_same_model(acts, test_acts)
     test_name = "same" if test_st is None else f"stimuli:{stimuli_hash(test_st)}"
     rows: list[dict[str, Any]] = []
     directions: dict[str, Tensor] = {}

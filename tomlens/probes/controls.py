@@ -1,8 +1,12 @@
 """Controls that say how much of a probe's accuracy is about the model rather than the probe or text.
 
-- Shuffled labels (Hewitt & Liang's control task, simplified): the same probe trained on the
-  training labels permuted within the training split. It can only memorise, so accuracy minus
-  control accuracy (selectivity) is what the representation adds.
+- Shuffled labels (Hewitt & Liang's control task, simplified to rows): the same probe, same C
+  search, trained on the training labels permuted within the training split and scored on the
+  held-out stories. Row labels cannot carry over to held-out stories, so its expected accuracy
+  is chance: it is the level a probe of this capacity reaches by fitting noise on these folds,
+  with its interval, and selectivity (accuracy minus control) is paired on the same test stories.
+  It does not measure how well the probe could learn arbitrary labels per word type (the full
+  Hewitt & Liang control task); read the bag-of-words line for what the words alone give away.
 - Bag of words: a logistic probe on word counts of the stimulus text. If the words alone give the
   label away (they often do: "while Anna was away" marks a false-belief story), a layer's accuracy
   means little until it beats this line.

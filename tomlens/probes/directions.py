@@ -36,8 +36,8 @@ def save_directions(path: str | Path, tensors: Mapping[str, Tensor], metadata: M
     flat = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
     tmp = path.with_name(path.name + ".tmp")
     save_file(flat, str(tmp), metadata={"format": "tomlens-directions", "version": "1"})
+    tmp.replace(path)  # tensors first: a sidecar is never newer than the tensors it describes
     write_json(dict(metadata), _sidecar(path))
-    tmp.replace(path)
     return path
 
 

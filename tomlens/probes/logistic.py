@@ -114,6 +114,13 @@ def _fit_reduced(Z: Tensor, T: Tensor, inv_c: Tensor, beta0: Tensor | None,
         beta[idx, :, :rb] = res.beta[..., :rb]
         beta[idx, :, r] = res.beta[..., rb]
         iters = max(iters, int(res.n_iter.max()))
+        stuck = int((~res.converged).sum())
+        if stuck:
+            import warnings
+
+            warnings.warn(f"{stuck} of {res.converged.numel()} logistic fits stopped at max_iter={max_iter} "
+                          f"before reaching tol={tol}; their scores may be slightly off (raise max_iter)",
+                          stacklevel=2)
     return beta, iters
 
 

@@ -84,8 +84,9 @@ def group_kfold(groups: Sequence[Any] | Tensor, n_splits: int = 5, seed: int = 0
         raise TomlensError(f"n_splits={n_splits}", "use at least 2 folds")
     if uniq.numel() < n_splits:
         raise TomlensError(
-            f"{uniq.numel()} groups (stories) cannot fill {n_splits} grouped folds",
-            f"use fewer folds (at most {uniq.numel()}) or more stimuli",
+            f"{uniq.numel()} groups cannot fill {n_splits} grouped folds (a group is a task, or with "
+            "group_by='template' every task sharing a template; generated families have 4 templates)",
+            f"use fewer folds (--folds {uniq.numel()} or less), group by task, or more stimuli",
         )
     rng = np.random.default_rng(seed)
     order = rng.permutation(uniq.numel())

@@ -25,7 +25,7 @@ import random
 from typing import Literal, Sequence
 
 from tomlens.errors import TomlensError
-from tomlens.stimuli.lexicon import NAMES
+from tomlens.stimuli.lexicon import NAMES, article
 from tomlens.stimuli.records import Span, Stimulus
 
 # Single-token fruits in common tokenizers, so first-token scores of the fruit targets differ.
@@ -45,11 +45,6 @@ TEST_CASES: tuple[str, ...] = ("animate", "inanimate", "control")
 TARGET_TYPES: tuple[str, ...] = ("pillar", "fruit")
 FAMILY = "goal-encoding"
 MAX_K = 50
-
-
-def article(word: str, capital: bool = False) -> str:
-    a = "an" if word[0].lower() in "aeiou" else "a"
-    return a.capitalize() if capital else a
 
 
 def goal_encoding(
