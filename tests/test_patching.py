@@ -265,3 +265,16 @@ def test_summary_statistics():
     assert pooled.se[0] == pytest.approx(sd / math.sqrt(4))
     with pytest.raises(TomlensError):
         summarise(values, clean, corrupted, normalize="median")
+
+
+def test_a_gap_indistinguishable_from_zero_is_warned():
+    from tomlens.experiments.metric import UnstableGapWarning, gap_is_unstable
+
+    clean = torch.tensor([1.0, -1.0, 0.5, -0.4])
+    corrupted = torch.zeros(4)
+    values = torch.zeros(1, 4)
+    assert gap_is_unstable(clean - corrupted) and not gap_is_unstable(torch.tensor([1.0, 1.1, 0.9, 1.0]))
+    with pytest.warns(UnstableGapWarning, match="two standard errors"):
+        summarise(values, clean, corrupted, n_boot=50)
+    with pytest.warns(UnstableGapWarning, match="clean == corrupted"):
+        summarise(values, torch.tensor([1.0, 0.0, 1.0, 1.0]), corrupted, normalize="per_pair", n_boot=50)

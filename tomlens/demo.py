@@ -75,7 +75,10 @@ def patch_stage(model: Any, out: Path, n_pairs: int, probe_table: Path | None, s
     """Every head patched from false-belief into matched present-protagonist stories (exact and
     attribution), the top heads tested together against random heads. `figures` receives the
     plotly figures by name."""
+    import warnings
+
     from tomlens.commands.patch import patch_experiment
+    from tomlens.experiments.metric import UnstableGapWarning
     from tomlens.stimuli.pairs import make_pairs, write_pairs
 
     pairs, report = make_pairs("unexpected-transfer", n=max(1, (n_pairs + 1) // 2), seed=seed + 2,
@@ -83,9 +86,11 @@ def patch_stage(model: Any, out: Path, n_pairs: int, probe_table: Path | None, s
     pairs = pairs[:n_pairs]
     print(report.summary())
     write_pairs(pairs, out / "pairs.jsonl")
-    summary = patch_experiment(model, pairs, out / "patching", method="both", sites="heads",
-                               top_k=3, n_random=3, probe_table=probe_table, seed=seed, fmt="csv",
-                               figures=figures)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UnstableGapWarning)  # said once below, in words
+        summary = patch_experiment(model, pairs, out / "patching", method="both", sites="heads",
+                                   top_k=3, n_random=3, probe_table=probe_table, seed=seed, fmt="csv",
+                                   figures=figures)
     b = summary["baselines"]["exact_denoise"]
     print(f"{summary['pairs']['n_aligned']} pairs; logit diff (belief - world answer): "
           f"false-belief {b['clean_logit_diff']:.3f}, protagonist present {b['corrupted_logit_diff']:.3f}")

@@ -240,12 +240,18 @@ def run(args: argparse.Namespace) -> int:
     if not pairs:
         raise TomlensError(f"pairs file {args.pairs!r} holds no pairs", "write pairs with `tomlens pairs`")
     model = load_model(args.model, revision=args.revision, device=args.device, dtype=args.dtype, seed=args.seed)
-    summary = patch_experiment(
-        model, pairs, args.out, method=args.method, sites=args.sites, positions=args.positions,
-        direction=args.direction, top_k=args.top_k, n_random=args.n_random, ablation=args.ablation,
-        probe_table=args.probe_table, seed=args.seed, batch_pairs=args.batch_pairs,
-        memory_mb=args.memory_mb, fmt=args.format, progress=not args.no_progress,
-    )
+    import warnings
+
+    from tomlens.experiments.metric import UnstableGapWarning
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UnstableGapWarning)  # said once below, in words
+        summary = patch_experiment(
+            model, pairs, args.out, method=args.method, sites=args.sites, positions=args.positions,
+            direction=args.direction, top_k=args.top_k, n_random=args.n_random, ablation=args.ablation,
+            probe_table=args.probe_table, seed=args.seed, batch_pairs=args.batch_pairs,
+            memory_mb=args.memory_mb, fmt=args.format, progress=not args.no_progress,
+        )
     b = next(iter(summary["baselines"].values()))
     print(f"{summary['pairs']['n_aligned']} pairs; logit diff clean {b['clean_logit_diff']:.3f}, "
           f"corrupted {b['corrupted_logit_diff']:.3f}")

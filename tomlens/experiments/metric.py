@@ -105,6 +105,10 @@ def normalise(
     raise TomlensError(f"unknown normalisation {normalize!r}", "use 'pooled' or 'per_pair'")
 
 
+class UnstableGapWarning(UserWarning):
+    """The clean - corrupted gap that normalises effects is indistinguishable from 0."""
+
+
 def gap_is_unstable(gap: Float[Tensor, "pair"]) -> bool:
     """Whether the mean clean - corrupted gap is within two standard errors of 0 (or undefined):
     effects normalised by it are then noise over noise."""
@@ -119,10 +123,11 @@ def _warn_if_unstable(gap: Float[Tensor, "pair"], normalize: Normalize) -> None:
 
     if normalize == "per_pair" and bool((gap == 0).any()):
         warnings.warn(f"{int((gap == 0).sum())} pair(s) have clean == corrupted: their per-pair effects are "
-                      "undefined and left out; use normalize='pooled' or drop those pairs", stacklevel=3)
+                      "undefined and left out; use normalize='pooled' or drop those pairs", UnstableGapWarning, stacklevel=3)
     elif normalize == "pooled" and gap_is_unstable(gap):
         warnings.warn(f"the mean clean - corrupted gap ({float(gap.mean()):.3g}) is within two standard errors "
-                      "of 0: normalised effects are unstable; read the raw logit differences", stacklevel=3)
+                      "of 0: normalised effects are unstable; read the raw logit differences", UnstableGapWarning,
+                      stacklevel=3)
 
 
 def summarise(
