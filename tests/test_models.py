@@ -243,3 +243,23 @@ def test_cli_convert_leaves_a_complete_folder(capsys):
     assert "quantization_config" not in config and config["num_key_value_heads"] == 3
     assert json.loads((folder / "tokenizer_config.json").read_text())["add_bos_token"] is True
     assert list(folder.glob("*.safetensors")) and not list(folder.glob("*.bin"))
+
+
+def test_load_tokenizer_matches_the_model_without_loading_weights(tmp_path, monkeypatch):
+    from tomlens.models import load_model, load_tokenizer
+    from tomlens.models.tiny import build_tiny
+
+    text = ["Anna puts the ball in the basket.", "Where will Anna look for the ball?"]
+    model = load_model("tiny-llama")
+    tok = load_tokenizer("tiny-llama")
+    assert tok(text)["input_ids"] == model.tokenizer(text)["input_ids"] and tok.padding_side == "left"
+    folder = tmp_path / "m"
+    build_tiny("tiny-gpt2", 0).save_pretrained(folder)
+    model.tokenizer.save_pretrained(folder)
+    import transformers
+
+    def no_weights(*a, **k):
+        raise AssertionError("load_tokenizer must not load weights")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_weights)
+    assert load_tokenizer(str(folder))(text)["input_ids"] == tok(text)["input_ids"]

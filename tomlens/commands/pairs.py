@@ -66,9 +66,9 @@ def run(args: argparse.Namespace) -> int:
     # Build and check the candidates before loading anything heavy, then align for the model.
     candidates, report = make_pairs(args.family, n, args.seed, tokenizer=None, path=args.path,
                                     **options)
-    from tomlens.models import load_model
+    from tomlens.models import load_tokenizer
 
-    tokenizer = load_model(args.model, revision=args.revision, device="cpu").tokenizer
+    tokenizer = load_tokenizer(args.model, revision=args.revision)  # no weights: alignment only tokenizes
     pairs, token_report = align_pairs(candidates, tokenizer)
     report.merge(token_report)
     print(report.summary())

@@ -1,7 +1,7 @@
 """Model names -> TransformerBridge (embedded SmolLM2, tiny test models, hub ids, local folders),
 provenance of what was loaded, and text -> left-padded token batches."""
 
-from tomlens.models.registry import DEFAULT_MODEL, ModelName, list_models, load_model, provenance
+from tomlens.models.registry import DEFAULT_MODEL, ModelName, list_models, load_model, load_tokenizer, provenance
 from tomlens.models.tokens import EncodedBatch, encode
 
 __all__ = [
@@ -11,5 +11,6 @@ __all__ = [
     "encode",
     "list_models",
     "load_model",
+    "load_tokenizer",
     "provenance",
 ]

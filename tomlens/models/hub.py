@@ -26,6 +26,37 @@ def _offline() -> bool:
     )
 
 
+def load_local_tokenizer(name: str) -> Any:
+    """The tokenizer saved in a model folder."""
+    from transformers import AutoTokenizer
+
+    folder = Path(name).expanduser()
+    if not folder.is_dir():
+        raise TomlensError(
+            f"model directory {str(folder)!r} does not exist",
+            "pass an existing folder with config.json and weights, a Hugging Face id, or a name from `tomlens models`",
+        )
+    try:
+        return AutoTokenizer.from_pretrained(folder)
+    except (OSError, ValueError) as e:
+        raise TomlensError(
+            f"could not read a tokenizer from {str(folder)!r} ({type(e).__name__}: {_first_line(e)})",
+            "save the tokenizer into the same folder (tokenizer.save_pretrained(folder))",
+        ) from e
+
+
+def load_hub_tokenizer(name: str, revision: str | None) -> Any:
+    """A hub model's tokenizer alone (a few files, not the weights), from the local cache if offline."""
+    from transformers import AutoTokenizer
+
+    offline = _offline() or not _hub_reachable()
+    local_only = {"local_files_only": True} if offline else {}
+    try:
+        return AutoTokenizer.from_pretrained(name, revision=revision, trust_remote_code=False, **local_only)
+    except (OSError, ValueError) as e:
+        raise _hub_error(name, revision, offline, e) from e
+
+
 def load_local(name: str, dtype: Any) -> tuple[Any, Any, str]:
     """(hf_model, tokenizer, revision) from a folder written by `save_pretrained`."""
     folder = Path(name).expanduser()
@@ -39,15 +70,9 @@ def load_local(name: str, dtype: Any) -> tuple[Any, Any, str]:
             f"{str(folder)!r} is not a model directory: it has no config.json",
             "point at a folder written by transformers' save_pretrained (config.json, *.safetensors, tokenizer files)",
         )
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(folder)
-    except (OSError, ValueError) as e:
-        raise TomlensError(
-            f"could not read a tokenizer from {str(folder)!r} ({type(e).__name__}: {_first_line(e)})",
-            "save the tokenizer into the same folder (tokenizer.save_pretrained(folder))",
-        ) from e
+    tokenizer = load_local_tokenizer(name)
     try:
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, trust_remote_code=False)
     except (OSError, ValueError) as e:

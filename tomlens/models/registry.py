@@ -112,6 +112,30 @@ def load_model(
     return bridge
 
 
+def load_tokenizer(name: str = DEFAULT_MODEL, *, revision: str | None = None) -> Any:
+    """The tokenizer `load_model(name)` would use, without loading any weights (for work that
+    only tokenizes, such as aligning minimal pairs): left padding, a pad token."""
+    from transformers import AutoTokenizer
+
+    if not isinstance(name, str) or not name.strip():
+        raise TomlensError("no model name given", f"use one of {', '.join(BUILTIN)}, a Hugging Face id or a folder")
+    name = name.strip()
+    if name in tiny.TINY or name == embedded.EMBEDDED_NAME:
+        if revision is not None:
+            raise TomlensError(f"{name!r} has no revisions", "drop --revision")
+        tokenizer = embedded.load_tokenizer(embedded.tokenizer_dir())
+        tokenizer.add_bos_token = True  # as load_model sets it
+    elif hub.looks_like_local_dir(name):
+        tokenizer = hub.load_local_tokenizer(name)
+    else:
+        _reject_near_miss(name)
+        tokenizer = hub.load_hub_tokenizer(name, revision)
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
 def _cast(hf_model: Any, dtype: torch.dtype) -> None:
     """Cast float parameters, keeping float32 buffers such as rotary frequencies exact."""
     if dtype == torch.float32:
