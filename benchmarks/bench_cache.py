@@ -1,7 +1,8 @@
 """Caching benchmark: tomlens `cache_activations` against the two limits named in the design.
 
 Task: `resid_post` at every layer, at two positions (final token, protagonist mention), for 256
-generated unexpected-transfer belief prompts on the embedded SmolLM2-135M.
+generated unexpected-transfer belief prompts on the embedded SmolLM2-135M (`--model` picks another:
+e.g. `random-llama-1b` / `random-llama-8b`, random weights in Llama 3 shapes, on a GPU).
 
   time   : tomlens (tokenize, forward with hooks, write a shard) vs a plain transformers forward
            over the same length-sorted batches (same dtype and batch size, tokenization included,
@@ -128,6 +129,7 @@ class Setup:
 
         if args.threads:
             torch.set_num_threads(args.threads)
+        self.model_name = args.model
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
         self.dtype = torch.bfloat16 if self.device == "cuda" else torch.float32
         self.stimuli = belief_prompts(args.prompts)
@@ -141,14 +143,18 @@ class Setup:
 
         from transformers import AutoModelForCausalLM
 
-        from tomlens.models import encode
-        from tomlens.models.embedded import embedded_dir, load_tokenizer
+        from tomlens.models import encode, load_tokenizer
+        from tomlens.models.embedded import EMBEDDED_NAME, embedded_dir
+        from tomlens.models.tiny import TINY, build_tiny
 
-        folder = embedded_dir()
-        hf = AutoModelForCausalLM.from_pretrained(folder, dtype=self.dtype, attn_implementation=impl)
-        hf = hf.to(self.device).eval()
-        tok = load_tokenizer(folder)
-        tok.add_bos_token, tok.padding_side = True, "left"
+        name = self.model_name
+        if name in TINY:  # the same weights tomlens gets from load_model(name, seed=0)
+            hf = build_tiny(name, 0, device=self.device, dtype=self.dtype, attn_implementation=impl or "sdpa")
+        else:
+            folder = embedded_dir() if name == EMBEDDED_NAME else name
+            hf = AutoModelForCausalLM.from_pretrained(folder, dtype=self.dtype, attn_implementation=impl)
+        hf = hf.to(self.device, self.dtype).eval()
+        tok = load_tokenizer(name)
         shim = SimpleNamespace(tokenizer=tok, parameters=hf.parameters, cfg=SimpleNamespace(n_ctx=None))
         self.batches, self.tokens = sorted_batches(shim, self.stimuli, self.batch_size)
         stimuli = self.stimuli
@@ -177,7 +183,7 @@ class Setup:
         if not hasattr(self, "model"):
             from tomlens.models import load_model
 
-            self.model = load_model("smollm2-135m", device=self.device, dtype=self.dtype)
+            self.model = load_model(self.model_name, device=self.device, dtype=self.dtype)
             self.batches, self.tokens = sorted_batches(self.model, self.stimuli, self.batch_size)
         return self.model
 
@@ -270,7 +276,7 @@ def run_memory(args: argparse.Namespace, variant: str) -> dict[str, Any]:
 
 
 def _child(args: argparse.Namespace, role: str) -> dict[str, Any]:
-    cmd = [sys.executable, __file__, "--child", role, "--prompts", str(args.prompts),
+    cmd = [sys.executable, __file__, "--child", role, "--model", args.model, "--prompts", str(args.prompts),
            "--batch-size", str(args.batch_size), "--repeats", str(args.repeats), "--threads", str(args.threads)]
     t0 = time.perf_counter()
     env = {**os.environ, "TQDM_DISABLE": "1"}
@@ -289,6 +295,7 @@ def _child(args: argparse.Namespace, role: str) -> dict[str, Any]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m", help="model name (see `tomlens models`)")
     p.add_argument("--prompts", type=int, default=256)
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--repeats", type=int, default=1,
@@ -306,9 +313,10 @@ def main() -> int:
         print("RESULT " + json.dumps(result), flush=True)
         return 0
 
-    from tomlens.models.embedded import embedded_dir
+    from tomlens.models.embedded import EMBEDDED_NAME, embedded_dir
 
-    embedded_dir()  # convert the embedded model once, before anything is timed
+    if args.model == EMBEDDED_NAME:
+        embedded_dir()  # convert the embedded model once, before anything is timed
     print(f"caching resid_post x every layer at final + protagonist, {args.prompts} belief prompts, "
           f"batch {args.batch_size}", flush=True)
     timing = _child(args, "timing")
@@ -316,7 +324,7 @@ def main() -> int:
 
     tl, fastest_hf = timing["tomlens"], min((timing["hf_default"], timing["hf_eager"]), key=lambda r: r["seconds"])
     summary: dict[str, Any] = {
-        "task": {"model": "smollm2-135m", "sites": "resid_post, every layer", "positions": ["final", "protagonist"],
+        "task": {"model": args.model, "sites": "resid_post, every layer", "positions": ["final", "protagonist"],
                  "prompts": args.prompts, "batch_size": args.batch_size, "device": tl["device"], "dtype": tl["dtype"]},
         "timing": timing,
         "memory": memory,

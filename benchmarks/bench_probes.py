@@ -53,18 +53,19 @@ INNER = 4
 OUTER = 5
 
 
-def real_activations(store: Path):
-    """resid_post [n, 30, 576] and head_out [n, 30, 9, 576] of the embedded model, cached once."""
+def real_activations(store: Path, name: str = "smollm2-135m"):
+    """resid_post [n, layers, d] and head_out [n, layers, heads, d] of a model (default the embedded
+    one, fp32 on CPU; the model's default dtype on a GPU), cached once."""
     from tomlens.activations import cache_activations
     from tomlens.models import load_model
 
     stimuli = generate("unexpected-transfer", n=N_TASKS, seed=0)
     t0 = time.perf_counter()
-    model = load_model("smollm2-135m", dtype="float32")
+    model = load_model(name, dtype=None if torch.cuda.is_available() else "float32")
     acts = cache_activations(model, stimuli, "resid_post head_out", ["final"], store=str(store), progress=False)
     secs = time.perf_counter() - t0
     return stimuli, acts.get("resid_post", "final").float(), acts.get("head_out", "final").float(), \
-        f"smollm2-135m activations ({'reused cache' if acts.reused else f'cached in {secs:.0f} s'})"
+        f"{name} activations ({'reused cache' if acts.reused else f'cached in {secs:.0f} s'})"
 
 
 def synthetic_activations():
@@ -111,6 +112,7 @@ def sklearn_unit(Xu: np.ndarray, ytr: np.ndarray, yte: np.ndarray, tr: np.ndarra
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2-135m", help="model whose activations are probed")
     ap.add_argument("--synthetic", action="store_true", help="skip the model; synthetic activations")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="scikit-learn worker processes")
     ap.add_argument("--max-units", type=int, default=None, help="debug: probe only the first N units of each kind")
@@ -126,7 +128,7 @@ def main() -> int:
         stimuli, resid, heads, source = synthetic_activations()
     else:
         try:
-            stimuli, resid, heads, source = real_activations(Path(args.store))
+            stimuli, resid, heads, source = real_activations(Path(args.store), args.model)
         except Exception as e:  # noqa: BLE001 - any failure to get the model falls back, and says why
             source_error = f"{type(e).__name__}: {e}"
             stimuli, resid, heads, source = synthetic_activations()

@@ -263,3 +263,19 @@ def test_load_tokenizer_matches_the_model_without_loading_weights(tmp_path, monk
 
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_weights)
     assert load_tokenizer(str(folder))(text)["input_ids"] == tok(text)["input_ids"]
+
+
+@pytest.mark.parametrize("name,params,layers,heads,kv", [
+    ("random-llama-1b", 1.236e9, 16, 32, 8),
+    ("random-llama-8b", 8.03e9, 32, 32, 8),
+])
+def test_full_size_random_shapes_match_the_real_models(name, params, layers, heads, kv):
+    """Built on the meta device: the shapes and parameter count of the real Llama 3 models."""
+    from tomlens.models.tiny import build_tiny
+
+    model = build_tiny(name, 0, device="meta", dtype=torch.bfloat16)
+    n = sum(p.numel() for p in model.parameters())
+    assert abs(n - params) / params < 0.01
+    cfg = model.config
+    assert (cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads) == (layers, heads, kv)
+    assert next(model.parameters()).dtype == torch.bfloat16

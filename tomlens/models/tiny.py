@@ -1,9 +1,14 @@
-"""Tiny random-weight models built from configs: the offline test bed for every tomlens stage.
+"""Random-weight models built from configs: the tiny offline test bed for every tomlens stage,
+and full-size Llama shapes for speed and memory benchmarks on a GPU.
 
 Three architectures cover the three ways positions and heads work: GPT-2 (learned absolute
 positions), Llama with grouped-query attention (rotary, fewer KV heads than query heads) and
 GPT-NeoX (partial rotary, parallel attention + MLP). Weights are random but fixed by the seed;
 the tokenizer is the real SmolLM2 tokenizer, so stimuli tokenize exactly as on the embedded model.
+
+`random-llama-1b` and `random-llama-8b` have the shapes of Llama-3.2-1B and Llama-3.1-8B
+(layers, widths, heads, KV heads, MLP, the 128,256-row vocabulary) with random weights: what a
+benchmark needs to measure throughput and memory offline, nothing it could learn from.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ class TinySpec:
     family: str
     description: str
     build_config: Callable[[], Any]
+    full_size: bool = False  # built on the target device in the target dtype (too big for fp32 on CPU)
 
 
 def _gpt2_config() -> Any:
@@ -76,6 +82,21 @@ def _neox_config() -> Any:
     )
 
 
+def _llama_shape(layers: int, width: int, heads: int, kv_heads: int, mlp: int, tied: bool) -> Callable[[], Any]:
+    def build() -> Any:
+        from transformers import LlamaConfig
+
+        return LlamaConfig(
+            vocab_size=LLAMA3_VOCAB, num_hidden_layers=layers, hidden_size=width, num_attention_heads=heads,
+            num_key_value_heads=kv_heads, intermediate_size=mlp, max_position_embeddings=8192,
+            rope_theta=500000.0, tie_word_embeddings=tied, bos_token_id=1, eos_token_id=2, pad_token_id=2,
+            architectures=["LlamaForCausalLM"],
+        )
+    return build
+
+
+LLAMA3_VOCAB = 128256  # Llama 3's vocabulary: the unembedding costs what it costs in the real model
+
 TINY: dict[str, TinySpec] = {
     "tiny-gpt2": TinySpec(
         "tiny-gpt2", "gpt2", "random GPT-2, 2 layers, d_model 64, 4 heads (learned positions)", _gpt2_config
@@ -89,22 +110,39 @@ TINY: dict[str, TinySpec] = {
     "tiny-neox": TinySpec(
         "tiny-neox", "gpt_neox", "random GPT-NeoX, 2 layers, d_model 64, 4 heads (partial rotary)", _neox_config
     ),
+    "random-llama-1b": TinySpec(
+        "random-llama-1b", "llama",
+        "random weights, Llama-3.2-1B shape: 16 layers, d_model 2048, 32 / 8 KV heads (benchmarks)",
+        _llama_shape(16, 2048, 32, 8, 8192, tied=True), full_size=True,
+    ),
+    "random-llama-8b": TinySpec(
+        "random-llama-8b", "llama",
+        "random weights, Llama-3.1-8B shape: 32 layers, d_model 4096, 32 / 8 KV heads (benchmarks)",
+        _llama_shape(32, 4096, 32, 8, 14336, tied=False), full_size=True,
+    ),
 }
 
 
-def build_tiny(name: str, seed: int) -> Any:
-    """The HF model for a tiny name, with weights drawn from a generator seeded by `seed`.
+def build_tiny(name: str, seed: int, device: Any = "cpu", dtype: Any = None,
+               attn_implementation: str | None = None) -> Any:
+    """The HF model for a random-weight name, with weights drawn from generators seeded by `seed`.
 
-    A private generator (not the global RNG) is used so building a model never disturbs, and is
-    never disturbed by, whatever else the caller seeded.
+    Tiny models are built on the CPU in fp32 (the same weights on every machine; the caller casts
+    and moves them). Full-size shapes are built directly on `device` in `dtype` (an 8B model in
+    fp32 on a CPU would take 32 GB and minutes). The global RNG state is restored afterwards, so
+    building a model never disturbs, and is never disturbed by, whatever else the caller seeded.
     """
     import torch
     from transformers import AutoModelForCausalLM
 
-    config = TINY[name].build_config()
-    config._attn_implementation = "eager"
-    with torch.random.fork_rng(devices=[]):  # forks the CPU generator only
+    spec = TINY[name]
+    config = spec.build_config()
+    config._attn_implementation = attn_implementation or ("sdpa" if spec.full_size else "eager")
+    where = torch.device(device) if spec.full_size else torch.device("cpu")
+    dt = (dtype or torch.float32) if spec.full_size else torch.float32
+    cuda = [where.index or 0] if where.type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda), where:
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(config, dtype=dt)
     model.eval()
     return model
