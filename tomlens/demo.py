@@ -75,10 +75,7 @@ def patch_stage(model: Any, out: Path, n_pairs: int, probe_table: Path | None, s
     """Every head patched from false-belief into matched present-protagonist stories (exact and
     attribution), the top heads tested together against random heads. `figures` receives the
     plotly figures by name."""
-    import warnings
-
     from tomlens.commands.patch import patch_experiment
-    from tomlens.experiments.metric import UnstableGapWarning
     from tomlens.stimuli.pairs import make_pairs, write_pairs
 
     pairs, report = make_pairs("unexpected-transfer", n=max(1, (n_pairs + 1) // 2), seed=seed + 2,
@@ -86,17 +83,12 @@ def patch_stage(model: Any, out: Path, n_pairs: int, probe_table: Path | None, s
     pairs = pairs[:n_pairs]
     print(report.summary())
     write_pairs(pairs, out / "pairs.jsonl")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UnstableGapWarning)  # said once below, in words
-        summary = patch_experiment(model, pairs, out / "patching", method="both", sites="heads",
-                                   top_k=3, n_random=3, probe_table=probe_table, seed=seed, fmt="csv",
-                                   figures=figures)
+    summary = patch_experiment(model, pairs, out / "patching", method="both", sites="heads",
+                               top_k=3, n_random=3, probe_table=probe_table, seed=seed, fmt="csv",
+                               figures=figures)
     b = summary["baselines"]["exact_denoise"]
     print(f"{summary['pairs']['n_aligned']} pairs; logit diff (belief - world answer): "
           f"false-belief {b['clean_logit_diff']:.3f}, protagonist present {b['corrupted_logit_diff']:.3f}")
-    if b["gap_unstable"]:
-        print(f"note: the gap between the two ({b['gap']:.3f} +/- {b['gap_se']:.3f}) is within two standard errors "
-              "of 0, so normalised effects are unstable here; more pairs (--pairs) or a larger model help")
     print(f"top heads by exact patching effect: {', '.join(summary['top_heads'][:5])}")
     for c in summary["comparisons"]:
         if c["kind"] == "head" and c["position"] == "all":
@@ -110,6 +102,7 @@ def write_demo_report(out: Path, behaviour: Any, probes: Any, patching: dict[str
     import pandas as pd
 
     from tomlens.experiments.io import read_table
+    from tomlens.experiments.metric import gap_note
     from tomlens.figures.layers import head_heatmap, layer_figure
     from tomlens.figures.patching import recovery_curve
     from tomlens.figures.report import Section, write_report
@@ -133,14 +126,12 @@ def write_demo_report(out: Path, behaviour: Any, probes: Any, patching: dict[str
     heads = read_table(patch_dir / "heads.csv")
     topk = read_table(patch_dir / "topk.csv")
     figs = patch_figures or {}
-    b = patching["baselines"]["exact_denoise"]
-    gap_note = (f" The clean - corrupted gap here ({b['gap']:.3f} +/- {b['gap_se']:.3f}) is within two standard "
-                "errors of 0, so the normalised effects are unstable." if b["gap_unstable"] else "")
+    note = gap_note(patching["baselines"]["exact_denoise"])
     sections.append(Section(
         "Patching: heads that carry belief",
         "Exact and attribution patching of every head from the false-belief story into its matched "
         "true-belief story (effect 0 = true-belief run, 1 = false-belief run), then the top-k heads "
-        "patched together against random heads." + gap_note,
+        "patched together against random heads." + (f" Note: {note}." if note else ""),
         tables=[heads.head(15), topk],
         figures=[f for f in (figs.get("heads_exact_denoise"), figs.get("attribution_vs_exact_denoise"))
                  if f is not None] + [recovery_curve(topk)]))

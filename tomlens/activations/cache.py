@@ -10,6 +10,7 @@ memory, the batch halves and the run goes on.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -192,8 +193,6 @@ def weights_fingerprint(model: Any, per_tensor: int = 256) -> str:
             samples.append(flat[idx].float())
             names.append(f"{name}:{tuple(p.shape)}")
     values = torch.cat(samples).cpu().numpy().tobytes() if samples else b""
-    import hashlib
-
     return hashlib.sha256("|".join(names).encode() + values).hexdigest()[:24]
 
 

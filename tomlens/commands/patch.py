@@ -9,6 +9,7 @@ and HTML figures under `figures/`. `patch_experiment` is the same run as a Pytho
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import time
@@ -71,6 +72,19 @@ def pairs_hash(pairs: Sequence[Any]) -> str:
     return h.hexdigest()[:16]
 
 
+def _gap_said_once(fn):  # noqa: ANN001, ANN202 - a decorator
+    """Silence the per-summary unstable-gap warnings; the experiment says it once at the end. (The
+    import is deferred: the CLI starts without torch.)"""
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        from tomlens.experiments.metric import gap_warnings_silenced
+
+        with gap_warnings_silenced():
+            return fn(*args, **kwargs)
+    return run
+
+
+@_gap_said_once
 def patch_experiment(
     model,
     pairs: Sequence[Any],
@@ -92,6 +106,7 @@ def patch_experiment(
     figures: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Run the whole patching experiment and write its tables, figures and summary under `out`.
+    An unstable clean - corrupted gap is said once (printed, and in the summary's baselines).
 
     `figures`: a dict that also receives every plotly figure written, by file stem (for a report).
     """
@@ -100,7 +115,7 @@ def patch_experiment(
     from tomlens.experiments.attribution import attribution_patching, compare
     from tomlens.experiments.heads import head_table, mean_ablation, rank_heads, topk_recovery
     from tomlens.experiments.io import read_table, write_json, write_table
-    from tomlens.experiments.metric import METRIC_NAME
+    from tomlens.experiments.metric import METRIC_NAME, gap_note
     from tomlens.experiments.patching import canonical_kind, exact_patching, prepare_pairs
     from tomlens.figures.patching import (
         attribution_scatter, head_heatmap, recovery_curve, resid_heatmap, write_figure,
@@ -229,6 +244,10 @@ def patch_experiment(
     summary["seconds"] = round(time.time() - started, 2)
     summary["files"] = [str(Path(f).relative_to(out)) for f in files]
     write_json(summary, out / "summary.json")
+    note = gap_note(summary["baselines"][f"{ranking_source.method}_{main_dir}"] if ranking_source is not None
+                    else next(iter(summary["baselines"].values())))
+    if note:
+        print(f"note: {note}")
     return summary
 
 
@@ -240,24 +259,15 @@ def run(args: argparse.Namespace) -> int:
     if not pairs:
         raise TomlensError(f"pairs file {args.pairs!r} holds no pairs", "write pairs with `tomlens pairs`")
     model = load_model(args.model, revision=args.revision, device=args.device, dtype=args.dtype, seed=args.seed)
-    import warnings
-
-    from tomlens.experiments.metric import UnstableGapWarning
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UnstableGapWarning)  # said once below, in words
-        summary = patch_experiment(
-            model, pairs, args.out, method=args.method, sites=args.sites, positions=args.positions,
-            direction=args.direction, top_k=args.top_k, n_random=args.n_random, ablation=args.ablation,
-            probe_table=args.probe_table, seed=args.seed, batch_pairs=args.batch_pairs,
-            memory_mb=args.memory_mb, fmt=args.format, progress=not args.no_progress,
-        )
+    summary = patch_experiment(
+        model, pairs, args.out, method=args.method, sites=args.sites, positions=args.positions,
+        direction=args.direction, top_k=args.top_k, n_random=args.n_random, ablation=args.ablation,
+        probe_table=args.probe_table, seed=args.seed, batch_pairs=args.batch_pairs,
+        memory_mb=args.memory_mb, fmt=args.format, progress=not args.no_progress,
+    )
     b = next(iter(summary["baselines"].values()))
     print(f"{summary['pairs']['n_aligned']} pairs; logit diff clean {b['clean_logit_diff']:.3f}, "
           f"corrupted {b['corrupted_logit_diff']:.3f}")
-    if b["gap_unstable"]:
-        print(f"note: the clean - corrupted gap ({b['gap']:.3f} +/- {b['gap_se']:.3f}) is close to 0, so effects "
-              "normalised by it are unstable; read the raw logit_diff columns")
     if "top_heads" in summary:
         print(f"top heads ({summary['ranked_by']}): {', '.join(summary['top_heads'][:10])}")
     for c in summary["comparisons"]:

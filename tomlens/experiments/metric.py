@@ -13,6 +13,8 @@ ratio is not. `normalize="per_pair"` divides by each pair's own gap instead.
 
 from __future__ import annotations
 
+import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Literal, Sequence
 
@@ -118,9 +120,24 @@ def gap_is_unstable(gap: Float[Tensor, "pair"]) -> bool:
     return not bool(gap.mean().abs() > 2 * gap.std() / n**0.5)
 
 
-def _warn_if_unstable(gap: Float[Tensor, "pair"], normalize: Normalize) -> None:
-    import warnings
+def gap_note(baselines: dict[str, float]) -> str | None:
+    """One sentence for a reader when `PatchingResult.baselines()` says the gap is unstable."""
+    if not baselines.get("gap_unstable"):
+        return None
+    return (f"the clean - corrupted gap ({baselines['gap']:.3f} +/- {baselines['gap_se']:.3f}) is within two "
+            "standard errors of 0, so effects normalised by it are unstable; read the raw logit differences, "
+            "or use more pairs or a model that separates the stories")
 
+
+@contextmanager
+def gap_warnings_silenced():  # noqa: ANN201 - a context manager, also usable as a decorator
+    """For a caller that reports the gap once itself (`gap_note`) instead of once per summary."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UnstableGapWarning)
+        yield
+
+
+def _warn_if_unstable(gap: Float[Tensor, "pair"], normalize: Normalize) -> None:
     if normalize == "per_pair" and bool((gap == 0).any()):
         warnings.warn(f"{int((gap == 0).sum())} pair(s) have clean == corrupted: their per-pair effects are "
                       "undefined and left out; use normalize='pooled' or drop those pairs", UnstableGapWarning, stacklevel=3)

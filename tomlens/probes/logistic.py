@@ -15,6 +15,7 @@ costs little more than the probe itself.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -116,8 +117,6 @@ def _fit_reduced(Z: Tensor, T: Tensor, inv_c: Tensor, beta0: Tensor | None,
         iters = max(iters, int(res.n_iter.max()))
         stuck = int((~res.converged).sum())
         if stuck:
-            import warnings
-
             warnings.warn(f"{stuck} of {res.converged.numel()} logistic fits stopped at max_iter={max_iter} "
                           f"before reaching tol={tol}; their scores may be slightly off (raise max_iter)",
                           stacklevel=2)
