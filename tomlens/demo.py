@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tomlens.commands.options import add_prepend_bos
 from tomlens.errors import TomlensError
 
 
@@ -158,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--probe-tasks", type=int, default=12, help="transfer tasks for the probes (16 prompts each)")
     parser.add_argument("--pairs", type=int, default=4, help="minimal pairs for patching")
     parser.add_argument("--seed", type=int, default=0)
+    add_prepend_bos(parser)
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -166,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         from tomlens.models import load_model, provenance
 
         _section(f"loading {args.model}")
-        model = load_model(args.model)
+        model = load_model(args.model, prepend_bos=args.prepend_bos)
         _section("1/4 behaviour: both options scored by log-probability")
         behaviour = behaviour_stage(model, out, args.n, args.seed)
         _section("2/4 probes: where is the protagonist's belief readable?")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from tomlens.commands.options import add_prepend_bos
 from tomlens.errors import TomlensError
 
 
@@ -16,6 +17,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--device", default=None)
     p.add_argument("--seed", type=int, default=0)
+    add_prepend_bos(p)
     p.set_defaults(func=run)
 
 
@@ -27,7 +29,7 @@ def run(args: argparse.Namespace) -> int:
     stimuli = read_jsonl(args.stimuli)
     if not stimuli:
         raise TomlensError(f"{args.stimuli} has no stimuli", "write stimuli into it first, e.g. `tomlens stimuli ...`")
-    model = load_model(args.model, revision=args.revision, device=args.device)
+    model = load_model(args.model, revision=args.revision, device=args.device, prepend_bos=args.prepend_bos)
     result = run_behaviour(model, stimuli, batch_size=args.batch_size, seed=args.seed)
     out = write_behaviour(result, args.out)
     print(format_accuracy(result.accuracy))

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from tomlens.commands.options import add_prepend_bos
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -26,10 +28,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--store", default=None,
                    help="store root (default: $TOMLENS_HOME/activations or the user cache dir)")
     p.add_argument("--batch-size", type=int, default=None, help="prompts per forward (halves on OOM)")
+    p.add_argument("--flush-seconds", type=float, default=None,
+                   help="write a shard once this much work is pending (default 120): a killed run "
+                   "loses at most about this much; the numbers do not depend on it")
     p.add_argument("--dtype", default=None, help="model and storage dtype (default: bf16 on GPU, fp32 on CPU)")
     p.add_argument("--device", default=None)
     p.add_argument("--seed", type=int, default=0, help="seed for random-weight test models")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_prepend_bos(p)
     p.set_defaults(func=run)
 
 
@@ -39,8 +45,10 @@ def run(args: argparse.Namespace) -> int:
     from tomlens.stimuli import read_jsonl
 
     stimuli = read_jsonl(args.stimuli)
-    model = load_model(args.model, revision=args.revision, device=args.device, dtype=args.dtype, seed=args.seed)
+    model = load_model(args.model, revision=args.revision, device=args.device, dtype=args.dtype, seed=args.seed,
+                       prepend_bos=args.prepend_bos)
     result = cache_activations(model, stimuli, args.sites, args.positions, store=args.store,
-                               batch_size=args.batch_size, progress=not args.no_progress)
+                               batch_size=args.batch_size, flush_seconds=args.flush_seconds,
+                               progress=not args.no_progress)
     print(result.describe())
     return 0

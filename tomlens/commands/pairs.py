@@ -10,6 +10,7 @@ import argparse
 import json
 from pathlib import Path
 
+from tomlens.commands.options import add_prepend_bos
 from tomlens.errors import TomlensError
 
 
@@ -37,6 +38,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--set", dest="options", action="append", default=[], metavar="KEY=VALUE",
                    help="generator option, VALUE as JSON when it parses (e.g. --set 'ks=[0,6]')")
     p.add_argument("--out", required=True, help="output pairs file (JSONL)")
+    add_prepend_bos(p)
     p.set_defaults(func=run)
 
 
@@ -67,8 +69,10 @@ def run(args: argparse.Namespace) -> int:
     candidates, report = make_pairs(args.family, n, args.seed, tokenizer=None, path=args.path,
                                     **options)
     from tomlens.models import load_tokenizer
+    from tomlens.models.tokens import bos_record
 
-    tokenizer = load_tokenizer(args.model, revision=args.revision)  # no weights: alignment only tokenizes
+    # No weights: alignment only tokenizes. Align with the BOS rule `tomlens patch` will use.
+    tokenizer = load_tokenizer(args.model, revision=args.revision, prepend_bos=args.prepend_bos)
     pairs, token_report = align_pairs(candidates, tokenizer)
     report.merge(token_report)
     print(report.summary())
@@ -80,6 +84,7 @@ def run(args: argparse.Namespace) -> int:
     out = write_pairs(pairs, args.out)
     record = {
         **report.to_dict(), "model": args.model, "seed": args.seed, "n": n,
+        "bos": bos_record(tokenizer, "tokenizer" if args.prepend_bos is None else "user"),
         "options": {k: list(v) if isinstance(v, tuple) else v for k, v in options.items()},
         "stimuli_hash": stimuli_hash([s for p in pairs for s in (p.clean, p.corrupted)]),
         "pairs_file": str(out),

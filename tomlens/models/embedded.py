@@ -11,6 +11,7 @@ import copy
 import hashlib
 import importlib.util
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -83,24 +84,34 @@ def _gguf_needed(e: ImportError) -> TomlensError:
     )
 
 
-def _save_tokenizer(tokenizer: Any, folder: Path) -> None:
-    """Save with `add_bos_token` written out, so TransformerLens never reaches for the hub."""
-    tokenizer.save_pretrained(folder)
-    config_path = folder / "tokenizer_config.json"
-    config = json.loads(config_path.read_text())
-    config["add_bos_token"] = True
-    config_path.write_text(json.dumps(config, indent=2))
+def _drop_forced_bos(folder: Path) -> None:
+    """Remove the `add_bos_token: true` that earlier tomlens versions wrote into a converted folder.
+
+    The GGUF's tokenizer adds no BOS; the key claimed otherwise (transformers 5 ignores it next to
+    tokenizer.json, other readers may not). Rewritten by rename, so a concurrent reader sees the old
+    or the new file, never half of one.
+    """
+    path = folder / "tokenizer_config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return
+    if "add_bos_token" not in config:
+        return
+    del config["add_bos_token"]
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(config, indent=2))
+    os.replace(tmp, path)
 
 
 def tokenizer_dir() -> Path:
     """A folder holding the SmolLM2 tokenizer alone (used by the tiny test models); built once."""
     source = gguf_path()
     folder = cache_dir() / "tokenizers" / EMBEDDED_NAME
-    if _is_current(folder, source):
-        return folder
-    model_folder = models_dir() / EMBEDDED_NAME
-    if _is_current(model_folder, source):
-        return model_folder
+    for found in (folder, models_dir() / EMBEDDED_NAME):
+        if _is_current(found, source):
+            _drop_forced_bos(found)
+            return found
     from transformers import AutoTokenizer
 
     with atomic_dir(folder) as tmp:
@@ -108,7 +119,7 @@ def tokenizer_dir() -> Path:
             tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
         except ImportError as e:
             raise _gguf_needed(e) from e
-        _save_tokenizer(tokenizer, tmp)
+        tokenizer.save_pretrained(tmp)
         _write_marker(tmp, source, "tokenizer")
     return folder
 
@@ -129,6 +140,7 @@ def embedded_dir(*, progress: bool = True) -> Path:
     source = gguf_path()
     folder = models_dir() / EMBEDDED_NAME
     if _is_current(folder, source):
+        _drop_forced_bos(folder)
         return folder
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -160,7 +172,7 @@ def embedded_dir(*, progress: bool = True) -> Path:
         config = json.loads(config_path.read_text())
         config.pop("quantization_config", None)
         config_path.write_text(json.dumps(config, indent=2))
-        _save_tokenizer(tokenizer, tmp)
+        tokenizer.save_pretrained(tmp)
         _write_marker(tmp, source, "model+tokenizer")
     return folder
 

@@ -5,6 +5,10 @@ tokenizer handed to `TransformerBridge.boot_transformers(hf_model=..., tokenizer
 bridge never reaches for the hub on its own. The bridge's tokenizer pads on the left (the last
 real token of every row then sits at the same column), and tomlens always passes the attention
 mask and mask-derived positions (see `tomlens.models.tokens`).
+
+Tokenization follows the model's own tokenizer (BOS where it adds one, not otherwise), so scores
+equal a plain transformers run; `prepend_bos=True` asks for TransformerLens's prepend-BOS
+convention, `False` for none. The choice is in `provenance(model)["bos"]`.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import torch
 from tomlens.errors import TomlensError
 from tomlens.models import embedded, hub, tiny
 from tomlens.models.devices import dtype_name, resolve_device, resolve_dtype
+from tomlens.models.tokens import bos_record, prepends_bos, set_bos_rule
 
 
 @dataclass(frozen=True)
@@ -57,12 +62,15 @@ def load_model(
     *,
     revision: str | None = None,
     seed: int = 0,
+    prepend_bos: bool | None = None,
 ) -> Any:
     """Load a model by name and return a `TransformerBridge` in eval mode with left padding.
 
     `name`: "smollm2-135m" (default, embedded), "tiny-gpt2" / "tiny-llama" / "tiny-neox" (random
     weights fixed by `seed`), a Hugging Face id (with optional `revision`) or a local directory.
     `device` defaults to CUDA when present, else CPU; `dtype` to bf16 on CUDA, else fp32.
+    `prepend_bos`: None follows the tokenizer's own rule (as plain transformers does); True or
+    False overrides it for every tokenization of this model.
     Each call returns a fresh bridge (no hooks, default settings); what is slow to get (the
     converted embedded folder, tokenizers) is cached on disk and in the process.
     """
@@ -78,7 +86,6 @@ def load_model(
         hf_model = tiny.build_tiny(name, seed, device=dev, dtype=dt)
         _cast(hf_model, dt)
         tokenizer = embedded.load_tokenizer(embedded.tokenizer_dir())
-        tokenizer.add_bos_token = True  # written out, so TransformerLens does not reload it
         info = {"source": "tiny", "revision": f"random-init:seed={seed}", "seed": seed,
                 "tokenizer": embedded.EMBEDDED_NAME}
     elif name == embedded.EMBEDDED_NAME:
@@ -89,7 +96,6 @@ def load_model(
 
         hf_model = AutoModelForCausalLM.from_pretrained(folder, dtype=dt)
         tokenizer = embedded.load_tokenizer(folder)
-        tokenizer.add_bos_token = True
         info = {"source": "embedded", "revision": embedded.embedded_revision(folder), "seed": None,
                 "path": str(folder), "tokenizer": embedded.EMBEDDED_NAME}
     elif hub.looks_like_local_dir(name):
@@ -105,16 +111,18 @@ def load_model(
             raise TomlensError(e.problem, f"{e.fix}; built-in names: {', '.join(BUILTIN)}") from e
         info = {"source": "hub", "revision": rev, "seed": None}
 
+    bos = set_bos_rule(tokenizer, prepend_bos)
     hf_model.to(dev)
     hf_model.eval()
     bridge = _boot(name, hf_model, tokenizer, dev, dt)
-    _LOADED[bridge] = {"name": name, **info}
+    _LOADED[bridge] = {"name": name, **info, "bos_source": bos["source"]}
     return bridge
 
 
-def load_tokenizer(name: str = DEFAULT_MODEL, *, revision: str | None = None) -> Any:
-    """The tokenizer `load_model(name)` would use, without loading any weights (for work that
-    only tokenizes, such as aligning minimal pairs): left padding, a pad token."""
+def load_tokenizer(name: str = DEFAULT_MODEL, *, revision: str | None = None,
+                   prepend_bos: bool | None = None) -> Any:
+    """The tokenizer `load_model(name, prepend_bos=...)` would use, without loading any weights
+    (for work that only tokenizes, such as aligning minimal pairs): left padding, a pad token."""
     from transformers import AutoTokenizer
 
     if not isinstance(name, str) or not name.strip():
@@ -124,12 +132,12 @@ def load_tokenizer(name: str = DEFAULT_MODEL, *, revision: str | None = None) ->
         if revision is not None:
             raise TomlensError(f"{name!r} has no revisions", "drop --revision")
         tokenizer = embedded.load_tokenizer(embedded.tokenizer_dir())
-        tokenizer.add_bos_token = True  # as load_model sets it
     elif hub.looks_like_local_dir(name):
         tokenizer = hub.load_local_tokenizer(name)
     else:
         _reject_near_miss(name)
         tokenizer = hub.load_hub_tokenizer(name, revision)
+    set_bos_rule(tokenizer, prepend_bos)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -158,8 +166,18 @@ def _reject_near_miss(name: str) -> None:
 
 
 def _boot(name: str, hf_model: Any, tokenizer: Any, device: torch.device, dtype: torch.dtype) -> Any:
+    """Wrap the model in a bridge that keeps `tokenizer` and its BOS rule as they are.
+
+    TransformerLens 4.3 (`get_tokenizer_with_bos`) swaps a tokenizer whose `add_bos_token` is not
+    set for one re-loaded from `name_or_path` with BOS forced on (a hub download for a tokenizer
+    built locally). Marking `init_kwargs["add_bos_token"]` for the boot makes it keep ours; the
+    bridge's config then records the rule the tokenizer really follows, so string inputs to the
+    bridge (`to_tokens`, `model("text")`) tokenize as `tokenizer(text)` does.
+    """
     from transformer_lens.model_bridge import TransformerBridge
 
+    had, saved = "add_bos_token" in tokenizer.init_kwargs, tokenizer.init_kwargs.get("add_bos_token")
+    tokenizer.init_kwargs["add_bos_token"] = True
     try:
         bridge = TransformerBridge.boot_transformers(
             name, hf_model=hf_model, tokenizer=tokenizer, device=str(device), dtype=dtype
@@ -170,7 +188,15 @@ def _boot(name: str, hf_model: Any, tokenizer: Any, device: torch.device, dtype:
             f"TransformerLens cannot wrap model {name!r} (architecture {architectures}): {e}",
             "choose a model whose architecture TransformerLens 4.3 supports (GPT-2, Llama, Mistral, Qwen, Pythia, ...)",
         ) from e
+    finally:
+        if had:
+            tokenizer.init_kwargs["add_bos_token"] = saved
+        else:
+            tokenizer.init_kwargs.pop("add_bos_token", None)
     tok = bridge.tokenizer
+    own = prepends_bos(tok)
+    bridge.cfg.tokenizer_prepends_bos = own
+    bridge.cfg.default_prepend_bos = own
     tok.padding_side = "left"
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
@@ -189,7 +215,8 @@ def _version(distribution: str) -> str:
 
 
 def provenance(model: Any) -> dict[str, Any]:
-    """What a result was computed with: model name, revision, dtype, device, shape, tokenizer, versions."""
+    """What a result was computed with: model name, revision, dtype, device, shape, tokenizer, BOS
+    rule, versions. `bos` is read off the tokenizer itself, so it is true even if the caller changed it."""
     import transformers
 
     import tomlens
@@ -220,7 +247,7 @@ def provenance(model: Any) -> dict[str, Any]:
         "d_vocab": int(cfg.d_vocab),
         "n_ctx": int(cfg.n_ctx),
         "tokenizer": info.get("tokenizer", getattr(tok, "name_or_path", None)),
-        "prepends_bos": bool(getattr(cfg, "tokenizer_prepends_bos", False)),
+        "bos": bos_record(tok, info.get("bos_source", "tokenizer")) if tok is not None else None,
         "versions": {
             "tomlens": tomlens.__version__,
             "torch": torch.__version__,

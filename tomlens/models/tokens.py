@@ -64,6 +64,60 @@ class EncodedBatch:
         return kwargs
 
 
+def _with_specials(tokenizer: Any) -> list[int] | None:
+    """`tokenizer("a")`'s ids when it adds special tokens, else None."""
+    ids = tokenizer("a")["input_ids"]
+    return ids if len(ids) > len(tokenizer("a", add_special_tokens=False)["input_ids"]) else None
+
+
+def prepends_bos(tokenizer: Any) -> bool:
+    """Whether `tokenizer(text)` starts with the BOS token: read off what it does, not off its
+    `add_bos_token` flag (transformers 5 takes the rule from tokenizer.json's post-processor)."""
+    ids = _with_specials(tokenizer)
+    return ids is not None and tokenizer.bos_token_id is not None and ids[0] == tokenizer.bos_token_id
+
+
+def appends_eos(tokenizer: Any) -> bool:
+    """Whether `tokenizer(text)` ends with the EOS token (kept as it is when the BOS rule changes)."""
+    ids = _with_specials(tokenizer)
+    return ids is not None and tokenizer.eos_token_id is not None and ids[-1] == tokenizer.eos_token_id
+
+
+def bos_record(tokenizer: Any, source: str) -> dict[str, Any]:
+    """The BOS rule for provenance: `{"prepend": bool, "source": "tokenizer" | "user", "token": str | None}`."""
+    return {"prepend": prepends_bos(tokenizer), "source": source, "token": tokenizer.bos_token}
+
+
+def set_bos_rule(tokenizer: Any, prepend_bos: bool | None) -> dict[str, Any]:
+    """Make `tokenizer` prepend BOS or not (`None`: leave its own rule), in place; return its
+    `bos_record`.
+
+    The default is the tokenizer's own rule because that is what a plain transformers run sees
+    (SmolLM2-Instruct's BOS `<|im_start|>` opens a chat turn and never starts a document alone);
+    `True` is TransformerLens's prepend-BOS convention.
+    """
+    source = "tokenizer" if prepend_bos is None else "user"
+    if prepend_bos is None or bool(prepend_bos) == prepends_bos(tokenizer):
+        return bos_record(tokenizer, source)
+    name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
+    flag = "--prepend-bos" if prepend_bos else "--no-prepend-bos"
+    if prepend_bos and tokenizer.bos_token_id is None:
+        raise TomlensError(f"the tokenizer of {name!r} has no BOS token to prepend",
+                           f"drop {flag} (use the tokenizer's own rule)")
+    eos = appends_eos(tokenizer)
+    try:
+        if hasattr(tokenizer, "add_eos_token"):
+            tokenizer.add_eos_token = eos  # rebuilding the post-processor must keep an appended EOS
+        tokenizer.add_bos_token = bool(prepend_bos)
+    except (AttributeError, ValueError) as e:
+        raise TomlensError(f"the tokenizer of {name!r} cannot change its BOS rule ({e})",
+                           f"drop {flag} (use the tokenizer's own rule)") from e
+    if prepends_bos(tokenizer) != bool(prepend_bos) or appends_eos(tokenizer) != eos:
+        raise TomlensError(f"the tokenizer of {name!r} ({type(tokenizer).__name__}) ignores a changed "
+                           "BOS rule", f"drop {flag} (use the tokenizer's own rule)")
+    return bos_record(tokenizer, source)
+
+
 def _model_device(model: Any) -> torch.device:
     try:
         return next(model.parameters()).device
