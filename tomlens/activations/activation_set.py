@@ -3,10 +3,12 @@
 Rows keep the order of the stimuli given to `cache_activations` (batches are sorted by length for
 speed, then put back), so `ids[i]`, `stimuli[i]` and row `i` of every tensor belong together.
 
-Loading is lazy: safetensors maps each shard, and pages are read only when touched. `get` on a
-store with one shard (the usual case: shards hold thousands of prompts) returns the mapped tensor
-itself; with several shards it concatenates the shards' tensors for that one (kind, position)
-(one copy of what was asked for, not of the store).
+Loading maps each shard (safetensors; pages are read only when touched) after checking that the
+shards the manifest lists are whole, belong to this request and hold every row once: a damaged
+store is refused with a message, never half-loaded. `get` on a store with one shard (the usual
+case: shards hold thousands of prompts or minutes of work) returns the mapped tensor itself; with
+several shards it places each shard's rows into one new tensor for that one (kind, position) (one
+copy of what was asked for, not of the store).
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ class ActivationSet:
     manifest: dict[str, Any]
     stimuli: list[Stimulus]
     reused: bool = False
-    _shards: list[dict[str, Tensor]] | None = field(default=None, repr=False)
+    _shards: list[tuple[Tensor, dict[str, Tensor]]] | None = field(default=None, repr=False)  # (rows, tensors)
 
     @classmethod
     def load(cls, path: str | Path, stimuli: list[Stimulus] | None = None, *, reused: bool = False) -> ActivationSet:
@@ -69,7 +71,9 @@ class ActivationSet:
         if [s.id for s in stimuli] != ids:
             raise TomlensError(f"the stimuli do not match the rows stored in {folder}",
                                "load the store without passing stimuli")
-        return cls(path=folder, manifest=manifest, stimuli=list(stimuli), reused=reused)
+        loaded = cls(path=folder, manifest=manifest, stimuli=list(stimuli), reused=reused)
+        loaded._open()  # refuse a damaged store now, not at the first `get`
+        return loaded
 
     def __len__(self) -> int:
         return len(self.stimuli)
@@ -112,8 +116,14 @@ class ActivationSet:
                 "cache it, or choose one of the cached positions",
             )
         name = st.tensor_name(kind, position)
-        parts = [shard[name] for shard in self._open()]
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
+        shards = self._open()
+        if len(shards) == 1:  # one shard holds every row in the caller's order (checked in `_open`)
+            return shards[0][1][name]
+        first = shards[0][1][name]
+        out = torch.empty((len(self), *first.shape[1:]), dtype=first.dtype)
+        for rows, tensors in shards:
+            out[rows] = tensors[name]
+        return out
 
     def labels(self):  # -> pandas.DataFrame
         """One row per stimulus: id and labels (condition, world state, belief, ...), row order."""
@@ -128,18 +138,25 @@ class ActivationSet:
                 "cache it, or choose one of the cached kinds",
             )
 
-    def _open(self) -> list[dict[str, Tensor]]:
+    def _open(self) -> list[tuple[Tensor, dict[str, Tensor]]]:
+        """Map every shard after checking it: whole, this request's, the stretch the manifest lists,
+        and all shards together holding each row exactly once."""
         if self._shards is None:
-            shards = []
-            for s in self.manifest["shards"]:
-                expected = {"key": self.manifest["key"], "start": str(s["start"]), "stop": str(s["stop"])}
+            shards, stop, key = [], 0, self.manifest["key"]
+            for i, s in enumerate(self.manifest["shards"]):
                 path = self.path / s["file"]
-                if not st.shard_is_valid(path, expected, self._shapes(s["stop"] - s["start"])):
-                    raise TomlensError(
-                        f"{path} does not hold the rows its manifest lists (written by another run?)",
-                        f"delete {self.path} and cache again",
+                got = st.read_finished_shard(path, st.shard_meta(key, i, stop, s["stop"]), self._shapes, load=True)
+                if got is None or s["start"] != stop or not bool((got[2][1:] > got[2][:-1]).all()):
+                    raise st.DamagedStore(
+                        f"{path} is damaged or does not hold the rows its manifest lists (written by another run?)",
+                        f"run the same cache request again (it recomputes what is damaged), or delete {self.path}",
                     )
-                shards.append(st.open_shard(path))
+                stop = got[1]
+                shards.append((got[2], got[3]))
+            rows = torch.cat([r for r, _ in shards]) if shards else torch.empty(0, dtype=torch.long)
+            if stop != len(self) or not torch.equal(torch.sort(rows).values, torch.arange(len(self))):
+                raise st.DamagedStore(f"the shards in {self.path} do not hold every row exactly once",
+                                      f"run the same cache request again, or delete {self.path}")
             self._shards = shards
         return self._shards
 

@@ -4,8 +4,13 @@ The fast path is the performance rules of the design: prompts sorted by token le
 padding), `torch.inference_mode()`, the forward stopped right after the last site needed (no final
 norm, no unembedding, no KV cache), only the requested positions kept (gathered inside the hook),
 results kept on the model's device until a shard is written. A second identical request loads the
-shards and never runs the model; an interrupted one resumes from its finished shards. Out of GPU
-memory, the batch halves and the run goes on.
+shards and never runs the model; an interrupted one resumes from its finished shards. A shard is
+written when about `SHARD_BYTES` or `FLUSH_SECONDS` of work are pending, whichever comes first, so a
+killed run loses minutes, not hours. Out of GPU memory, the batch halves and the run goes on.
+
+Shards are cut only between batches, and batches are consecutive slices of one length-sorted order
+from the start (or from where a resumed run picks up), so where a shard ends never changes which
+prompts share a forward: the numbers do not depend on the flush points.
 """
 
 from __future__ import annotations
@@ -14,13 +19,15 @@ import hashlib
 import json
 import math
 import os
+import sys
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import Tensor
 from tqdm.auto import tqdm
 
 from tomlens.activations import store as st
@@ -29,12 +36,11 @@ from tomlens.errors import TomlensError
 from tomlens.hooks import capture, check_selectors, check_sites, parse_selectors, parse_sites, resolve_positions
 from tomlens.hooks.sites import Site
 from tomlens.models import encode, provenance
+from tomlens.oom import OOM_ERRORS, release_memory
 from tomlens.stimuli.records import Stimulus, stimuli_hash
 
-SHARD_BYTES = 256 * 2**20  # target shard size; bounds the work an interruption loses
-_OOM_ERRORS: tuple[type[BaseException], ...] = tuple(
-    {getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError), torch.cuda.OutOfMemoryError}
-)
+SHARD_BYTES = 256 * 2**20  # a shard is written once this much is pending (bounds memory held)
+FLUSH_SECONDS = 120.0  # ... or once this much work is pending (bounds the work a kill loses)
 _FINGERPRINTS: dict[int, tuple[Any, dict[str, Any]]] = {}
 
 
@@ -49,6 +55,7 @@ def cache_activations(
     dtype: torch.dtype | str | None = None,
     progress: bool = True,
     shard_rows: int | None = None,
+    flush_seconds: float | None = None,
 ) -> ActivationSet:
     """Cache `sites` (e.g. `"resid_post"`, `"head_out:10-14"`) at `positions` (e.g. `["final",
     "protagonist"]`) for every stimulus, or load them if this exact request was cached before.
@@ -56,17 +63,25 @@ def cache_activations(
     `store`: root folder (default `$TOMLENS_HOME/activations` or the user cache dir); the request
     lives in a sub-folder named by its hash. `dtype`: storage dtype (default: the model's).
     `batch_size`: prompts per forward (default 64 on CUDA, 16 on CPU; halves on out-of-memory).
-    `shard_rows`: rows per shard (default: about 256 MiB per shard); fixed by the first run.
+    `shard_rows` / `flush_seconds`: a shard is written once this many rows (default: about 256 MiB)
+    or this many seconds of work (default `FLUSH_SECONDS`, 2 minutes) are pending; neither changes
+    the numbers, and a resumed run may use other values.
     Per-head kinds are cached for every head; pick heads from the loaded tensor.
     """
     stimuli = list(stimuli)
     layers, selectors = _validate(model, stimuli, sites, positions)
+    flush_seconds = FLUSH_SECONDS if flush_seconds is None else float(flush_seconds)
+    if not flush_seconds >= 0 or (shard_rows is not None and shard_rows < 1):
+        raise TomlensError(f"shard_rows={shard_rows}, flush_seconds={flush_seconds}: a shard needs at least one row "
+                           "and the flush interval cannot be negative",
+                           "pass shard_rows >= 1 and flush_seconds >= 0 (0 writes a shard after every batch)")
     model_dtype, device = _model_dtype_device(model)
     store_dtype = st.dtype_from_name(dtype) if isinstance(dtype, str) else (dtype or model_dtype)
     prov, tokenizer = provenance(model), _tokenizer_fingerprint(model)
     request = {
         "format": st.FORMAT,
-        "model": {k: v for k, v in prov.items() if k != "device"},
+        "model": {k: v for k, v in prov.items() if k not in ("device", "bos")},
+        "prepend_bos": prov["bos"]["prepend"],  # what the model saw; not who chose it
         "tokenizer": tokenizer["hash"],
         "weights": weights_fingerprint(model),
         "dtype": st.dtype_to_name(store_dtype),
@@ -77,53 +92,57 @@ def cache_activations(
     }
     key = st.request_key(request)
     folder = (st.default_store() if store is None else Path(store)) / key
-    if st.is_complete(folder):
-        return ActivationSet.load(folder, stimuli, reused=True)
-    folder.mkdir(parents=True, exist_ok=True)
-    st.remove_stale_temps(folder)
+    with st.writer_lock(folder):
+        if st.is_complete(folder):
+            try:
+                return ActivationSet.load(folder, stimuli, reused=True)
+            except st.DamagedStore as damaged:  # recompute from the first damaged shard on
+                tqdm.write(f"{damaged.problem}: recomputing it", file=sys.stderr)
+                (folder / st.MANIFEST).unlink()
+        st.remove_stale_temps(folder)
 
-    tail = {kind: _per_site_shape(model, kind) for kind in layers}
-    row_bytes = sum(len(selectors) * len(ls) * math.prod(tail[k]) * store_dtype.itemsize for k, ls in layers.items())
-    plan = _plan(folder, key, request, len(stimuli), shard_rows or max(64, min(16384, SHARD_BYTES // row_bytes)))
+        tail = {kind: _per_site_shape(model, kind) for kind in layers}
+        row_bytes = sum(len(selectors) * len(ls) * math.prod(tail[k]) * store_dtype.itemsize for k, ls in layers.items())
+        rows_per = shard_rows or max(64, min(16384, SHARD_BYTES // row_bytes))
 
-    def shapes_for(n_rows: int) -> dict[str, tuple[int, ...]]:
-        return {st.tensor_name(k, p): (n_rows, len(ls), *tail[k]) for k, ls in layers.items() for p in selectors}
+        def shapes_for(n_rows: int) -> dict[str, tuple[int, ...]]:
+            return {st.tensor_name(k, p): (n_rows, len(ls), *tail[k]) for k, ls in layers.items() for p in selectors}
 
-    def meta_for(i: int, a: int, b: int) -> dict[str, str]:
-        return {"key": key, "shard": str(i), "start": str(a), "stop": str(b), "format": str(st.FORMAT)}
+        runner = _Runner(model, stimuli, layers, selectors, store_dtype, batch_size or _default_batch_size(device),
+                         progress)
+        try:
+            order = runner.measure()  # fails on a bad span before any forward
+            shards = _finished_shards(folder, key, order, shapes_for)
+            st.remove_shards_from(folder, len(shards))
+            start = shards[-1]["stop"] if shards else 0
+            for a, b, rows, tensors in runner.shards(order, start, rows_per, flush_seconds):
+                name = st.shard_file(len(shards))
+                st.write_shard(folder / name, {**tensors, st.ROWS: rows}, st.shard_meta(key, len(shards), a, b))
+                shards.append({"file": name, "start": a, "stop": b})
+        finally:
+            runner.close()
 
-    todo = [(i, a, b) for i, (a, b) in enumerate(plan["shards"])
-            if not st.shard_is_valid(folder / st.shard_file(i), meta_for(i, a, b), shapes_for(b - a))]
-    runner = _Runner(model, stimuli, layers, selectors, store_dtype, batch_size or _default_batch_size(device),
-                     progress, total=sum(b - a for _, a, b in todo))
-    try:
-        runner.measure([(a, b) for _, a, b in todo])  # fails on a bad span before any forward
-        for i, a, b in todo:
-            st.write_shard(folder / st.shard_file(i), runner.run_rows(a, b), meta_for(i, a, b))
-    finally:
-        runner.close()
-
-    st.write_text(folder / st.STIMULI, "".join(json.dumps(s.to_dict(), ensure_ascii=False) + "\n" for s in stimuli))
-    st.write_json(folder / st.MANIFEST, {  # written last: its presence marks the store complete
-        "format": st.FORMAT,
-        "complete": True,
-        "key": key,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "model": prov,
-        "tokenizer": tokenizer,
-        "dtype": request["dtype"],
-        "stimuli_hash": request["stimuli_hash"],
-        "n": len(stimuli),
-        "sites": request["sites"],
-        "layers": layers,
-        "positions": selectors,
-        "shapes": {k: list(v) for k, v in shapes_for(len(stimuli)).items()},
-        "shards": [{"file": st.shard_file(i), "start": a, "stop": b} for i, (a, b) in enumerate(plan["shards"])],
-        "batch_size": runner.batch_size,
-        "rows": [row_labels(s) for s in stimuli],
-    })
-    st.remove_stale_temps(folder)
-    return ActivationSet.load(folder, stimuli, reused=False)
+        st.write_text(folder / st.STIMULI, "".join(json.dumps(s.to_dict(), ensure_ascii=False) + "\n" for s in stimuli))
+        st.write_json(folder / st.MANIFEST, {  # written last: its presence marks the store complete
+            "format": st.FORMAT,
+            "complete": True,
+            "key": key,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "model": prov,
+            "tokenizer": tokenizer,
+            "dtype": request["dtype"],
+            "stimuli_hash": request["stimuli_hash"],
+            "n": len(stimuli),
+            "sites": request["sites"],
+            "layers": layers,
+            "positions": selectors,
+            "shapes": {k: list(v) for k, v in shapes_for(len(stimuli)).items()},
+            "shards": shards,  # stretches [start, stop) of the length-sorted run order
+            "batch_size": runner.batch_size,
+            "rows": [row_labels(s) for s in stimuli],
+        })
+        st.remove_stale_temps(folder)
+        return ActivationSet.load(folder, stimuli, reused=False)
 
 
 def _validate(
@@ -151,14 +170,21 @@ def _validate(
     return {k: sorted(v) for k, v in layers.items()}, selectors
 
 
-def _plan(folder: Path, key: str, request: dict[str, Any], n: int, rows_per: int) -> dict[str, Any]:
-    """Rows per shard, fixed by the first run of a request so that a resume cuts the same shards."""
-    plan = st.read_json(folder / st.PLAN)
-    if not plan or plan.get("key") != key:
-        bounds = [[a, min(a + rows_per, n)] for a in range(0, n, rows_per)]
-        plan = {"key": key, "request": request, "shard_rows": rows_per, "shards": bounds}
-        st.write_json(folder / st.PLAN, plan)
-    return plan
+def _finished_shards(
+    folder: Path, key: str, order: list[int], shapes_for: Callable[[int], dict[str, tuple[int, ...]]]
+) -> list[dict[str, Any]]:
+    """The shards an interrupted run finished, in order, while each continues the one before and
+    holds exactly the rows the run order puts there; work resumes where the last one stops."""
+    shards: list[dict[str, Any]] = []
+    start = 0
+    while start < len(order):
+        name = st.shard_file(len(shards))
+        got = st.read_finished_shard(folder / name, st.shard_meta(key, len(shards), start), shapes_for)
+        if got is None or got[1] > len(order) or got[2].tolist() != sorted(order[start : got[1]]):
+            break
+        shards.append({"file": name, "start": start, "stop": got[1]})
+        start = got[1]
+    return shards
 
 
 def _model_dtype_device(model: Any) -> tuple[torch.dtype, torch.device]:
@@ -217,62 +243,66 @@ class _Runner:
     """Runs rows in length-sorted batches, halving the batch on out-of-memory, with a progress bar."""
 
     def __init__(self, model: Any, stimuli: list[Stimulus], layers: dict[str, list[int]], selectors: list[str],
-                 dtype: torch.dtype, batch_size: int, progress: bool, total: int):
+                 dtype: torch.dtype, batch_size: int, progress: bool):
         self.model, self.stimuli, self.layers, self.selectors, self.dtype = model, stimuli, layers, selectors, dtype
         self.sites = [Site(k, layer) for k, ls in layers.items() for layer in ls]
         self.batch_size = max(1, int(batch_size))
-        self.bar = tqdm(total=total, desc="caching", unit="prompt", disable=not progress or total == 0)
+        self.progress = progress
+        self.bar: tqdm | None = None  # made once the rows left to run are known
         self.tokens = 0
         self.start = time.perf_counter()
         self.lengths: dict[int, int] = {}
 
     def close(self) -> None:
-        self.bar.close()
+        if self.bar is not None:
+            self.bar.close()
 
-    def measure(self, ranges: list[tuple[int, int]], chunk: int = 2048) -> None:
-        """Token count of every row to run, before any forward: also fails early on a span no token covers."""
-        for a, b in ranges:
-            for c in range(a, b, chunk):
-                rows = self.stimuli[c : min(b, c + chunk)]
-                batch = encode(self.model, [s.text for s in rows])
-                resolve_positions(rows, batch, self.selectors)
-                self.lengths.update(zip(range(c, c + len(rows)), batch.lengths))
+    def measure(self, chunk: int = 2048) -> list[int]:
+        """The run order, rows sorted by token count (ties by row), before any forward: this also
+        fails early on a span no token covers."""
+        for c in range(0, len(self.stimuli), chunk):
+            rows = self.stimuli[c : c + chunk]
+            batch = encode(self.model, [s.text for s in rows])
+            resolve_positions(rows, batch, self.selectors)
+            self.lengths.update(zip(range(c, c + len(rows)), batch.lengths))
+        return sorted(range(len(self.stimuli)), key=lambda r: (self.lengths[r], r))
 
-    def run_rows(self, a: int, b: int) -> dict[str, torch.Tensor]:
-        """Activations of rows a..b in the caller's order: {"kind@position": [rows, layer, ...]} on the CPU."""
-        order = sorted(range(a, b), key=lambda r: (self.lengths[r], r))
-        parts: dict[str, list[torch.Tensor]] = defaultdict(list)
-        done: list[int] = []
-        while len(done) < len(order):
-            rows = order[len(done) : len(done) + self.batch_size]
+    def shards(
+        self, order: list[int], start: int, rows_per: int, flush_seconds: float
+    ) -> Iterator[tuple[int, int, Tensor, dict[str, Tensor]]]:
+        """Run `order[start:]` batch by batch; yield `(a, b, rows, tensors)` for the stretch
+        `order[a:b]` each time `rows_per` rows or `flush_seconds` of work are pending, and at the end.
+        `rows` are the caller's row indices, ascending, and `tensors` hold them in that order."""
+        bar = self.bar = tqdm(total=len(order) - start, desc="caching", unit="prompt",
+                              disable=not self.progress or start == len(order))
+        parts: dict[str, list[Tensor]] = defaultdict(list)
+        a = pos = start
+        since = time.perf_counter()
+        while pos < len(order):
+            rows = order[pos : pos + self.batch_size]
             try:
                 out = self._run_batch(rows)
-            except _OOM_ERRORS:
+            except OOM_ERRORS:
                 if self.batch_size == 1:
                     raise TomlensError("out of GPU memory with a batch of one prompt",
                                        "use a smaller model, a shorter prompt, or a GPU with more memory") from None
                 self.batch_size = max(1, self.batch_size // 2)
-                if torch.cuda.is_available():
-                    torch.cuda.empty_cache()
-                self.bar.write(f"out of memory: batch size now {self.batch_size}")
+                release_memory()
+                bar.write(f"out of memory: batch size now {self.batch_size}", file=sys.stderr)
                 continue
             for kind, ls in self.layers.items():
                 stacked = torch.stack([out[Site(kind, layer)] for layer in ls], dim=2)  # [b, sel, layer, ...]
                 for j, sel in enumerate(self.selectors):
                     parts[st.tensor_name(kind, sel)].append(stacked[:, j])
             del out
-            done.extend(rows)
+            pos += len(rows)
             self.tokens += sum(self.lengths[r] for r in rows)
-            self.bar.update(len(rows))
-            self.bar.set_postfix(tok_s=f"{self.tokens / max(1e-9, time.perf_counter() - self.start):.0f}",
-                                 batch=self.batch_size, refresh=False)
-        # Put rows back in the caller's order, then move to the CPU once per shard.
-        back = torch.argsort(torch.tensor(done, dtype=torch.long) - a)
-        tensors = {}
-        for name in list(parts):
-            full = torch.cat(parts.pop(name))
-            tensors[name] = full[back.to(full.device)].to("cpu")
-        return tensors
+            bar.update(len(rows))
+            bar.set_postfix(tok_s=f"{self.tokens / max(1e-9, time.perf_counter() - self.start):.0f}",
+                            batch=self.batch_size, refresh=False)
+            if pos == len(order) or pos - a >= rows_per or time.perf_counter() - since >= flush_seconds:
+                yield a, pos, *_in_row_order(order[a:pos], parts)
+                parts, a, since = defaultdict(list), pos, time.perf_counter()
 
     def _run_batch(self, rows: list[int]) -> dict[Site, torch.Tensor]:
         chunk = [self.stimuli[r] for r in rows]
@@ -280,3 +310,13 @@ class _Runner:
         pos = resolve_positions(chunk, batch, self.selectors)
         with torch.inference_mode():
             return capture(self.model, batch, self.sites, pos, dtype=self.dtype)
+
+
+def _in_row_order(ran: list[int], parts: dict[str, list[Tensor]]) -> tuple[Tensor, dict[str, Tensor]]:
+    """Rows `ran` (run order) sorted back into the caller's order, then moved to the CPU once."""
+    back = torch.argsort(torch.tensor(ran, dtype=torch.long))
+    tensors = {}
+    for name in list(parts):
+        full = torch.cat(parts.pop(name))
+        tensors[name] = full[back.to(full.device)].to("cpu")
+    return torch.tensor(sorted(ran), dtype=torch.long), tensors

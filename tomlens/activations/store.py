@@ -6,20 +6,28 @@ and different requests never collide. Every file is written to a temporary name 
 place, and `manifest.json` is written last: a killed run leaves no shard that loads as valid, and
 a folder without a manifest is unfinished work that the next run resumes.
 
+Prompts run in one order, sorted by token length (little padding), and shard `i` holds the stretch
+`[start, stop)` of that order: a shard is written whenever enough rows or enough minutes of work are
+pending, so shards differ in size, and a resume carries on from where the last finished shard
+stops. Inside a shard, rows are in the caller's order and the tensor `rows` names them.
+
 Folder layout:
-    plan.json                 rows per shard (fixed by the first run so a resume matches it)
-    shard-00000.safetensors   tensors "<kind>@<position>", [rows, layer, ...]; metadata = key, rows
+    shard-00000.safetensors   tensors "<kind>@<position>" [rows, layer, ...] and "rows" [rows];
+                              metadata = key, shard index, start, stop
     stimuli.jsonl             the full records, row order
     manifest.json             provenance, sites, layers, positions, shapes, shard list, row labels
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
 import re
-from collections.abc import Mapping
+import sys
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -28,10 +36,17 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
-FORMAT = 1
+from tomlens.errors import TomlensError
+
+FORMAT = 2  # 2: shards are stretches of the length-sorted order and carry their row indices
 MANIFEST = "manifest.json"
-PLAN = "plan.json"
 STIMULI = "stimuli.jsonl"
+LOCK = ".lock"  # flock target: one writer per request folder
+ROWS = "rows"  # int64 tensor in every shard: the caller's index of each of its rows (no "@": no clash)
+
+
+class DamagedStore(TomlensError):
+    """A finished store whose shards are missing, truncated or not the ones its manifest lists."""
 
 
 def default_store() -> Path:
@@ -93,26 +108,61 @@ def write_shard(path: Path, tensors: Mapping[str, Tensor], metadata: Mapping[str
     _fsync_replace(tmp, path)
 
 
-def open_shard(path: Path) -> dict[str, Tensor]:
-    """All tensors of a shard, memory-mapped (safetensors maps the file; pages load on first touch)."""
-    with safe_open(str(path), framework="pt", device="cpu") as f:
-        return {name: f.get_tensor(name) for name in f.keys()}
+def shard_meta(key: str, index: int, start: int, stop: int | None = None) -> dict[str, str]:
+    """The metadata that ties a shard to its request and to its place in the run order (without
+    `stop`: what a resume expects of the shard that continues at `start`)."""
+    meta = {"key": key, "shard": str(index), "start": str(start), "format": str(FORMAT)}
+    return meta if stop is None else {**meta, "stop": str(stop)}
 
 
-def shard_is_valid(path: Path, metadata: Mapping[str, str], shapes: Mapping[str, tuple[int, ...]]) -> bool:
-    """Whether a finished shard matches what the plan expects (metadata, names and shapes)."""
+def read_finished_shard(
+    path: Path,
+    expected: Mapping[str, str],
+    shapes: Callable[[int], Mapping[str, tuple[int, ...]]],
+    *,
+    load: bool = False,
+) -> tuple[int, int, Tensor, dict[str, Tensor] | None] | None:
+    """`(start, stop, rows, tensors)` of a finished shard whose metadata has `expected`'s values and
+    whose tensors have `shapes(stop - start)` plus `rows`; None for anything else (missing,
+    truncated, another request's), which is never loaded: the caller recomputes it or refuses the
+    store. `load=True` also returns the shard's tensors (without `rows`), read through the same
+    open file as the checks, so what is checked is what is loaded."""
     if not path.is_file():
-        return False
+        return None
     try:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             meta = f.metadata() or {}
-            if any(meta.get(k) != v for k, v in metadata.items()):
-                return False
-            if set(f.keys()) != set(shapes):
-                return False
-            return all(tuple(f.get_slice(n).get_shape()) == tuple(s) for n, s in shapes.items())
-    except Exception:  # a damaged file is not a finished shard; it is recomputed
-        return False
+            if any(meta.get(k) != v for k, v in expected.items()):
+                return None
+            start, stop = int(meta["start"]), int(meta["stop"])
+            want = {**shapes(stop - start), ROWS: (stop - start,)}
+            if stop <= start or set(f.keys()) != set(want):
+                return None
+            if any(tuple(f.get_slice(n).get_shape()) != tuple(s) for n, s in want.items()):
+                return None
+            rows = f.get_tensor(ROWS)
+            tensors = {n: f.get_tensor(n) for n in want if n != ROWS} if load else None
+    except Exception:  # a damaged file is not a finished shard (safetensors refuses a truncated one)
+        return None
+    return (start, stop, rows, tensors) if rows.dtype == torch.int64 else None
+
+
+@contextmanager
+def writer_lock(folder: Path) -> Iterator[None]:
+    """Hold the folder's lock while a request is resumed and written: two processes caching the
+    same request (two probe runs on one stimulus file, jobs sharing a store) take turns instead of
+    deleting or overwriting each other's shards. The second one then finds the store finished."""
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / LOCK, "a+") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"tomlens: another process is caching {folder.name}; waiting for it", file=sys.stderr)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def is_complete(folder: Path) -> bool:
@@ -132,6 +182,14 @@ def remove_stale_temps(folder: Path) -> None:
         if m and _pid_alive(int(m.group(1))) and int(m.group(1)) != os.getpid():
             continue
         tmp.unlink(missing_ok=True)
+
+
+def remove_shards_from(folder: Path, index: int) -> None:
+    """Delete shards numbered `index` and up: left by an earlier run, they do not continue this one."""
+    for path in folder.glob("shard-*.safetensors"):
+        m = re.fullmatch(r"shard-(\d+)\.safetensors", path.name)
+        if m and int(m.group(1)) >= index:
+            path.unlink(missing_ok=True)
 
 
 def _pid_alive(pid: int) -> bool:
@@ -154,8 +212,6 @@ def dtype_from_name(name: str) -> torch.dtype:
     name = aliases.get(name, name)
     dtype = getattr(torch, name, None)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        from tomlens.errors import TomlensError
-
         raise TomlensError(f"{name!r} is not a floating-point dtype", "use float32, bfloat16 or float16")
     return dtype
 

@@ -8,6 +8,7 @@ leading space and multi-token words are handled the same way for every tokenizer
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -19,6 +20,7 @@ from tqdm.auto import tqdm
 
 from tomlens.errors import TomlensError
 from tomlens.models.tokens import encode
+from tomlens.oom import OOM_ERRORS, release_memory
 from tomlens.stimuli.records import Stimulus
 
 # Family-specific labels copied from `meta` into the table when present.
@@ -101,21 +103,36 @@ def score_options(
     """Score both options of every stimulus; returns `(score_a, score_b)` per stimulus, in order.
 
     Rows are sorted by length so batches carry little padding; results come back in input order.
+    Out of GPU memory, the batch halves and the same rows run again (a row's scores are keyed by
+    stimulus and option, so a retried row replaces, never duplicates, what it had scored).
     """
     jobs = sorted(_plan(model.tokenizer, stimuli), key=lambda j: len(j.text))
     scores: dict[tuple[int, int], OptionScore] = {}
+    batch_size = max(1, int(batch_size))
     bar = tqdm(total=len(jobs), desc="scoring", unit="seq", disable=not progress)
+    done = 0
     with torch.inference_mode():
-        for b0 in range(0, len(jobs), batch_size):
-            chunk = jobs[b0 : b0 + batch_size]
+        while done < len(jobs):
+            chunk = jobs[done : done + batch_size]
             batch = encode(model, [j.text for j in chunk])
-            logits = model(batch.input_ids, **batch.forward_kwargs())
-            for row, job in enumerate(chunk):
-                end = batch.pad[row] + batch.lengths[row]
-                for i, j, toks in job.wants:
-                    start = end - len(toks) if job.joint else end
-                    (lps,) = _continuation_logprobs(logits[row : row + 1], [(start, list(toks))])
-                    scores[(i, j)] = OptionScore(sum(lps), lps[0], len(lps))
+            try:
+                logits = model(batch.input_ids, **batch.forward_kwargs())
+                for row, job in enumerate(chunk):
+                    end = batch.pad[row] + batch.lengths[row]
+                    for i, j, toks in job.wants:
+                        start = end - len(toks) if job.joint else end
+                        (lps,) = _continuation_logprobs(logits[row : row + 1], [(start, list(toks))])
+                        scores[(i, j)] = OptionScore(sum(lps), lps[0], len(lps))
+            except OOM_ERRORS:
+                if batch_size == 1:
+                    raise TomlensError("out of GPU memory scoring a single prompt",
+                                       "use a smaller model, a shorter prompt, or a GPU with more memory") from None
+                batch_size //= 2
+                logits = None  # let the failed batch's memory go before the retry
+                release_memory()
+                bar.write(f"out of memory: batch size now {batch_size}", file=sys.stderr)
+                continue
+            done += len(chunk)
             bar.update(len(chunk))
     bar.close()
     return [(scores[(i, 0)], scores[(i, 1)]) for i in range(len(stimuli))]
