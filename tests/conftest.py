@@ -18,6 +18,27 @@ import pytest  # noqa: E402
 TINY_NAMES: tuple[str, ...] = ("tiny-gpt2", "tiny-llama", "tiny-neox")
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """CI runs the suite on 1 and on 2 threads (`make test THREADS=n`); a run that silently used
+    another count would test one reduction order twice."""
+    import torch
+
+    want = os.environ.get("OMP_NUM_THREADS")
+    if want and want.isdigit() and torch.get_num_threads() != int(want):
+        raise pytest.UsageError(f"OMP_NUM_THREADS={want} but torch runs on {torch.get_num_threads()} threads")
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """Say what the numbers were computed on (printed under -q too): threads and CPU kernels."""
+    import torch
+
+    terminalreporter.write_line(
+        f"torch {torch.__version__}: {torch.get_num_threads()} threads "
+        f"(OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}), "
+        f"CPU kernels {torch.backends.cpu.get_cpu_capability()}"
+    )
+
+
 def _clean(model: Any) -> Any:
     """A shared model handed to a test: no hooks left by an earlier test, eval mode, left padding."""
     model.reset_hooks(including_permanent=True)

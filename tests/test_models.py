@@ -60,12 +60,16 @@ def test_tiny_models_are_deterministic_by_seed(load_tiny):
     b = load_model("tiny-llama", dtype="float32", seed=0)
     c = load_tiny("tiny-llama", seed=1)
     assert a is not b
+    # the seed fixes every weight bit for bit (the same random draws, no arithmetic)
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
     with torch.inference_mode():
         la = a(encode(a, batch_text).input_ids)
         lb = b(encode(b, batch_text).input_ids)
         lc = c(encode(c, batch_text).input_ids)
-    torch.testing.assert_close(la, lb, atol=0, rtol=0)
-    assert not torch.allclose(la, lc)
+    # equal weights in other buffers: MKL may round by memory alignment, so fp32 tolerance (logits ~1)
+    torch.testing.assert_close(la, lb, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(la, lc, atol=1e-3, rtol=1e-3)
     assert provenance(c)["revision"] == "random-init:seed=1"
 
 
@@ -78,8 +82,10 @@ def test_each_load_is_a_fresh_bridge_without_hooks(load_tiny):
     with torch.inference_mode():
         clean = second(batch.input_ids, **batch.forward_kwargs())
         zeroed = first(batch.input_ids, **batch.forward_kwargs())
-    assert not torch.allclose(clean, zeroed)
-    torch.testing.assert_close(clean, load_tiny("tiny-gpt2")(batch.input_ids, **batch.forward_kwargs()))
+    assert not torch.allclose(clean, zeroed, atol=1e-3, rtol=1e-3)
+    # another bridge with the same weights: fp32 tolerance (logits ~1), as above
+    torch.testing.assert_close(clean, load_tiny("tiny-gpt2")(batch.input_ids, **batch.forward_kwargs()),
+                               atol=1e-5, rtol=1e-5)
 
 
 def test_tiny_load_touches_no_network(monkeypatch):
@@ -138,7 +144,7 @@ def test_local_directory_round_trip(tmp_path, load_tiny):
     with torch.inference_mode():
         a = source(encode(source, texts).input_ids, **encode(source, texts).forward_kwargs())
         b = model(encode(model, texts).input_ids, **encode(model, texts).forward_kwargs())
-    torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)  # another copy of the weights: fp32 rounding
 
 
 def test_provenance_carries_versions_and_shape(load_tiny):
@@ -208,7 +214,8 @@ def test_embedded_model_predicts_paris(smollm2):
     assert logits[0, -1].argmax().item() == paris
     france = tok.encode(" France", add_special_tokens=False)[0]
     assert logits[1, -1, france] > logits[1, -1, banana] + 5
-    torch.testing.assert_close(logits[0, batch.pad[0]:], single[0], atol=1e-3, rtol=0)
+    # padded batch vs one prompt through 30 layers, logits up to ~30: fp32 rounding (4e-5 seen)
+    torch.testing.assert_close(logits[0, batch.pad[0]:], single[0], atol=1e-3, rtol=1e-5)
 
 
 def test_hub_id_loads_offline_from_the_local_cache(tmp_path, monkeypatch, load_tiny):
@@ -241,7 +248,7 @@ def test_cli_convert_leaves_a_complete_folder(capsys):
     assert embedded._is_current(folder, embedded.gguf_path())
     config = json.loads((folder / "config.json").read_text())
     assert "quantization_config" not in config and config["num_key_value_heads"] == 3
-    assert json.loads((folder / "tokenizer_config.json").read_text())["add_bos_token"] is True
+    assert "add_bos_token" not in json.loads((folder / "tokenizer_config.json").read_text())  # the GGUF's rule
     assert list(folder.glob("*.safetensors")) and not list(folder.glob("*.bin"))
 
 

@@ -169,7 +169,7 @@ def test_probe_command_end_to_end_on_a_tiny_model(tmp_path, stimuli):
     want = table[(table["kind"] == "head_out") & (table["metric"] == "accuracy") & (table["train_on"] == "all")
                  & (table["eval_set"] == "all")].set_index(["layer", "head"])["score"]
     assert len(per_head) == len(want) > 0
-    assert per_head["probe_accuracy"].sort_index().tolist() == want.sort_index().tolist()
+    assert per_head["probe_accuracy"].sort_index().tolist() == want.sort_index().tolist()  # the same numbers, copied
     assert per_head["probe_accuracy_false_belief"].between(0, 1).all()
     assert main(["probe", "--model", "tiny-gpt2", "--stimuli", str(path), "--target", "belief",
                  "--out", str(out)]) == 2
