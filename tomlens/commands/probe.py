@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from tomlens.commands.options import add_prepend_bos
 from tomlens.errors import TomlensError
 
 
@@ -14,7 +15,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Cache the activations that are missing, train one probe per layer and per "
         "layer x head on grouped folds (no story on both sides), and write a tidy table with 95% "
         "intervals over held-out stories, shuffled-label controls, a bag-of-words baseline, the "
-        "probe directions (safetensors) and a per-layer figure (standalone HTML).",
+        "probe directions (safetensors) and a per-layer figure (standalone HTML). A unit whose probe "
+        "cannot be fitted (NaN activations, a failed solve) keeps its rows with NaN scores and a "
+        "fit_status reason; one line says how many and why.",
     )
     p.add_argument("--model", default="smollm2-135m", help="model name (see `tomlens models`)")
     p.add_argument("--revision", default=None, help="hub commit, branch or tag to pin (hub ids only)")
@@ -49,6 +52,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default=None, help="device for the model and the probes")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    add_prepend_bos(p)
     p.set_defaults(func=run)
 
 
@@ -71,7 +75,8 @@ def run(args: argparse.Namespace) -> int:
                            f"use bare kinds from {', '.join(KINDS)}")
     stimuli = read_jsonl(args.stimuli)
     test = read_jsonl(args.test_stimuli) if args.test_stimuli else None
-    model = load_model(args.model, revision=args.revision, device=args.device, dtype=args.dtype, seed=args.seed)
+    model = load_model(args.model, revision=args.revision, device=args.device, dtype=args.dtype, seed=args.seed,
+                       prepend_bos=args.prepend_bos)
     sites = " ".join(args.kinds)
     progress = not args.no_progress
     acts = cache_activations(model, stimuli, sites, [args.position], store=args.store,
@@ -96,7 +101,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def summarise(table) -> str:  # noqa: ANN001 - the sweep's DataFrame
-    """Best layer (whole-layer sites) and best head per target and evaluation, with intervals."""
+    """Best layer (whole-layer sites) and best head per target and evaluation, with intervals;
+    units that could not be fitted (NaN score, see `fit_status`) are left out of the choice."""
     acc = table[table["metric"] == "accuracy"]
     lines = [f"{'target':<22}{'train -> eval':<30}{'site':<22}{'accuracy [95% CI]':<24}"
              f"{'control':>8}{'bow':>7}{'chance':>8}"]
@@ -104,6 +110,10 @@ def summarise(table) -> str:  # noqa: ANN001 - the sweep's DataFrame
         bow = g[g["kind"] == "bow"]
         bow_s = f"{bow['score'].iloc[0]:.2f}" if len(bow) else "-"
         for kind, k in g[g["kind"] != "bow"].groupby("kind", sort=False):
+            k = k[k["score"].notna()]
+            if k.empty:
+                lines.append(f"{target:<22}{train_on + ' -> ' + eval_set:<30}{kind:<22}no unit could be fitted")
+                continue
             best = k.loc[k["score"].idxmax()]
             site = f"{kind}:{int(best['layer'])}" + ("" if best["head"] < 0 else f".h{int(best['head'])}")
             ctrl = "-" if best["control"] != best["control"] else f"{best['control']:.2f}"

@@ -12,11 +12,15 @@ the target varies there).
 
 The result is one tidy table: one row per (kind, layer, head, position, target, train_on,
 eval_set, metric), head = -1 for whole-layer sites; kind "bow" is the bag-of-words baseline.
+Every row says how its fits went (`fit_status`, the worst over the probe, its control and every
+split: "ok", "not_converged", "solver_failed" or "non_finite_input"); a unit that could not be
+fitted keeps its rows, with NaN scores, and the sweep goes on.
 """
 
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from collections.abc import Callable, Iterator, Sequence
@@ -33,8 +37,11 @@ from tomlens.probes import stats
 from tomlens.probes.base import Probe, encode_labels
 from tomlens.probes.controls import bag_of_words, shuffle_labels
 from tomlens.probes.directions import direction_name, save_directions, unit_norm
-from tomlens.probes.logistic import C_GRID, LogisticProbe, cpu_threads_for, default_device, fit_logistic
+from tomlens.probes.logistic import (
+    C_GRID, LogisticProbe, ProbeFitWarning, cpu_threads_for, default_device, fit_logistic,
+)
 from tomlens.probes.mass_mean import MassMeanProbe
+from tomlens.probes.newton import FIT_STATUS, NON_FINITE_INPUT, NOT_CONVERGED, OK, SOLVER_FAILED
 from tomlens.probes.splits import Split, group_codes, group_kfold, restrict
 from tomlens.probes.targets import false_belief_mask, get_target, make_target, true_belief_mask
 from tomlens.stimuli.records import Stimulus, stimuli_hash
@@ -43,7 +50,7 @@ PROBES = ("logistic", "mass_mean")
 COLUMNS = ["kind", "layer", "head", "position", "target", "probe", "train_on", "eval_set", "test_set",
            "metric", "score", "ci_low", "ci_high", "control", "control_ci_low", "control_ci_high",
            "selectivity", "selectivity_ci_low", "selectivity_ci_high", "chance", "n_train", "n_test",
-           "n_test_groups", "C"]
+           "n_test_groups", "C", "fit_status"]
 
 
 @runtime_checkable
@@ -106,6 +113,7 @@ class _Outcome:
     predicted: Tensor  # [n_test_pool] bool
     chance_correct: Tensor  # [n_test_pool] chance of a frequency-matched guess
     classes: Tensor
+    status: Tensor  # [U] worst fit status over splits, probe and control (`FIT_STATUS` codes)
     n_train: list[int] = field(default_factory=list)
     C: list[Tensor] = field(default_factory=list)  # per split [U]
 
@@ -129,15 +137,27 @@ def _chunks(n_units: int, n: int, d: int, budget: float) -> list[slice]:
 
 
 def _fit(probe: str, X: Tensor, Y: Tensor, groups: Tensor, cfg: SweepConfig, seed: int
-         ) -> tuple[list[Probe], Tensor]:
-    """Fit the probe for each label vector in Y; returns probes and the chosen C per unit."""
-    if probe == "logistic":
-        res = fit_logistic(X, Y, groups=groups, c_grid=cfg.c_grid, cv=cfg.inner_folds, seed=seed,
-                           device=cfg.device)
-        return [LogisticProbe.from_fit(res, i, cv=cfg.inner_folds, seed=seed, device=cfg.device)
-                for i in range(Y.shape[0])], res.C[0]
-    probes = [MassMeanProbe(device=cfg.device).fit(X, Y[i]) for i in range(Y.shape[0])]
-    return probes, torch.full((X.shape[0],), float("nan"), dtype=torch.float64)
+         ) -> tuple[list[Probe], Tensor, Tensor]:
+    """Fit the probe for each label vector in Y; returns probes, the chosen C per unit and the
+    worst fit status per unit over the label vectors (the solver's warnings become that status)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ProbeFitWarning)
+        if probe == "logistic":
+            res = fit_logistic(X, Y, groups=groups, c_grid=cfg.c_grid, cv=cfg.inner_folds, seed=seed,
+                               device=cfg.device)
+            return [LogisticProbe.from_fit(res, i, cv=cfg.inner_folds, seed=seed, device=cfg.device)
+                    for i in range(Y.shape[0])], res.C[0], res.status.amax(0)
+        probes = [MassMeanProbe(device=cfg.device).fit(X, Y[i]) for i in range(Y.shape[0])]
+    fitted = torch.stack([torch.isfinite(p.coef_).flatten(1).all(1) & torch.isfinite(p.intercept_).all(1)
+                          for p in probes]).all(0)
+    status = torch.where(fitted, OK, SOLVER_FAILED)
+    status[_non_finite_units(X)] = NON_FINITE_INPUT
+    return probes, torch.full((X.shape[0],), float("nan"), dtype=torch.float64), status
+
+
+def _non_finite_units(X: Tensor) -> Tensor:
+    """Per unit of `[unit, n, d]` activations, whether any value is NaN or inf (on the CPU)."""
+    return (~torch.isfinite(X).flatten(1).all(1)).cpu()
 
 
 def _plans(train_st: Sequence[Stimulus], test_st: Sequence[Stimulus] | None, groups: Tensor,
@@ -186,15 +206,19 @@ def _run_plan(plan: _Plan, probe: str, Xtr: Tensor, ytr: Tensor, gtr: Tensor, Xt
         Y = ytr[tr].unsqueeze(0)
         if cfg.controls:
             Y = torch.cat([Y, shuffle_labels(ytr[tr], seed + 1000 + i).unsqueeze(0)])
-        probes, C = _fit(probe, Xtr[:, tr], Y, gtr[tr], cfg, seed + i)
-        s = torch.stack([p.decision_function(Xte[:, te].to(torch.float64)) for p in probes])  # [L, U, t, k]
+        probes, C, status = _fit(probe, Xtr[:, tr], Y, gtr[tr], cfg, seed + i)
+        Xs = Xte[:, te].to(torch.float64)
+        s = torch.stack([p.decision_function(Xs) for p in probes])  # [L, U, t, k]
+        status[_non_finite_units(Xs)] = NON_FINITE_INPUT
         classes = probes[0].classes_
         if out is None:
             out = _Outcome(scores=torch.zeros(s.shape[0], s.shape[1], n_pool, s.shape[3], dtype=torch.float64),
                            predicted=torch.zeros(n_pool, dtype=torch.bool),
-                           chance_correct=torch.zeros(n_pool, dtype=torch.float64), classes=classes)
+                           chance_correct=torch.zeros(n_pool, dtype=torch.float64), classes=classes,
+                           status=torch.zeros(s.shape[1], dtype=torch.long))
         if not torch.equal(out.classes, classes):
             continue  # a split missing a class cannot share the decision columns of the others
+        out.status = torch.maximum(out.status, status.cpu())
         out.scores[:, :, te] = s.cpu()
         out.predicted[te] = True
         out.chance_correct[te] = _chance(ytr[tr], yte[te])
@@ -204,13 +228,18 @@ def _run_plan(plan: _Plan, probe: str, Xtr: Tensor, ytr: Tensor, gtr: Tensor, Xt
 
 
 def _mode_c(cs: list[Tensor]) -> Tensor:
-    """Per unit, the C chosen most often across splits (ties: the smaller)."""
+    """Per unit, the C chosen most often across splits (ties: the smaller); NaN (no C: mass-mean
+    probes, failed fits) only where no split chose one."""
     stack = torch.stack(cs)  # [splits, U]
     if torch.isnan(stack).all():
         return stack[0]
     out = []
-    for col in stack.T.tolist():
-        vals, counts = np.unique(np.asarray(col), return_counts=True)
+    for col in stack.T.numpy():
+        col = col[~np.isnan(col)]
+        if col.size == 0:
+            out.append(float("nan"))
+            continue
+        vals, counts = np.unique(col, return_counts=True)
         out.append(float(vals[counts == counts.max()].min()))
     return torch.tensor(out, dtype=torch.float64)
 
@@ -220,6 +249,8 @@ def _rows_for(outcome: _Outcome, plan: _Plan, yte: Tensor, gte: Tensor, cfg: Swe
     classes = outcome.classes
     rows: list[dict[str, Any]] = []
     C = _mode_c(outcome.C)
+    failed = (outcome.status >= SOLVER_FAILED).tolist()
+    status = [FIT_STATUS[c] for c in outcome.status.tolist()]
     n_train = int(round(float(np.mean(outcome.n_train))))
     binary = classes.numel() == 2
     for eval_set, mask in plan.eval_sets.items():
@@ -256,14 +287,42 @@ def _rows_for(outcome: _Outcome, plan: _Plan, yte: Tensor, gte: Tensor, cfg: Swe
                        "ci_high": float(est.high[ui]),
                        "chance": chance if metric == "accuracy" else 0.5,
                        "n_train": n_train, "n_test": int(sel.numel()),
-                       "n_test_groups": int(torch.unique(g).numel()), "C": float(C[ui])}
+                       "n_test_groups": int(torch.unique(g).numel()), "C": float(C[ui]),
+                       "fit_status": status[ui]}
                 if ctrl is not None and sel_iv is not None:
                     row.update(control=float(ctrl.estimate[ui]), control_ci_low=float(ctrl.low[ui]),
                                control_ci_high=float(ctrl.high[ui]), selectivity=float(sel_iv.estimate[ui]),
                                selectivity_ci_low=float(sel_iv.low[ui]),
                                selectivity_ci_high=float(sel_iv.high[ui]))
+                if failed[ui]:  # no number from a probe (or control) that could not be fitted
+                    row.update({k: float("nan") for k in _FIT_VALUES})
                 rows.append(row)
     return rows
+
+
+_FIT_VALUES = ("score", "ci_low", "ci_high", "control", "control_ci_low", "control_ci_high", "selectivity",
+               "selectivity_ci_low", "selectivity_ci_high", "C")
+
+
+def fit_summary(table: pd.DataFrame) -> str | None:
+    """One line on the units whose probes failed or did not converge (None when all are "ok").
+
+    A unit is one (target, kind, layer, head) of the table; its status is the worst of its rows."""
+    if "fit_status" not in table or table.empty:
+        return None
+    code = table["fit_status"].map({name: i for i, name in enumerate(FIT_STATUS)})
+    worst = code.groupby([table[c] for c in ("target", "kind", "layer", "head")]).max()
+    counts = worst.value_counts()
+    failed = {FIT_STATUS[c]: int(k) for c, k in sorted(counts.items()) if c >= SOLVER_FAILED}
+    slow = int(counts.get(NOT_CONVERGED, 0))
+    parts = []
+    if failed:
+        why = ", ".join(f"{k} {name}" for name, k in failed.items())
+        parts.append(f"{sum(failed.values())} of {len(worst)} probe units could not be fitted ({why}): "
+                     "their scores are NaN")
+    if slow:
+        parts.append(f"{slow} of {len(worst)} did not converge (scores may be slightly off)")
+    return "; ".join(parts) + " (column fit_status)" if parts else None
 
 
 def _progress(total: int, enabled: bool, desc: str):  # noqa: ANN202 - tqdm or a stand-in
@@ -381,11 +440,15 @@ def run_probe_sweep(
                                             position, unit_keys)
                 bar.close()
     table = pd.DataFrame(rows, columns=COLUMNS)
+    summary = fit_summary(table)
+    if summary:
+        notes.append(summary)
     directions = _stack_directions(directions)
     meta = {
         "provenance": _provenance(acts, test_acts, cfg, seed, probe, targets, kinds, position, time.time() - t0),
         "notes": sorted(set(notes)),
         "targets": {t: get_target(t).description for t in targets},
+        "fit_status_codes": list(FIT_STATUS),  # the codes of the directions' fit_status tensors
     }
     return ProbeSweepResult(table=table.reset_index(drop=True), directions=directions, metadata=meta)
 
@@ -437,18 +500,19 @@ def _bow_chunks(st_tr: Sequence[Stimulus], st_te: Sequence[Stimulus]):  # noqa: 
 def _collect_directions(store: dict[str, Any], probe: str, X: Tensor, y: Tensor, groups: Tensor,
                         cfg: SweepConfig, seed: int, target: str, kind: str, position: str,
                         unit_keys: list[tuple[int, int]]) -> None:
-    probes, C = _fit(probe, X, y.unsqueeze(0), groups, cfg, seed)
+    probes, C, status = _fit(probe, X, y.unsqueeze(0), groups, cfg, seed)
     p = probes[0]
     mm = p if isinstance(p, MassMeanProbe) else MassMeanProbe(device=cfg.device, calibrate=False).fit(X, y)
     key = (target, kind, position)
     entry = store.setdefault(key, {"keys": [], "coef": [], "intercept": [], "direction": [], "mass_mean": [],
-                                   "C": [], "classes": p.classes_})
+                                   "C": [], "fit_status": [], "classes": p.classes_})
     entry["keys"].extend(unit_keys)
     entry["coef"].append(p.coef_)
     entry["intercept"].append(p.intercept_)
     entry["direction"].append(p.direction)
     entry["mass_mean"].append(unit_norm(mm.theta_))
     entry["C"].append(C)
+    entry["fit_status"].append(status)
 
 
 def _stack_directions(store: dict[Any, Any]) -> dict[str, Tensor]:
@@ -458,8 +522,9 @@ def _stack_directions(store: dict[Any, Any]) -> dict[str, Tensor]:
         layers = sorted({k[0] for k in keys})
         heads = sorted({k[1] for k in keys})
         shape = (len(layers),) if heads == [-1] else (len(layers), len(heads))
-        for what in ("coef", "intercept", "direction", "mass_mean", "C"):
-            t = torch.cat(e[what]).to(torch.float32)
+        for what in ("coef", "intercept", "direction", "mass_mean", "C", "fit_status"):
+            t = torch.cat(e[what])
+            t = t if what == "fit_status" else t.to(torch.float32)
             out[direction_name(target, kind, position, what)] = t.reshape(*shape, *t.shape[1:])
         out[direction_name(target, kind, position, "layers")] = torch.tensor(layers)
         out[direction_name(target, kind, position, "classes")] = e["classes"].clone()
@@ -495,14 +560,20 @@ def _provenance(acts: ActivationsLike, test_acts: ActivationsLike | None, cfg: S
 
 
 def write_probe_sweep(result: ProbeSweepResult, out: str | Path, *, table_format: str = "parquet") -> Path:
-    """Write `probes.parquet` (or .csv), `probes.json` (provenance, notes) and
-    `directions.safetensors` (+ .json) into `out`; returns `out`."""
+    """Write `probes.parquet` (or .csv), `directions.safetensors` (+ .json) and, last, `probes.json`
+    (provenance, notes) into `out`; returns `out`. `probes.json` marks a finished set: it is removed
+    first, so a run killed half-way through rewriting a folder never leaves an old marker beside
+    new tables, and directions from an earlier run never stay beside a sweep that has none."""
     from tomlens.experiments.io import write_json, write_table
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     if table_format not in ("parquet", "csv"):
         raise TomlensError(f"unknown table format {table_format!r}", "use 'parquet' or 'csv'")
+    (out / "probes.json").unlink(missing_ok=True)
+    if not result.directions:
+        for stale in ("directions.safetensors", "directions.json"):
+            (out / stale).unlink(missing_ok=True)
     write_table(result.table, out / f"probes.{table_format}")
     if result.directions:
         save_directions(out / "directions.safetensors", result.directions,

@@ -10,6 +10,11 @@ log-loss, then the smaller C); the final fit uses all rows with that C.
 Several label vectors can be fitted on the same features in one pass (`fit_logistic`'s `Y`): the
 shuffled-label control shares every Gram matrix and factorisation with the real labels, so it
 costs little more than the probe itself.
+
+A unit that cannot be fitted does not stop the others: its fit status (`FIT_STATUS`, the worst
+over its cross-validation and final fits) says why, and its coefficients and C are NaN when it
+failed ("solver_failed", "non_finite_input"). Units with NaN or inf activations never enter the
+arithmetic shared with other units.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from torch import Tensor
 
 from tomlens.errors import TomlensError
 from tomlens.probes.base import Probe, encode_labels, one_vs_rest, scores_to_index, scores_to_proba
-from tomlens.probes.newton import newton_logistic
+from tomlens.probes.newton import FIT_STATUS, NON_FINITE_INPUT, NOT_CONVERGED, SOLVER_FAILED, newton_logistic
 from tomlens.probes.reduce import BlockSums, RowBasis, Standardiser, reduce_rows, scale_spread
 from tomlens.probes.splits import Split, as_codes, group_kfold
 
@@ -35,9 +40,16 @@ C_GRID: tuple[float, ...] = (0.001, 0.01, 0.1, 1.0, 10.0)
 SMALL_WORK = 4e6  # unit x row x feature elements below which a fit runs on one CPU thread
 
 
+class ProbeFitWarning(UserWarning):
+    """Some probes did not converge or could not be fitted (see `LogisticFit.status`)."""
+
+
 @dataclass(frozen=True)
 class LogisticFit:
-    """Raw-space probes for each label vector and unit, and how C was chosen."""
+    """Raw-space probes for each label vector and unit, and how C was chosen.
+
+    `status` indexes `FIT_STATUS`; where it is "solver_failed" or "non_finite_input" the unit's
+    coef, intercept and C are NaN. `cv_accuracy` is NaN for a C whose fit failed on some fold."""
 
     coef: Float[Tensor, "label unit k d"]
     intercept: Float[Tensor, "label unit k"]
@@ -46,6 +58,7 @@ class LogisticFit:
     cv_accuracy: Float[Tensor, "label unit grid"] | None
     c_grid: tuple[float, ...]
     n_iter: int
+    status: Int[Tensor, "label unit"]
 
 
 def default_device() -> torch.device:
@@ -96,15 +109,17 @@ def rank_buckets(ranks: Int[Tensor, " u"], ratio: float = 1.25, slack: int = 8) 
 
 
 def _fit_reduced(Z: Tensor, T: Tensor, inv_c: Tensor, beta0: Tensor | None,
-                 max_iter: int, tol: float, ranks: Tensor | None = None) -> tuple[Tensor, int]:
+                 max_iter: int, tol: float, ranks: Tensor | None = None) -> tuple[Tensor, int, Tensor]:
     """Newton on reduced training features `Z` [u, m, r]; `T` [j, m] targets shared by all units.
 
     Units are solved in buckets of similar `ranks` (the leading columns that carry data); the
-    returned `beta` [u, j, r+1] has zeros in each unit's unused columns and the intercept last."""
+    returned `beta` [u, j, r+1] has zeros in each unit's unused columns and the intercept last;
+    the status [u, j] of every fit comes with it."""
     u, j = inv_c.shape
     m, r = Z.shape[1], Z.shape[2]
     y = T.to(Z.device, torch.float64).T.unsqueeze(0)
     beta = torch.zeros(u, j, r + 1, dtype=torch.float64, device=Z.device) if beta0 is None else beta0.clone()
+    status = torch.zeros(u, j, dtype=torch.long, device=Z.device)
     iters = 0
     buckets = [(torch.arange(u, device=Z.device), r)] if ranks is None else rank_buckets(ranks.cpu())
     for idx, rb in buckets:
@@ -114,13 +129,14 @@ def _fit_reduced(Z: Tensor, T: Tensor, inv_c: Tensor, beta0: Tensor | None,
                               max_iter=max_iter, tol=tol)
         beta[idx, :, :rb] = res.beta[..., :rb]
         beta[idx, :, r] = res.beta[..., rb]
+        status[idx] = res.status
         iters = max(iters, int(res.n_iter.max()))
-        stuck = int((~res.converged).sum())
-        if stuck:
-            warnings.warn(f"{stuck} of {res.converged.numel()} logistic fits stopped at max_iter={max_iter} "
-                          f"before reaching tol={tol}; their scores may be slightly off (raise max_iter)",
-                          stacklevel=2)
-    return beta, iters
+    return beta, iters, status
+
+
+def _per_label(status: Tensor, L: int) -> Tensor:
+    """Fit status [u, L*kk] (one-vs-rest columns per label vector) -> worst per label, [L, u]."""
+    return status.view(status.shape[0], L, -1).amax(2).T
 
 
 @dataclass
@@ -158,8 +174,10 @@ def _no_weights(beta: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def _cv_scores(Xc: Tensor, sums: BlockSums | None, basis: RowBasis | None, index: Tensor, n_classes: int,
-               folds: list[Split], c_grid: Sequence[float], max_iter: int, tol: float) -> tuple[Tensor, Tensor, int]:
-    """Mean validation accuracy and log-loss per (label, unit, C) over folds.
+               folds: list[Split], c_grid: Sequence[float], max_iter: int, tol: float
+               ) -> tuple[Tensor, Tensor, int, Tensor]:
+    """Mean validation accuracy and log-loss per (label, unit, C) over folds (NaN where a fold's
+    fit failed), Newton iterations, and the worst fit status per (label, unit).
 
     `index` [L, n]: class index of each row for each label vector; fold f's validation rows are
     block f of `sums` (None: no standardisation)."""
@@ -168,6 +186,7 @@ def _cv_scores(Xc: Tensor, sums: BlockSums | None, basis: RowBasis | None, index
     kk = 1 if n_classes == 2 else n_classes
     acc = torch.zeros(L, u, len(c_grid), dtype=torch.float64, device=Xc.device)
     nll = torch.zeros_like(acc)
+    status = torch.zeros(L, u, dtype=torch.long, device=Xc.device)
     iters = 0
     order = sorted(range(len(c_grid)), key=lambda i: c_grid[i])
     for f, split in enumerate(folds):
@@ -181,30 +200,35 @@ def _cv_scores(Xc: Tensor, sums: BlockSums | None, basis: RowBasis | None, index
         beta = None
         for ci in order:
             inv_c = torch.full((u, L * kk), 1.0 / c_grid[ci], dtype=torch.float64, device=Xc.device)
-            beta, it = _fit_reduced(ztr, T, inv_c, beta, max_iter, tol, prob.ranks)
+            beta, it, st = _fit_reduced(ztr, T, inv_c, beta, max_iter, tol, prob.ranks)
             iters = max(iters, it)
+            st = _per_label(st, L)
+            status = torch.maximum(status, st)
+            nan = torch.where(st >= SOLVER_FAILED, torch.nan, 0.0)  # [L, u]: NaN poisons this C
             s = torch.bmm(zv, beta[..., :-1].transpose(1, 2)) + beta[..., -1].unsqueeze(1)  # [u, nv, L*kk]
             s = s.view(u, -1, L, kk).permute(2, 0, 1, 3)  # [L, u, nv, kk]
-            acc[:, :, ci] += (scores_to_index(s) == yv.unsqueeze(1)).to(torch.float64).mean(2)
+            acc[:, :, ci] += (scores_to_index(s) == yv.unsqueeze(1)).to(torch.float64).mean(2) + nan
             proba = scores_to_proba(s).clamp(1e-15, 1 - 1e-15)
             picked = torch.gather(proba, 3, yv.view(L, 1, -1, 1).expand(L, u, -1, 1)).squeeze(3)
-            nll[:, :, ci] += -picked.log().mean(2)
-    return acc / len(folds), nll / len(folds), iters
+            nll[:, :, ci] += -picked.log().mean(2) + nan
+    return acc / len(folds), nll / len(folds), iters, status
 
 
 def _fit_units(Xc: Tensor, sums: BlockSums | None, basis: RowBasis | None, index: Tensor, n_classes: int,
                folds: list[Split], c_grid: tuple[float, ...], max_iter: int, tol: float
-               ) -> tuple[Tensor, Tensor, Tensor, Tensor | None, int]:
+               ) -> tuple[Tensor, Tensor, Tensor, Tensor | None, int, Tensor]:
     """CV over the C grid, then the final fit on all rows: coef [L, u, k, d], intercept
-    [L, u, k], C [L, u], CV accuracy [L, u, grid] (None without CV), Newton iterations."""
+    [L, u, k], C [L, u], CV accuracy [L, u, grid] (None without CV), Newton iterations, and the
+    worst fit status [L, u] over all of them."""
     u, n, d = Xc.shape
     L = index.shape[0]
     kk = 1 if n_classes == 2 else n_classes
     dev = Xc.device
     acc = None
     iters = 0
+    status = torch.zeros(L, u, dtype=torch.long, device=dev)
     if folds:
-        acc, nll, iters = _cv_scores(Xc, sums, basis, index, n_classes, folds, c_grid, max_iter, tol)
+        acc, nll, iters, status = _cv_scores(Xc, sums, basis, index, n_classes, folds, c_grid, max_iter, tol)
         c_u = torch.tensor(c_grid, dtype=torch.float64, device=dev)[choose_c(acc, nll, c_grid)]  # [L, u]
     else:
         c_u = torch.full((L, u), c_grid[0], dtype=torch.float64, device=dev)
@@ -212,17 +236,21 @@ def _fit_units(Xc: Tensor, sums: BlockSums | None, basis: RowBasis | None, index
     prob = _problem(Xc, sums, basis, include, torch.arange(n), weights=True)
     T = torch.cat([one_vs_rest(index[l_], n_classes) for l_ in range(L)])  # [L*kk, n]
     inv_c = (1.0 / c_u).T.repeat_interleave(kk, dim=1)  # [u, L*kk]
-    beta, it = _fit_reduced(prob.Z, T, inv_c, None, max_iter, tol, prob.ranks)
+    beta, it, st = _fit_reduced(prob.Z, T, inv_c, None, max_iter, tol, prob.ranks)
     w_raw, b_raw = prob.to_raw(beta)
     coef = w_raw.view(u, L, kk, d).permute(1, 0, 2, 3)
     intercept = b_raw.view(u, L, kk).permute(1, 0, 2)
-    return coef, intercept, c_u, acc, max(iters, it)
+    return coef, intercept, c_u, acc, max(iters, it), torch.maximum(status, _per_label(st, L))
 
 
 def choose_c(acc: Float[Tensor, "... grid"], nll: Float[Tensor, "... grid"],
              c_grid: Sequence[float]) -> Int[Tensor, "..."]:
-    """Index of the best C: highest accuracy; ties broken by lower log-loss, then smaller C."""
+    """Index of the best C: highest accuracy; ties broken by lower log-loss, then smaller C.
+    A C with NaN accuracy (its fit failed) is chosen only when every C failed."""
     cs = torch.tensor(list(c_grid), dtype=torch.float64, device=acc.device)
+    failed = acc.isnan() | nll.isnan()
+    acc = torch.where(failed, -math.inf, acc)
+    nll = torch.where(failed, math.inf, nll)
     best = acc.max(-1, keepdim=True).values
     tied = acc >= best - 1e-9
     nll_t = torch.where(tied, nll, torch.full_like(nll, math.inf))
@@ -268,6 +296,10 @@ def fit_logistic(
     ill-conditioned enough that float32 rounding moves their decision values visibly.
     `low_rank` lets units whose rows span no more dimensions than a fold has rows (per-head outputs) use
     one basis for every fold instead of one Gram matrix per fold (same solution, less work).
+
+    Never raises for numerical reasons: a unit that cannot be fitted gets NaN coefficients and
+    its reason in `LogisticFit.status`, and one `ProbeFitWarning` sums up the units that failed or
+    did not converge.
     """
     dev = torch.device(device) if device is not None else default_device()
     if X.ndim != 3:
@@ -292,16 +324,25 @@ def fit_logistic(
     L = Y.shape[0]
     codes = as_codes(groups, n)
     folds = inner_folds(codes, n, cv, seed) if len(c_grid) > 1 else []
+    # a unit with NaN or inf activations is fitted as zeros (cheap and harmless) and reported
+    mag = X.abs().flatten(1).amax(1).to(torch.float64)  # [u]; NaN where a NaN is
+    non_finite = ~torch.isfinite(mag)
+    if bool(non_finite.any()):
+        X = torch.where(non_finite.view(u, 1, 1).to(X.device), torch.zeros((), dtype=X.dtype, device=X.device), X)
+    rescale = _safe_scale(torch.where(non_finite, 0.0, mag), n, dtype) if standardize else torch.ones(u, dtype=torch.float64)
 
     with cpu_threads_for(float(u) * n * d, dev):
         coef = torch.zeros(L, u, kk, d, dtype=torch.float64)
         intercept = torch.zeros(L, u, kk, dtype=torch.float64)
         chosen = torch.zeros(L, u, dtype=torch.float64)
         cv_acc = torch.zeros(L, u, len(c_grid), dtype=torch.float64) if folds else None
+        status = torch.zeros(L, u, dtype=torch.long)
         iters = 0
         m_min = min((f.train.numel() for f in folds), default=n)
         for sl in _unit_chunks(u, n, d, L * kk, memory_budget):
             Xc = X[sl].to(dev, dtype)
+            if bool((rescale[sl] != 1).any()):
+                Xc = Xc * rescale[sl].to(dev, dtype).view(-1, 1, 1)
             uc = Xc.shape[0]
             sums = None
             parts: list[tuple[Tensor, RowBasis | None]] = [(torch.arange(uc, device=dev), None)]
@@ -323,17 +364,55 @@ def fit_logistic(
                 if idx.numel() == 0:
                     continue
                 sub = None if sums is None else sums.subset(idx)
-                cf, ic, c_u, acc, it = _fit_units(Xc[idx], sub, part_basis, index, n_classes, folds, c_grid,
-                                                  max_iter, tol)
+                cf, ic, c_u, acc, it, st = _fit_units(Xc[idx], sub, part_basis, index, n_classes, folds,
+                                                      c_grid, max_iter, tol)
                 where = torch.arange(sl.start, sl.stop)[idx.cpu()]
                 coef[:, where] = cf.cpu()
                 intercept[:, where] = ic.cpu()
                 chosen[:, where] = c_u.cpu()
+                status[:, where] = st.cpu()
                 if acc is not None:
                     cv_acc[:, where] = acc.cpu()
                 iters = max(iters, it)
+    coef *= rescale.cpu().view(1, u, 1, 1)  # weights on the rescaled features -> on the raw ones
+    status[:, non_finite.cpu()] = NON_FINITE_INPUT
+    failed = status >= SOLVER_FAILED
+    coef[failed] = torch.nan
+    intercept[failed] = torch.nan
+    chosen[failed] = torch.nan
+    _warn_status(status, max_iter, tol)
     return LogisticFit(coef=coef, intercept=intercept, C=chosen, classes=classes,
-                       cv_accuracy=cv_acc, c_grid=c_grid, n_iter=iters)
+                       cv_accuracy=cv_acc, c_grid=c_grid, n_iter=iters, status=status)
+
+
+def _safe_scale(mag: Float[Tensor, " u"], n: int, dtype: torch.dtype) -> Float[Tensor, " u"]:
+    """Per unit, a power of two that brings max |x| = `mag` near 1 where sums of n squares would
+    overflow or underflow `dtype` (float32 from |x| ~ 1e17), 1 elsewhere. Standardisation cannot
+    see a unit's scale, and a power of two keeps every value exact."""
+    fi = torch.finfo(dtype)
+    safe = ((mag < (fi.max / n) ** 0.5 / 16) & (mag > fi.tiny ** 0.5 * 16)) | (mag == 0)
+    return torch.where(safe, 1.0, torch.ldexp(torch.ones_like(mag), -torch.frexp(mag).exponent))
+
+
+def _status_counts(status: Int[Tensor, "..."]) -> dict[str, int]:
+    """How many entries of a fit-status tensor have each reason other than "ok"."""
+    counts = torch.bincount(status.flatten(), minlength=len(FIT_STATUS)).tolist()
+    return {FIT_STATUS[i]: c for i, c in enumerate(counts) if i and c}
+
+
+def _warn_status(status: Tensor, max_iter: int, tol: float) -> None:
+    counts = _status_counts(status)
+    if not counts:
+        return
+    parts = []
+    slow = counts.pop(FIT_STATUS[NOT_CONVERGED], 0)
+    if slow:
+        parts.append(f"{slow} stopped at max_iter={max_iter} before "
+                     f"reaching tol={tol} (fit_status 'not_converged': scores may be slightly off; raise max_iter)")
+    if counts:
+        why = ", ".join(f"{c} {name}" for name, c in counts.items())
+        parts.append(f"{sum(counts.values())} could not be fitted ({why}: coefficients NaN)")
+    warnings.warn(f"of {status.numel()} logistic probes, " + "; ".join(parts), ProbeFitWarning, stacklevel=3)
 
 
 class LogisticProbe(Probe):
@@ -373,6 +452,7 @@ class LogisticProbe(Probe):
         self.C_ = res.C[label]
         self.cv_accuracy_ = None if res.cv_accuracy is None else res.cv_accuracy[label]
         self.n_iter_ = res.n_iter
+        self.fit_status_ = res.status[label]
         return self
 
     @classmethod
