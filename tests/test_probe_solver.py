@@ -100,8 +100,9 @@ def test_degenerate_problems_are_solved_to_their_optimum(solve_dtype):
     assert (res.status == OK).all(), dict(zip(names, res.status.tolist()))
     assert torch.isfinite(res.beta).all()
     assert res.converged.all()
-    # the optimum, not just any finite answer: the gradient vanishes relative to its terms
-    assert float(kkt_residual(Z, Y, inv_c, res.beta).max()) < 1e-9
+    # the optimum, not just any finite answer: the gradient vanishes relative to its terms (float32
+    # Hessians give poorer directions; the line search then stops near 1e-9 on some BLAS kernels)
+    assert float(kkt_residual(Z, Y, inv_c, res.beta).max()) < (1e-9 if solve_dtype == torch.float64 else 1e-7)
     # duplicated columns share their weight equally (the L2 optimum is symmetric)
     dup = names.index("duplicated")
     torch.testing.assert_close(res.beta[dup, :, :3], res.beta[dup, :, 3:6], rtol=1e-5, atol=1e-8)
@@ -221,6 +222,33 @@ def test_fit_logistic_reports_non_finite_units_and_fits_the_rest_as_alone():
     torch.testing.assert_close(res.intercept[0, keep], alone.intercept[0], rtol=1e-6, atol=1e-9)
     probe = LogisticProbe.from_fit(res)
     assert probe.fit_status_.tolist() == res.status[0].tolist()
+
+
+def test_a_failed_c_that_is_not_chosen_does_not_mark_the_unit(monkeypatch):
+    """Cross-validation tries every C; a failure at one C disqualifies that C, not the unit."""
+    import tomlens.probes.logistic as logistic
+
+    X, y, groups = planted(u=3, d=10)
+    kw = dict(groups=groups, c_grid=(0.1, 1.0, 1e6), cv=3, device="cpu")
+    clean = fit_logistic(X, y.unsqueeze(0), **kw)
+    real = logistic.newton_logistic
+
+    def failing_at_huge_c(Z, y_, inv_c, **kwargs):  # noqa: ANN001, ANN202 - same signature
+        res = real(Z, y_, inv_c, **kwargs)
+        huge = (inv_c < 1e-5).all(1)  # every fit of a unit at C = 1e6
+        if bool(huge.any()):
+            status = res.status.clone()
+            status[huge] = SOLVER_FAILED
+            return type(res)(beta=res.beta, n_iter=res.n_iter, converged=res.converged, status=status)
+        return res
+
+    monkeypatch.setattr(logistic, "newton_logistic", failing_at_huge_c)
+    res = fit_logistic(X, y.unsqueeze(0), **kw)
+    assert (res.status == OK).all(), res.status
+    assert bool((res.C != 1e6).all()) and torch.isfinite(res.coef).all()
+    chose_huge_before = clean.C == 1e6
+    keep = ~chose_huge_before  # units that did not want C = 1e6 get the same probe as before
+    torch.testing.assert_close(res.coef[keep], clean.coef[keep], rtol=1e-6, atol=1e-9)
 
 
 def test_features_at_scale_1e4_give_the_same_probe_as_unscaled():

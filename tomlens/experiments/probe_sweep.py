@@ -325,6 +325,21 @@ def fit_summary(table: pd.DataFrame) -> str | None:
     return "; ".join(parts) + " (column fit_status)" if parts else None
 
 
+def directions_note(directions: dict[str, Tensor]) -> str | None:
+    """One line on direction fits (all rows, no held-out split) that failed or did not converge:
+    their status lives only in the directions file, so it is said here too."""
+    bad: dict[str, int] = {}
+    for name, t in directions.items():
+        if name.endswith("fit_status"):
+            for code in t.flatten().tolist():
+                if code >= NOT_CONVERGED:
+                    bad[FIT_STATUS[code]] = bad.get(FIT_STATUS[code], 0) + 1
+    if not bad:
+        return None
+    why = ", ".join(f"{k} {name}" for name, k in sorted(bad.items()))
+    return f"{sum(bad.values())} probe directions did not fit cleanly ({why}; fit_status in directions.safetensors)"
+
+
 def _progress(total: int, enabled: bool, desc: str):  # noqa: ANN202 - tqdm or a stand-in
     if enabled:
         from tqdm.auto import tqdm
@@ -444,6 +459,9 @@ def run_probe_sweep(
     if summary:
         notes.append(summary)
     directions = _stack_directions(directions)
+    note = directions_note(directions)
+    if note:
+        notes.append(note)
     meta = {
         "provenance": _provenance(acts, test_acts, cfg, seed, probe, targets, kinds, position, time.time() - t0),
         "notes": sorted(set(notes)),

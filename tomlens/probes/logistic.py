@@ -108,6 +108,12 @@ def rank_buckets(ranks: Int[Tensor, " u"], ratio: float = 1.25, slack: int = 8) 
     return out
 
 
+def _solve_dtype(device: torch.device) -> torch.dtype:
+    """float64 Hessian solves on the CPU (exact and cheap there); float32 on accelerators, whose
+    float64 can be 30-60x slower (still safe: a failed factorisation is damped, see newton.py)."""
+    return torch.float64 if device.type == "cpu" else torch.float32
+
+
 def _fit_reduced(Z: Tensor, T: Tensor, inv_c: Tensor, beta0: Tensor | None,
                  max_iter: int, tol: float, ranks: Tensor | None = None) -> tuple[Tensor, int, Tensor]:
     """Newton on reduced training features `Z` [u, m, r]; `T` [j, m] targets shared by all units.
@@ -126,7 +132,7 @@ def _fit_reduced(Z: Tensor, T: Tensor, inv_c: Tensor, beta0: Tensor | None,
         idx = idx.to(Z.device)
         b0 = torch.cat([beta[idx, :, :rb], beta[idx, :, r:]], 2)
         res = newton_logistic(Z[idx, :, :rb], y.expand(idx.numel(), m, j), inv_c[idx], beta0=b0,
-                              max_iter=max_iter, tol=tol)
+                              max_iter=max_iter, tol=tol, solve_dtype=_solve_dtype(Z.device))
         beta[idx, :, :rb] = res.beta[..., :rb]
         beta[idx, :, r] = res.beta[..., rb]
         status[idx] = res.status
@@ -177,7 +183,7 @@ def _cv_scores(Xc: Tensor, sums: BlockSums | None, basis: RowBasis | None, index
                folds: list[Split], c_grid: Sequence[float], max_iter: int, tol: float
                ) -> tuple[Tensor, Tensor, int, Tensor]:
     """Mean validation accuracy and log-loss per (label, unit, C) over folds (NaN where a fold's
-    fit failed), Newton iterations, and the worst fit status per (label, unit).
+    fit failed), Newton iterations, and the worst fit status per (label, unit, C) over folds.
 
     `index` [L, n]: class index of each row for each label vector; fold f's validation rows are
     block f of `sums` (None: no standardisation)."""
@@ -186,7 +192,7 @@ def _cv_scores(Xc: Tensor, sums: BlockSums | None, basis: RowBasis | None, index
     kk = 1 if n_classes == 2 else n_classes
     acc = torch.zeros(L, u, len(c_grid), dtype=torch.float64, device=Xc.device)
     nll = torch.zeros_like(acc)
-    status = torch.zeros(L, u, dtype=torch.long, device=Xc.device)
+    status = torch.zeros(L, u, len(c_grid), dtype=torch.long, device=Xc.device)  # worst over folds, per C
     iters = 0
     order = sorted(range(len(c_grid)), key=lambda i: c_grid[i])
     for f, split in enumerate(folds):
@@ -203,7 +209,7 @@ def _cv_scores(Xc: Tensor, sums: BlockSums | None, basis: RowBasis | None, index
             beta, it, st = _fit_reduced(ztr, T, inv_c, beta, max_iter, tol, prob.ranks)
             iters = max(iters, it)
             st = _per_label(st, L)
-            status = torch.maximum(status, st)
+            status[:, :, ci] = torch.maximum(status[:, :, ci], st)
             nan = torch.where(st >= SOLVER_FAILED, torch.nan, 0.0)  # [L, u]: NaN poisons this C
             s = torch.bmm(zv, beta[..., :-1].transpose(1, 2)) + beta[..., -1].unsqueeze(1)  # [u, nv, L*kk]
             s = s.view(u, -1, L, kk).permute(2, 0, 1, 3)  # [L, u, nv, kk]
@@ -219,7 +225,8 @@ def _fit_units(Xc: Tensor, sums: BlockSums | None, basis: RowBasis | None, index
                ) -> tuple[Tensor, Tensor, Tensor, Tensor | None, int, Tensor]:
     """CV over the C grid, then the final fit on all rows: coef [L, u, k, d], intercept
     [L, u, k], C [L, u], CV accuracy [L, u, grid] (None without CV), Newton iterations, and the
-    worst fit status [L, u] over all of them."""
+    worst fit status [L, u] of the chosen C's cross-validation fits and the final fit (a C that
+    failed but was not chosen does not mark the unit)."""
     u, n, d = Xc.shape
     L = index.shape[0]
     kk = 1 if n_classes == 2 else n_classes
@@ -228,8 +235,10 @@ def _fit_units(Xc: Tensor, sums: BlockSums | None, basis: RowBasis | None, index
     iters = 0
     status = torch.zeros(L, u, dtype=torch.long, device=dev)
     if folds:
-        acc, nll, iters, status = _cv_scores(Xc, sums, basis, index, n_classes, folds, c_grid, max_iter, tol)
-        c_u = torch.tensor(c_grid, dtype=torch.float64, device=dev)[choose_c(acc, nll, c_grid)]  # [L, u]
+        acc, nll, iters, per_c = _cv_scores(Xc, sums, basis, index, n_classes, folds, c_grid, max_iter, tol)
+        pick = choose_c(acc, nll, c_grid)  # [L, u]
+        c_u = torch.tensor(c_grid, dtype=torch.float64, device=dev)[pick]
+        status = torch.gather(per_c, 2, pick.unsqueeze(2)).squeeze(2)
     else:
         c_u = torch.full((L, u), c_grid[0], dtype=torch.float64, device=dev)
     include = None if sums is None else torch.ones(sums.count.numel(), dtype=torch.bool)
