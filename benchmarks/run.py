@@ -14,7 +14,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 OUT = HERE.parent / "bench-out"
-BENCHES = ("cache", "probes", "patching")
+BENCHES = ("cache", "probes", "patching", "search")
 
 
 def main() -> int:

@@ -65,15 +65,18 @@ def test_topk_recovery(setup):
     rec = topk_recovery(model, prepared, ranking, k_max=n_heads, n_random=4, seed=3, progress=False)
     t = rec.table
     assert t.k.tolist() == list(range(1, n_heads + 1))
+    # Effects are raw logit differences (fp32, ~0.1) over the clean - corrupted gap (3e-4 on this
+    # random model): a raw tolerance of 1e-5 (fp32 rounding of other forwards) is 1e-5 / gap here.
+    gap = float((exact.clean - exact.corrupted).mean())
+    tol = 1e-5 / abs(gap)
     # k = 1 is the best single head's own exact effect
-    assert t.top_effect.iloc[0] == pytest.approx(rank_heads(exact).effect.iloc[0], abs=1e-5)
+    assert t.top_effect.iloc[0] == pytest.approx(rank_heads(exact).effect.iloc[0], abs=tol)
     # k = all heads: every head patched together, as a direct hook computation gives it
     direct = torch.tensor([_patch_heads_directly(model, p, ranking) for p in pairs], dtype=torch.float64)
-    gap = float((exact.clean - exact.corrupted).mean())
     want = float((direct - exact.corrupted).mean()) / gap
-    assert t.top_effect.iloc[-1] == pytest.approx(want, abs=1e-4)
+    assert t.top_effect.iloc[-1] == pytest.approx(want, abs=tol)
     # with all heads drawn, the random sets are the same set: same effect
-    assert t.random_mean.iloc[-1] == pytest.approx(want, abs=1e-4)
+    assert t.random_mean.iloc[-1] == pytest.approx(want, abs=tol)
     assert (t.random_low <= t.random_mean + 1e-12).all() and (t.random_mean <= t.random_high + 1e-12).all()
     assert len(rec.draws) == 4 * n_heads and rec.draws.heads.str.count("L").tolist() == [k for k in t.k for _ in range(4)]
     again = topk_recovery(model, prepared, ranking, k_max=2, n_random=4, seed=3, progress=False)
@@ -127,12 +130,17 @@ def test_mean_ablation(setup, mode):
     model, pairs, prepared, exact = setup
     ranking = list(zip(*[rank_heads(exact)[c] for c in ("layer", "head")]))
     ab = mean_ablation(model, prepared, ranking, ks=[1, 3], n_random=3, seed=0, mode=mode, progress=False)
+    # accuracies count signs computed by other forwards: equal only while no logit difference sits
+    # within fp32 rounding of 0, so check that margin first (here and for each k below)
+    assert float(torch.cat([exact.clean, exact.corrupted]).abs().min()) > 1e-4
     assert ab.baseline["fb_accuracy"] == pytest.approx(float((exact.clean > 0).double().mean()))
     assert ab.baseline["tb_accuracy"] == pytest.approx(float((exact.corrupted < 0).double().mean()))
     for k in (1, 3):
         direct = _ablate_directly(model, pairs, ranking[:k], mode)
+        assert float(direct.abs().min()) > 1e-4
         row = ab.table[ab.table.k == k].iloc[0]
-        assert row.clean_logit_diff == pytest.approx(float(direct[0].mean()), abs=1e-4)
+        # batched ablation vs one story per forward (values ~0.1): fp32 tolerance
+        assert row.clean_logit_diff == pytest.approx(float(direct[0].mean()), abs=1e-5)
         assert row.fb_accuracy == pytest.approx(float((direct[0] > 0).double().mean()))
         assert row.tb_accuracy == pytest.approx(float((direct[1] < 0).double().mean()))
         assert row.fb_drop == pytest.approx(ab.baseline["fb_accuracy"] - row.fb_accuracy)

@@ -20,12 +20,13 @@ def test_patch_cli_end_to_end(load_tiny, tmp_path, capsys):
     out = tmp_path / "out"
     code = main([
         "patch", "--model", "tiny-gpt2", "--pairs", str(pairs_file), "--method", "both",
-        "--sites", "heads,resid", "--positions", "final", "--top-k", "2", "--n-random", "2",
+        "--sites", "heads,resid", "--positions", "all,final", "--top-k", "2", "--n-random", "2",
         "--probe-table", str(probe_file), "--out", str(out), "--no-progress", "--format", "csv",
     ])
     assert code == 0
     printed = capsys.readouterr().out
     assert "3 pairs" in printed and "top heads" in printed and "Spearman" in printed
+    assert "plan (3 pairs" in printed and "estimated" in printed
 
     summary = json.loads((out / "summary.json").read_text())
     prov = summary["provenance"]
@@ -34,6 +35,8 @@ def test_patch_cli_end_to_end(load_tiny, tmp_path, capsys):
     assert "logit_diff" in summary["metric"] and "contrast" in summary["corruption"]
     assert {c["kind"] for c in summary["comparisons"]} == {"head", "resid_pre"}
     assert len(summary["topk"]) == 2 and summary["ablation"]["mode"] == "final"
+    assert summary["positions"] == {"head": ["all", "final"], "resid_pre": ["each", "final"]}
+    assert summary["rank_position"] == "all" and summary["plan"]["total_runs"] > 0
 
     cells = pd.read_csv(out / "cells_exact_denoise.csv")
     assert set(cells.kind) == {"head", "resid_pre"} and set(cells.position) >= {"all", "each", "final"}
@@ -47,7 +50,10 @@ def test_patch_cli_end_to_end(load_tiny, tmp_path, capsys):
     figures = sorted(p.name for p in (out / "figures").iterdir())
     assert figures == [
         "attribution_vs_exact_denoise.html", "heads_attribution_denoise.html", "heads_exact_denoise.html",
-        "resid_pre_attribution_denoise.html", "resid_pre_exact_denoise.html", "topk_recovery.html",
+        "heads_final_attribution_denoise.html", "heads_final_exact_denoise.html",
+        "resid_pre_attribution_denoise.html", "resid_pre_exact_denoise.html",
+        "resid_pre_positions_attribution_denoise.html", "resid_pre_positions_exact_denoise.html",
+        "topk_recovery.html",
     ]
     html = (out / "figures" / "heads_exact_denoise.html").read_text()
     assert "plotly" in html and '<script src="https://cdn' not in html  # plotly.js inlined, no network

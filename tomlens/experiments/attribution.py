@@ -19,6 +19,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import pandas as pd
 import torch
+from jaxtyping import Bool, Float
 from torch import Tensor
 from tqdm.auto import tqdm
 
@@ -39,6 +40,21 @@ from tomlens.experiments.patching import (
     prepare_pairs,
 )
 from tomlens.hooks.patch import forward_last, record_hooks
+
+
+def column_scores(
+    diff: Float[Tensor, "g new ..."], grad: Tensor | None, start: int, width: int, keep: Bool[Tensor, "g pos"]
+) -> Float[Tensor, "g pos head"]:
+    """One hook's attribution score per padded column, `(source - base) . gradient` summed over the
+    last axis: `[g, width, head]` (head axis 1 for sites without heads), zero before `start` (not
+    recomputed) and before each pair's first differing token (nothing differs there)."""
+    s = torch.zeros(diff.shape[:-1]) if grad is None else (diff * grad).float().sum(-1)
+    s = s.cpu()
+    if s.ndim == 2:
+        s = s[..., None]
+    full = torch.zeros((s.shape[0], width) + tuple(s.shape[2:]), dtype=s.dtype)
+    full[:, start:] = s
+    return full * keep[..., None].to(s.dtype)
 
 
 def _group_scores(
@@ -76,19 +92,64 @@ def _group_scores(
         names = [h for h in hooks if h in base]
         grads = torch.autograd.grad(metric.sum(), [base[h] for h in names], allow_unused=True)
     width = group.width
-    keep = (torch.arange(width)[None, :] >= group.first_diff[:, None])  # [g, pos]: columns that differ
-    scores: dict[str, Tensor] = {}
-    for name, grad in zip(names, grads):
-        act = base[name].detach()
-        if grad is None:
-            grad = torch.zeros_like(act)
-        s = ((src[name][:, start:].to(act.dtype) - act) * grad).float().sum(-1).cpu()  # [g, pos - start(, head)]
-        if s.ndim == 2:
-            s = s[..., None]
-        full = torch.zeros((g, width) + tuple(s.shape[2:]), dtype=s.dtype)
-        full[:, start:] = s
-        scores[name] = full * keep[..., None].to(s.dtype)
+    keep = torch.arange(width)[None, :] >= group.first_diff[:, None]  # [g, pos]: columns that differ
+    scores = {
+        name: column_scores(src[name][:, start:].to(base[name].dtype) - base[name].detach(), grad, start, width, keep)
+        for name, grad in zip(names, grads)
+    }
     return scores, metric.detach().double().cpu(), src_metric.double().cpu()
+
+
+class CellIndex:
+    """Where every cell's value sits in a group's per-site score tensors, so all cells are read out
+    with a few gathers instead of one lookup per cell.
+
+    A score tensor is `[g, width, head]` (head axis 1 for sites without heads) holding each padded
+    column's contribution; a cell at "all" sums its columns, a selector or "each" cell reads one
+    (NaN where the pair has no token at that right-aligned position). `key(cell)` names the score
+    tensor a cell reads (default: its hook).
+    """
+
+    def __init__(self, cells: Sequence[Cell], group, n_aligned: int, key=None):
+        key = key or (lambda c: hook_for(c.kind, c.layer))
+        g, width = group.g, group.width
+        pads = torch.tensor([group.pad(j) for j in range(g)])
+        members: dict[str, list[int]] = {}
+        for i, cell in enumerate(cells):
+            members.setdefault(key(cell), []).append(i)
+        self.n = len(cells)
+        self.g = g
+        self.parts: dict[str, tuple[Tensor, Tensor, Tensor, Tensor, Tensor]] = {}
+        for k, idx in members.items():
+            cols = torch.zeros((g, len(idx)), dtype=torch.long)
+            missing = torch.zeros((g, len(idx)), dtype=torch.bool)
+            whole = torch.zeros(len(idx), dtype=torch.bool)
+            for n, i in enumerate(idx):
+                cell = cells[i]
+                if cell.position == "all":
+                    whole[n] = True
+                elif cell.position == "each":
+                    col = width - n_aligned + cell.pos
+                    cols[:, n] = max(col, 0)
+                    missing[:, n] = pads > col
+                else:
+                    cols[:, n] = group.positions[cell.position]
+            heads = torch.tensor([max(cells[i].head, 0) for i in idx])
+            self.parts[k] = (torch.tensor(idx), heads, cols, missing, whole)
+
+    def values(
+        self, scores: Mapping[str, Tensor], totals: Mapping[str, Tensor] | None = None
+    ) -> Float[Tensor, "cell g"]:
+        """Every cell's value for the group's pairs. `totals[key]` (`[g, head]`) replaces the
+        column sum for "all" cells where patching every column is not the sum of patching each."""
+        out = torch.empty((self.n, self.g), dtype=torch.float64)
+        rows = torch.arange(self.g)[:, None]
+        for k, (idx, heads, cols, missing, whole) in self.parts.items():
+            s = scores[k].double()
+            whole_v = (totals[k] if totals is not None and k in totals else s.sum(1)).double()[:, heads]
+            v = torch.where(whole[None, :], whole_v, s[rows, cols, heads[None, :]])
+            out[idx] = v.masked_fill(missing, float("nan")).T
+        return out
 
 
 def attribution_patching(
@@ -115,41 +176,18 @@ def attribution_patching(
     cells = plan_cells(model, sites, positions, n_aligned=prepared.n_aligned, layers=layers)
     _check_selectors(cells, prepared)
     n_pair = len(prepared.pairs)
-    n_al = prepared.n_aligned
     values = torch.full((len(cells), n_pair), float("nan"), dtype=torch.float64)
     clean = torch.empty(n_pair, dtype=torch.float64)
     corrupted = torch.empty(n_pair, dtype=torch.float64)
     hooks = _needed_hooks(cells)
     for group in tqdm(prepared.groups, desc=f"attribution ({direction})", unit="group", disable=not progress):
-        g, width = group.g, group.width
         scores, base_metric, src_metric = _group_scores(model, group, hooks, direction, reuse_prefix=reuse_prefix)
         idx = torch.tensor(group.index)
         if direction == "denoise":
             clean[idx], corrupted[idx] = src_metric, base_metric
         else:
             clean[idx], corrupted[idx] = base_metric, src_metric
-        pads = torch.tensor([group.pad(j) for j in range(g)])
-        blocks: dict[tuple[str, str, int], Tensor] = {}
-
-        def block(cell: Cell) -> Tensor:
-            hook = hook_for(cell.kind, cell.layer)
-            key = (hook, cell.position, cell.pos)
-            if key not in blocks:
-                s = scores[hook]  # [g, pos, head]
-                if cell.position == "all":
-                    v = s.sum(1).double()
-                elif cell.position == "each":
-                    col = width - n_al + cell.pos
-                    v = s[:, col].double() if col >= 0 else torch.zeros(s.shape[0], s.shape[2], dtype=torch.float64)
-                    v[pads > col] = float("nan")
-                else:
-                    col = group.positions[cell.position]
-                    v = s[torch.arange(g), col].double()
-                blocks[key] = base_metric[:, None] + v
-            return blocks[key]
-
-        for c_i, cell in enumerate(cells):
-            values[c_i, idx] = block(cell)[:, max(cell.head, 0)]
+        values[:, idx] = base_metric[None, :] + CellIndex(cells, group, prepared.n_aligned).values(scores)
     return PatchingResult(
         "attribution", direction, cells, values, clean, corrupted, prepared.ids, prepared.token_labels, normalize
     )

@@ -8,11 +8,13 @@ belief; these functions ask the joint questions:
   stories and read the drop in false-belief accuracy, against k random heads.
 - *Per-head table*: patching effect, attribution score and (optionally) probe accuracy side by side.
 
-All patched runs go through the batched engine of `tomlens.experiments.patching`.
+All patched runs go through the batched engine of `tomlens.experiments.patching`, laid out
+(`HeadSetSweep`, `AblationSweep`) and run in checkpointed chunks like an exact sweep.
 """
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import Any, Literal, Sequence
 
@@ -25,17 +27,19 @@ from tqdm.auto import tqdm
 from tomlens.errors import TomlensError
 from tomlens.experiments.metric import Normalize, summarise
 from tomlens.experiments.patching import (
+    DEFAULT_CHUNK_RUNS,
     Cell,
     Direction,
     PatchingResult,
     PreparedPairs,
     Run,
+    Stage,
     _roles,
     base_pass,
     cell_columns,
+    forward_cost,
     hook_for,
     prepare_pairs,
-    run_patched,
 )
 
 Head = tuple[int, int]
@@ -92,6 +96,91 @@ class Recovery:
     draws: pd.DataFrame
 
 
+def topk_settings(
+    model, ranking: Sequence[Head] | None, ks: Sequence[int], n_random: int, seed: int
+) -> list[tuple[str, int, int, list[Head]]]:
+    """(kind, k, draw, heads) for the top-k sets of `ranking` and `n_random` random sets per k.
+
+    `ranking=None` stands the first random draw in for each top set: same sizes, so a plan made
+    before the ranking exists counts the same runs."""
+    randoms = _random_sets(model, ks, n_random, seed)
+    if ranking is None:
+        stand_in = _random_sets(model, ks, 1, seed + 1)
+        top = [("top", k, -1, stand_in[k][0]) for k in ks]
+    else:
+        top = [("top", k, -1, [tuple(map(int, h)) for h in ranking[:k]]) for k in ks]
+    return top + [("random", k, d, heads) for k in ks for d, heads in enumerate(randoms[k])]
+
+
+class HeadSetSweep:
+    """Each head set patched into every pair with all its heads at once, laid out per group and
+    run in checkpointed chunks (`tomlens.experiments.patching.Stage`)."""
+
+    def __init__(
+        self,
+        model,
+        prepared: PreparedPairs,
+        head_sets: Sequence[Sequence[Head]],
+        *,
+        position: str = "all",
+        direction: Direction = "denoise",
+        memory_mb: float = 1024,
+        chunk_runs: int = DEFAULT_CHUNK_RUNS,
+        name: str = "topk",
+    ):
+        self.prepared, self.n_sets = prepared, len(head_sets)
+        layers = sorted({l for hs in head_sets for l, _ in hs})
+        runs: list[list[Run]] = []
+        self.targets: list[list[tuple[int, int]]] = []
+        self.fills: list[list[tuple[int, int, int]]] = []
+        for group in prepared.groups:
+            g = group.g
+            rs: list[Run] = []
+            ts: list[tuple[int, int]] = []
+            fs: list[tuple[int, int, int]] = []
+            for s_i, heads in enumerate(head_sets):
+                for j, p_i in enumerate(group.index):
+                    base, src = _roles(direction, g, j)
+                    patches = []
+                    for l, h in heads:
+                        cols = cell_columns(Cell("head", l, h, position, -1), group, j, prepared.n_aligned)
+                        if cols:
+                            patches.append((hook_for("head", l), l, h, cols, src))
+                    if not patches:
+                        fs.append((s_i, p_i, base))
+                        continue
+                    rs.append(Run(base, patches))
+                    ts.append((s_i, p_i))
+            runs.append(rs)
+            self.targets.append(ts)
+            self.fills.append(fs)
+        self.stage = Stage(name, model, prepared, runs, hooks=[hook_for("head", l) for l in layers],
+                           memory_mb=memory_mb, chunk_runs=chunk_runs)
+
+    def run(self, *, checkpoints: Any = None, progress: bool = True) -> tuple[Tensor, Tensor, Tensor]:
+        """Raw metric `[set, pair]` with the clean and corrupted baselines `[pair]`."""
+        stage = self.stage
+        if checkpoints is not None:
+            stage.load(checkpoints)
+        with tqdm(total=stage.n_runs, desc="top-k heads", unit="run", disable=not progress) as bar:
+            bar.update(stage.n_done)
+            stage.run(checkpoints=checkpoints, bar=bar)
+        n_pair = len(self.prepared.pairs)
+        values = torch.full((self.n_sets, n_pair), float("nan"), dtype=torch.float64)
+        clean = torch.empty(n_pair, dtype=torch.float64)
+        corrupted = torch.empty(n_pair, dtype=torch.float64)
+        for gi, group in enumerate(self.prepared.groups):
+            metric = stage.base[gi].double()
+            clean[group.index], corrupted[group.index] = metric[: group.g], metric[group.g :]
+            if self.targets[gi]:
+                t = torch.tensor(self.targets[gi])
+                values[t[:, 0], t[:, 1]] = stage.values[gi].double()
+            if self.fills[gi]:
+                f = torch.tensor(self.fills[gi])
+                values[f[:, 0], f[:, 1]] = metric[f[:, 2]]
+        return values, clean, corrupted
+
+
 def topk_recovery(
     model,
     pairs: Any,
@@ -107,20 +196,21 @@ def topk_recovery(
     memory_mb: float = 1024,
     n_boot: int = 1000,
     progress: bool = True,
+    checkpoints: Any = None,
+    chunk_runs: int = DEFAULT_CHUNK_RUNS,
 ) -> Recovery:
-    """Patch the top-k heads of `ranking` together for k = 1..k_max, and k random heads."""
+    """Patch the top-k heads of `ranking` together for k = 1..k_max, and k random heads, at
+    `position`. `checkpoints`: finished chunks are saved there and reused (see `exact_patching`)."""
     ranking = [tuple(map(int, h)) for h in ranking]
     k_max = min(k_max, len(ranking))
     if k_max < 1:
         raise TomlensError("top-k recovery needs at least one ranked head", "pass a non-empty ranking")
     prepared = _prepared(model, pairs, position, batch_pairs)
     ks = list(range(1, k_max + 1))
-    randoms = _random_sets(model, ks, n_random, seed)
-    settings: list[tuple[str, int, int, list[Head]]] = [("top", k, -1, ranking[:k]) for k in ks]
-    settings += [("random", k, d, heads) for k in ks for d, heads in enumerate(randoms[k])]
-    values, clean, corrupted = _run_settings(
-        model, prepared, [s[3] for s in settings], position, direction, batch_pairs, memory_mb, progress
-    )
+    settings = topk_settings(model, ranking, ks, n_random, seed)
+    sweep = HeadSetSweep(model, prepared, [s[3] for s in settings], position=position, direction=direction,
+                         memory_mb=memory_mb, chunk_runs=chunk_runs, name=f"topk-{direction}-{position}")
+    values, clean, corrupted = sweep.run(checkpoints=checkpoints, progress=progress)
     s = summarise(values, clean, corrupted, normalize=normalize, n_boot=n_boot, seed=seed)
     long = pd.DataFrame(
         {
@@ -148,54 +238,6 @@ def topk_recovery(
         }
     )
     return Recovery(table, long[long.kind == "random"].reset_index(drop=True))
-
-
-def _run_settings(
-    model,
-    prepared: PreparedPairs,
-    head_sets: Sequence[Sequence[Head]],
-    position: str,
-    direction: Direction,
-    batch_pairs: int,
-    memory_mb: float,
-    progress: bool,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Patch each head set (all its heads at once) into every pair; raw metric [set, pair]."""
-    n_pair = len(prepared.pairs)
-    values = torch.full((len(head_sets), n_pair), float("nan"), dtype=torch.float64)
-    clean = torch.empty(n_pair, dtype=torch.float64)
-    corrupted = torch.empty(n_pair, dtype=torch.float64)
-    layers = sorted({l for hs in head_sets for l, _ in hs})
-    hooks = [hook_for("head", l) for l in layers]
-    bar = tqdm(total=len(head_sets) * n_pair, desc="top-k heads", unit="run", disable=not progress)
-    for group in prepared.groups:
-        g = group.g
-        bp = base_pass(model, group, hooks)
-        metric = bp.metric.double().cpu()
-        clean[group.index] = metric[:g]
-        corrupted[group.index] = metric[g:]
-        runs: list[Run] = []
-        targets: list[tuple[int, int]] = []
-        for s_i, heads in enumerate(head_sets):
-            for j, p_i in enumerate(group.index):
-                base, src = _roles(direction, g, j)
-                patches = []
-                for l, h in heads:
-                    cols = cell_columns(Cell("head", l, h, position, -1), group, j, prepared.n_aligned)
-                    if cols:
-                        patches.append((hook_for("head", l), l, h, cols, src))
-                if not patches:
-                    values[s_i, p_i] = metric[base]
-                    continue
-                runs.append(Run(base, patches))
-                targets.append((s_i, p_i))
-        bar.update(len(head_sets) * g - len(runs))
-        out = run_patched(model, group, runs, bp.sources, bp, memory_mb=memory_mb, bar=bar)
-        if targets:
-            t = torch.tensor(targets)
-            values[t[:, 0], t[:, 1]] = out.double()
-    bar.close()
-    return values, clean, corrupted
 
 
 # --------------------------------------------------------------------------------------------
@@ -252,6 +294,103 @@ def _masked_sum(z: Tensor, group, width: int) -> Tensor:
     return (z * mask[:, :, None, None]).sum(0)
 
 
+class AblationSweep:
+    """Mean ablation laid out before it runs: every head set ablated in every clean and corrupted
+    story (one run each), run in checkpointed chunks after the heads' means are computed (or
+    read back from the checkpoints)."""
+
+    def __init__(
+        self,
+        model,
+        prepared: PreparedPairs,
+        head_sets: Sequence[Sequence[Head]],
+        *,
+        mode: Literal["final", "all"] = "final",
+        memory_mb: float = 1024,
+        chunk_runs: int = DEFAULT_CHUNK_RUNS,
+    ):
+        if mode not in ("final", "all"):
+            raise TomlensError(f"unknown ablation mode {mode!r}", "use 'final' or 'all'")
+        self.model, self.prepared, self.mode, self.n_sets = model, prepared, mode, len(head_sets)
+        self.layers = sorted({l for hs in head_sets for l, _ in hs})
+        self.means: dict[int, Tensor] | None = None
+        runs: list[list[Run]] = []
+        self.targets: list[list[tuple[int, int, int]]] = []
+        for group in prepared.groups:
+            g, width = group.g, group.width
+            rs: list[Run] = []
+            ts: list[tuple[int, int, int]] = []
+            for s_i, heads in enumerate(head_sets):
+                for story in range(2 * g):
+                    pad = group.pad(story % g)  # a pair's two stories share their padding
+                    cols = [width - 1] if mode == "final" else list(range(pad, width))
+                    rs.append(Run(story, [(hook_for("head", l), l, h, cols, 0) for l, h in heads]))
+                    ts.append((s_i, 0 if story < g else 1, group.index[story % g]))
+            runs.append(rs)
+            self.targets.append(ts)
+        self.stage = Stage(f"ablation-{mode}", model, prepared, runs, sources=self._sources,
+                           memory_mb=memory_mb, chunk_runs=chunk_runs)
+
+    def means_cost(self) -> float:
+        """Multiply-adds of the forwards that compute the heads' means (0 once they are known)."""
+        if self.means is not None:
+            return 0.0
+        return sum(forward_cost(self.model, 2 * g.g, g.width) for g in self.prepared.groups)
+
+    def _means_name(self) -> str:
+        return f"means-{self.mode}-{hashlib.sha256(repr(self.layers).encode()).hexdigest()[:12]}"
+
+    def _means_shapes(self) -> dict[str, tuple[int, ...]]:
+        cfg = self.model.cfg
+        shape = (cfg.n_heads, cfg.d_head) if self.mode == "final" else (self.prepared.n_aligned, cfg.n_heads, cfg.d_head)
+        return {f"L{l}": shape for l in self.layers}
+
+    def _sources(self, group) -> dict[str, Tensor]:
+        assert self.means is not None
+        width, n_al = group.width, self.prepared.n_aligned
+        sources: dict[str, Tensor] = {}
+        for l in self.layers:
+            m = self.means[l]
+            src = torch.zeros((1, width) + tuple(m.shape[-2:]), dtype=m.dtype)
+            if self.mode == "final":
+                src[0, -1] = m
+            else:
+                lo = max(0, n_al - width)
+                src[0, width - (n_al - lo) :] = m[lo:]
+            sources[hook_for("head", l)] = src.to(_device(self.model))
+        return sources
+
+    def load(self, checkpoints: Any) -> int:
+        """Take the means and finished chunks from `checkpoints`; returns the runs loaded."""
+        got = checkpoints.load(self._means_name(), self._means_shapes())
+        if got is not None:
+            self.means = {l: got[f"L{l}"] for l in self.layers}
+        return self.stage.load(checkpoints)
+
+    def run(self, *, checkpoints: Any = None, progress: bool = True) -> tuple[Tensor, Tensor]:
+        """Ablated metric `[set, clean/corrupted, pair]` and the unablated one `[clean/corrupted, pair]`."""
+        stage = self.stage
+        if checkpoints is not None:
+            self.load(checkpoints)
+        if self.means is None:
+            self.means = head_means(self.model, self.prepared, self.layers, self.mode, progress=progress)
+            if checkpoints is not None:
+                checkpoints.save(self._means_name(), {f"L{l}": m for l, m in self.means.items()})
+        with tqdm(total=stage.n_runs, desc="mean ablation", unit="run", disable=not progress) as bar:
+            bar.update(stage.n_done)
+            stage.run(checkpoints=checkpoints, bar=bar)
+        n_pair = len(self.prepared.pairs)
+        ablated = torch.full((self.n_sets, 2, n_pair), float("nan"), dtype=torch.float64)
+        base = torch.empty(2, n_pair, dtype=torch.float64)
+        for gi, group in enumerate(self.prepared.groups):
+            metric = stage.base[gi].double()
+            idx = torch.tensor(group.index)
+            base[0, idx], base[1, idx] = metric[: group.g], metric[group.g :]
+            t = torch.tensor(self.targets[gi])
+            ablated[t[:, 0], t[:, 1], t[:, 2]] = stage.values[gi].double()
+        return ablated, base
+
+
 def mean_ablation(
     model,
     pairs: Any,
@@ -264,6 +403,8 @@ def mean_ablation(
     batch_pairs: int = 8,
     memory_mb: float = 1024,
     progress: bool = True,
+    checkpoints: Any = None,
+    chunk_runs: int = DEFAULT_CHUNK_RUNS,
 ) -> Ablation:
     """Ablate the top-k heads (and k random heads) in every clean and corrupted story.
 
@@ -272,7 +413,7 @@ def mean_ablation(
     `mode="all"`: every position is replaced by that head's mean at the same right-aligned position.
     False-belief accuracy is the share of clean stories whose logit difference favours the
     belief-consistent answer (> 0); true-belief accuracy the share of corrupted stories favouring
-    the world-consistent one (< 0).
+    the world-consistent one (< 0). `checkpoints`: see `exact_patching`.
     """
     if mode not in ("final", "all"):
         raise TomlensError(f"unknown ablation mode {mode!r}", "use 'final' or 'all'")
@@ -281,44 +422,10 @@ def mean_ablation(
     if not ks:
         raise TomlensError("mean ablation needs k between 1 and the number of ranked heads")
     prepared = _prepared(model, pairs, "all", batch_pairs)
-    randoms = _random_sets(model, ks, n_random, seed)
-    settings: list[tuple[str, int, int, list[Head]]] = [("top", k, -1, ranking[:k]) for k in ks]
-    settings += [("random", k, d, hs) for k in ks for d, hs in enumerate(randoms[k])]
-    layers = sorted({l for *_, hs in settings for l, _ in hs})
-    means = head_means(model, prepared, layers, mode, progress=progress)
-    n_pair = len(prepared.pairs)
-    ablated = torch.full((len(settings), 2, n_pair), float("nan"), dtype=torch.float64)  # [set, clean/corr, pair]
-    base = torch.empty(2, n_pair, dtype=torch.float64)
-    n_al = prepared.n_aligned
-    bar = tqdm(total=len(settings) * 2 * n_pair, desc="mean ablation", unit="run", disable=not progress)
-    for group in prepared.groups:
-        g, width = group.g, group.width
-        bp = base_pass(model, group, [])
-        metric = bp.metric.double().cpu()
-        idx = torch.tensor(group.index)
-        base[0, idx], base[1, idx] = metric[:g], metric[g:]
-        sources: dict[str, Tensor] = {}
-        for l in layers:
-            m = means[l]
-            src = torch.zeros((1, width) + tuple(m.shape[-2:]), dtype=m.dtype)
-            if mode == "final":
-                src[0, -1] = m
-            else:
-                lo = max(0, n_al - width)
-                src[0, width - (n_al - lo) :] = m[lo:]
-            sources[hook_for("head", l)] = src.to(_device(model))
-        runs: list[Run] = []
-        targets: list[tuple[int, int, int]] = []
-        for s_i, (*_, heads) in enumerate(settings):
-            for story in range(2 * g):
-                pad = group.pad(story % g)  # a pair's two stories share their padding
-                cols = [width - 1] if mode == "final" else list(range(pad, width))
-                runs.append(Run(story, [(hook_for("head", l), l, h, cols, 0) for l, h in heads]))
-                targets.append((s_i, 0 if story < g else 1, group.index[story % g]))
-        out = run_patched(model, group, runs, sources, bp, memory_mb=memory_mb, bar=bar)
-        t = torch.tensor(targets)
-        ablated[t[:, 0], t[:, 1], t[:, 2]] = out.double()
-    bar.close()
+    settings = topk_settings(model, ranking, ks, n_random, seed)
+    sweep = AblationSweep(model, prepared, [s[3] for s in settings], mode=mode, memory_mb=memory_mb,
+                          chunk_runs=chunk_runs)
+    ablated, base = sweep.run(checkpoints=checkpoints, progress=progress)
     fb = (ablated[:, 0] > 0).double().mean(1)  # clean stories: belief answer preferred
     tb = (ablated[:, 1] < 0).double().mean(1)  # corrupted stories: world answer preferred
     base_fb = float((base[0] > 0).double().mean())

@@ -17,6 +17,11 @@ Why it is fast and still exact:
   the patched block directly. A one-off check per model confirms both shortcuts reproduce a plain
   run; if they do not (an architecture they do not fit), every run is a plain full forward.
 
+Sweeps are laid out before they run (`ExactSweep`: every run of every group, with the work each
+costs), so a plan can count and time them (`tomlens.experiments.plan`), and they run in `Stage`
+chunks that are checkpointed as they finish (`tomlens.experiments.checkpoints`): a stopped sweep
+resumes from the chunks on disk, which are reused only for exactly the runs that made them.
+
 Positions: "all" (every token), a selector from `tomlens.hooks.resolve_positions` ("final", a span
 role, ...), or "each" (one cell per token). "each" indexes tokens right-aligned across pairs (pairs
 of different lengths share their ending, the belief question); a pair without a token at an index
@@ -25,10 +30,11 @@ gives NaN there and is left out of that cell's statistics.
 
 from __future__ import annotations
 
+import hashlib
 import warnings
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Literal, Mapping, Sequence
+from typing import Any, Callable, Iterable, Literal, Mapping, Sequence
 
 import numpy as np
 import pandas as pd
@@ -40,6 +46,7 @@ from tqdm.auto import tqdm
 from tomlens.errors import TomlensError
 from tomlens.experiments.metric import Normalize, gap_is_unstable, logit_diff, option_first_tokens, summarise
 from tomlens.hooks.patch import PatchIndex, PrefixCache, forward_last, patch_hooks, record_hooks
+from tomlens.oom import OOM_ERRORS, release_memory
 
 Direction = Literal["denoise", "noise"]
 
@@ -308,6 +315,8 @@ def _entries(chunk: Sequence[Run], sources: Mapping[str, Tensor]) -> dict[str, P
 
 # Whether shared-prefix / skipped-block runs reproduce a plain run on this model (checked once).
 _SHORTCUTS_OK: "weakref.WeakKeyDictionary[Any, bool]" = weakref.WeakKeyDictionary()
+# The memory budget (MB) a model's patched forwards shrank to after running out of memory.
+_MEMORY_CAP: "weakref.WeakKeyDictionary[Any, float]" = weakref.WeakKeyDictionary()
 
 
 def _shortcuts_ok(model, group: Group, bp: BasePass) -> bool:
@@ -362,7 +371,9 @@ def run_patched(
     Runs are sorted by the first block they patch and their first patched column (latest first)
     and cut into chunks that fit `memory_mb`. A chunk runs only the blocks from its earliest
     patched block on (the base run's residual stream enters there) and only the columns from its
-    earliest patched column on (earlier keys and values come from the base run).
+    earliest patched column on (earlier keys and values come from the base run). A forward that
+    runs out of accelerator memory is retried with half its rows (rows do not interact: the same
+    numbers), and later forwards on this model keep the smaller budget.
     """
     out = torch.empty(len(runs), dtype=torch.float32)
     if not runs:
@@ -373,9 +384,10 @@ def run_patched(
     starts = [run.start if shortcuts else 0 for run in runs]
     firsts = [run.layer if shortcuts and run.layer in base.resid else 0 for run in runs]
     order = sorted(range(len(runs)), key=lambda i: (-firsts[i], -starts[i]))
-    budget = memory_mb * 2**20
+    budget = min(memory_mb, _MEMORY_CAP.get(model, memory_mb)) * 2**20
     batch = group.batch
     fk = batch.forward_kwargs()
+    vocab, answer = torch.unique(group.tokens, return_inverse=True)  # the metric's tokens only
     a = 0
     while a < len(order):
         b = a + 1
@@ -390,18 +402,208 @@ def run_patched(
         chunk = [runs[i] for i in chunk_idx]
         rows = torch.tensor([run.base for run in chunk], dtype=torch.long)
         offset = start if prefix is not None else 0
-        skip = (first, base.resid[first].index_select(0, rows.to(base.resid[first].device))[:, offset:]) if first > 0 else None
-        hooks = patch_hooks(_entries(chunk, sources), offset=offset)
-        with torch.inference_mode():
-            last, _ = forward_last(
-                model, batch.input_ids, fk, hooks, rows=rows, prefix=prefix, start=start, skip=skip
-            )
-            values = logit_diff(last, group.tokens[rows])
+        try:
+            skip = (first, base.resid[first].index_select(0, rows.to(base.resid[first].device))[:, offset:]) if first > 0 else None
+            hooks = patch_hooks(_entries(chunk, sources), offset=offset)
+            with torch.inference_mode():
+                last, _ = forward_last(
+                    model, batch.input_ids, fk, hooks, rows=rows, prefix=prefix, start=start, skip=skip,
+                    vocab=vocab,
+                )
+                values = logit_diff(last, answer[rows])
+        except OOM_ERRORS:
+            if len(chunk) == 1:
+                raise
+            # Rows do not interact, so half as many rows per forward gives the same numbers.
+            release_memory()
+            budget = (len(chunk) // 2) * _row_bytes(model, width, width - start, first)
+            _MEMORY_CAP[model] = budget / 2**20
+            warnings.warn(f"out of memory in a patched forward of {len(chunk)} runs; continuing with "
+                          f"{len(chunk) // 2} per forward", stacklevel=2)
+            continue
         out[torch.tensor(chunk_idx)] = values.cpu()
         if bar is not None:
             bar.update(len(chunk))
         a = b
     return out
+
+
+# --------------------------------------------------------------------------------------------
+# Stages: a sweep's patched runs laid out before they run, and run in checkpointed chunks
+
+DEFAULT_CHUNK_RUNS = 1024
+# A chunk also ends at this much work (multiply-adds): seconds on two CPU cores, so a stopped run
+# loses seconds and the timed first chunk is short, whatever the runs cost.
+CHUNK_MACS = 1.5e11
+
+
+def layer_macs(model, width: int) -> float:
+    """Multiply-adds of one token through one block (projections, MLP, attention over `width`)."""
+    cfg = model.cfg
+    n_kv = getattr(cfg, "n_key_value_heads", None) or cfg.n_heads
+    d_mlp = getattr(cfg, "d_mlp", None) or 4 * cfg.d_model
+    mats = 3 if getattr(cfg, "gated_mlp", False) else 2
+    attn = cfg.d_model * cfg.d_head * (2 * cfg.n_heads + 2 * n_kv) + 2 * cfg.n_heads * cfg.d_head * width
+    return float(attn + mats * cfg.d_model * d_mlp)
+
+
+# What a patched run pays per block beyond its own tokens, as a number of tokens' work: the shared
+# prefix's keys and values copied into its row (twice, and expanded for grouped-query attention).
+# Measured on CPU (SmolLM2-135M, 101 tokens): a one-token run costs about nine tokens of a forward.
+ROW_OVERHEAD_TOKENS = 8
+
+
+def run_cost(model, width: int, start: int, layer: int) -> float:
+    """Work of one patched run, in multiply-adds: columns `[start, width)` through blocks `layer..`
+    (what `run_patched` recomputes with its shortcuts) plus the per-row overhead of each block."""
+    return (width - start + ROW_OVERHEAD_TOKENS) * (model.cfg.n_layers - layer) * layer_macs(model, width)
+
+
+def forward_cost(model, rows: int, width: int) -> float:
+    """Multiply-adds of a plain forward of `rows` stories of `width` tokens."""
+    cfg = model.cfg
+    return rows * (width * cfg.n_layers * layer_macs(model, width) + cfg.d_model * cfg.d_vocab)
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Runs `[lo, hi)` of one group's runs: the unit a stage checkpoints, resumes and times."""
+
+    group: int
+    index: int
+    lo: int
+    hi: int
+    cost: float
+
+    @property
+    def n_runs(self) -> int:
+        return self.hi - self.lo
+
+
+class Stage:
+    """The patched runs of one stage of a sweep, laid out per group before anything runs, then run
+    in chunks of at most `chunk_runs` runs (and about `CHUNK_MACS` of work), each checkpointed as
+    it finishes.
+
+    `runs[g]` are group g's runs; each group's base pass records `hooks`, which are the patch
+    sources unless `sources(group)` gives them. After `run`, `values[g]` holds the metric of every
+    run of group g (in `runs[g]` order) and `base[g]` the unpatched metric of each of its stories.
+    A chunk is tied to its runs by a hash (`tag`), so a chunk on disk is reused only for the very
+    same runs.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        model,
+        prepared: PreparedPairs,
+        runs: Sequence[Sequence[Run]],
+        *,
+        hooks: Sequence[str] = (),
+        sources: Callable[[Group], Mapping[str, Tensor]] | None = None,
+        memory_mb: float = 1024,
+        chunk_runs: int = DEFAULT_CHUNK_RUNS,
+        reuse_prefix: bool = True,
+    ):
+        if chunk_runs < 1:
+            raise TomlensError(f"chunk_runs={chunk_runs} must be at least 1", "pass a positive number of runs per chunk")
+        self.name, self.model, self.prepared = name, model, prepared
+        self.runs = [list(r) for r in runs]
+        self.hooks, self.sources = sorted(set(hooks)), sources
+        self.memory_mb, self.reuse_prefix = memory_mb, reuse_prefix
+        self.chunks: list[Chunk] = []
+        for gi, (group, rs) in enumerate(zip(prepared.groups, self.runs)):
+            lo, cost, index = 0, 0.0, 0
+            for i, r in enumerate(rs):
+                cost += run_cost(model, group.width, r.start, r.layer)
+                if i + 1 - lo >= chunk_runs or cost >= CHUNK_MACS or i + 1 == len(rs):
+                    self.chunks.append(Chunk(gi, index, lo, i + 1, cost))
+                    lo, cost, index = i + 1, 0.0, index + 1
+        self.values = [torch.full((len(rs),), float("nan"), dtype=torch.float32) for rs in self.runs]
+        self.base: list[Tensor | None] = [None] * len(self.runs)
+        self.done: set[tuple[int, int]] = set()
+        self._bp: tuple[int, BasePass] | None = None
+
+    @property
+    def n_runs(self) -> int:
+        return sum(len(r) for r in self.runs)
+
+    @property
+    def n_done(self) -> int:
+        return self.n_runs - sum(c.n_runs for c in self.pending())
+
+    def pending(self) -> list[Chunk]:
+        return [c for c in self.chunks if (c.group, c.index) not in self.done]
+
+    def cost(self) -> float:
+        """Work (`run_cost`) of the chunks not done."""
+        return sum(c.cost for c in self.pending())
+
+    def forward_cost(self) -> float:
+        """Multiply-adds of the base passes the chunks not done need (and of groups without one)."""
+        groups = {c.group for c in self.pending()} | {g for g, b in enumerate(self.base) if b is None}
+        return sum(forward_cost(self.model, 2 * self.prepared.groups[g].g, self.prepared.groups[g].width)
+                   for g in groups)
+
+    def _name(self, group: int, part: str) -> str:
+        return f"{self.name}-g{group:04d}-{part}"
+
+    def _base_name(self, group: int) -> str:
+        ids = [self.prepared.pairs[i].id for i in self.prepared.groups[group].index]
+        return self._name(group, f"base-{hashlib.sha256(repr(ids).encode()).hexdigest()[:12]}")
+
+    def _tag(self, chunk: Chunk) -> str:
+        runs = self.runs[chunk.group][chunk.lo : chunk.hi]
+        blob = repr([(r.base, r.patches) for r in runs]).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+    def load(self, checkpoints: Any) -> int:
+        """Take every finished chunk and base metric of this stage from `checkpoints`
+        (a `tomlens.experiments.checkpoints.Checkpoints`); returns the number of runs done."""
+        for gi, group in enumerate(self.prepared.groups):
+            if self.base[gi] is None:
+                got = checkpoints.load(self._base_name(gi), {"metric": (2 * group.g,)})
+                if got is not None:
+                    self.base[gi] = got["metric"]
+        for c in self.pending():
+            got = checkpoints.load(self._name(c.group, f"c{c.index:05d}-{self._tag(c)}"), {"values": (c.n_runs,)})
+            if got is not None:
+                self.values[c.group][c.lo : c.hi] = got["values"]
+                self.done.add((c.group, c.index))
+        return self.n_done
+
+    def prepare(self, gi: int, checkpoints: Any = None) -> BasePass:
+        """Group `gi`'s base pass (kept for the next chunks of that group; its metric is saved)."""
+        if self._bp is not None and self._bp[0] == gi:
+            return self._bp[1]
+        self._bp = None  # free the previous group's activations first
+        bp = base_pass(self.model, self.prepared.groups[gi], self.hooks, reuse_prefix=self.reuse_prefix)
+        self._bp = (gi, bp)
+        if self.base[gi] is None:
+            self.base[gi] = bp.metric.float().cpu()
+            if checkpoints is not None:
+                checkpoints.save(self._base_name(gi), {"metric": self.base[gi]})
+        return bp
+
+    def run(self, *, checkpoints: Any = None, bar: Any = None, chunks: Sequence[Chunk] | None = None) -> None:
+        """Run `chunks` (default: every chunk not done, and the base pass of every group), saving
+        each to `checkpoints` as it finishes."""
+        todo = [c for c in (self.chunks if chunks is None else chunks) if (c.group, c.index) not in self.done]
+        for gi, group in enumerate(self.prepared.groups):
+            mine = [c for c in todo if c.group == gi]
+            if not mine and (chunks is not None or self.base[gi] is not None):
+                continue
+            bp = self.prepare(gi, checkpoints)
+            sources = bp.sources if self.sources is None else self.sources(group)
+            for c in mine:
+                out = run_patched(self.model, group, self.runs[gi][c.lo : c.hi], sources, bp,
+                                  memory_mb=self.memory_mb, bar=bar)
+                self.values[gi][c.lo : c.hi] = out
+                if checkpoints is not None:
+                    checkpoints.save(self._name(gi, f"c{c.index:05d}-{self._tag(c)}"), {"values": out})
+                self.done.add((gi, c.index))
+        if chunks is None:
+            self._bp = None
 
 
 # --------------------------------------------------------------------------------------------
@@ -590,6 +792,86 @@ def _needed_hooks(cells: Sequence[Cell]) -> list[str]:
     return sorted({hook_for(c.kind, c.layer) for c in cells})
 
 
+class ExactSweep:
+    """An exact patching sweep laid out before it runs: one run per (cell, pair), except cells
+    patched only before the pair's first differing token (nothing changes: the base run's own
+    value) and positions the pair lacks (NaN). `stage` runs the rest; `result` assembles them."""
+
+    def __init__(
+        self,
+        model,
+        prepared: PreparedPairs,
+        cells: Sequence[Cell],
+        direction: Direction = "denoise",
+        *,
+        memory_mb: float = 1024,
+        reuse_prefix: bool = True,
+        chunk_runs: int = DEFAULT_CHUNK_RUNS,
+    ):
+        _check_selectors(cells, prepared)
+        self.prepared, self.cells, self.direction = prepared, list(cells), direction
+        runs: list[list[Run]] = []
+        self.targets: list[list[tuple[int, int]]] = []
+        self.fills: list[list[tuple[int, int, int]]] = []  # (cell, pair, base row): no run needed
+        hooks = {c: hook_for(c.kind, c.layer) for c in set(self.cells)}
+        for group in prepared.groups:
+            g = group.g
+            rs: list[Run] = []
+            ts: list[tuple[int, int]] = []
+            fs: list[tuple[int, int, int]] = []
+            for c_i, cell in enumerate(self.cells):
+                for j, p_i in enumerate(group.index):
+                    base, src = _roles(direction, g, j)
+                    cols = cell_columns(cell, group, j, prepared.n_aligned)
+                    if cols is None:
+                        continue
+                    if not cols:
+                        fs.append((c_i, p_i, base))
+                        continue
+                    rs.append(Run(base, [(hooks[cell], cell.layer, cell.head, cols, src)]))
+                    ts.append((c_i, p_i))
+            runs.append(rs)
+            self.targets.append(ts)
+            self.fills.append(fs)
+        self.stage = Stage(f"exact-{direction}", model, prepared, runs, hooks=_needed_hooks(self.cells),
+                           memory_mb=memory_mb, chunk_runs=chunk_runs, reuse_prefix=reuse_prefix)
+
+    def load(self, checkpoints: Any) -> int:
+        """Take finished chunks from `checkpoints`; returns the runs now done."""
+        return self.stage.load(checkpoints)
+
+    def run(self, *, checkpoints: Any = None, progress: bool = True) -> None:
+        stage = self.stage
+        if checkpoints is not None:
+            stage.load(checkpoints)
+        with tqdm(total=stage.n_runs, desc=f"patching ({self.direction})", unit="run", disable=not progress) as bar:
+            bar.update(stage.n_done)
+            stage.run(checkpoints=checkpoints, bar=bar)
+
+    def result(self, normalize: Normalize = "pooled") -> PatchingResult:
+        n_pair = len(self.prepared.pairs)
+        values = torch.full((len(self.cells), n_pair), float("nan"), dtype=torch.float64)
+        clean = torch.empty(n_pair, dtype=torch.float64)
+        corrupted = torch.empty(n_pair, dtype=torch.float64)
+        for gi, group in enumerate(self.prepared.groups):
+            metric = self.stage.base[gi]
+            if metric is None:
+                raise RuntimeError(f"{self.stage.name}: group {gi} has not run")
+            metric = metric.double()
+            clean[group.index] = metric[: group.g]
+            corrupted[group.index] = metric[group.g :]
+            if self.targets[gi]:
+                t = torch.tensor(self.targets[gi])
+                values[t[:, 0], t[:, 1]] = self.stage.values[gi].double()
+            if self.fills[gi]:
+                f = torch.tensor(self.fills[gi])
+                values[f[:, 0], f[:, 1]] = metric[f[:, 2]]
+        return PatchingResult(
+            "exact", self.direction, self.cells, values, clean, corrupted, self.prepared.ids,
+            self.prepared.token_labels, normalize,
+        )
+
+
 def exact_patching(
     model,
     pairs: Sequence[Any] | PreparedPairs,
@@ -603,53 +885,31 @@ def exact_patching(
     memory_mb: float = 1024,
     reuse_prefix: bool = True,
     progress: bool = True,
+    cells: Sequence[Cell] | None = None,
+    checkpoints: Any = None,
+    chunk_runs: int = DEFAULT_CHUNK_RUNS,
 ) -> PatchingResult:
     """Patch every cell of the requested sites, one batched forward per chunk of (cell, pair) runs.
 
     `sites`: kinds ("heads", "resid", "attn", "mlp", "resid_mid", ...) with their default positions
     (heads/attn/mlp at "all", resid at "each") plus `positions`, or a mapping kind -> positions.
+    `cells`: an explicit list of cells to patch instead (e.g. the candidates a search verifies);
+    `sites`, `positions` and `layers` are then ignored.
+    `checkpoints` (a `tomlens.experiments.checkpoints.Checkpoints`): finished chunks of
+    `chunk_runs` runs are saved there and taken from there, so a stopped sweep resumes.
     """
+    explicit = list(cells) if cells is not None else None
+    extra = tuple(c.position for c in explicit or ())
     prepared = pairs if isinstance(pairs, PreparedPairs) else prepare_pairs(
-        model, pairs, selectors=_selectors(sites, positions), batch_pairs=batch_pairs
+        model, pairs, selectors=_selectors(sites, (*positions, *extra)), batch_pairs=batch_pairs
     )
-    cells = plan_cells(model, sites, positions, n_aligned=prepared.n_aligned, layers=layers)
-    _check_selectors(cells, prepared)
-    n_pair = len(prepared.pairs)
-    values = torch.full((len(cells), n_pair), float("nan"), dtype=torch.float64)
-    clean = torch.empty(n_pair, dtype=torch.float64)
-    corrupted = torch.empty(n_pair, dtype=torch.float64)
-    hooks = _needed_hooks(cells)
-    bar = tqdm(total=len(cells) * n_pair, desc=f"patching ({direction})", unit="run", disable=not progress)
-    for group in prepared.groups:
-        g = group.g
-        bp = base_pass(model, group, hooks, reuse_prefix=reuse_prefix)
-        metric = bp.metric.double().cpu()
-        clean[group.index] = metric[:g]
-        corrupted[group.index] = metric[g:]
-        runs: list[Run] = []
-        targets: list[tuple[int, int]] = []
-        for c_i, cell in enumerate(cells):
-            hook = hook_for(cell.kind, cell.layer)
-            for j, p_i in enumerate(group.index):
-                base, src = _roles(direction, g, j)
-                cols = cell_columns(cell, group, j, prepared.n_aligned)
-                if cols is None:
-                    continue
-                if not cols:
-                    values[c_i, p_i] = metric[base]
-                    continue
-                runs.append(Run(base, [(hook, cell.layer, cell.head, cols, src)]))
-                targets.append((c_i, p_i))
-        bar.update(len(cells) * g - len(runs))
-        out = run_patched(model, group, runs, bp.sources, bp, memory_mb=memory_mb, bar=bar)
-        if targets:
-            t = torch.tensor(targets)
-            values[t[:, 0], t[:, 1]] = out.double()
-        del bp
-    bar.close()
-    return PatchingResult(
-        "exact", direction, cells, values, clean, corrupted, prepared.ids, prepared.token_labels, normalize
+    cells = explicit if explicit is not None else plan_cells(
+        model, sites, positions, n_aligned=prepared.n_aligned, layers=layers
     )
+    sweep = ExactSweep(model, prepared, cells, direction, memory_mb=memory_mb, reuse_prefix=reuse_prefix,
+                       chunk_runs=chunk_runs)
+    sweep.run(checkpoints=checkpoints, progress=progress)
+    return sweep.result(normalize)
 
 
 def _selectors(sites: Any, positions: Sequence[str]) -> tuple[str, ...]:

@@ -86,6 +86,32 @@ def resid_heatmap(result: PatchingResult, kind: str = "resid_pre") -> Any:
     return fig
 
 
+def position_heatmap(result: PatchingResult, kind: str = "resid_pre") -> Any:
+    """Layer x named position (final token, contrast, the question's mentions, ...) for a sweep at
+    role positions rather than at every token."""
+    go = _go()
+    kind = canonical_kind(kind)
+    df = result.summary()
+    df = df[(df.kind == kind) & ~df.position.isin(["all", "each"])]
+    if df.empty:
+        raise ValueError(f"the result has no {kind} cells at named positions")
+    grid = df.pivot_table(index="layer", columns="position", values="effect", sort=False, dropna=False)
+    grid = grid[list(dict.fromkeys(df.position))].sort_index()
+    z = grid.to_numpy(dtype=float)
+    fig = go.Figure(
+        go.Heatmap(
+            z=z, x=list(grid.columns), y=[f"L{l}" for l in grid.index],
+            hovertemplate="%{y} at %{x}<br>effect %{z:.3f}<extra></extra>",
+            colorbar={"title": "effect"}, **_effect_scale(z, result.direction),
+        )
+    )
+    fig.update_layout(
+        title=_title(result, f"{kind} by layer and position"), xaxis_title="position",
+        yaxis_title="layer", yaxis={"autorange": "reversed"}, xaxis={"type": "category"},
+    )
+    return fig
+
+
 def attribution_scatter(exact: PatchingResult, attribution: PatchingResult, position: str = "all") -> Any:
     """One point per head: attribution estimate against exact effect, with the y = x line."""
     from tomlens.experiments.attribution import compare

@@ -27,6 +27,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import torch
 from jaxtyping import Float, Int
 from torch import Tensor
+from transformers.cache_utils import DynamicLayer
 
 Hook = tuple[str, Callable[..., Any]]
 
@@ -120,15 +121,27 @@ class PrefixCache:
             return None
         return cls([layer.keys for layer in cache.layers], [layer.values for layer in cache.layers])
 
-    def select(self, rows: Int[Tensor, "r"], length: int, from_layer: int = 0) -> Any:
+    def select(self, rows: Int[Tensor, "r"], length: int, from_layer: int = 0, *, in_place: bool = False) -> Any:
         """A fresh HF cache holding columns `[0, length)` of the given base rows.
 
         Layers below `from_layer` are skipped by the forward (see `skip_blocks`) and never read
-        their cache; they share layer 0's tensors, which the mask code reads for the prefix length.
+        their cache; they share layer 0's, which the mask code reads for the prefix length.
+        `in_place=True`: each layer holds the rows' whole width and takes the run's new columns in
+        place (`_InPlaceLayer`), for a forward whose new columns end at the base runs' last column.
         """
         from transformers.cache_utils import DynamicCache
 
         rows = rows.to(self.keys[0].device)
+        if in_place:
+            cache = DynamicCache()
+            layers: list[Any] = []
+            for i, (k, v) in enumerate(zip(self.keys, self.values)):
+                if 0 < i < from_layer:
+                    layers.append(layers[0])
+                else:
+                    layers.append(_InPlaceLayer(k.index_select(0, rows), v.index_select(0, rows), length))
+            cache.layers = layers
+            return cache
         data = []
         for i, (k, v) in enumerate(zip(self.keys, self.values)):
             if 0 < i < from_layer:
@@ -136,6 +149,32 @@ class PrefixCache:
             else:
                 data.append((k.index_select(0, rows)[:, :, :length], v.index_select(0, rows)[:, :, :length]))
         return DynamicCache(ddp_cache_data=data)
+
+
+class _InPlaceLayer(DynamicLayer):
+    """A cache layer over a run's whole row of keys and values (`[r, kv, width, d]`, the base run's,
+    so columns `[0, length)` are the shared prefix): the forward's new columns are written over the
+    base run's in place and the layer hands back the whole row. A plain `DynamicLayer` would copy
+    the prefix twice more (once when built, once per update), most of a one-token run's time."""
+
+    def __init__(self, keys: Tensor, values: Tensor, length: int):
+        super().__init__()
+        self.full_keys, self.full_values, self.length = keys, values, length
+        self.dtype, self.device, self.is_initialized = keys.dtype, keys.device, True
+        self.keys, self.values = keys[:, :, :length], values[:, :, :length]
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor]:
+        end = self.length + key_states.shape[-2]
+        if end > self.full_keys.shape[-2]:
+            raise ValueError(f"{end} columns do not fit a cache row of {self.full_keys.shape[-2]}")
+        self.full_keys[:, :, self.length : end] = key_states
+        self.full_values[:, :, self.length : end] = value_states
+        self.length = end
+        self.keys, self.values = self.full_keys[:, :, :end], self.full_values[:, :, :end]
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.length
 
 
 @contextmanager
@@ -170,6 +209,31 @@ def skip_blocks(model, below: int, resid: Tensor | None) -> Iterator[None]:
             del_attr(block, "forward")
 
 
+@contextmanager
+def logits_of(model, vocab: Int[Tensor, "v"] | None) -> Iterator[None]:
+    """Unembed to the logits of `vocab` only: a metric that reads a few tokens' logits need not
+    pay for a vocabulary-wide matmul per row (at a 49k vocabulary, as much as a dozen blocks do for
+    one token). The unembedding's own module is narrowed, so its bias and anything the model does
+    after it (an elementwise soft-cap) still apply; an unembedding that is not a plain linear layer
+    is left whole."""
+    lm = getattr(getattr(model, "unembed", None), "original_component", None)
+    if vocab is None or type(lm) is not torch.nn.Linear:
+        yield
+        return
+    ids = vocab.to(lm.weight.device)
+    weight = lm.weight.index_select(0, ids)
+    bias = None if lm.bias is None else lm.bias.index_select(0, ids)
+
+    def forward(hidden: Tensor) -> Tensor:
+        return torch.nn.functional.linear(hidden, weight, bias)
+
+    object.__setattr__(lm, "forward", forward)
+    try:
+        yield
+    finally:
+        object.__delattr__(lm, "forward")
+
+
 def _slice_kwargs(
     forward_kwargs: Mapping[str, Any], rows: Int[Tensor, "r"] | None, start: int, n_batch: int
 ) -> dict[str, Any]:
@@ -200,6 +264,7 @@ def forward_last(
     skip: tuple[int, Tensor] | None = None,
     prefix_rows: Int[Tensor, "r"] | None = None,
     keep_cache: bool = False,
+    vocab: Int[Tensor, "v"] | None = None,
 ) -> tuple[Float[Tensor, "r vocab"], PrefixCache | None]:
     """Run (rows of) a left-padded batch and return the last position's logits.
 
@@ -208,7 +273,8 @@ def forward_last(
     `[r, pos - start, ...]` tensors.
     `skip=(L, resid)` runs blocks `>= L` only, with `resid` (`[r, new pos, d_model]`) entering block L.
     `keep_cache=True` also returns this run's keys and values as a `PrefixCache` (or None when the
-    architecture's cache is not a plain one).
+    architecture's cache is not a plain one); with a prefix, all columns (prefix and this run's).
+    `vocab`: compute the logits of these token ids only (`[r, v]`, see `logits_of`).
     """
     ids = input_ids if rows is None else input_ids.index_select(0, rows.to(input_ids.device))
     use_prefix = prefix is not None and start > 0
@@ -218,11 +284,12 @@ def forward_last(
     if use_prefix:
         if prefix_rows is None:
             prefix_rows = rows if rows is not None else torch.arange(ids.shape[0])
-        kwargs["past_key_values"] = prefix.select(prefix_rows, start, skip[0] if skip else 0)
+        # A run that keeps its cache gets a plain one; otherwise the new columns go in place.
+        kwargs["past_key_values"] = prefix.select(prefix_rows, start, skip[0] if skip else 0, in_place=not keep_cache)
         ids = ids[:, start:]
     cache = None
     below, resid = skip if skip is not None else (0, None)
-    with model.hooks(fwd_hooks=list(hooks)), skip_blocks(model, below, resid):
+    with model.hooks(fwd_hooks=list(hooks)), skip_blocks(model, below, resid), logits_of(model, vocab):
         if keep_cache and not use_prefix:
             logits, hf_cache = model(ids, return_type="logits_and_cache", use_cache=True, **kwargs)
             cache = PrefixCache.from_output(hf_cache)
@@ -230,4 +297,6 @@ def forward_last(
             if not use_prefix:
                 kwargs["use_cache"] = False  # nothing reads this run's keys and values
             logits = model(ids, **kwargs)
+            if keep_cache:  # the prefix's copy, extended in place by this run's columns
+                cache = PrefixCache.from_output(kwargs["past_key_values"])
     return logits[:, -1], cache

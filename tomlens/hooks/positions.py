@@ -8,7 +8,10 @@ Selectors:
   - `final`: the last real token (the answer is predicted from here);
   - `<role>`: the last token of that role's span (e.g. `protagonist`, `object`, `location_1`);
   - `<role>:first`: the first token of that span;
-  - `contrast_end`: the last token of the contrast sentence (same as `contrast`, named for intent).
+  - `contrast_end`: the last token of the contrast sentence (same as `contrast`, named for intent);
+  - `query_protagonist`, `query_object`: the question's own mention of the protagonist and of what
+    it asks about (generated false-belief stories; BigToM pairs have `query_protagonist`), which
+    differ from `protagonist` / `object` (their first mentions in the story).
 """
 
 from __future__ import annotations
@@ -64,6 +67,20 @@ def check_selectors(stimuli: Sequence[Stimulus], selectors: Sequence[str]) -> No
         for sel in selectors:
             if sel != FINAL:
                 _span_of(s, sel)
+
+
+def lacking(stimuli: Sequence[Stimulus], selectors: Sequence[str]) -> dict[str, int]:
+    """How many stimuli lack the span each selector needs (selectors every stimulus has are left
+    out), so a caller can drop a default position with a note instead of failing."""
+    out: dict[str, int] = {}
+    for sel in selectors:
+        if sel == FINAL:
+            continue
+        role = ALIASES.get(sel.partition(":")[0], sel.partition(":")[0])
+        n = sum(role not in s.spans for s in stimuli)
+        if n:
+            out[sel] = n
+    return out
 
 
 def span_position(stimulus: Stimulus, batch: Any, row: int, selector: str) -> int:

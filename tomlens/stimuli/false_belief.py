@@ -17,7 +17,8 @@ Two choices go beyond K24, and why:
   a task's 16 prompts and wrong in the other 8.
 
 Every record carries the labels probes need (`world_state`, `protagonist_belief`,
-`reference_state`), role spans (first mentions, the contrast sentence(s), the query) and, in
+`reference_state`), role spans (first mentions, the contrast sentence(s), the query and the
+query's own mentions `query_protagonist` / `query_object`) and, in
 `meta`, the lexical choices and the counterbalancing flags. `build_story` exposes the sentence
 structure with per-sentence world/belief updates, which the sentence-by-sentence tracking family
 reuses.
@@ -353,6 +354,7 @@ class Rendered:
     spans: dict[str, Span]  # first mentions of slot roles
     sentences: list[Span]  # one per rendered story sentence, in order
     query: Span
+    query_spans: dict[str, Span] = field(default_factory=dict)  # QUERY_ROLES mentioned in the prompt
 
 
 @dataclass(frozen=True)
@@ -400,19 +402,24 @@ class Story:
         for i in lead_in:
             b.sentence(self.sentences[i].template)
         query = Span(0, 0)
+        query_spans: dict[str, Span] = {}
         if prompt_type is not None:
             query = b.sentence(self.prompts[prompt_type])
-        return Rendered(b.text(), dict(b.spans), spans, query)
+            roles = QUERY_ROLES[self.family]
+            query_spans = {roles[slot]: span for slot, span in b.mentions.items() if slot in roles}
+        return Rendered(b.text(), dict(b.spans), spans, query, query_spans)
 
 
 class _Builder:
-    """Builds a text sentence by sentence and records where each role is first mentioned."""
+    """Builds a text sentence by sentence and records where each role is first mentioned, and
+    where each slot is last mentioned in the latest sentence (`mentions`)."""
 
     def __init__(self, slots: dict[str, str], roles: dict[str, tuple[str, ...]]):
         self.slots, self.roles = slots, roles
         self.parts: list[str] = []
         self.length = 0
         self.spans: dict[str, Span] = {}
+        self.mentions: dict[str, Span] = {}
 
     def _put(self, piece: str) -> Span:
         span = Span(self.length, self.length + len(piece))
@@ -424,11 +431,13 @@ class _Builder:
         if self.length:
             self._put(" ")
         start = self.length
+        self.mentions = {}
         for literal, name, _spec, _conv in Formatter().parse(template):
             if literal:
                 self._put(literal)
             if name is not None:
                 span = self._put(self.slots[name])
+                self.mentions[name] = span
                 for role in self.roles.get(name, ()):
                     self.spans.setdefault(role, span)
         return Span(start, self.length)
@@ -528,6 +537,14 @@ EXPECTED: dict[str, dict[str, tuple[str, str]]] = {
                "correct_label": ("other", "other"), "informed": ("other", "other")},
 }
 
+# The prompt's own mentions of the protagonist and of what it asks about (the transfer object; the
+# container whose contents a contents prompt asks for), as span roles: the question's tokens are
+# where a model can gather the belief for the answer, so patching sweeps target them by default.
+QUERY_ROLES: dict[str, dict[str, str]] = {
+    TRANSFER: {"P": "query_protagonist", "obj": "query_object"},
+    CONTENTS: {"P": "query_protagonist", "C": "query_object"},
+}
+
 # Story roles whose sentences carry each condition's contrast with the false-belief story.
 CONTRAST_ROLES: dict[str, dict[str, tuple[str, ...]]] = {
     TRANSFER: {"false_belief": ("move", "tell"), "present": ("move",), "informed": ("tell",),
@@ -563,6 +580,7 @@ def story_stimulus(story: Story, prompt_type: str) -> Stimulus:
     for name, role in EXTRA_CONTRASTS[task.family].items():
         spans[name] = by_role[role]
     spans["query"] = r.query
+    spans.update(r.query_spans)
     story_text = r.text[: r.sentences[-1].end]
     order = mentions(story_text, task.words)
     code = CONDITION_CODES[story.condition]

@@ -22,6 +22,7 @@ BigToM file).
 from __future__ import annotations
 
 import json
+import re
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -248,12 +249,26 @@ def _bigtom_pairs(path: str | Path | None, n: int | None,
     stimuli = load_bigtom(path, conditions=("false_belief", "true_belief"), limit=n, **options)
     by_task: dict[str, dict[str, Stimulus]] = defaultdict(dict)
     for s in stimuli:
-        by_task[s.task_id][s.condition] = s
+        by_task[s.task_id][s.condition] = _with_query_protagonist(s)
     return [
         MinimalPair(id=f"{task_id}-true_belief", clean=c["false_belief"],
                     corrupted=c["true_belief"], family="bigtom", contrast="true_belief")
         for task_id, c in by_task.items()
     ]
+
+
+def _with_query_protagonist(s: Stimulus) -> Stimulus:
+    """The record with a `query_protagonist` span: the protagonist's last mention inside the
+    query (BigToM's "Answer: Noor believes ..."), where a patching sweep looks by default."""
+    if "protagonist" not in s.spans or "query" not in s.spans:
+        return s
+    q = s.spans["query"]
+    name = re.escape(s.span_text("protagonist"))
+    found = list(re.finditer(rf"(?<!\w){name}(?!\w)", s.text[q.start : q.end]))
+    if not found:
+        return s
+    m = found[-1]
+    return s.with_(spans={**s.spans, "query_protagonist": Span(q.start + m.start(), q.start + m.end())})
 
 
 # ---------------------------------------------------------------------------------------------

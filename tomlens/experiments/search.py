@@ -1,0 +1,759 @@
+"""Attribution-guided search (AtP*, Kramár et al. 2024): estimate every cell from gradients, patch
+exactly only the cells the estimates cannot rule out, and bound what was left unpatched.
+
+Exact patching costs one patched run per cell and pair. Attribution patching (AtP) estimates every
+cell from two forwards and one backward, but fails in two known ways, which AtP* repairs:
+
+- *Attention saturation.* Moving a head's query or key acts through its softmax; where the softmax
+  is saturated its gradient is near zero and AtP reports nothing. The query/key fix recomputes the
+  head's pattern exactly with the patched queries (row by row) or keys (column by column, in closed
+  form) and linearises only after it: `sum((pattern_patched - pattern) * d metric / d pattern)`.
+  It applies to the `q` and `k` sites. A head's output (`heads`) needs no fix: the value patched in
+  is the source run's exact output, so its estimate already linearises only after the head.
+- *Cancellation.* A cell's direct effect and its effect through later layers can cancel in the
+  gradient while the real patch does not. GradDrop repeats the backward pass once per layer l with
+  the gradient through layer l's residual contribution (attention and MLP outputs) dropped; the
+  paper scores a cell by `sum_l |estimate_l| / (L - 1)` (the `graddrop` column). Dropping layer l
+  changes only gradients below it, so each repeat is one backward from layer l's input down (about
+  L/2 full backwards in all; `graddrop_blocks` drops contiguous blocks of layers for fewer).
+
+Verification (the rule). Importance is the magnitude of a cell's normalised effect (`|effect|`
+denoising, `|1 - effect|` noising), compared within each (kind, position). A cell's *bound* is the
+most any of its estimates gives, `max(|AtP*|, max_l |estimate_l|)` (the spread of the GradDrop
+estimates is where the linearisation is fragile; a spread over pairs would not be: the exact effect
+averages over the same pairs). The top-k cells by estimated importance are patched exactly, then
+every cell whose bound reaches the cut: the k-th largest verified importance (it could still enter
+the top k), or `threshold` if that is lower (it could still matter). Verifying raises the cut, so
+this repeats until no unverified cell reaches it or `budget` cells have been patched. GradDrop thus
+widens what must be verified where a dropped layer reveals a larger effect; it does not reorder the
+candidates (its score, a mean over drops, ranks worse than the plain estimate where no layer
+cancels).
+
+False negatives (the bound). The rule can be wrong where the estimates are, so `fn_samples` cells
+per (kind, position) are drawn at random from those the rule left out and patched exactly. If x of
+n sampled cells out of N left out have importance at or above the threshold (the given one, else
+the k-th verified), the hypergeometric distribution gives K, the most such cells N can hold at the
+given confidence: `fn_rate_upper = K / N` bounds the chance that a cell the search did not verify
+by the rule is a false negative. Sampled cells count as verified; a sampled hit is a false negative
+found, and shows in the table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import pandas as pd
+import torch
+from jaxtyping import Bool, Float
+from torch import Tensor
+from tqdm.auto import tqdm
+
+from tomlens.errors import TomlensError
+from tomlens.experiments.attribution import CellIndex, column_scores
+from tomlens.experiments.metric import Normalize, logit_diff, normalise
+from tomlens.experiments.patching import (
+    _SHORTCUTS_OK,
+    BasePass,
+    Cell,
+    Direction,
+    Group,
+    PatchingResult,
+    PreparedPairs,
+    Run,
+    _check_selectors,
+    _roles,
+    _selectors,
+    canonical_kind,
+    cell_columns,
+    hook_for,
+    plan_cells,
+    prepare_pairs,
+    run_patched,
+)
+from tomlens.hooks.attention import (
+    AttentionHooks,
+    attention_hooks,
+    check_scores,
+    masked,
+    n_kv_heads,
+    qk_scores,
+    score_scale,
+    scores_from,
+    unsupported,
+)
+from tomlens.hooks.patch import PrefixCache, forward_last, record_hooks
+
+# Queries (one cell per query head) and keys (one per key/value head), patched where the scores read them.
+QK_KINDS: dict[str, str] = {"q": "q", "query": "q", "queries": "q", "k": "k", "key": "k", "keys": "k"}
+# Activations that reach the residual stream only through their own layer's outputs: dropping that
+# layer's gradient leaves them none.
+_COMPONENTS = frozenset({"head", "q", "k", "pattern", "attn_out", "mlp_out"})
+
+
+def _kind(name: str) -> str:
+    name = name.strip()
+    return QK_KINDS[name] if name in QK_KINDS else canonical_kind(name)
+
+
+def plan_search(
+    model,
+    sites: Sequence[str] | Mapping[str, Sequence[str]],
+    positions: Sequence[str] = (),
+    *,
+    n_aligned: int,
+    layers: Sequence[int] | None = None,
+) -> list[Cell]:
+    """Cells of a search: the kinds `plan_cells` knows, plus `q` (per query head) and `k` (per
+    key/value head) at "all" positions by default (and `positions`)."""
+    if isinstance(sites, str):
+        sites = [s for s in sites.split(",") if s.strip()]
+    spec = dict(sites) if isinstance(sites, Mapping) else {s: None for s in sites}
+    if not spec:
+        raise TomlensError("no sites to search", "pass e.g. sites=('heads',)")
+    standard = {k: v for k, v in spec.items() if _kind(k) not in ("q", "k")}
+    cells: list[Cell] = []
+    if standard:
+        plain = standard if isinstance(sites, Mapping) else list(standard)
+        cells = plan_cells(model, plain, positions, n_aligned=n_aligned, layers=layers)
+    n_layers = model.cfg.n_layers
+    layer_list = list(range(n_layers)) if layers is None else list(layers)
+    bad = [l for l in layer_list if not 0 <= l < n_layers]
+    if bad:
+        raise TomlensError(f"layers {bad} do not exist (the model has {n_layers})", "pick layers in range")
+    for name, poss in spec.items():
+        kind = _kind(name)
+        if kind not in ("q", "k"):
+            continue
+        poss = tuple(dict.fromkeys((tuple(poss) if poss is not None else ("all",)) + tuple(positions)))
+        heads = range(model.cfg.n_heads if kind == "q" else n_kv_heads(model))
+        for position in poss:
+            for layer in layer_list:
+                for k in range(n_aligned) if position == "each" else [-1]:
+                    cells.extend(Cell(kind, layer, h, position, k) for h in heads)
+    return list(dict.fromkeys(cells))
+
+
+def cell_hook(model, cell: Cell) -> str:
+    """The hook a cell patches (queries and keys before any rotary embedding)."""
+    if cell.kind in ("q", "k"):
+        hooks = attention_hooks(model, cell.layer)
+        return hooks.q if cell.kind == "q" else hooks.k
+    return hook_for(cell.kind, cell.layer)
+
+
+# --------------------------------------------------------------------------------------------
+# Estimates: AtP with the query/key fix, and GradDrop
+
+
+@dataclass
+class Estimates:
+    """AtP* estimates of every cell, as changes of the metric its patch would cause.
+
+    `atp[c, p]`: the estimate for pair p (query/key-fixed for `q` and `k` cells); `dropped[c, b, p]`
+    the same with the gradient through the residual contributions of layer block b
+    (`blocks[b] = (first, end)`) dropped, None without GradDrop; `base[p]` the metric of the run
+    patched into (corrupted when denoising).
+    """
+
+    direction: str
+    cells: list[Cell]
+    atp: Float[Tensor, "cell pair"]
+    dropped: Float[Tensor, "cell block pair"] | None
+    blocks: list[tuple[int, int]]
+    base: Float[Tensor, "pair"]
+    clean: Float[Tensor, "pair"]
+    corrupted: Float[Tensor, "pair"]
+    pair_ids: list[str]
+    token_labels: list[str]
+    qk_fix: bool
+
+    def result(self, normalize: Normalize = "pooled") -> PatchingResult:
+        """The estimates as a patching result (values = base metric + estimate), like attribution's."""
+        return PatchingResult(
+            "attribution*", self.direction, self.cells, self.base[None, :] + self.atp, self.clean,
+            self.corrupted, self.pair_ids, self.token_labels, normalize,
+        )
+
+
+def graddrop_blocks(n_layers: int, n_blocks: int | None = None) -> list[tuple[int, int]]:
+    """Contiguous layer blocks `(first, end)` whose residual contributions GradDrop drops together:
+    one per layer by default (the paper's), fewer for fewer backward passes."""
+    n = n_layers if n_blocks is None else n_blocks
+    if not 1 <= n <= n_layers:
+        raise TomlensError(f"{n} GradDrop blocks for {n_layers} layers", f"pass between 1 and {n_layers}")
+    edges = np.linspace(0, n_layers, n + 1).round().astype(int)
+    return [(int(a), int(b)) for a, b in zip(edges[:-1], edges[1:])]
+
+
+@dataclass
+class _QKLayer:
+    """Pattern changes of one layer's query and key patches (`[g, head, new q, k]`), computed
+    before the backward pass, so any gradient of the pattern (full or GradDrop) turns them into
+    estimates: query rows `sum_t dq * G`, key columns `sum_s c1 * sum_t(A * G) + c2 * G` (one key
+    column changed, the softmax renormalised in closed form), all keys `sum dk_all * G`."""
+
+    hooks: AttentionHooks
+    rep: int
+    pattern: Tensor
+    dq: Tensor | None = None
+    dk_all: Tensor | None = None
+    c1: Tensor | None = None
+    c2: Tensor | None = None
+
+    def scores(self, grad: Tensor | None, start: int, keep: Tensor) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+        g, n_head, _, width = self.pattern.shape
+        G = torch.zeros_like(self.pattern) if grad is None else grad.detach().double()
+        scores: dict[str, Tensor] = {}
+        totals: dict[str, Tensor] = {}
+        if self.dq is not None:
+            rows = torch.zeros((g, width, n_head), dtype=torch.float64)
+            rows[:, start:] = (self.dq * G).sum(-1).transpose(1, 2)
+            scores[self.hooks.q] = rows * keep[..., None]
+        if self.c1 is not None:
+            p = (self.pattern * G).sum(-1, keepdim=True)
+            cols = (self.c1 * p + self.c2 * G).sum(2)  # [g, head, key]
+            cols = cols.view(g, n_head // self.rep, self.rep, width).sum(2).transpose(1, 2)
+            scores[self.hooks.k] = cols * keep[..., None]
+        if self.dk_all is not None:
+            totals[self.hooks.k] = (self.dk_all * G).sum((-1, -2)).view(g, n_head // self.rep, self.rep).sum(-1)
+            scores.setdefault(self.hooks.k, torch.zeros((g, width, n_head // self.rep), dtype=torch.float64))
+        return scores, totals
+
+
+def _qk_layer(
+    model, layer: int, hooks: AttentionHooks, kinds: set[tuple[str, bool]], src: dict[str, Tensor],
+    base: dict[str, Tensor], start: int, first_diff: Tensor,
+) -> _QKLayer:
+    """The exact pattern change of every query and key patch of one layer (float64)."""
+    for name, store in ((hooks.q_rot, src), (hooks.k_rot, src), (hooks.q_rot, base), (hooks.k_rot, base),
+                        (hooks.scores, base)):
+        if name not in store:
+            raise unsupported(layer, f"the hook {name} did not fire (no hook sees this model's queries and keys "
+                              "as its scores do)")
+    S = base[hooks.scores].detach().double()
+    q_base = base[hooks.q_rot].detach().double()
+    k_src = src[hooks.k_rot].double()
+    k_base = torch.cat([k_src[:, :start], base[hooks.k_rot].detach().double()], 1)
+    scale = score_scale(model, layer)
+    check_scores(scores_from(q_base, k_base, scale, S), S, layer)
+    A = torch.softmax(S, -1)
+    out = _QKLayer(hooks, q_base.shape[2] // k_base.shape[2], A)
+    if ("q", False) in kinds:
+        out.dq = torch.softmax(scores_from(src[hooks.q_rot][:, start:].double(), k_base, scale, S), -1) - A
+    if ("k", True) in kinds:
+        later = (torch.arange(k_base.shape[1])[None, :] >= first_diff[:, None])[..., None, None]
+        out.dk_all = torch.softmax(scores_from(q_base, torch.where(later, k_src, k_base), scale, S), -1) - A
+    if ("k", False) in kinds:
+        moved = torch.where(masked(S), S, S + qk_scores(q_base, k_src - k_base, scale))
+        lse = torch.logsumexp(S, -1, keepdim=True)
+        lse_moved = torch.logaddexp(lse + torch.log1p(-A.clamp(max=1.0)), moved)  # one column moved
+        ratio = torch.exp(lse - lse_moved)  # how every other column of the row is rescaled
+        out.c1 = ratio - 1
+        out.c2 = (torch.exp(moved - lse_moved) - A) - out.c1 * A
+    return out
+
+
+def _base_group(group: Group, rows: Tensor) -> Group:
+    """The group's stories that are patched into (one per pair, in pair order), as a group of their own."""
+    batch = group.batch
+    n = len(batch)
+    picked = rows.tolist()
+    changes: dict[str, Any] = {}
+    for f in dataclasses.fields(batch):
+        v = getattr(batch, f.name)
+        if isinstance(v, Tensor) and v.ndim >= 1 and v.shape[0] == n:
+            changes[f.name] = v.index_select(0, rows.to(v.device))
+        elif isinstance(v, (list, tuple)) and len(v) == n:
+            changes[f.name] = type(v)(v[r] for r in picked)
+    return Group(group.index, dataclasses.replace(batch, **changes), group.tokens[rows], group.first_diff,
+                 group.positions)
+
+
+@dataclass
+class _Group:
+    """One group's estimates, and what exact patching of its cells reuses: the stories patched into
+    as a group of their own, with their metric, keys and values, residual stream per block, and the
+    source activations (`BasePass` with base rows only; a run's source row is its pair)."""
+
+    atp: Tensor
+    dropped: Tensor | None
+    base_metric: Tensor
+    src_metric: Tensor
+    verify: tuple[Group, BasePass] | None
+
+
+def _estimate_group(
+    model, group: Group, cells: Sequence[Cell], index: CellIndex, direction: Direction, *, qk_fix: bool,
+    blocks: list[tuple[int, int]] | None, reuse_prefix: bool, keep: bool,
+) -> _Group:
+    """AtP* estimates of a group's pairs, GradDrop per layer block, and (`keep`) the state exact
+    patching reuses."""
+    g, width = group.g, group.width
+    n_layers = model.cfg.n_layers
+    base_rows = torch.tensor([_roles(direction, g, j)[0] for j in range(g)])
+    src_rows = torch.tensor([_roles(direction, g, j)[1] for j in range(g)])
+    layer_of: dict[str, tuple[int, str]] = {}  # hook -> (layer, kind) of every activation with a gradient
+    patched = {cell_hook(model, c) for c in cells}
+    qk: dict[int, tuple[AttentionHooks, set[tuple[str, bool]]]] = {}
+    for cell in cells:
+        if cell.kind in ("q", "k") and qk_fix:
+            hooks, kinds = qk.setdefault(cell.layer, (attention_hooks(model, cell.layer), set()))
+            kinds.add((cell.kind, cell.position == "all" and cell.kind == "k"))
+            layer_of[hooks.pattern] = (cell.layer, "pattern")
+        else:
+            layer_of[cell_hook(model, cell)] = (cell.layer, cell.kind)
+    acts = [n for n, (_, kind) in layer_of.items() if kind != "pattern"]
+    resid = {l: hook_for("resid_pre", l) for l in range(1, n_layers)}  # the stream entering each block
+    resid[n_layers] = hook_for("resid_post", n_layers - 1)
+    if blocks is not None:
+        for l, name in resid.items():
+            layer_of.setdefault(name, (l, "resid_pre") if l < n_layers else (l - 1, "resid_post"))
+    batch = group.batch
+    fk = batch.forward_kwargs()
+    src: dict[str, Tensor] = {}
+    src_names = set(acts) | patched | {n for hooks, _ in qk.values() for n in (hooks.q_rot, hooks.k_rot)}
+    with torch.inference_mode():
+        src_last, prefix = forward_last(
+            model, batch.input_ids, fk, record_hooks(sorted(src_names), src), rows=src_rows,
+            keep_cache=reuse_prefix,
+        )
+        src_metric = logit_diff(src_last, group.tokens[src_rows])
+    if _SHORTCUTS_OK.get(model) is False:  # exact patching found the KV prefix unfaithful here
+        prefix = None
+    start = min(int(group.first_diff.min()), width - 1) if prefix is not None else 0
+    base: dict[str, Tensor] = {}
+    grad_names = sorted(layer_of)
+    plain = {n for hooks, _ in qk.values() for n in (hooks.q_rot, hooks.k_rot, hooks.scores)}
+    plain |= {resid[l] for l in range(1, n_layers)} if keep else set()
+    with torch.enable_grad():
+        last, cache = forward_last(
+            model, batch.input_ids, fk,
+            record_hooks(grad_names, base, requires_grad=True) + record_hooks(sorted(plain - set(grad_names)), base),
+            rows=base_rows, prefix=prefix, start=start, prefix_rows=torch.arange(g), keep_cache=keep,
+        )
+        metric = logit_diff(last, group.tokens[base_rows])
+        inputs = [n for n in grad_names if n in base]
+        full = dict(zip(inputs, torch.autograd.grad(
+            metric.sum(), [base[n] for n in inputs], allow_unused=True, retain_graph=blocks is not None
+        )))
+    differs = torch.arange(width)[None, :] >= group.first_diff[:, None]  # [g, pos]: columns that differ
+    diffs = {n: src[n][:, start:].to(base[n].dtype) - base[n].detach() for n in acts}
+    layers = {
+        l: _qk_layer(model, l, hooks, kinds, src, base, start, group.first_diff) for l, (hooks, kinds) in qk.items()
+    }
+
+    def estimate(grads: Mapping[str, Tensor | None]) -> Tensor:
+        scores = {n: column_scores(diffs[n], grads.get(n), start, width, differs) for n in acts}
+        totals: dict[str, Tensor] = {}
+        for part in layers.values():
+            s, t = part.scores(grads.get(part.hooks.pattern), start, differs)
+            scores.update(s)
+            totals.update(t)
+        return index.values(scores, totals)
+
+    atp = estimate(full)
+    dropped = None
+    if blocks is not None:
+        dropped = torch.empty((len(cells), len(blocks), g), dtype=torch.float64)
+        for b, (first, end) in enumerate(blocks):
+            g_out = full[resid[end]]  # the gradient leaving the block, unchanged by the drop
+            grads: dict[str, Tensor | None] = {}
+            for name, (at, kind) in layer_of.items():
+                if at >= end or (at == end - 1 and kind == "resid_post"):
+                    grads[name] = full.get(name)
+                elif at >= first:  # inside the block: only the skip path is left
+                    grads[name] = None if kind in _COMPONENTS else g_out
+            lower = [n for n in inputs if layer_of[n][0] < first]
+            if lower:
+                with torch.enable_grad():
+                    below = torch.autograd.grad(
+                        base[resid[first]], [base[n] for n in lower], grad_outputs=g_out, allow_unused=True,
+                        retain_graph=True,
+                    )
+                grads.update(zip(lower, below))
+            dropped[:, b] = estimate(grads)
+    kept = None
+    if keep:
+        sub = _base_group(group, base_rows)
+        stream = {}
+        for l in range(1, n_layers):
+            full_width = torch.zeros((g, width) + tuple(base[resid[l]].shape[2:]), dtype=base[resid[l]].dtype)
+            full_width[:, start:] = base[resid[l]].detach()
+            stream[l] = full_width
+        if cache is not None:
+            cache = PrefixCache([k.detach() for k in cache.keys], [v.detach() for v in cache.values])
+        sources = {n: src[n] for n in patched}
+        kept = (sub, BasePass(metric.detach().float(), sources, cache, stream))
+    return _Group(atp, dropped, metric.detach().double().cpu(), src_metric.double().cpu(), kept)
+
+
+def _estimate(
+    model, prepared: PreparedPairs, cells: list[Cell], direction: Direction, *, qk_fix: bool,
+    graddrop: bool, n_blocks: int | None, reuse_prefix: bool, keep: bool, progress: bool,
+) -> tuple[Estimates, list[tuple[Group, BasePass] | None]]:
+    _check_selectors(cells, prepared)
+    blocks = graddrop_blocks(model.cfg.n_layers, n_blocks) if graddrop else None
+    n_pair = len(prepared.pairs)
+    atp = torch.full((len(cells), n_pair), float("nan"), dtype=torch.float64)
+    dropped = torch.full((len(cells), len(blocks), n_pair), float("nan"), dtype=torch.float64) if blocks else None
+    base = torch.empty(n_pair, dtype=torch.float64)
+    src = torch.empty(n_pair, dtype=torch.float64)
+    kept = []
+    for group in tqdm(prepared.groups, desc=f"AtP* ({direction})", unit="group", disable=not progress):
+        index = CellIndex(cells, group, prepared.n_aligned, key=lambda c: cell_hook(model, c))
+        out = _estimate_group(model, group, cells, index, direction, qk_fix=qk_fix, blocks=blocks,
+                              reuse_prefix=reuse_prefix, keep=keep)
+        idx = torch.tensor(group.index)
+        atp[:, idx], base[idx], src[idx] = out.atp, out.base_metric, out.src_metric
+        if dropped is not None:
+            dropped[:, :, idx] = out.dropped
+        kept.append(out.verify)
+    clean, corrupted = (src, base) if direction == "denoise" else (base, src)
+    est = Estimates(direction, cells, atp, dropped, blocks or [], base, clean, corrupted, prepared.ids,
+                    prepared.token_labels, qk_fix)
+    return est, kept
+
+
+def atp_star(
+    model,
+    pairs: Sequence[Any] | PreparedPairs,
+    *,
+    sites: Sequence[str] | Mapping[str, Sequence[str]] = ("heads",),
+    positions: Sequence[str] = (),
+    direction: Direction = "denoise",
+    layers: Sequence[int] | None = None,
+    cells: Sequence[Cell] | None = None,
+    qk_fix: bool = True,
+    graddrop: bool = True,
+    graddrop_blocks: int | None = None,
+    batch_pairs: int = 8,
+    reuse_prefix: bool = True,
+    progress: bool = True,
+) -> Estimates:
+    """AtP* estimates of every cell of the requested sites (or of `cells`): one source forward, one
+    grad-enabled base forward and one backward per group of pairs, plus one partial backward per
+    GradDrop block (`graddrop_blocks` contiguous blocks of layers; default one per layer)."""
+    _roles(direction, 1, 0)  # an unknown direction fails here, before any forward
+    prepared = pairs if isinstance(pairs, PreparedPairs) else prepare_pairs(
+        model, pairs, selectors=_selectors(sites, (*positions, *(c.position for c in cells or ()))),
+        batch_pairs=batch_pairs,
+    )
+    cells = list(cells) if cells is not None else plan_search(
+        model, sites, positions, n_aligned=prepared.n_aligned, layers=layers
+    )
+    est, _ = _estimate(model, prepared, cells, direction, qk_fix=qk_fix, graddrop=graddrop, n_blocks=graddrop_blocks,
+                       reuse_prefix=reuse_prefix, keep=False, progress=progress)
+    return est
+
+
+def _verify(
+    model, prepared: PreparedPairs, kept: Sequence[tuple[Group, BasePass]], cells: Sequence[Cell],
+    idx: Sequence[int], values: Tensor, *, memory_mb: float, progress: bool,
+) -> None:
+    """Exact patching of cells `idx` into `values` (raw metric), every (cell, pair) a batched row,
+    on the estimation pass's base runs: no base pass of its own."""
+    bar = tqdm(total=len(idx) * len(prepared.pairs), desc="verifying", unit="run", disable=not progress)
+    for group, bp in kept:
+        runs: list[Run] = []
+        targets: list[tuple[int, int]] = []
+        for c_i in idx:
+            cell = cells[c_i]
+            hook = cell_hook(model, cell)
+            for j, p_i in enumerate(group.index):
+                cols = cell_columns(cell, group, j, prepared.n_aligned)
+                if cols is None:
+                    continue
+                if not cols:
+                    values[c_i, p_i] = float(bp.metric[j])
+                    continue
+                runs.append(Run(j, [(hook, cell.layer, cell.head, cols, j)]))
+                targets.append((c_i, p_i))
+        bar.update(len(idx) * group.g - len(runs))
+        out = run_patched(model, group, runs, bp.sources, bp, memory_mb=memory_mb, bar=bar)
+        if targets:
+            t = torch.tensor(targets)
+            values[t[:, 0], t[:, 1]] = out.double()
+    bar.close()
+
+
+# --------------------------------------------------------------------------------------------
+# The search
+
+
+@dataclass
+class SearchResult(PatchingResult):
+    """A patching result whose values are exact where the search patched a cell and the AtP*
+    estimate elsewhere; `summary()` says which (`verified`) and adds the estimates beside.
+
+    `verified_as[c]`: "rule" (a top candidate or a cell the estimates could not rule out),
+    "sample" (drawn for the false-negative bound) or "" (estimate only). `false_negatives`: one
+    record per (kind, position) with the bound and what it means.
+    """
+
+    verified: Bool[Tensor, "cell"] = field(default_factory=lambda: torch.zeros(0, dtype=torch.bool))
+    verified_as: list[str] = field(default_factory=list)
+    estimates: Estimates | None = None
+    estimate: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    estimate_se: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    graddrop: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    bound: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    false_negatives: list[dict[str, Any]] = field(default_factory=list)
+    settings: dict[str, Any] = field(default_factory=dict)
+
+    def summary(self, *, n_boot: int = 1000, seed: int | None = None) -> pd.DataFrame:
+        """`PatchingResult.summary` (effect: exact where verified, else the estimate) plus the
+        AtP* estimate with its standard error, the GradDrop score, the bound the rule used,
+        `exact_effect` (NaN where not patched) and `verified` / `verified_as`."""
+        df = super().summary(n_boot=n_boot, seed=seed)
+        if "verified" not in df:
+            ver = self.verified.numpy()
+            df["estimate"] = self.estimate
+            df["estimate_se"] = self.estimate_se
+            df["graddrop"] = self.graddrop
+            df["bound"] = self.bound
+            df["exact_effect"] = np.where(ver, df["effect"], np.nan)
+            df["verified"] = ver
+            df["verified_as"] = self.verified_as
+        return df
+
+    def per_pair(self) -> pd.DataFrame:
+        df = super().per_pair()
+        df["verified"] = self.verified.numpy()[df["cell"].to_numpy()]
+        return df
+
+    def select(self, kind: str, position: str) -> pd.DataFrame:
+        if kind.strip() in QK_KINDS:
+            df = self.summary()
+            return df[(df.kind == QK_KINDS[kind.strip()]) & (df.position == position)]
+        return super().select(kind, position)
+
+    def exact(self) -> PatchingResult:
+        """The verified cells alone, as an exact patching result."""
+        idx = self.verified.nonzero().flatten()
+        return PatchingResult(
+            "exact", self.direction, [self.cells[i] for i in idx.tolist()], self.values[idx], self.clean,
+            self.corrupted, self.pair_ids, self.token_labels, self.normalize, self.seed,
+        )
+
+    def report(self) -> dict[str, Any]:
+        """What the search did, for a run's summary: settings, cells verified and the bounds."""
+        return {
+            **self.settings,
+            "n_cells": len(self.cells),
+            "n_verified_rule": self.verified_as.count("rule"),
+            "n_verified_sample": self.verified_as.count("sample"),
+            "false_negatives": self.false_negatives,
+        }
+
+
+def _importance(effect: np.ndarray, direction: str) -> np.ndarray:
+    """Magnitude of a normalised effect as `rank_heads(by="abs")` reads it."""
+    return np.abs(effect) if direction == "denoise" else np.abs(1 - effect)
+
+
+def _mean_se(norm: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Mean and standard error over the last axis, NaN (pair not patched there) left out."""
+    with np.errstate(all="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN cells: no token at that position
+        n = (~np.isnan(norm)).sum(-1)
+        mean = np.nanmean(norm, -1)
+        se = np.where(n > 1, np.nanstd(norm, -1, ddof=1) / np.sqrt(np.maximum(n, 1)), 0.0)
+    return mean, se
+
+
+def hypergeom_upper(n_pop: int, n_drawn: int, hits: int, confidence: float) -> int:
+    """The largest number K of marked cells among `n_pop` that still gives at least `1 - confidence`
+    probability of drawing at most `hits` marked cells in `n_drawn` draws without replacement."""
+    from scipy.stats import hypergeom
+
+    if n_pop == 0:
+        return 0
+    ks = np.arange(hits, n_pop - (n_drawn - hits) + 1)
+    ok = hypergeom.cdf(hits, n_pop, ks, n_drawn) >= 1 - confidence
+    return int(ks[ok].max()) if ok.any() else hits
+
+
+def search(
+    model,
+    pairs: Sequence[Any] | PreparedPairs,
+    *,
+    sites: Sequence[str] | Mapping[str, Sequence[str]] = ("heads",),
+    positions: Sequence[str] = (),
+    direction: Direction = "denoise",
+    layers: Sequence[int] | None = None,
+    k: int = 10,
+    budget: int | None = None,
+    threshold: float | None = None,
+    fn_samples: int = 10,
+    confidence: float = 0.95,
+    qk_fix: bool = True,
+    graddrop: bool | None = None,
+    graddrop_blocks: int | None = None,
+    normalize: Normalize = "pooled",
+    batch_pairs: int = 8,
+    memory_mb: float = 1024,
+    seed: int = 0,
+    progress: bool = True,
+) -> SearchResult:
+    """Find the cells with the largest patching effects without patching every cell (AtP*).
+
+    `k`: the top cells per (kind, position) the search must get right. `budget`: at most this many
+    cells patched by the rule (default 4k per kind and position). `threshold`: also verify every
+    cell whose bound reaches this importance (normalised effect scale), and bound false negatives
+    at it (default: the k-th verified importance). `fn_samples`: random left-out cells patched per
+    (kind, position) for the false-negative bound, at `confidence`. `graddrop`: None (default) runs
+    it when `graddrop_blocks` is given or the search has at least 10 cells per layer: per layer it
+    costs about L/2 backward passes, about as much as patching L cells exactly, so only then does
+    it stay under a tenth of an exhaustive sweep (AtP*'s setting: cells far outnumber layers).
+    `qk_fix` and `graddrop_blocks` as in `atp_star`. See the module docstring for the rule.
+
+    Exact patching reuses the estimation pass's runs (keys and values, residual stream, source
+    activations) for every group, so it needs no base pass of its own; that state is held for all
+    pairs at once until the search ends.
+    """
+    if k < 1:
+        raise TomlensError(f"k = {k}: the search needs at least one top cell to find", "pass k >= 1")
+    if budget is not None and budget < k:
+        raise TomlensError(f"budget {budget} is smaller than k = {k}", "raise the budget or lower k")
+    if not 0 < confidence < 1:
+        raise TomlensError(f"confidence {confidence} is not between 0 and 1", "pass e.g. 0.95")
+    if fn_samples < 0:
+        raise TomlensError(f"fn_samples {fn_samples} is negative", "pass 0 to skip the false-negative bound")
+    started = time.time()
+    prepared = pairs if isinstance(pairs, PreparedPairs) else prepare_pairs(
+        model, pairs, selectors=_selectors(sites, positions), batch_pairs=batch_pairs
+    )
+    _roles(direction, 1, 0)  # an unknown direction fails here, before any forward
+    cells = plan_search(model, sites, positions, n_aligned=prepared.n_aligned, layers=layers)
+    n_cell = len(cells)
+    members: dict[tuple[str, str], list[int]] = {}
+    for i, c in enumerate(cells):
+        members.setdefault((c.kind, c.position), []).append(i)
+    groups = {key: np.array(idx) for key, idx in members.items()}
+    budget = 4 * k * len(groups) if budget is None else budget
+    if k * len(groups) > budget:
+        raise TomlensError(
+            f"budget {budget} cannot cover the top {k} of each of {len(groups)} kinds and positions",
+            f"raise the budget to at least {k * len(groups)}, lower k, or search fewer sites or positions",
+        )
+    if graddrop is None:
+        graddrop = graddrop_blocks is not None or n_cell >= 10 * model.cfg.n_layers
+    est, kept = _estimate(model, prepared, cells, direction, qk_fix=qk_fix, graddrop=graddrop,
+                          n_blocks=graddrop_blocks, reuse_prefix=True, keep=True, progress=progress)
+    t_estimates = time.time() - started
+    norm = normalise(est.base[None, :] + est.atp, est.clean, est.corrupted, normalize).numpy()
+    estimate, se = _mean_se(norm)
+    patchable = ~np.isnan(estimate)
+    score = np.where(patchable, _importance(estimate, direction), -np.inf)  # ranks the candidates
+    gd = np.full(n_cell, np.nan)
+    bound = score.copy()
+    if est.dropped is not None:
+        per_block = _importance(_mean_se(normalise(
+            est.base[None, None, :] + est.dropped, est.clean, est.corrupted, normalize
+        ).numpy())[0], direction)  # [cell, block]
+        gd = np.nansum(per_block, 1) / max(len(est.blocks) - 1, 1)
+        bound = np.fmax(bound, np.max(np.where(np.isnan(per_block), -np.inf, per_block), 1))
+
+    exact_values = torch.full((n_cell, len(est.pair_ids)), float("nan"), dtype=torch.float64)
+    verified = np.zeros(n_cell, dtype=bool)
+
+    def verify(idx: Sequence[int]) -> None:
+        todo = [int(i) for i in idx if not verified[i]]
+        if todo:
+            _verify(model, prepared, kept, cells, todo, exact_values, memory_mb=memory_mb, progress=progress)
+            verified[todo] = True
+
+    def exact_importance(idx: np.ndarray) -> np.ndarray:
+        n = normalise(exact_values[idx], est.clean, est.corrupted, normalize).numpy()
+        return _importance(_mean_se(n)[0], direction)
+
+    # round 1: the top k of each group by estimate, and the false-negative samples from the rest
+    rule = np.zeros(n_cell, dtype=bool)
+    for idx in groups.values():
+        top = idx[np.argsort(-score[idx], kind="stable")][:k]
+        rule[top[np.isfinite(score[top])]] = True
+    rng = np.random.default_rng(seed)
+    sampled = np.zeros(n_cell, dtype=bool)
+    for idx in groups.values():
+        pool = idx[~rule[idx] & patchable[idx]]
+        sampled[rng.choice(pool, size=min(fn_samples, len(pool)), replace=False)] = True
+    verify(np.flatnonzero(rule))
+    t0 = time.time()
+    verify(np.flatnonzero(sampled))
+    t_samples = time.time() - t0
+
+    # later rounds: patch every cell whose bound reaches the cut (the k-th verified importance, or
+    # the threshold if lower); each round can raise the cut. Only the rule's own cells set the cut,
+    # so which cells the rule picks does not depend on the random sample.
+    rounds = 1
+    cut: dict[tuple[str, str], float] = {}
+    unresolved = 0
+    while True:
+        for key, idx in groups.items():
+            imp = exact_importance(idx[rule[idx] & patchable[idx]])
+            imp = np.sort(imp[~np.isnan(imp)])[::-1]
+            kth = float(imp[min(k, len(imp)) - 1]) if len(imp) else np.inf
+            cut[key] = min(kth, threshold) if threshold is not None else kth
+        cut_of = np.array([cut[(c.kind, c.position)] for c in cells])
+        pending = np.flatnonzero(~rule & (bound >= cut_of))
+        pending = pending[np.argsort(-(bound[pending] - cut_of[pending]), kind="stable")]
+        room = budget - int(rule.sum())
+        unresolved = max(0, len(pending) - room)
+        new = pending[:room]
+        if not len(new):
+            break
+        rule[new] = True
+        verify(new)
+        rounds += 1
+
+    # the false-negative bound per (kind, position), over the cells the rule left out
+    false_negatives = []
+    for (kind, position), idx in groups.items():
+        theta = threshold if threshold is not None else cut[(kind, position)]
+        pop = idx[~rule[idx] & patchable[idx]]
+        drawn = pop[sampled[pop]]
+        imp = exact_importance(drawn) if len(drawn) else np.array([])
+        hits = int(np.sum(imp >= theta))
+        upper = hypergeom_upper(len(pop), len(drawn), hits, confidence)
+        false_negatives.append({
+            "kind": kind, "position": position, "k": k, "threshold": float(theta),
+            "threshold_from": "given" if threshold is not None else "k-th verified importance",
+            "n_cells": len(idx), "n_verified_rule": int(rule[idx].sum()), "n_left_out": len(pop),
+            "n_sampled": len(drawn), "hits": hits,
+            "max_sampled_importance": float(np.nanmax(imp)) if len(imp) else float("nan"),
+            "confidence": confidence, "fn_count_upper": upper,
+            "fn_rate_upper": upper / len(pop) if len(pop) else 0.0,
+            "unresolved_by_budget": int(np.sum(~rule[idx] & (bound[idx] >= cut[(kind, position)]))),
+            "meaning": (
+                f"with {confidence:.0%} confidence at most {upper} of the {len(pop)} cells the rule left out "
+                f"have importance >= {theta:.3g} ({hits} found among {len(drawn)} sampled and now verified)"
+            ),
+        })
+
+    del kept
+    values = torch.where(torch.from_numpy(verified)[:, None], exact_values, est.base[None, :] + est.atp)
+    settings = {
+        "method": "AtP* (Kramar et al. 2024)", "direction": direction, "k": k, "budget": budget,
+        "threshold": threshold, "fn_samples": fn_samples, "confidence": confidence, "qk_fix": qk_fix,
+        "graddrop": graddrop, "graddrop_blocks": len(est.blocks), "rounds": rounds, "unresolved_by_budget": unresolved,
+        "seconds_estimates": round(t_estimates, 2), "seconds_samples": round(t_samples, 2),
+        "seconds": round(time.time() - started, 2),
+    }
+    return SearchResult(
+        "search", direction, cells, values, est.clean, est.corrupted, est.pair_ids, est.token_labels, normalize, seed,
+        verified=torch.from_numpy(verified),
+        verified_as=["rule" if r else ("sample" if s else "") for r, s in zip(rule, sampled)],
+        estimates=est, estimate=estimate, estimate_se=se, graddrop=gd,
+        bound=np.where(np.isfinite(bound), bound, np.nan), false_negatives=false_negatives, settings=settings,
+    )
+
+
+__all__ = [
+    "Estimates", "QK_KINDS", "SearchResult", "atp_star", "cell_hook", "hypergeom_upper",
+    "graddrop_blocks", "plan_search", "search",
+]
