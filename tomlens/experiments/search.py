@@ -212,24 +212,26 @@ class _QKLayer:
         totals: dict[str, Tensor] = {}
         if self.dq is not None:
             rows = torch.zeros((g, width, n_head), dtype=torch.float64)
-            rows[:, start:] = (self.dq * G).sum(-1).transpose(1, 2)
+            rows[:, start:] = (self.dq * G).sum(-1).transpose(1, 2).cpu()
             scores[self.hooks.q] = rows * keep[..., None]
         if self.c1 is not None:
             p = (self.pattern * G).sum(-1, keepdim=True)
             cols = (self.c1 * p + self.c2 * G).sum(2)  # [g, head, key]
-            cols = cols.view(g, n_head // self.rep, self.rep, width).sum(2).transpose(1, 2)
+            cols = cols.view(g, n_head // self.rep, self.rep, width).sum(2).transpose(1, 2).cpu()
             scores[self.hooks.k] = cols * keep[..., None]
         if self.dk_all is not None:
-            totals[self.hooks.k] = (self.dk_all * G).sum((-1, -2)).view(g, n_head // self.rep, self.rep).sum(-1)
+            total = (self.dk_all * G).sum((-1, -2)).view(g, n_head // self.rep, self.rep).sum(-1)
+            totals[self.hooks.k] = total.cpu()
             scores.setdefault(self.hooks.k, torch.zeros((g, width, n_head // self.rep), dtype=torch.float64))
         return scores, totals
 
 
 def _qk_layer(
-    model, layer: int, hooks: AttentionHooks, kinds: set[tuple[str, bool]], src: dict[str, Tensor],
+    model, layer: int, hooks: AttentionHooks, needs: set[str], src: dict[str, Tensor],
     base: dict[str, Tensor], start: int, first_diff: Tensor,
 ) -> _QKLayer:
-    """The exact pattern change of every query and key patch of one layer (float64)."""
+    """The exact pattern change of the layer's query patches (`needs` "q"), key patches at every
+    differing column at once ("k_all") and key patches one column at a time ("k_column"), float64."""
     for name, store in ((hooks.q_rot, src), (hooks.k_rot, src), (hooks.q_rot, base), (hooks.k_rot, base),
                         (hooks.scores, base)):
         if name not in store:
@@ -243,12 +245,12 @@ def _qk_layer(
     check_scores(scores_from(q_base, k_base, scale, S), S, layer)
     A = torch.softmax(S, -1)
     out = _QKLayer(hooks, q_base.shape[2] // k_base.shape[2], A)
-    if ("q", False) in kinds:
+    if "q" in needs:
         out.dq = torch.softmax(scores_from(src[hooks.q_rot][:, start:].double(), k_base, scale, S), -1) - A
-    if ("k", True) in kinds:
-        later = (torch.arange(k_base.shape[1])[None, :] >= first_diff[:, None])[..., None, None]
+    if "k_all" in needs:
+        later = (torch.arange(k_base.shape[1])[None, :] >= first_diff[:, None])[..., None, None].to(k_base.device)
         out.dk_all = torch.softmax(scores_from(q_base, torch.where(later, k_src, k_base), scale, S), -1) - A
-    if ("k", False) in kinds:
+    if "k_column" in needs:
         moved = torch.where(masked(S), S, S + qk_scores(q_base, k_src - k_base, scale))
         lse = torch.logsumexp(S, -1, keepdim=True)
         lse_moved = torch.logaddexp(lse + torch.log1p(-A.clamp(max=1.0)), moved)  # one column moved
@@ -299,11 +301,11 @@ def _estimate_group(
     src_rows = torch.tensor([_roles(direction, g, j)[1] for j in range(g)])
     layer_of: dict[str, tuple[int, str]] = {}  # hook -> (layer, kind) of every activation with a gradient
     patched = {cell_hook(model, c) for c in cells}
-    qk: dict[int, tuple[AttentionHooks, set[tuple[str, bool]]]] = {}
+    qk: dict[int, tuple[AttentionHooks, set[str]]] = {}  # layer -> hooks, pattern changes it needs
     for cell in cells:
         if cell.kind in ("q", "k") and qk_fix:
-            hooks, kinds = qk.setdefault(cell.layer, (attention_hooks(model, cell.layer), set()))
-            kinds.add((cell.kind, cell.position == "all" and cell.kind == "k"))
+            hooks, needs = qk.setdefault(cell.layer, (attention_hooks(model, cell.layer), set()))
+            needs.add("q" if cell.kind == "q" else "k_all" if cell.position == "all" else "k_column")
             layer_of[hooks.pattern] = (cell.layer, "pattern")
         else:
             layer_of[cell_hook(model, cell)] = (cell.layer, cell.kind)
@@ -344,7 +346,7 @@ def _estimate_group(
     differs = torch.arange(width)[None, :] >= group.first_diff[:, None]  # [g, pos]: columns that differ
     diffs = {n: src[n][:, start:].to(base[n].dtype) - base[n].detach() for n in acts}
     layers = {
-        l: _qk_layer(model, l, hooks, kinds, src, base, start, group.first_diff) for l, (hooks, kinds) in qk.items()
+        l: _qk_layer(model, l, hooks, needs, src, base, start, group.first_diff) for l, (hooks, needs) in qk.items()
     }
 
     def estimate(grads: Mapping[str, Tensor | None]) -> Tensor:
@@ -382,9 +384,9 @@ def _estimate_group(
         sub = _base_group(group, base_rows)
         stream = {}
         for l in range(1, n_layers):
-            full_width = torch.zeros((g, width) + tuple(base[resid[l]].shape[2:]), dtype=base[resid[l]].dtype)
-            full_width[:, start:] = base[resid[l]].detach()
-            stream[l] = full_width
+            new = base[resid[l]].detach()
+            stream[l] = torch.zeros((g, width) + tuple(new.shape[2:]), dtype=new.dtype, device=new.device)
+            stream[l][:, start:] = new
         if cache is not None:
             cache = PrefixCache([k.detach() for k in cache.keys], [v.detach() for v in cache.values])
         sources = {n: src[n] for n in patched}
