@@ -18,7 +18,10 @@ makes them); metric: logit difference belief - world at the last token.
 The default search is timed before and after the exact sweep (the machine's load drifts; both
 times are reported and the ratio uses their mean); the variants run between them.
 
-    .venv/bin/python benchmarks/bench_search.py [--pairs 32] [--group 8]
+    .venv/bin/python benchmarks/bench_search.py [--pairs 32] [--group 8] [--threads 1]
+
+On a machine shared with other work, `--threads 1` keeps the timings steadier (two threads on two
+busy cores mostly wait on each other); the ratio is what the benchmark reports.
 
 Writes bench-out/search.json.
 """
