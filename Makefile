@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: setup
-	$(PY) -m tomlens.demo --out demo-out
+	$(PY) -m tomlens.cli.demo --out demo-out
 
 # `make test THREADS=n` runs the suite on n CPU threads (torch reads OMP_NUM_THREADS and
 # MKL_NUM_THREADS when it starts). The thread count changes reduction order, so CI runs it with 1 and 2.

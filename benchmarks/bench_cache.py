@@ -206,7 +206,7 @@ class Setup:
     def _tl_run_with_cache(self):
         import torch
 
-        from tomlens.hooks import resolve_positions
+        from tomlens.models.positions import resolve_positions
         from tomlens.models import encode
 
         model, stimuli, positions = self._bridge(), self.stimuli, self.positions

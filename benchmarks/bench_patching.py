@@ -81,8 +81,8 @@ def side_by_side(model, pairs, budget_s: float):
     import torch
     from transformer_lens import patching
 
-    from tomlens.experiments.metric import logit_diff
-    from tomlens.experiments.patching import Cell, Run, base_pass, cell_columns, hook_for, prepare_pairs, run_patched
+    from tomlens.patching.metric import logit_diff
+    from tomlens.patching.engine import Cell, Run, base_pass, cell_columns, hook_for, prepare_pairs, run_patched
 
     L, H = model.cfg.n_layers, model.cfg.n_heads
     prep = prepare_pairs(model, pairs, batch_pairs=len(pairs))
@@ -156,8 +156,8 @@ def main() -> int:
     import pandas as pd
     import torch
 
-    from tomlens.experiments.attribution import attribution_patching, compare
-    from tomlens.experiments.patching import exact_patching, prepare_pairs
+    from tomlens.patching.attribution import attribution_patching, compare
+    from tomlens.patching.engine import exact_patching, prepare_pairs
     from tomlens.models import load_model, provenance
     from tomlens.stimuli.pairs import make_pairs
 

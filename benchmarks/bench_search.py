@@ -6,7 +6,7 @@ unexpected-transfer minimal pairs (false belief vs the protagonist present, from
 `tomlens.stimuli.pairs.make_pairs`, token-aligned for the model's tokenizer, as `bench_patching.py`
 makes them); metric: logit difference belief - world at the last token.
 
-  search : `tomlens.experiments.search.search` with its defaults (attribution estimates of every
+  search : `tomlens.patching.search.search` with its defaults (attribution estimates of every
       head; exact patching of the top 10 and of every head its estimate cannot rule out; 10 random
       left-out heads patched for the false-negative bound; GradDrop off, as its default is for a
       search of fewer than 10 cells per layer), and with GradDrop: per layer (the paper's) and over
@@ -49,14 +49,14 @@ VARIANTS = {  # name -> search options beyond the defaults
 
 
 def top_heads(result, k: int) -> list[str]:
-    from tomlens.experiments.heads import rank_heads
+    from tomlens.patching.heads import rank_heads
 
     ranked = rank_heads(result, position="all", by="abs")
     return [f"L{r.layer}H{r.head}" for r in ranked.head(k).itertuples()]
 
 
 def run_search(model, prepared, args, name: str) -> dict:
-    from tomlens.experiments.search import search
+    from tomlens.patching.search import search
 
     t0 = time.perf_counter()
     res = search(model, prepared, k=args.k, memory_mb=args.memory_mb, progress=False, **VARIANTS[name])
@@ -82,9 +82,9 @@ def main() -> int:
 
     import torch
 
-    from tomlens.experiments.metric import gap_warnings_silenced
-    from tomlens.experiments.patching import exact_patching, prepare_pairs
-    from tomlens.experiments.search import search
+    from tomlens.patching.metric import gap_warnings_silenced
+    from tomlens.patching.engine import exact_patching, prepare_pairs
+    from tomlens.patching.search import search
     from tomlens.models import load_model, provenance
     from tomlens.stimuli.pairs import make_pairs
 

@@ -18,7 +18,8 @@ import tomlens.activations.store as store_mod
 from tomlens.activations import ActivationSet, cache_activations, load_activations
 from tomlens.cli import main as cli_main
 from tomlens.errors import TomlensError
-from tomlens.hooks import Site, capture, resolve_positions
+from tomlens.hooks import Site, capture
+from tomlens.models.positions import resolve_positions
 from tomlens.models import encode
 from tomlens.stimuli.records import Span, Stimulus, stimuli_hash, write_jsonl
 

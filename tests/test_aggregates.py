@@ -4,7 +4,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from tomlens.experiments import aggregates
+from tomlens.behaviour import aggregates
 
 
 def _fb_table(task_correct: list[list[bool]]) -> pd.DataFrame:

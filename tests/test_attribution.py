@@ -8,8 +8,8 @@ import pytest
 import torch
 from test_patching import _tl_metric, short_pairs
 
-from tomlens.experiments.attribution import attribution_patching, compare
-from tomlens.experiments.patching import exact_patching, hook_for
+from tomlens.patching.attribution import attribution_patching, compare
+from tomlens.patching.engine import exact_patching, hook_for
 from tomlens.models import encode
 
 
@@ -130,7 +130,7 @@ def test_attribution_beside_exact(load_tiny):
 
 
 def _synthetic(method: str, direction: str, effects: list[float], n_pairs: int = 4):
-    from tomlens.experiments.patching import Cell, PatchingResult
+    from tomlens.patching.engine import Cell, PatchingResult
 
     cells = [Cell("head", 0, h, "all", -1) for h in range(len(effects))]
     values = torch.tensor(effects, dtype=torch.float32)[:, None].repeat(1, n_pairs)

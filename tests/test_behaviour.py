@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from tomlens.experiments.behaviour import score, score_options
+from tomlens.behaviour.scoring import score, score_options
 from tomlens.models import load_model
 from tomlens.stimuli.records import Stimulus
 
@@ -66,7 +66,7 @@ def test_score_table_normalises_two_options():
 
 
 def test_belief_tracking_prompts_give_one_curve_point_per_prefix(load_tiny):
-    from tomlens.experiments.behaviour_run import run_behaviour
+    from tomlens.runs.behaviour import run_behaviour
     from tomlens.stimuli import generate
 
     from tomlens.stimuli.tracking import belief_tracking
@@ -92,7 +92,7 @@ def test_prompt_ending_in_whitespace_is_refused(load_tiny):
     from dataclasses import replace
 
     from tomlens.errors import TomlensError
-    from tomlens.experiments.behaviour import score
+    from tomlens.behaviour.scoring import score
     from tomlens.stimuli import generate
 
     good = generate("unexpected-transfer", n=1, seed=0)[0]

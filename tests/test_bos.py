@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tomlens.errors import TomlensError
-from tomlens.experiments.behaviour import score_options
+from tomlens.behaviour.scoring import score_options
 from tomlens.models import encode, load_model, load_tokenizer, provenance
 from tomlens.models.tokens import prepends_bos, set_bos_rule
 from tomlens.stimuli.records import Stimulus
@@ -272,7 +272,7 @@ def test_patch_and_probe_pass_the_flag_to_load_model(argv, tmp_path, monkeypatch
 
 def test_demo_passes_the_flag_to_load_model(tmp_path, monkeypatch):
     import tomlens.models
-    from tomlens import demo
+    from tomlens.cli import demo
 
     seen: list[Any] = []
 

@@ -6,7 +6,7 @@ import json
 
 import pandas as pd
 
-from tomlens.demo import main
+from tomlens.cli.demo import main
 
 
 def test_demo_writes_every_stage_and_one_report(tmp_path, capsys):

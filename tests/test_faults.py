@@ -30,7 +30,7 @@ import tomlens.activations.store as st
 from tomlens.activations import ActivationSet, cache_activations, load_activations
 from tomlens.cli import main as cli_main
 from tomlens.errors import TomlensError
-from tomlens.experiments.behaviour import score_options
+from tomlens.behaviour.scoring import score_options
 from tomlens.stimuli import generate
 from tomlens.stimuli.records import write_jsonl
 

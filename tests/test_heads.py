@@ -10,9 +10,9 @@ import torch
 from test_patching import _tl_metric, short_pairs
 
 from tomlens.errors import TomlensError
-from tomlens.experiments.attribution import attribution_patching
-from tomlens.experiments.heads import head_table, mean_ablation, probe_accuracy_by_head, rank_heads, topk_recovery
-from tomlens.experiments.patching import exact_patching, hook_for, prepare_pairs
+from tomlens.patching.attribution import attribution_patching
+from tomlens.patching.heads import head_table, mean_ablation, probe_accuracy_by_head, rank_heads, topk_recovery
+from tomlens.patching.engine import exact_patching, hook_for, prepare_pairs
 from tomlens.models import encode
 
 

@@ -13,7 +13,7 @@ from tomlens.cli import main as cli_main
 from tomlens.errors import TomlensError
 from tomlens.models import encode, list_models, load_model, provenance
 from tomlens.models import embedded
-from tomlens.models.devices import resolve_dtype
+from tomlens.devices import resolve_dtype
 from tomlens.models.paths import atomic_dir
 
 SHAPES = {  # n_layers, n_heads, n_key_value_heads, d_model, d_head

@@ -20,14 +20,14 @@ from safetensors import safe_open
 from test_bigtom import ROW as BIGTOM_ROW
 from test_patching import short_pairs
 
-import tomlens.experiments.patching as patching
+import tomlens.patching.engine as patching
 from tomlens.cli import main
-from tomlens.commands.patch import patch_experiment
+from tomlens.cli.patch import patch_experiment
 from tomlens.errors import TomlensError
-from tomlens.experiments.checkpoints import Checkpoints
-from tomlens.experiments.patching import Stage, exact_patching, prepare_pairs
-from tomlens.experiments.plan import parse_positions
-from tomlens.hooks import resolve_positions
+from tomlens.patching.checkpoints import Checkpoints
+from tomlens.patching.engine import Stage, exact_patching, prepare_pairs
+from tomlens.patching.plan import parse_positions
+from tomlens.models.positions import resolve_positions
 from tomlens.hooks.patch import logits_of
 from tomlens.models import encode
 from tomlens.stimuli import generate
@@ -201,7 +201,7 @@ def test_a_killed_run_resumes_to_the_same_tables(ut_pairs, tmp_path, monkeypatch
     # The real command in a subprocess, each batched forward slowed down so the kill lands mid-run.
     script = textwrap.dedent(f"""
         import sys, time
-        import tomlens.experiments.patching as p
+        import tomlens.patching.engine as p
         real = p.run_patched
         def slow(*a, **k):
             time.sleep(0.3)

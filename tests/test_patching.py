@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from tomlens.errors import TomlensError
-from tomlens.experiments.metric import logit_diff, option_first_tokens, summarise
-from tomlens.experiments.patching import (
+from tomlens.patching.metric import logit_diff, option_first_tokens, summarise
+from tomlens.patching.engine import (
     Run, base_pass, exact_patching, hook_for, prepare_pairs, run_patched,
 )
 from tomlens.hooks import Site, hook_name
@@ -287,7 +287,7 @@ def test_summary_statistics():
 
 
 def test_a_gap_indistinguishable_from_zero_is_warned():
-    from tomlens.experiments.metric import UnstableGapWarning, gap_is_unstable
+    from tomlens.patching.metric import UnstableGapWarning, gap_is_unstable
 
     clean = torch.tensor([1.0, -1.0, 0.5, -0.4])
     corrupted = torch.zeros(4)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tomlens.errors import TomlensError
-from tomlens.hooks import parse_selectors, resolve_positions
+from tomlens.models.positions import parse_selectors, resolve_positions
 from tomlens.models import encode
 from tomlens.stimuli.records import Span, Stimulus
 

@@ -12,10 +12,10 @@ from beartype import beartype
 from jaxtyping import jaxtyped
 
 from tomlens.errors import TomlensError
-from tomlens.experiments.probe_sweep import (
+from tomlens.probes.sweep import (
     COLUMNS, activations_from_tensors, probe_sweep, run_probe_sweep, write_probe_sweep,
 )
-from tomlens.figures.layers import head_heatmap, layer_figure, write_html, write_probe_figures
+from tomlens.report.layers import head_heatmap, layer_figure, write_html, write_probe_figures
 from tomlens.probes.directions import load_directions
 from tomlens.stimuli import generate, write_jsonl
 
@@ -163,7 +163,7 @@ def test_probe_command_end_to_end_on_a_tiny_model(tmp_path, stimuli):
     assert set(table["kind"]) == {"resid_post", "head_out", "bow"}
     assert (out / "layers_resid_post.html").exists() and (out / "directions.safetensors").exists()
     # the table feeds the per-head table of `tomlens patch` as written
-    from tomlens.experiments.heads import probe_accuracy_by_head
+    from tomlens.patching.heads import probe_accuracy_by_head
 
     per_head = probe_accuracy_by_head(table).set_index(["layer", "head"])
     want = table[(table["kind"] == "head_out") & (table["metric"] == "accuracy") & (table["train_on"] == "all")

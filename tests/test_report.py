@@ -3,7 +3,7 @@
 import pandas as pd
 import plotly.graph_objects as go
 
-from tomlens.figures.report import Section, write_report
+from tomlens.report.html import Section, write_report
 
 
 def test_report_inlines_plotly_and_tables(tmp_path):

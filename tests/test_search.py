@@ -16,10 +16,10 @@ from test_patching import _tl_metric, short_pairs
 
 from tomlens.cli import main
 from tomlens.errors import TomlensError
-from tomlens.experiments.attribution import attribution_patching
-from tomlens.experiments.heads import rank_heads
-from tomlens.experiments.patching import Cell, exact_patching, hook_for, prepare_pairs
-from tomlens.experiments.search import atp_star, cell_hook, hypergeom_upper, plan_search, search
+from tomlens.patching.attribution import attribution_patching
+from tomlens.patching.heads import rank_heads
+from tomlens.patching.engine import Cell, exact_patching, hook_for, prepare_pairs
+from tomlens.patching.search import atp_star, cell_hook, hypergeom_upper, plan_search, search
 from tomlens.hooks.attention import attention_hooks
 from tomlens.models import encode, load_model
 from tomlens.stimuli.pairs import write_pairs

@@ -33,7 +33,8 @@ from tqdm.auto import tqdm
 from tomlens.activations import store as st
 from tomlens.activations.activation_set import ActivationSet, row_labels
 from tomlens.errors import TomlensError
-from tomlens.hooks import capture, check_selectors, check_sites, parse_selectors, parse_sites, resolve_positions
+from tomlens.hooks import capture, check_sites, parse_sites
+from tomlens.models.positions import check_selectors, parse_selectors, resolve_positions
 from tomlens.hooks.sites import Site
 from tomlens.models import encode, provenance
 from tomlens.oom import OOM_ERRORS, release_memory

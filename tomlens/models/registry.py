@@ -22,7 +22,7 @@ import torch
 
 from tomlens.errors import TomlensError
 from tomlens.models import embedded, hub, tiny
-from tomlens.models.devices import dtype_name, resolve_device, resolve_dtype
+from tomlens.devices import dtype_name, resolve_device, resolve_dtype
 from tomlens.models.tokens import bos_record, prepends_bos, set_bos_rule
 
 

@@ -6,7 +6,7 @@
     probe.score(X_test, y_test)    # accuracy per unit
     probe.direction                # [unit, k, d] unit vectors in activation space
 
-The sweep over cached activations lives in `tomlens.experiments.probe_sweep`.
+The sweep over cached activations lives in `tomlens.probes.sweep`.
 """
 
 from tomlens.probes.base import Probe

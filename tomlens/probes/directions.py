@@ -27,7 +27,7 @@ def _sidecar(path: Path) -> Path:
 
 def save_directions(path: str | Path, tensors: Mapping[str, Tensor], metadata: Mapping[str, Any]) -> Path:
     """Write `tensors` to `path` (.safetensors) and `metadata` to the `.json` next to it."""
-    from tomlens.experiments.io import write_json
+    from tomlens.io import write_json
 
     path = Path(path)
     if path.suffix != ".safetensors":

@@ -54,9 +54,9 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from tomlens.errors import TomlensError
-from tomlens.experiments.attribution import CellIndex, column_scores
-from tomlens.experiments.metric import Normalize, logit_diff, normalise
-from tomlens.experiments.patching import (
+from tomlens.patching.attribution import CellIndex, column_scores
+from tomlens.patching.metric import Normalize, logit_diff, normalise
+from tomlens.patching.engine import (
     _SHORTCUTS_OK,
     BasePass,
     Cell,

@@ -4,7 +4,7 @@ Before anything runs, the command prints its plan: every stage (each method x di
 recovery and mean ablation with their random draws) as sites x positions x pairs x directions =
 patched runs, the total, and the time estimated from one timed chunk of real runs (kept, not thrown
 away). `--dry-run` stops there; `--max-runs` refuses a larger plan before any run. Positions default
-to the role positions (`tomlens.experiments.plan` has the `--positions` syntax).
+to the role positions (`tomlens.patching.plan` has the `--positions` syntax).
 
 Finished chunks are checkpointed under `<out>/.partial/<key>/` (the key hashes the model, the pairs
 and the settings), so a stopped run resumes when the same command runs again; the outputs are
@@ -28,13 +28,13 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from tomlens.commands.options import add_prepend_bos
+from tomlens.cli.options import add_prepend_bos
 from tomlens.errors import TomlensError
 
 METHODS = ("exact", "attribution", "both", "search")
 DIRECTIONS = ("denoise", "noise", "both")
-DEFAULT_MAX_RUNS = 100_000  # = tomlens.experiments.plan.DEFAULT_MAX_RUNS (the CLI starts without torch)
-DEFAULT_CHUNK_RUNS = 1024  # = tomlens.experiments.patching.DEFAULT_CHUNK_RUNS
+DEFAULT_MAX_RUNS = 100_000  # = tomlens.patching.plan.DEFAULT_MAX_RUNS (the CLI starts without torch)
+DEFAULT_CHUNK_RUNS = 1024  # = tomlens.patching.engine.DEFAULT_CHUNK_RUNS
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -116,7 +116,7 @@ def _gap_said_once(fn):  # noqa: ANN001, ANN202 - a decorator
     import is deferred: the CLI starts without torch.)"""
     @functools.wraps(fn)
     def run(*args: Any, **kwargs: Any) -> Any:
-        from tomlens.experiments.metric import gap_warnings_silenced
+        from tomlens.patching.metric import gap_warnings_silenced
 
         with gap_warnings_silenced():
             return fn(*args, **kwargs)
@@ -154,7 +154,7 @@ def patch_experiment(
 ) -> dict[str, Any]:
     """Run the whole patching experiment and write its tables, figures and summary under `out`.
 
-    Prints the plan first (`--positions` syntax and defaults: `tomlens.experiments.plan`); refuses a
+    Prints the plan first (`--positions` syntax and defaults: `tomlens.patching.plan`); refuses a
     plan of more than `max_runs` patched runs (None: no limit); `dry_run` returns after the plan
     (`{"plan": ..., "dry_run": True}`) having written nothing. Finished chunks are checkpointed
     under `out/.partial/`, so calling again with the same arguments resumes. An unstable
@@ -165,18 +165,18 @@ def patch_experiment(
     import torch
 
     from tomlens.activations.cache import weights_fingerprint
-    from tomlens.experiments.attribution import compare
-    from tomlens.experiments.checkpoints import Checkpoints
-    from tomlens.experiments.heads import (
+    from tomlens.patching.attribution import compare
+    from tomlens.patching.checkpoints import Checkpoints
+    from tomlens.patching.heads import (
         AblationSweep, HeadSetSweep, head_table, mean_ablation, rank_heads, topk_recovery, topk_settings,
     )
-    from tomlens.experiments.io import read_table, write_json, write_table
-    from tomlens.experiments.metric import METRIC_NAME, gap_note
-    from tomlens.experiments.patching import ExactSweep, canonical_kind, plan_cells, prepare_pairs
-    from tomlens.experiments.plan import (
+    from tomlens.io import read_table, write_json, write_table
+    from tomlens.patching.metric import METRIC_NAME, gap_note
+    from tomlens.patching.engine import ExactSweep, canonical_kind, plan_cells, prepare_pairs
+    from tomlens.patching.plan import (
         AttributionSweep, Plan, calibrate, drop_missing_roles, parse_positions, plan_stages,
     )
-    from tomlens.figures.patching import (
+    from tomlens.report.patching import (
         attribution_scatter, head_heatmap, position_heatmap, recovery_curve, resid_heatmap, write_figure,
     )
     from tomlens.models import provenance
@@ -280,7 +280,7 @@ def patch_experiment(
                 elif m == "attribution":
                     res = attribution[d].result(checkpoints, progress=progress)
                 elif m == "search":
-                    from tomlens.experiments.search import search
+                    from tomlens.patching.search import search
 
                     res = search(model, prepared, sites=pos.spec, direction=d, k=top_k or 10, seed=seed,
                                  batch_pairs=batch_pairs, memory_mb=memory_mb, progress=progress,

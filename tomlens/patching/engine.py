@@ -18,8 +18,8 @@ Why it is fast and still exact:
   run; if they do not (an architecture they do not fit), every run is a plain full forward.
 
 Sweeps are laid out before they run (`ExactSweep`: every run of every group, with the work each
-costs), so a plan can count and time them (`tomlens.experiments.plan`), and they run in `Stage`
-chunks that are checkpointed as they finish (`tomlens.experiments.checkpoints`): a stopped sweep
+costs), so a plan can count and time them (`tomlens.patching.plan`), and they run in `Stage`
+chunks that are checkpointed as they finish (`tomlens.patching.checkpoints`): a stopped sweep
 resumes from the chunks on disk, which are reused only for exactly the runs that made them.
 
 Positions: "all" (every token), a selector from `tomlens.hooks.resolve_positions` ("final", a span
@@ -44,7 +44,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from tomlens.errors import TomlensError
-from tomlens.experiments.metric import Normalize, gap_is_unstable, logit_diff, option_first_tokens, summarise
+from tomlens.patching.metric import Normalize, gap_is_unstable, logit_diff, option_first_tokens, summarise
 from tomlens.hooks.patch import PatchIndex, PrefixCache, forward_last, patch_hooks, record_hooks
 from tomlens.oom import OOM_ERRORS, release_memory
 
@@ -169,7 +169,7 @@ def prepare_pairs(
             first[j] = int(diff[0]) if len(diff) else ids.shape[1]
         positions: dict[str, Tensor] = {}
         if selectors:
-            from tomlens.hooks import resolve_positions
+            from tomlens.models.positions import resolve_positions
 
             stories = [pairs[i].clean for i in idx] + [pairs[i].corrupted for i in idx]
             pos = resolve_positions(stories, batch, list(selectors)).cpu().long()
@@ -559,7 +559,7 @@ class Stage:
 
     def load(self, checkpoints: Any) -> int:
         """Take every finished chunk and base metric of this stage from `checkpoints`
-        (a `tomlens.experiments.checkpoints.Checkpoints`); returns the number of runs done."""
+        (a `tomlens.patching.checkpoints.Checkpoints`); returns the number of runs done."""
         for gi, group in enumerate(self.prepared.groups):
             if self.base[gi] is None:
                 got = checkpoints.load(self._base_name(gi), {"metric": (2 * group.g,)})
@@ -740,7 +740,7 @@ class PatchingResult:
 
     def per_pair(self) -> pd.DataFrame:
         """Long table: one row per (cell, pair) with the raw and the normalised value."""
-        from tomlens.experiments.metric import normalise
+        from tomlens.patching.metric import normalise
 
         norm = normalise(self.values, self.clean, self.corrupted, self.normalize).numpy()
         n_cell, n_pair = self.values.shape
@@ -895,7 +895,7 @@ def exact_patching(
     (heads/attn/mlp at "all", resid at "each") plus `positions`, or a mapping kind -> positions.
     `cells`: an explicit list of cells to patch instead (e.g. the candidates a search verifies);
     `sites`, `positions` and `layers` are then ignored.
-    `checkpoints` (a `tomlens.experiments.checkpoints.Checkpoints`): finished chunks of
+    `checkpoints` (a `tomlens.patching.checkpoints.Checkpoints`): finished chunks of
     `chunk_runs` runs are saved there and taken from there, so a stopped sweep resumes.
     """
     explicit = list(cells) if cells is not None else None

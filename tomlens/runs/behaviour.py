@@ -10,9 +10,9 @@ from typing import Sequence
 import pandas as pd
 
 from tomlens.errors import TomlensError
-from tomlens.experiments import aggregates
-from tomlens.experiments.behaviour import score
-from tomlens.experiments.io import write_json, write_table
+from tomlens.behaviour import aggregates
+from tomlens.behaviour.scoring import score
+from tomlens.io import write_json, write_table
 from tomlens.stimuli.records import Stimulus, stimuli_hash
 
 

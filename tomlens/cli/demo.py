@@ -1,4 +1,4 @@
-"""The main job on the embedded model, end to end: `make demo` runs `python -m tomlens.demo`.
+"""The main job on the embedded model, end to end: `make demo` runs `python -m tomlens.cli.demo`.
 
 Four stages, each writing its own folder under `--out`, then one HTML report over all of them:
 behaviour on false-belief and goal-encoding stimuli; activations cached and probed per layer and
@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tomlens.commands.options import add_prepend_bos
+from tomlens.cli.options import add_prepend_bos
 from tomlens.errors import TomlensError
 
 
@@ -25,8 +25,8 @@ def _section(title: str) -> None:
 
 def behaviour_stage(model: Any, out: Path, n: int, seed: int) -> Any:
     """Both options of every prompt scored; accuracy per condition and the papers' aggregates."""
-    from tomlens.commands.behave import format_accuracy
-    from tomlens.experiments.behaviour_run import run_behaviour, write_behaviour
+    from tomlens.cli.behave import format_accuracy
+    from tomlens.runs.behaviour import run_behaviour, write_behaviour
     from tomlens.stimuli import generate, write_jsonl
 
     stimuli = (generate("unexpected-transfer", n=n, seed=seed)
@@ -54,9 +54,9 @@ def probe_stage(model: Any, out: Path, n: int, seed: int) -> Any:
     """Cache resid_post and every head's output at the final token of transfer stories, then probe
     protagonist belief and world state per layer and per head (grouped folds, controls, intervals)."""
     from tomlens.activations import cache_activations
-    from tomlens.commands.probe import summarise
-    from tomlens.experiments.probe_sweep import SweepConfig, run_probe_sweep, write_probe_sweep
-    from tomlens.figures.layers import write_probe_figures
+    from tomlens.cli.probe import summarise
+    from tomlens.probes.sweep import SweepConfig, run_probe_sweep, write_probe_sweep
+    from tomlens.report.layers import write_probe_figures
     from tomlens.stimuli import generate
 
     stimuli = generate("unexpected-transfer", n=n, seed=seed + 1)
@@ -76,7 +76,7 @@ def patch_stage(model: Any, out: Path, n_pairs: int, probe_table: Path | None, s
     """Every head patched from false-belief into matched present-protagonist stories (exact and
     attribution), the top heads tested together against random heads. `figures` receives the
     plotly figures by name."""
-    from tomlens.commands.patch import patch_experiment
+    from tomlens.cli.patch import patch_experiment
     from tomlens.stimuli.pairs import make_pairs, write_pairs
 
     pairs, report = make_pairs("unexpected-transfer", n=max(1, (n_pairs + 1) // 2), seed=seed + 2,
@@ -102,11 +102,11 @@ def write_demo_report(out: Path, behaviour: Any, probes: Any, patching: dict[str
     """One self-contained HTML page with the stages' tables and figures."""
     import pandas as pd
 
-    from tomlens.experiments.io import read_table
-    from tomlens.experiments.metric import gap_note
-    from tomlens.figures.layers import head_heatmap, layer_figure
-    from tomlens.figures.patching import recovery_curve
-    from tomlens.figures.report import Section, write_report
+    from tomlens.io import read_table
+    from tomlens.patching.metric import gap_note
+    from tomlens.report.layers import head_heatmap, layer_figure
+    from tomlens.report.patching import recovery_curve
+    from tomlens.report.html import Section, write_report
 
     table = probes.table
     best = (table[(table["metric"] == "accuracy") & (table["kind"] != "bow")]
@@ -152,7 +152,7 @@ def write_demo_report(out: Path, behaviour: Any, probes: Any, patching: dict[str
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tomlens.demo", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m tomlens.cli.demo", description=__doc__)
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--out", default="demo-out")
     parser.add_argument("--n", type=int, default=8, help="tasks per false-belief family (behaviour)")

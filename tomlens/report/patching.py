@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from tomlens.experiments.patching import PatchingResult, canonical_kind
+from tomlens.patching.engine import PatchingResult, canonical_kind
 
 
 def _go():
@@ -114,7 +114,7 @@ def position_heatmap(result: PatchingResult, kind: str = "resid_pre") -> Any:
 
 def attribution_scatter(exact: PatchingResult, attribution: PatchingResult, position: str = "all") -> Any:
     """One point per head: attribution estimate against exact effect, with the y = x line."""
-    from tomlens.experiments.attribution import compare
+    from tomlens.patching.attribution import compare
 
     go = _go()
     a = exact.select("head", position).set_index(["layer", "head"]).effect

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from tomlens.commands.options import add_prepend_bos
+from tomlens.cli.options import add_prepend_bos
 from tomlens.errors import TomlensError
 
 
@@ -22,7 +22,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tomlens.experiments.behaviour_run import run_behaviour, write_behaviour
+    from tomlens.runs.behaviour import run_behaviour, write_behaviour
     from tomlens.models import load_model
     from tomlens.stimuli import read_jsonl
 

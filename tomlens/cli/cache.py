@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from tomlens.commands.options import add_prepend_bos
+from tomlens.cli.options import add_prepend_bos
 
 
 def register(sub: argparse._SubParsersAction) -> None:

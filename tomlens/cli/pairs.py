@@ -10,7 +10,7 @@ import argparse
 import json
 from pathlib import Path
 
-from tomlens.commands.options import add_prepend_bos
+from tomlens.cli.options import add_prepend_bos
 from tomlens.errors import TomlensError
 
 
@@ -48,7 +48,7 @@ def report_path(out: str | Path) -> Path:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tomlens.commands.stimuli import parse_options
+    from tomlens.cli.stimuli import parse_options
     from tomlens.stimuli.pairs import align_pairs, make_pairs, write_pairs
     from tomlens.stimuli.records import stimuli_hash
 

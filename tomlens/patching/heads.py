@@ -8,7 +8,7 @@ belief; these functions ask the joint questions:
   stories and read the drop in false-belief accuracy, against k random heads.
 - *Per-head table*: patching effect, attribution score and (optionally) probe accuracy side by side.
 
-All patched runs go through the batched engine of `tomlens.experiments.patching`, laid out
+All patched runs go through the batched engine of `tomlens.patching.engine`, laid out
 (`HeadSetSweep`, `AblationSweep`) and run in checkpointed chunks like an exact sweep.
 """
 
@@ -25,8 +25,8 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from tomlens.errors import TomlensError
-from tomlens.experiments.metric import Normalize, summarise
-from tomlens.experiments.patching import (
+from tomlens.patching.metric import Normalize, summarise
+from tomlens.patching.engine import (
     DEFAULT_CHUNK_RUNS,
     Cell,
     Direction,
@@ -114,7 +114,7 @@ def topk_settings(
 
 class HeadSetSweep:
     """Each head set patched into every pair with all its heads at once, laid out per group and
-    run in checkpointed chunks (`tomlens.experiments.patching.Stage`)."""
+    run in checkpointed chunks (`tomlens.patching.engine.Stage`)."""
 
     def __init__(
         self,

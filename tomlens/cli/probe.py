@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from tomlens.commands.options import add_prepend_bos
+from tomlens.cli.options import add_prepend_bos
 from tomlens.errors import TomlensError
 
 
@@ -58,8 +58,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from tomlens.activations import cache_activations
-    from tomlens.experiments.probe_sweep import SweepConfig, run_probe_sweep, write_probe_sweep
-    from tomlens.figures.layers import write_probe_figures
+    from tomlens.probes.sweep import SweepConfig, run_probe_sweep, write_probe_sweep
+    from tomlens.report.layers import write_probe_figures
     from tomlens.models import load_model
     from tomlens.probes.logistic import C_GRID
     from tomlens.probes.targets import get_target

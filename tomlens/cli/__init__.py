@@ -6,8 +6,10 @@ import argparse
 import importlib
 import sys
 
-from tomlens.commands import COMMANDS
 from tomlens.errors import TomlensError
+
+# Subcommands: each module defines `register(subparsers)` and sets `func` on its parser.
+COMMANDS: tuple[str, ...] = ("models", "stimuli", "behave", "cache", "probe", "pairs", "patch")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -16,7 +18,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
     for name in COMMANDS:
-        importlib.import_module(f"tomlens.commands.{name}").register(sub)
+        importlib.import_module(f"tomlens.cli.{name}").register(sub)
     return parser
 
 

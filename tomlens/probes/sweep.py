@@ -582,7 +582,7 @@ def write_probe_sweep(result: ProbeSweepResult, out: str | Path, *, table_format
     (provenance, notes) into `out`; returns `out`. `probes.json` marks a finished set: it is removed
     first, so a run killed half-way through rewriting a folder never leaves an old marker beside
     new tables, and directions from an earlier run never stay beside a sweep that has none."""
-    from tomlens.experiments.io import write_json, write_table
+    from tomlens.io import write_json, write_table
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

@@ -1,6 +1,6 @@
 """What a patching experiment will do, said before it does it: positions, stages, counts, time.
 
-`patch_experiment` (`tomlens.commands.patch`) lays every stage out (`ExactSweep`, `AttributionSweep`,
+`patch_experiment` (`tomlens.cli.patch`) lays every stage out (`ExactSweep`, `AttributionSweep`,
 `HeadSetSweep`, `AblationSweep`), counts them into a `Plan`, checks the budget, times one chunk
 (`calibrate`) and only then runs them.
 
@@ -25,7 +25,7 @@ before any run.
   each      one cell per position (right-aligned), for every site: heads x every position is the
             largest sweep there is
   a selector  `final`, a span role (`contrast`, `query_protagonist`, `object`, ...) or
-            `<role>:first`, as in `tomlens.hooks.positions`
+            `<role>:first`, as in `tomlens.models.positions`
 Examples: `--positions all` (the every-position sweep), `--positions roles,heads=contrast`,
 `--positions heads=each,resid=final`.
 """
@@ -43,10 +43,10 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from tomlens.errors import TomlensError
-from tomlens.experiments.attribution import attribution_patching
-from tomlens.experiments.checkpoints import Checkpoints
-from tomlens.experiments.heads import AblationSweep, HeadSetSweep
-from tomlens.experiments.patching import (
+from tomlens.patching.attribution import attribution_patching
+from tomlens.patching.checkpoints import Checkpoints
+from tomlens.patching.heads import AblationSweep, HeadSetSweep
+from tomlens.patching.engine import (
     Cell, Direction, ExactSweep, Group, PatchingResult, PreparedPairs, canonical_kind, forward_cost, plan_cells,
 )
 
@@ -84,7 +84,7 @@ class Positions:
 
 def parse_positions(text: str | Sequence[str], kinds: Sequence[str]) -> Positions:
     """Positions per site kind from the `--positions` syntax (module docstring); empty = `roles`."""
-    from tomlens.hooks.positions import parse_selectors
+    from tomlens.models.positions import parse_selectors
 
     items = [t.strip() for t in text.split(",")] if isinstance(text, str) else [str(t).strip() for t in text]
     items = [t for t in items if t] or ["roles"]
@@ -123,7 +123,7 @@ def parse_positions(text: str | Sequence[str], kinds: Sequence[str]) -> Position
 def drop_missing_roles(positions: Positions, stimuli: Sequence[Any]) -> Positions:
     """Leave out role positions some stories have no span for (pairs written before the span
     existed, or a family without it), with a note; explicit positions are left to fail loudly."""
-    from tomlens.hooks.positions import lacking
+    from tomlens.models.positions import lacking
 
     role_sels = sorted({p for ps in positions.from_roles.values() for p in ps})
     missing = lacking(stimuli, role_sels)

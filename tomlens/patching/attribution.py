@@ -24,8 +24,8 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from tomlens.errors import TomlensError
-from tomlens.experiments.metric import Normalize, logit_diff
-from tomlens.experiments.patching import (
+from tomlens.patching.metric import Normalize, logit_diff
+from tomlens.patching.engine import (
     _SHORTCUTS_OK,
     Cell,
     Direction,

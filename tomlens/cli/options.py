@@ -1,0 +1,52 @@
+"""Flags shared by the commands, so that every command spells a setting the same way.
+
+`--sites` and `--positions` take one or more items, each of which may hold a comma list
+(`--sites resid_post head_out` = `--sites resid_post,head_out`); `split_items` is the one parser
+of that syntax. The model flags build a `ModelSpec`.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Sequence
+
+from tomlens.runs.base import ModelSpec, split_items
+
+__all__ = ["add_model_options", "add_positions", "add_prepend_bos", "add_progress", "add_sites",
+           "model_spec", "split_items"]
+
+
+def add_prepend_bos(p: argparse.ArgumentParser) -> None:
+    """`--prepend-bos / --no-prepend-bos`; unset (None) follows the tokenizer's own rule."""
+    p.add_argument("--prepend-bos", action=argparse.BooleanOptionalAction, default=None,
+                   help="prepend the BOS token to every prompt (TransformerLens's convention) or "
+                   "never; default: the tokenizer's own rule, as plain transformers runs it")
+
+
+def add_model_options(p: argparse.ArgumentParser, *, weights: bool = True) -> None:
+    """--model, --revision, --prepend-bos; with `weights`, also --dtype, --device and --seed."""
+    p.add_argument("--model", default="smollm2-135m", help="model name (see `tomlens models`)")
+    p.add_argument("--revision", default=None, help="hub commit, branch or tag to pin (hub ids only)")
+    if weights:
+        p.add_argument("--dtype", default=None, help="model dtype (default: bf16 on GPU, fp32 on CPU)")
+        p.add_argument("--device", default=None, help="device (default: CUDA when present, else CPU)")
+    p.add_argument("--seed", type=int, default=0, help="random seed (and the weights of random-init models)")
+    add_prepend_bos(p)
+
+
+def model_spec(args: argparse.Namespace) -> ModelSpec:
+    """The `ModelSpec` the model flags describe."""
+    return ModelSpec(name=args.model, revision=args.revision, dtype=getattr(args, "dtype", None),
+                     device=getattr(args, "device", None), prepend_bos=args.prepend_bos, seed=args.seed)
+
+
+def add_sites(p: argparse.ArgumentParser, default: Sequence[str], help: str) -> None:
+    p.add_argument("--sites", nargs="+", default=list(default), help=help + " (space- or comma-separated)")
+
+
+def add_positions(p: argparse.ArgumentParser, default: Sequence[str], help: str) -> None:
+    p.add_argument("--positions", nargs="+", default=list(default), help=help + " (space- or comma-separated)")
+
+
+def add_progress(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")

@@ -1,9 +1,0 @@
-"""Plotly figures (standalone HTML, plotly.js inline) and the per-run HTML report."""
-
-from tomlens.figures.layers import head_heatmap as probe_head_heatmap
-from tomlens.figures.layers import layer_figure, write_probe_figures
-from tomlens.figures.patching import attribution_scatter, head_heatmap, recovery_curve, resid_heatmap
-from tomlens.figures.report import Section, write_report
-
-__all__ = ["Section", "attribution_scatter", "head_heatmap", "layer_figure", "probe_head_heatmap",
-           "recovery_curve", "resid_heatmap", "write_probe_figures", "write_report"]
