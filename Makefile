@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.tomlens-setup
 PIP    := $(PY) -m pip install --quiet --disable-pip-version-check
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test test-unit test-integration test-acceptance bench clean
 
 setup: $(STAMP)
 
@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: setup
-	$(PY) -m tomlens.cli.demo --out demo-out
+	$(PY) -m tomlens demo --out demo-out
 
 # `make test THREADS=n` runs the suite on n CPU threads (torch reads OMP_NUM_THREADS and
 # MKL_NUM_THREADS when it starts). The thread count changes reduction order, so CI runs it with 1 and 2.
@@ -28,6 +28,10 @@ THREAD_ENV = $(if $(THREADS),OMP_NUM_THREADS=$(THREADS) MKL_NUM_THREADS=$(THREAD
 
 test: setup
 	$(THREAD_ENV) HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m pytest -q
+
+# One tier of the suite (tests/conftest.py gives every test one): `make test-unit` in about a minute.
+test-unit test-integration test-acceptance: setup
+	$(THREAD_ENV) HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m pytest -q -m $(@:test-%=%)
 
 bench: setup
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) benchmarks/run.py

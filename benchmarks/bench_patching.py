@@ -55,7 +55,7 @@ def merge(results):
     return type(first)(
         first.method, first.direction, first.cells, torch.cat([r.values for r in results], 1),
         torch.cat([r.clean for r in results]), torch.cat([r.corrupted for r in results]),
-        [i for r in results for i in r.pair_ids], first.token_labels, first.normalize,
+        [i for r in results for i in r.pair_ids], first.token_labels, first.normalise,
     )
 
 
@@ -82,7 +82,9 @@ def side_by_side(model, pairs, budget_s: float):
     from transformer_lens import patching
 
     from tomlens.patching.metric import logit_diff
-    from tomlens.patching.engine import Cell, Run, base_pass, cell_columns, hook_for, prepare_pairs, run_patched
+    from tomlens.patching.cells import Cell, cell_columns, hook_for
+    from tomlens.patching.engine import Run, base_pass, run_patched
+    from tomlens.patching.pairs import prepare_pairs
 
     L, H = model.cfg.n_layers, model.cfg.n_heads
     prep = prepare_pairs(model, pairs, batch_pairs=len(pairs))
@@ -157,7 +159,8 @@ def main() -> int:
     import torch
 
     from tomlens.patching.attribution import attribution_patching, compare
-    from tomlens.patching.engine import exact_patching, prepare_pairs
+    from tomlens.patching.exact import exact_patching
+    from tomlens.patching.pairs import prepare_pairs
     from tomlens.models import load_model, provenance
     from tomlens.stimuli.pairs import make_pairs
 
@@ -253,10 +256,9 @@ def main() -> int:
             "attribution/exact top-10 overlap": round(agree["topk_overlap"], 2),
         },
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(args.out).with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(result, indent=2) + "\n")
-    tmp.replace(args.out)
+    from tomlens.io import write_atomic
+
+    write_atomic(json.dumps(result, indent=2) + "\n", args.out)
 
     print(f"exact sweep (tomlens)    : {exact_per_pair:8.2f} s/pair  ({len(done)} of {n} pairs run in {t_exact:.0f} s; "
           f"all {n}: ~{exact_per_pair * n:.0f} s)")

@@ -83,7 +83,8 @@ def main() -> int:
     import torch
 
     from tomlens.patching.metric import gap_warnings_silenced
-    from tomlens.patching.engine import exact_patching, prepare_pairs
+    from tomlens.patching.exact import exact_patching
+    from tomlens.patching.pairs import prepare_pairs
     from tomlens.patching.search import search
     from tomlens.models import load_model, provenance
     from tomlens.stimuli.pairs import make_pairs
@@ -152,10 +153,9 @@ def main() -> int:
                f"{v['top_set_identical']}, {v['top_order_identical']}" for n, v in variants.items()},
         },
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(args.out).with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(result, indent=2) + "\n")
-    tmp.replace(args.out)
+    from tomlens.io import write_atomic
+
+    write_atomic(json.dumps(result, indent=2) + "\n", args.out)
 
     print(f"exact top-{args.k}: {', '.join(want)}")
     for name, v in variants.items():

@@ -1,6 +1,8 @@
-"""Shared test fixtures: offline Hugging Face, tiny models built once per session, the embedded model.
+"""Shared test fixtures: offline Hugging Face, tiny models built once per session, the embedded model;
+test tiers; tomlens's annotations checked at run time.
 
-The offline switches are set before anything imports transformers, so no test can reach the hub.
+The offline switches are set, and the annotation checker installed, before anything imports
+transformers or tomlens, so no test can reach the hub and every tomlens call is type-checked.
 """
 
 from __future__ import annotations
@@ -9,6 +11,18 @@ import os
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
+
+import jaxtyping  # noqa: E402
+
+# Every function and dataclass of the packages tensors flow through is wrapped in
+# `jaxtyped(typechecker=beartype)`: argument and return annotations, tensor shapes included, are
+# checked on every call made during the tests. tomlens.stimuli (no tensors) is left out: its story
+# builders make ~1,000 small calls per story, and checking them made those tests 2.5x slower.
+# `is_pep484_tower`: an int is a valid `float` (PEP 484), as type checkers read the annotations.
+CHECKED_PACKAGES: tuple[str, ...] = tuple(f"tomlens.{p}" for p in (
+    "models", "hooks", "activations", "behaviour", "probes", "patching", "runs"))
+jaxtyping.install_import_hook(
+    CHECKED_PACKAGES, "beartype.beartype(conf=beartype.BeartypeConf(is_pep484_tower=True))")
 
 from collections.abc import Callable  # noqa: E402
 from typing import Any  # noqa: E402
@@ -84,3 +98,122 @@ def embedded_model() -> Any:
 @pytest.fixture
 def smollm2(embedded_model: Any) -> Any:
     return _clean(embedded_model)
+
+
+# ---- Tiers: every test is exactly one of unit / integration / acceptance -----------------------
+# unit: no model is booted (pure functions, files, tokenizers); `pytest -m unit` takes seconds.
+# integration: tiny random models and several modules together.
+# acceptance: the embedded model, subprocess CLIs, the demo, kill -9 fault tests.
+TIERS: tuple[str, ...] = ("unit", "integration", "acceptance")
+
+# A module's tier, or one test's (`module.py::test_name`, parameters ignored). A module may instead
+# set `pytestmark = pytest.mark.<tier>`; a test using a model fixture is raised to its floor below.
+TIER_TABLE: dict[str, str] = {
+    "test_aggregates.py": "unit",
+    "test_bigtom.py": "unit",
+    "test_cli_stimuli.py": "unit",
+    "test_false_belief.py": "unit",
+    "test_goal_encoding.py": "unit",
+    "test_hooks.py": "unit",
+    "test_hooks.py::test_output_bias_is_added_once_not_per_head": "integration",
+    "test_pairs.py": "unit",
+    "test_probe_solver.py": "unit",
+    "test_probe_solver.py::test_probe_command_on_scaled_tiny_llama_activations_prints_a_table": "integration",
+    "test_probes.py": "unit",
+    "test_report.py": "unit",
+    "test_statements.py": "unit",
+    "test_tracking.py": "unit",
+    "test_user_files.py": "unit",
+    "test_activations.py": "integration",
+    "test_attribution.py": "integration",
+    "test_behaviour.py": "integration",
+    "test_bos.py": "integration",
+    "test_heads.py": "integration",
+    "test_models.py": "integration",
+    "test_models.py::test_builtin_models_never_reach_the_network_even_without_the_offline_switches": "acceptance",
+    "test_patch_plan.py": "integration",
+    "test_patch_plan.py::test_a_killed_run_resumes_to_the_same_tables": "acceptance",
+    "test_patching.py": "integration",
+    "test_patching_cli.py": "integration",
+    "test_positions.py": "integration",
+    "test_probes_sweep.py": "integration",
+    "test_runs_patching.py": "integration",
+    "test_runs_stages.py": "integration",
+    "test_search.py": "integration",
+    "test_tokens.py": "integration",
+    "test_demo.py": "acceptance",
+    "test_faults.py": "acceptance",
+}
+
+# The lowest tier a test that uses a fixture can have (fixtures used indirectly count too).
+FIXTURE_FLOOR: dict[str, str] = {
+    "load_tiny": "integration", "tiny_model": "integration",
+    "embedded_model": "acceptance", "smollm2": "acceptance",
+}
+
+
+def tier_of(nodeid: str, fixtures: list[str], explicit: list[str], slow: bool = False) -> str:
+    """The one tier of a test; raises ValueError saying what to add when it has none or two.
+
+    `explicit`: tier markers on the test or its module; `slow`: marked `slow` (the embedded model)."""
+    path, _, name = nodeid.partition("::")
+    module = path.rsplit("/", 1)[-1]
+    func = name.split("[", 1)[0].split("::")[-1]
+    floors = [FIXTURE_FLOOR[f] for f in fixtures if f in FIXTURE_FLOOR] + (["acceptance"] if slow else [])
+    floor = max(floors, key=TIERS.index, default="unit")
+    if len(set(explicit)) > 1:
+        raise ValueError(f"{nodeid}: more than one tier marker {sorted(set(explicit))}")
+    base = explicit[0] if explicit else TIER_TABLE.get(f"{module}::{func}", TIER_TABLE.get(module))
+    if base is None:
+        raise ValueError(f"{nodeid}: no tier: add {module!r} to TIER_TABLE in tests/conftest.py "
+                         f"or set `pytestmark = pytest.mark.unit` (or integration, acceptance) in it")
+    if explicit and TIERS.index(base) < TIERS.index(floor):
+        raise ValueError(f"{nodeid}: marked {base} but its fixtures make it at least {floor}")
+    return max(base, floor, key=TIERS.index)
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` selects by marker
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Give every collected test exactly one tier marker; a test without one fails the run."""
+    problems = []
+    for item in items:
+        explicit = [m.name for m in item.iter_markers() if m.name in TIERS]
+        try:
+            tier = tier_of(item.nodeid, list(getattr(item, "fixturenames", ())), explicit,
+                           slow=item.get_closest_marker("slow") is not None)
+        except ValueError as e:
+            problems.append(str(e))
+            continue
+        if not explicit:
+            item.add_marker(getattr(pytest.mark, tier))
+        item.stash[TIER_KEY] = tier
+    if problems:
+        raise pytest.UsageError("tests without exactly one tier:\n  " + "\n  ".join(problems))
+
+
+TIER_KEY = pytest.StashKey[str]()
+
+
+@pytest.fixture(autouse=True)
+def _tier_guard(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Hold a test to its tier: a unit test that boots any model, or an integration test that boots
+    one bigger than the tiny ones, fails with what to change."""
+    tier = request.node.stash.get(TIER_KEY, None)
+    if tier == "acceptance":
+        return
+    import tomlens.models.registry as registry
+
+    boot = registry._boot  # the one place every model source goes through
+
+    def guarded(name: str, hf_model: Any, *args: Any, **kwargs: Any) -> Any:
+        size = hf_model.num_parameters()
+        if tier == "unit" or size > MAX_INTEGRATION_PARAMS:
+            pytest.fail(f"a {tier} test booted model {name!r} ({size:,} parameters): "
+                        f"tier it {'integration' if size <= MAX_INTEGRATION_PARAMS else 'acceptance'} "
+                        f"in TIER_TABLE (tests/conftest.py)", pytrace=False)
+        return boot(name, hf_model, *args, **kwargs)
+
+    monkeypatch.setattr(registry, "_boot", guarded)
+
+
+MAX_INTEGRATION_PARAMS = 20_000_000  # the tiny models have about 2M; SmolLM2-135M has 135M

@@ -6,10 +6,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from test_patching import _tl_metric, short_pairs
+from helpers import short_pairs, tl_metric
 
 from tomlens.patching.attribution import attribution_patching, compare
-from tomlens.patching.engine import exact_patching, hook_for
+from tomlens.patching.cells import hook_for
+from tomlens.patching.exact import exact_patching
 from tomlens.models import encode
 
 
@@ -17,7 +18,7 @@ def _reference_scores(model, pair, hook: str) -> torch.Tensor:
     """(clean - corrupted) * d metric / d activation on the corrupted run, one pair, no padding,
     the gradient taken through a zero perturbation added at the hook (summed over the last axis)."""
     b = encode(model, [pair.clean.text, pair.corrupted.text])
-    metric = _tl_metric(model, pair)
+    metric = tl_metric(model, pair)
     with torch.inference_mode():
         _, cache = model.run_with_cache(b.input_ids[:1], names_filter=[hook])
     clean_act = cache[hook].clone()
@@ -75,7 +76,7 @@ def test_attribution_matches_a_finite_difference(load_tiny):
     pair = short_pairs(model.tokenizer, 1)[0]
     res = attribution_patching(model, [pair], sites=["heads"], progress=False)
     b = encode(model, [pair.clean.text, pair.corrupted.text])
-    metric = _tl_metric(model, pair)
+    metric = tl_metric(model, pair)
     layer, head = 0, 1
     hook = hook_for("head", layer)
     with torch.inference_mode():
@@ -130,7 +131,8 @@ def test_attribution_beside_exact(load_tiny):
 
 
 def _synthetic(method: str, direction: str, effects: list[float], n_pairs: int = 4):
-    from tomlens.patching.engine import Cell, PatchingResult
+    from tomlens.patching.cells import Cell
+    from tomlens.patching.result import PatchingResult
 
     cells = [Cell("head", 0, h, "all", -1) for h in range(len(effects))]
     values = torch.tensor(effects, dtype=torch.float32)[:, None].repeat(1, n_pairs)

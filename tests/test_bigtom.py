@@ -12,36 +12,13 @@ from tomlens.errors import TomlensError
 from tomlens.stimuli import load_bigtom as load_bigtom_reexport
 from tomlens.stimuli.bigtom import CONDITIONS, load_bigtom
 
+from helpers import BIGTOM_ROW as ROW
+
 # CI checks the repository out with ../shared beside it; the data set is read there, never copied.
 BIGTOM = Path(os.environ.get(
     "TOMLENS_BIGTOM",
     Path(__file__).resolve().parents[2] / "shared" / "data" / "bigtom" / "bigtom.csv",
 ))
-
-# One row of our own in BigToM's format (19 ';'-separated fields).
-ROW = ";".join([
-    "Mina is a gardener in a walled garden. Mina wants to water the roses with rainwater. "
-    "Mina fills the green can with rainwater. Mina believes the green can holds rainwater. "
-    "A neighbour empties the can and refills it with tap water.",
-    "Mina sees the neighbour refilling the can.",
-    "Mina does not see the neighbour refilling the can.",
-    "Mina fetches rainwater from the barrel.",
-    "Mina waters the roses with the can.",
-    "Does Mina believe the green can holds rainwater or tap water?",
-    "Does Mina want to water the roses with rainwater?",
-    "What will Mina do?",
-    "Mina believes the green can holds tap water.",
-    "Mina wants to water the roses with rainwater.",
-    "Mina will fetch rainwater from the barrel.",
-    "Mina believes the green can holds rainwater.",
-    "Mina wants to water the roses with rainwater.",
-    "Mina will water the roses with the can.",
-    "A bird lands on the garden wall.",
-    "Mina sees the bird landing.",
-    "Mina does not see the bird landing.",
-    "auto",
-    "0",
-])
 
 
 def _write(tmp_path, *rows: str) -> Path:

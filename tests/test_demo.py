@@ -6,7 +6,11 @@ import json
 
 import pandas as pd
 
-from tomlens.cli.demo import main
+from pathlib import Path
+
+from tomlens.cli.demo import demo_file, main
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_demo_writes_every_stage_and_one_report(tmp_path, capsys):
@@ -27,3 +31,14 @@ def test_demo_writes_every_stage_and_one_report(tmp_path, capsys):
     # the patching figures and the ablation validation reach the report, not only the files
     assert "Attribution vs exact patching" in report and "Heads at" in report
     assert "Mean ablation of the top heads" in report
+    # the title names the model that ran, from its provenance
+    assert "<h1>tomlens demo: tiny-llama</h1>" in report and "smollm2" not in report.split("<h1>")[1].split("</h1>")[0]
+    # the run folder describes itself: the resolved demo config with the flags applied
+    config = json.loads((out / "config.json").read_text())
+    assert config["models"][0]["name"] == "tiny-llama" and config["probes"]["stimuli"]["n"] == 5
+    assert json.loads((out / "manifest.json").read_text())["models"][0]["model"]["model"] == "tiny-llama"
+
+
+def test_the_example_demo_file_is_the_packaged_one():
+    assert (ROOT / "examples" / "demo.toml").read_text(encoding="utf-8") == demo_file().read_text(encoding="utf-8")
+    assert "-m tomlens demo --out demo-out" in (ROOT / "Makefile").read_text()

@@ -176,7 +176,7 @@ def test_kill_9_mid_probe_then_the_same_command_writes_the_same_table(tmp_path, 
     path, _ = stimulus_file
 
     def args(name: str) -> list[str]:
-        return ["probe", "--model", "tiny-llama", "--stimuli", str(path), "--kinds", "resid_post",
+        return ["probe", "--model", "tiny-llama", "--stimuli", str(path), "--sites", "resid_post",
                 "--store", str(tmp_path / f"store-{name}"), "--out", str(tmp_path / f"out-{name}"),
                 "--batch-size", "4", "--folds", "3", "--inner-folds", "2", "--n-boot", "20", "--no-progress"]
 

@@ -5,6 +5,9 @@ from __future__ import annotations
 import json
 import os
 import socket
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -13,7 +16,7 @@ from tomlens.cli import main as cli_main
 from tomlens.errors import TomlensError
 from tomlens.models import encode, list_models, load_model, provenance
 from tomlens.models import embedded
-from tomlens.devices import resolve_dtype
+from tomlens.devices import DTYPES, dtype_name, parse_dtype, resolve_dtype
 from tomlens.models.paths import atomic_dir
 
 SHAPES = {  # n_layers, n_heads, n_key_value_heads, d_model, d_head
@@ -104,6 +107,11 @@ def test_dtype_choice(load_tiny):
     assert resolve_dtype(None, torch.device("cuda")) == torch.bfloat16
     with pytest.raises(TomlensError, match="unknown dtype"):
         resolve_dtype("float13", torch.device("cpu"))
+    # one table for models and the activation store: every name reads back from `dtype_name`
+    for name, dtype in DTYPES.items():
+        assert parse_dtype(name) == parse_dtype(dtype_name(dtype)) == parse_dtype(f"torch.{dtype_name(dtype)}") == dtype
+    with pytest.raises(TomlensError, match="not a floating-point"):
+        parse_dtype(torch.int64)
     model = load_model("tiny-llama", dtype="bf16")
     assert next(model.parameters()).dtype == torch.bfloat16
     assert provenance(model)["dtype"] == "bfloat16"
@@ -150,10 +158,35 @@ def test_local_directory_round_trip(tmp_path, load_tiny):
 def test_provenance_carries_versions_and_shape(load_tiny):
     prov = provenance(load_tiny("tiny-gpt2"))
     assert prov["model"] == "tiny-gpt2" and prov["architecture"] == "GPT2LMHeadModel"
-    assert set(prov["versions"]) == {"tomlens", "torch", "transformer_lens", "transformers"}
+    assert set(prov["versions"]) == {"tomlens", "torch", "transformer_lens", "transformers", "numpy", "python"}
     assert prov["versions"]["transformer_lens"].startswith("4.3")
     assert prov["n_layers"] == 2 and prov["d_vocab"] == 49152
     json.dumps(prov)  # provenance goes into JSON manifests
+
+
+def test_run_manifest_names_model_config_seed_and_versions(load_tiny, monkeypatch):
+    from dataclasses import dataclass, field
+
+    from tomlens.provenance import run_manifest, versions
+    from tomlens.runs.base import ModelSpec
+
+    @dataclass(frozen=True)
+    class Study:
+        model: ModelSpec = field(default_factory=lambda: ModelSpec(name="tiny-gpt2", seed=3))
+        layers: tuple[int, ...] = (0, 1)
+
+    monkeypatch.setattr("sys.argv", ["tomlens", "run", "study.toml"])
+    man = run_manifest(load_tiny("tiny-gpt2"), Study(), stimuli_hash="abc", extra={"stage": "probes"})
+    assert man["model"]["model"] == "tiny-gpt2" and man["model"]["bos"]["source"] == "tokenizer"
+    assert man["config"] == {"model": {"name": "tiny-gpt2", "revision": None, "dtype": None, "device": None,
+                                       "prepend_bos": None, "seed": 3}, "layers": [0, 1]}
+    assert man["seed"] == 3 and man["stimuli_hash"] == "abc" and man["stage"] == "probes"
+    assert man["argv"] == ["tomlens", "run", "study.toml"] and man["time"].endswith("+00:00")
+    assert man["versions"] == versions() == man["model"]["versions"]
+    assert run_manifest(None, {"seed": 7})["seed"] == 7
+    with pytest.raises(ValueError, match="seed"):
+        run_manifest(None, {}, extra={"seed": 1})
+    json.dumps(man)
 
 
 def test_atomic_dir_leaves_nothing_when_killed(tmp_path):
@@ -193,8 +226,31 @@ def test_cli_lists_the_names(capsys):
     assert "[default]" in out and "smollm2-135m" in out
 
 
-def test_offline_env_is_set_for_tests():
-    assert os.environ["HF_HUB_OFFLINE"] == "1"
+def test_builtin_models_never_reach_the_network_even_without_the_offline_switches():
+    """conftest sets HF_HUB_OFFLINE for the tests; a user's shell may not. In a fresh process without
+    the switches, with every socket refused and recorded, the built-in names still load and run."""
+    script = textwrap.dedent("""
+        import json, socket
+        tried = []
+        def refuse(*args, **kwargs):
+            tried.append(repr(args[:2]))
+            raise OSError("network disabled by the test")
+        socket.socket.connect = socket.socket.connect_ex = refuse
+        socket.create_connection = socket.getaddrinfo = refuse
+        import torch
+        from tomlens.models import encode, load_model, load_tokenizer
+        for name in ("tiny-llama", "tiny-gpt2"):
+            model = load_model(name, dtype="float32")
+            assert load_tokenizer(name)("a b")["input_ids"] == model.tokenizer("a b")["input_ids"]
+            with torch.inference_mode():
+                logits = model(encode(model, ["Anna put the ball in the"]).input_ids)
+            assert torch.isfinite(logits).all()
+        print(json.dumps(tried))
+    """)
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == [], "built-in models tried the network"
 
 
 @pytest.mark.slow

@@ -17,21 +17,33 @@ import pandas as pd
 import pytest
 import torch
 from safetensors import safe_open
-from test_bigtom import ROW as BIGTOM_ROW
-from test_patching import short_pairs
+from helpers import BIGTOM_ROW, short_pairs
 
 import tomlens.patching.engine as patching
 from tomlens.cli import main
-from tomlens.cli.patch import patch_experiment
 from tomlens.errors import TomlensError
 from tomlens.patching.checkpoints import Checkpoints
-from tomlens.patching.engine import Stage, exact_patching, prepare_pairs
+from tomlens.patching.cells import plan_cells
+from tomlens.patching.engine import Stage
+from tomlens.patching.exact import ExactSweep, exact_patching
+from tomlens.patching.pairs import prepare_pairs
 from tomlens.patching.plan import parse_positions
+from tomlens.runs.base import ModelSpec
+from tomlens.runs.patching import PatchingConfig
+from tomlens.runs.patching import run as run_patching
 from tomlens.models.positions import resolve_positions
 from tomlens.hooks.patch import logits_of
 from tomlens.models import encode
 from tomlens.stimuli import generate
 from tomlens.stimuli.pairs import make_pairs, write_pairs
+
+
+def patch_and_save(model, pairs, out, **settings):
+    """A patching run on a loaded tiny-gpt2 with its checkpoints under `out`, saved there; its summary."""
+    config = PatchingConfig(model=ModelSpec("tiny-gpt2"), **settings)
+    result = run_patching(config, model=model, pairs=pairs, out=out, progress=False)
+    result.save(out)
+    return result.summary
 
 
 @pytest.fixture
@@ -123,8 +135,8 @@ def test_positions_syntax():
 def test_plan_counts_equal_the_runs_made(ut_pairs, tmp_path, monkeypatch, capsys, positions):
     model, pairs = ut_pairs
     counter = RunCounter(monkeypatch)
-    summary = patch_experiment(model, pairs, tmp_path / "out", method="both", positions=positions, top_k=2,
-                               n_random=2, progress=False, fmt="csv", chunk_runs=40)
+    summary = patch_and_save(model, pairs, tmp_path / "out", method="both", positions=(positions,), top_k=2,
+                             n_random=2, format="csv", chunk_runs=40)
     plan = {s["name"]: s for s in summary["plan"]["stages"]}
     assert counter.by_stage == {
         "exact-denoise": plan["exact denoise"]["runs"],
@@ -178,13 +190,12 @@ def test_max_runs_refuses_before_running(ut_pairs, tmp_path, monkeypatch, capsys
 def test_missing_role_spans_fall_back_with_a_note(load_tiny, tmp_path, capsys):
     model = load_tiny("tiny-gpt2")
     pairs = short_pairs(model.tokenizer, 2)  # hand-made stories: no query_protagonist / query_object spans
-    summary = patch_experiment(model, pairs, tmp_path / "out", method="exact", top_k=0, progress=False, fmt="csv")
+    summary = patch_and_save(model, pairs, tmp_path / "out", method="exact", top_k=0, format="csv")
     assert summary["positions"] == {"head": ["final"], "resid_pre": ["final", "contrast"]}
     printed = capsys.readouterr().out
     assert "'query_protagonist' left out: 4 of 4 stories" in printed and "'query_object' left out" in printed
     with pytest.raises(TomlensError, match="no span 'query_object'"):  # asked for by name: an error
-        patch_experiment(model, pairs, tmp_path / "o2", method="exact", positions="query_object", top_k=0,
-                         progress=False)
+        patch_and_save(model, pairs, tmp_path / "o2", method="exact", positions=("query_object",), top_k=0)
 
 
 # ---- resume -------------------------------------------------------------------------------------
@@ -267,8 +278,8 @@ def test_a_changed_command_never_reuses_chunks(ut_pairs, tmp_path):
 def test_chunks_cover_the_runs_and_the_plan_prices_what_is_left(ut_pairs):
     model, pairs = ut_pairs
     prepared = prepare_pairs(model, pairs, selectors=["final"], batch_pairs=2)
-    cells = [c for c in patching.plan_cells(model, {"heads": ["all", "final"]}, n_aligned=prepared.n_aligned)]
-    stage = patching.ExactSweep(model, prepared, cells, chunk_runs=5).stage
+    cells = [c for c in plan_cells(model, {"heads": ["all", "final"]}, n_aligned=prepared.n_aligned)]
+    stage = ExactSweep(model, prepared, cells, chunk_runs=5).stage
     for gi, runs in enumerate(stage.runs):  # consecutive, complete, at most chunk_runs each
         mine = [c for c in stage.chunks if c.group == gi]
         assert [c.lo for c in mine] == [0] + [c.hi for c in mine[:-1]] and mine[-1].hi == len(runs)

@@ -8,48 +8,19 @@ import math
 import numpy as np
 import pytest
 import torch
+from jaxtyping import TypeCheckError
 
 from tomlens.errors import TomlensError
-from tomlens.patching.metric import logit_diff, option_first_tokens, summarise
-from tomlens.patching.engine import (
-    Run, base_pass, exact_patching, hook_for, prepare_pairs, run_patched,
-)
+from tomlens.patching.metric import summarise
+from tomlens.patching.cells import hook_for
+from tomlens.patching.engine import Run, base_pass, run_patched
+from tomlens.patching.exact import exact_patching
+from tomlens.patching.pairs import prepare_pairs
 from tomlens.hooks import Site, hook_name
 from tomlens.models import encode
-from tomlens.stimuli.pairs import MinimalPair, align_pairs
-from tomlens.stimuli.records import Span, Stimulus
+from tomlens.stimuli.pairs import MinimalPair
 
-# Names of different token lengths, so a batch of pairs is left-padded.
-NAMES = ("Ann", "Maximilian", "Bo", "Kate")
-
-
-def short_pairs(tokenizer, n: int = 3, objects=("ball", "coin", "key", "cup")) -> list[MinimalPair]:
-    """Short false-belief / present pairs (about 25 tokens) differing in one word of the contrast."""
-    pairs = []
-    for i in range(n):
-        name, obj = NAMES[i % len(NAMES)], objects[i % len(objects)]
-        stories = []
-        for cond, word, answer in (("false_belief", "away", "box"), ("present", "there", "bag")):
-            head = f"{name} put the {obj} in the box. "
-            contrast = f"While {name} was {word}, Tom moved the {obj} to the bag."
-            query = f" {name} will look for the {obj} in the"
-            text = head + contrast + query
-            spans = {
-                "protagonist": Span(0, len(name)),
-                "contrast": Span(len(head), len(head) + len(contrast)),
-                "query": Span(len(head) + len(contrast) + 1, len(text)),
-            }
-            stories.append(Stimulus(id=f"p{i}-{cond}", text=text, options=("box", "bag"), answer=answer,
-                                    condition=cond, spans=spans))
-        pairs.append(MinimalPair(f"p{i}", stories[0], stories[1], "unexpected-transfer", "present"))
-    aligned, report = align_pairs(pairs, tokenizer)
-    assert len(aligned) == n, report.summary()
-    return aligned
-
-
-def _tl_metric(model, pair):
-    tok = option_first_tokens(model, [pair.clean], [(pair.clean.answer, pair.other_answer)])
-    return lambda logits: logit_diff(logits[:, -1], tok.expand(logits.shape[0], 2)).mean()
+from helpers import short_pairs, tl_metric
 
 
 def _ours(result, kind, position, j):
@@ -102,7 +73,7 @@ def test_batched_equals_transformer_lens_looped(load_tiny, name, by_pos_heads):
         off = n_al - n
         first = int((clean_ids[0] != corr_ids[0]).nonzero()[0])
         positions = sorted({first - 1, first, first + 1, (first + n) // 2, n - 2, n - 1})
-        metric = _tl_metric(model, pair)
+        metric = tl_metric(model, pair)
         with torch.inference_mode():
             _, clean_cache = model.run_with_cache(clean_ids)
             _, corr_cache = model.run_with_cache(corr_ids)
@@ -276,14 +247,14 @@ def test_summary_statistics():
     assert pooled.n.tolist() == [4, 3]
     assert pooled.mean[1] == pytest.approx(float(((values[1] - corrupted)[:3]).mean()) / gap)
     assert pooled.ci_low[0] <= pooled.mean[0] <= pooled.ci_high[0]
-    per = summarise(values, clean, corrupted, normalize="per_pair", n_boot=500)
+    per = summarise(values, clean, corrupted, normalise="per_pair", n_boot=500)
     assert per.mean[0] == pytest.approx(0.5) and per.se[0] == pytest.approx(0.0, abs=1e-12)
     assert per.mean[1] == pytest.approx(1.0)
     assert per.ci_low[0] == pytest.approx(0.5) and per.ci_high[0] == pytest.approx(0.5)
     sd = float(((values[0] - corrupted) / gap).std())
     assert pooled.se[0] == pytest.approx(sd / math.sqrt(4))
-    with pytest.raises(TomlensError):
-        summarise(values, clean, corrupted, normalize="median")
+    with pytest.raises((TomlensError, TypeCheckError), match="normalis"):  # the guard, or the annotation
+        summarise(values, clean, corrupted, normalise="median")
 
 
 def test_a_gap_indistinguishable_from_zero_is_warned():
@@ -296,4 +267,4 @@ def test_a_gap_indistinguishable_from_zero_is_warned():
     with pytest.warns(UnstableGapWarning, match="two standard errors"):
         summarise(values, clean, corrupted, n_boot=50)
     with pytest.warns(UnstableGapWarning, match="clean == corrupted"):
-        summarise(values, torch.tensor([1.0, 0.0, 1.0, 1.0]), corrupted, normalize="per_pair", n_boot=50)
+        summarise(values, torch.tensor([1.0, 0.0, 1.0, 1.0]), corrupted, normalise="per_pair", n_boot=50)

@@ -5,8 +5,7 @@ from __future__ import annotations
 import json
 
 import pandas as pd
-from test_heads import _probe_table
-from test_patching import short_pairs
+from helpers import probe_table, short_pairs
 
 from tomlens.cli import main
 from tomlens.stimuli.pairs import write_pairs
@@ -16,7 +15,7 @@ def test_patch_cli_end_to_end(load_tiny, tmp_path, capsys):
     tok = load_tiny("tiny-gpt2").tokenizer
     pairs_file = write_pairs(short_pairs(tok, 3), tmp_path / "pairs.jsonl")
     probe_file = tmp_path / "probe.csv"
-    _probe_table().to_csv(probe_file, index=False)
+    probe_table().to_csv(probe_file, index=False)
     out = tmp_path / "out"
     code = main([
         "patch", "--model", "tiny-gpt2", "--pairs", str(pairs_file), "--method", "both",
@@ -57,9 +56,12 @@ def test_patch_cli_end_to_end(load_tiny, tmp_path, capsys):
     ]
     html = (out / "figures" / "heads_exact_denoise.html").read_text()
     assert "plotly" in html and '<script src="https://cdn' not in html  # plotly.js inlined, no network
-    assert sorted(summary["files"]) == sorted(
-        [f"figures/{f}" for f in figures] + [p.name for p in out.iterdir() if p.suffix == ".csv"]
-    )
+    assert sorted(summary["files"]) == sorted(p.name for p in out.iterdir() if p.suffix == ".csv")
+    assert json.loads((out / "result.json").read_text()) == summary
+    config = json.loads((out / "config.json").read_text())
+    assert config["pairs_path"] == str(pairs_file) and config["sites"] == ["heads", "resid"]
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["model"]["model"] == "tiny-gpt2" and manifest["pairs_hash"] == summary["pairs"]["hash"]
 
 
 def test_patch_cli_user_errors(load_tiny, tmp_path, capsys):

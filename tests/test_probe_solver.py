@@ -321,8 +321,10 @@ def test_probe_command_on_scaled_tiny_llama_activations_prints_a_table(tmp_path,
     from tomlens.cli import main
     from tomlens.stimuli import generate, write_jsonl
 
-    real = activations.cache_activations
-    monkeypatch.setattr(activations, "cache_activations", lambda *a, **k: _Scaled(real(*a, **k)))
+    import tomlens.runs.probes as probe_run
+
+    real = activations.cache_activations  # the probe run caches through tomlens.runs.probes
+    monkeypatch.setattr(probe_run, "cache_activations", lambda *a, **k: _Scaled(real(*a, **k)))
     path = write_jsonl(generate("unexpected-transfer", n=4, seed=7), tmp_path / "ut.jsonl")
     out = tmp_path / "P"
     rc = main(["probe", "--model", "tiny-llama", "--stimuli", str(path), "--target", "protagonist_belief",

@@ -1,7 +1,6 @@
 """Batched probes against scikit-learn, planted signals, splits, targets, bootstrap and directions.
 
-Public functions are called through `checked(...)` (jaxtyping + beartype), so their tensor shape
-annotations are enforced at run time in these tests without a conftest hook.
+Their tensor shape annotations are checked at run time by conftest's jaxtyping hook.
 """
 
 from __future__ import annotations
@@ -9,8 +8,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from beartype import beartype
-from jaxtyping import jaxtyped
 from sklearn.linear_model import LogisticRegression
 from sklearn.metrics import roc_auc_score
 from sklearn.multiclass import OneVsRestClassifier
@@ -28,11 +25,6 @@ from tomlens.probes.stats import auroc, bootstrap_auroc, bootstrap_mean
 from tomlens.probes.targets import false_belief_mask, make_target, true_belief_mask
 from tomlens.stimuli import generate
 from tomlens.stimuli.records import Stimulus
-
-
-def checked(fn):
-    """Run-time shape and type checking of a public function's annotations."""
-    return jaxtyped(typechecker=beartype)(fn)
 
 
 def planted(u: int = 3, n: int = 240, d: int = 20, signal_unit: int = 1, seed: int = 0, strength: float = 3.0):
@@ -78,17 +70,17 @@ def test_logistic_finds_planted_signal_and_chance_on_shuffled_labels():
     X, y, groups = planted()
     split = holdout(groups, 0.25, seed=0)
     tr, te = split.train, split.test
-    probe = checked(LogisticProbe(C=(0.01, 0.1, 1.0), cv=3, device="cpu").fit)
+    probe = LogisticProbe(C=(0.01, 0.1, 1.0), cv=3, device="cpu").fit
     p = probe(X[:, tr], y[tr], groups[tr])
-    acc = checked(p.score)(X[:, te], y[te])
+    acc = p.score(X[:, te], y[te])
     assert acc[1] > 0.9
     assert abs(float(acc[0]) - 0.5) < 0.2 and abs(float(acc[2]) - 0.5) < 0.2
     shuffled = LogisticProbe(C=(0.01, 0.1, 1.0), cv=3, device="cpu").fit(
         X[:, tr], shuffle_labels(y[tr], seed=1), groups[tr])
     assert abs(float(shuffled.score(X[:, te], y[te])[1]) - 0.5) < 0.2
-    proba = checked(p.predict_proba)(X[:, te])
+    proba = p.predict_proba(X[:, te])
     assert torch.allclose(proba.sum(-1), torch.ones_like(proba[..., 0]))
-    assert checked(p.predict)(X[:, te]).shape == (3, te.numel())
+    assert p.predict(X[:, te]).shape == (3, te.numel())
     assert p.direction.shape == (3, 1, 20)
     assert torch.allclose(p.direction.norm(dim=-1), torch.ones(3, 1, dtype=p.direction.dtype))
 
@@ -99,7 +91,7 @@ def test_batched_logistic_matches_sklearn_accuracy_on_same_splits(d):
     split = holdout(groups, 0.25, seed=3)
     tr, te = split.train, split.test
     c_grid = (0.01, 0.1, 1.0, 10.0)
-    res = checked(fit_logistic)(X[:, tr], y[tr].unsqueeze(0), groups=groups[tr], c_grid=c_grid, cv=3,
+    res = fit_logistic(X[:, tr], y[tr].unsqueeze(0), groups=groups[tr], c_grid=c_grid, cv=3,
                                 seed=0, device="cpu")
     probe = LogisticProbe.from_fit(res)
     ours = probe.score(X[:, te], y[te]).numpy()
@@ -171,7 +163,7 @@ def test_low_rank_path_gives_the_same_probes_as_per_fold_reduction():
 def test_mass_mean_probe_direction_and_accuracy():
     X, y, groups = planted(strength=3.0)
     split = holdout(groups, 0.25, seed=1)
-    p = checked(MassMeanProbe(device="cpu").fit)(X[:, split.train], y[split.train])
+    p = MassMeanProbe(device="cpu").fit(X[:, split.train], y[split.train])
     Xt = X[:, split.train].double()
     yt = y[split.train]
     diff = Xt[:, yt == 1].mean(1) - Xt[:, yt == 0].mean(1)
@@ -196,7 +188,7 @@ def test_probe_errors_are_user_errors():
 def test_runtime_shape_check_catches_mismatched_rows():
     X, y, groups = planted(u=2, n=40, d=5)
     with pytest.raises(Exception) as info:
-        checked(fit_logistic)(X, y[:30].unsqueeze(0), c_grid=(1.0,), device="cpu")
+        fit_logistic(X, y[:30].unsqueeze(0), c_grid=(1.0,), device="cpu")
     assert not isinstance(info.value, TomlensError)  # the annotation check fired before the code ran
     assert "n" in str(info.value)
 
@@ -208,7 +200,7 @@ def transfer() -> list[Stimulus]:
 
 
 def test_grouped_folds_leak_no_task_and_template_split_no_template(transfer):
-    codes = checked(group_codes)(transfer, "task")
+    codes = group_codes(transfer, "task")
     folds = group_kfold(codes, 4, seed=0)
     seen = torch.zeros(len(transfer), dtype=torch.long)
     for f in folds:
@@ -235,10 +227,10 @@ def test_grouped_folds_leak_no_task_and_template_split_no_template(transfer):
 
 # ----------------------------------------------------------------------------------------- targets
 def test_targets_come_apart_across_conditions(transfer):
-    belief, keep_b = checked(make_target)(transfer, "protagonist_belief")
+    belief, keep_b = make_target(transfer, "protagonist_belief")
     world, keep_w = make_target(transfer, "world_state")
     assert keep_b.all() and keep_w.all()
-    fb = checked(false_belief_mask)(transfer)
+    fb = false_belief_mask(transfer)
     tb = true_belief_mask(transfer)
     assert fb.any() and tb.any() and not (fb & tb).any()
     assert torch.equal(belief[tb], world[tb])  # true belief: belief and world agree
@@ -276,7 +268,7 @@ def test_group_bootstrap_interval_covers_the_truth():
     p = torch.sigmoid(torch.logit(torch.tensor(0.7)) + effect)
     values = (torch.rand(sims, stories * per, generator=g) < p).double()
     truth = float(torch.sigmoid(torch.logit(torch.tensor(0.7)) + torch.randn(2_000_000, generator=g)).mean())
-    iv = checked(bootstrap_mean)(values, groups, n_boot=400, seed=1)
+    iv = bootstrap_mean(values, groups, n_boot=400, seed=1)
     coverage = ((iv.low <= truth) & (truth <= iv.high)).double().mean()
     assert 0.88 <= float(coverage) <= 0.99
 
@@ -285,7 +277,7 @@ def test_auroc_matches_sklearn_with_ties_and_bootstrap_brackets_it():
     g = torch.Generator().manual_seed(2)
     y = torch.randint(0, 2, (60,), generator=g)
     scores = torch.stack([y + torch.randn(60, generator=g), torch.randint(0, 3, (60,), generator=g).double()])
-    ours = checked(auroc)(scores, y)[0]
+    ours = auroc(scores, y)[0]
     for k in range(2):
         assert abs(float(ours[k]) - roc_auc_score(y.numpy(), scores[k].numpy())) < 1e-12
     iv = bootstrap_auroc(scores, y, torch.arange(60) // 3, n_boot=200, seed=0)
@@ -294,7 +286,7 @@ def test_auroc_matches_sklearn_with_ties_and_bootstrap_brackets_it():
 
 # -------------------------------------------------------------------------------- controls, files
 def test_bag_of_words_and_shuffled_labels(transfer):
-    X, vocab = checked(bag_of_words)(transfer[:5])
+    X, vocab = bag_of_words(transfer[:5])
     assert X.shape == (5, len(vocab)) and "the" in vocab
     X2, _ = bag_of_words(transfer[5:7], vocab)
     assert X2.shape[1] == len(vocab)

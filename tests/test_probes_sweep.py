@@ -8,8 +8,6 @@ import re
 import pandas as pd
 import pytest
 import torch
-from beartype import beartype
-from jaxtyping import jaxtyped
 
 from tomlens.errors import TomlensError
 from tomlens.probes.sweep import (
@@ -45,8 +43,7 @@ def stimuli():
 
 @pytest.fixture(scope="module")
 def result(stimuli):
-    sweep = jaxtyped(typechecker=beartype)(run_probe_sweep)
-    return sweep(planted_acts(stimuli), ["protagonist_belief", "world_state"], **FAST)
+    return run_probe_sweep(planted_acts(stimuli), ["protagonist_belief", "world_state"], **FAST)
 
 
 def pick(table, **kw):

@@ -11,14 +11,17 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
+from jaxtyping import TypeCheckError
 from scipy.stats import hypergeom
-from test_patching import _tl_metric, short_pairs
+from helpers import short_pairs, tl_metric
 
 from tomlens.cli import main
 from tomlens.errors import TomlensError
 from tomlens.patching.attribution import attribution_patching
 from tomlens.patching.heads import rank_heads
-from tomlens.patching.engine import Cell, exact_patching, hook_for, prepare_pairs
+from tomlens.patching.cells import Cell, hook_for
+from tomlens.patching.exact import exact_patching
+from tomlens.patching.pairs import prepare_pairs
 from tomlens.patching.search import atp_star, cell_hook, hypergeom_upper, plan_search, search
 from tomlens.hooks.attention import attention_hooks
 from tomlens.models import encode, load_model
@@ -91,7 +94,7 @@ def _reference(
     . d metric / d pattern."""
     clean_ids, corr_ids, first = _one_pair(model, pair)
     width = corr_ids.shape[1]
-    metric = _tl_metric(model, pair)
+    metric = tl_metric(model, pair)
     plain = sorted({cell_hook(model, c) for c in cells if c.kind not in ("q", "k")})
     patterns = sorted({attention_hooks(model, c.layer).pattern for c in cells if c.kind in ("q", "k")})
     clean = _clean_cache(model, clean_ids, [c for c in cells if c.kind not in ("q", "k")])
@@ -198,7 +201,7 @@ def test_qk_fix_recovers_a_saturated_head_that_attribution_misses():
     for j, pair in enumerate(pairs):
         clean_ids, corr_ids, first = _one_pair(model, pair)
         clean = _clean_cache(model, clean_ids, fixed.cells)
-        metric = _tl_metric(model, pair)
+        metric = tl_metric(model, pair)
         final = corr_ids.shape[1] - 1
         for i, cell in enumerate(fixed.cells):
             cols = [final] if cell.position == "final" else _columns(cell, corr_ids.shape[1], prepared.n_aligned, first)
@@ -247,7 +250,7 @@ def test_verified_query_and_key_cells_equal_a_plain_patched_forward(load_tiny):
     for j, pair in enumerate(pairs):
         clean_ids, corr_ids, first = _one_pair(model, pair)
         clean = _clean_cache(model, clean_ids, res.cells)
-        metric = _tl_metric(model, pair)
+        metric = tl_metric(model, pair)
         for i in ver:
             cols = _columns(res.cells[i], corr_ids.shape[1], prepared.n_aligned, first)
             if cols is None:
@@ -354,7 +357,7 @@ def test_search_user_errors(load_tiny):
         search(model, pairs, confidence=1.5, progress=False)
     with pytest.raises(TomlensError, match="unknown patching site"):
         search(model, pairs, sites=["heds"], progress=False)
-    with pytest.raises(TomlensError, match="direction"):
+    with pytest.raises((TomlensError, TypeCheckError), match="direction"):  # the guard, or the annotation
         search(model, pairs, direction="sideways", progress=False)
     with pytest.raises(TomlensError, match="GradDrop blocks"):
         search(model, pairs, graddrop_blocks=5, progress=False)

@@ -104,10 +104,10 @@ def test_bos_follows_the_tokenizer_and_a_prepended_one_covers_no_character(load_
     batch = encode(forced, ["The cat"])
     assert batch.input_ids[0, 0].item() == forced.tokenizer.bos_token_id
     assert batch.offsets[0][0] == (0, 0)
-    assert batch.char_to_position(0, 0) == 1
+    assert batch.offsets[0][1] == (0, 3)  # the BOS covers no character; "The" follows it
 
 
-def test_offsets_and_char_to_position(load_tiny):
+def test_offsets_name_each_token_s_characters(load_tiny):
     model = load_tiny("tiny-neox")
     batch = encode(model, TEXTS)
     tok = model.tokenizer
@@ -118,16 +118,13 @@ def test_offsets_and_char_to_position(load_tiny):
                 continue
             position = batch.pad[row] + t
             assert tok.decode([batch.input_ids[row, position].item()]).strip() == text[start:end].strip()
-            assert batch.char_to_position(row, start) == position
-            assert batch.char_to_position(row, end - 1) == position
             covered += end - start
         assert covered >= len(text.replace(" ", ""))
-    # "marble" in row 0: its last character maps to the token that ends the word
-    start = TEXTS[0].index("marble")
-    pos = batch.char_to_position(0, start + len("marble") - 1)
-    assert "marble".endswith(tok.decode([batch.input_ids[0, pos].item()]).strip())
-    with pytest.raises(TomlensError, match="no token covers character"):
-        batch.char_to_position(1, len(TEXTS[1]) + 5)
+        assert all(a[1] <= b[0] for a, b in zip(batch.offsets[row], batch.offsets[row][1:]))  # in text order
+    # "marble" in row 0: the token covering its last character ends the word
+    last = TEXTS[0].index("marble") + len("marble") - 1
+    (t,) = [t for t, (start, end) in enumerate(batch.offsets[0]) if start <= last < end]
+    assert "marble".endswith(tok.decode([batch.input_ids[0, batch.pad[0] + t].item()]).strip())
 
 
 def test_encode_rejects_bad_input(load_tiny):

@@ -1,4 +1,5 @@
-"""Device and dtype defaults: CUDA with bf16 when present, else CPU with fp32 (fp16 on CPU is slow)."""
+"""The one dtype table and device resolver: CUDA with bf16 when present, else CPU with fp32 (fp16
+on CPU is slow). Models, probes and the activation store all name dtypes and devices through it."""
 
 from __future__ import annotations
 
@@ -17,12 +18,21 @@ DTYPES: dict[str, torch.dtype] = {
     "fp32": torch.float32,
     "float32": torch.float32,
     "float": torch.float32,
+    "fp64": torch.float64,
+    "float64": torch.float64,
+    "double": torch.float64,
 }
 
 
+def default_device() -> torch.device:
+    """CUDA when present, else CPU."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
 def resolve_device(device: Any = None) -> torch.device:
+    """`device` as a `torch.device` (None: `default_device()`), refused if it is not available here."""
     if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return default_device()
     try:
         resolved = torch.device(device)
     except (RuntimeError, TypeError) as e:
@@ -34,9 +44,8 @@ def resolve_device(device: Any = None) -> torch.device:
     return resolved
 
 
-def resolve_dtype(dtype: Any, device: torch.device) -> torch.dtype:
-    if dtype is None:
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """A floating-point dtype from a `torch.dtype` or a name in `DTYPES` ("bf16", "torch.float32", ...)."""
     if isinstance(dtype, torch.dtype):
         if not dtype.is_floating_point:
             raise TomlensError(f"dtype {dtype} is not a floating-point type", "use bf16, fp16 or fp32")
@@ -47,5 +56,13 @@ def resolve_dtype(dtype: Any, device: torch.device) -> torch.dtype:
     return DTYPES[key]
 
 
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    """`parse_dtype(dtype)`, or for None the default of `device`: bf16 on CUDA, fp32 elsewhere."""
+    if dtype is None:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return parse_dtype(dtype)
+
+
 def dtype_name(dtype: torch.dtype) -> str:
+    """"float32" for torch.float32: the name manifests and `parse_dtype` use."""
     return str(dtype).removeprefix("torch.")

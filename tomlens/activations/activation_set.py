@@ -23,6 +23,7 @@ from jaxtyping import Float
 from torch import Tensor
 
 from tomlens.activations import store as st
+from tomlens.devices import parse_dtype
 from tomlens.errors import TomlensError
 from tomlens.hooks.sites import PER_HEAD_KINDS, Site
 from tomlens.stimuli.records import Stimulus
@@ -63,7 +64,7 @@ class ActivationSet:
                 f"{folder} holds no finished activation cache (no complete manifest)",
                 "run cache_activations / `tomlens cache` with the same request; it resumes from finished shards",
             )
-        manifest = st.read_json(folder / st.MANIFEST) or {}
+        manifest = st.read_manifest(folder) or {}
         if stimuli is None:
             lines = (folder / st.STIMULI).read_text(encoding="utf-8").splitlines()
             stimuli = [Stimulus.from_dict(json.loads(line)) for line in lines if line.strip()]
@@ -96,7 +97,7 @@ class ActivationSet:
 
     @property
     def dtype(self) -> torch.dtype:
-        return st.dtype_from_name(self.manifest["dtype"])
+        return parse_dtype(self.manifest["dtype"])
 
     @property
     def nbytes(self) -> int:

@@ -15,8 +15,6 @@ prompts share a forward: the numbers do not depend on the flush points.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 import os
 import sys
@@ -32,7 +30,9 @@ from tqdm.auto import tqdm
 
 from tomlens.activations import store as st
 from tomlens.activations.activation_set import ActivationSet, row_labels
+from tomlens.devices import dtype_name, parse_dtype
 from tomlens.errors import TomlensError
+from tomlens.io import sha256_hex, write_json, write_jsonl
 from tomlens.hooks import capture, check_sites, parse_sites
 from tomlens.models.positions import check_selectors, parse_selectors, resolve_positions
 from tomlens.hooks.sites import Site
@@ -77,7 +77,7 @@ def cache_activations(
                            "and the flush interval cannot be negative",
                            "pass shard_rows >= 1 and flush_seconds >= 0 (0 writes a shard after every batch)")
     model_dtype, device = _model_dtype_device(model)
-    store_dtype = st.dtype_from_name(dtype) if isinstance(dtype, str) else (dtype or model_dtype)
+    store_dtype = parse_dtype(dtype) if isinstance(dtype, str) else (dtype or model_dtype)
     prov, tokenizer = provenance(model), _tokenizer_fingerprint(model)
     request = {
         "format": st.FORMAT,
@@ -85,7 +85,7 @@ def cache_activations(
         "prepend_bos": prov["bos"]["prepend"],  # what the model saw; not who chose it
         "tokenizer": tokenizer["hash"],
         "weights": weights_fingerprint(model),
-        "dtype": st.dtype_to_name(store_dtype),
+        "dtype": dtype_name(store_dtype),
         "stimuli_hash": stimuli_hash(stimuli),
         "n": len(stimuli),
         "sites": [Site(k, layer).label() for k, ls in layers.items() for layer in ls],
@@ -123,8 +123,8 @@ def cache_activations(
         finally:
             runner.close()
 
-        st.write_text(folder / st.STIMULI, "".join(json.dumps(s.to_dict(), ensure_ascii=False) + "\n" for s in stimuli))
-        st.write_json(folder / st.MANIFEST, {  # written last: its presence marks the store complete
+        write_jsonl((s.to_dict() for s in stimuli), folder / st.STIMULI)
+        write_json({  # written last: its presence marks the store complete
             "format": st.FORMAT,
             "complete": True,
             "key": key,
@@ -141,7 +141,7 @@ def cache_activations(
             "shards": shards,  # stretches [start, stop) of the length-sorted run order
             "batch_size": runner.batch_size,
             "rows": [row_labels(s) for s in stimuli],
-        })
+        }, folder / st.MANIFEST, indent=1)
         st.remove_stale_temps(folder)
         return ActivationSet.load(folder, stimuli, reused=False)
 
@@ -220,7 +220,7 @@ def weights_fingerprint(model: Any, per_tensor: int = 256) -> str:
             samples.append(flat[idx].float())
             names.append(f"{name}:{tuple(p.shape)}")
     values = torch.cat(samples).cpu().numpy().tobytes() if samples else b""
-    return hashlib.sha256("|".join(names).encode() + values).hexdigest()[:24]
+    return sha256_hex("|".join(names).encode() + values, 24)
 
 
 def _tokenizer_fingerprint(model: Any) -> dict[str, Any]:

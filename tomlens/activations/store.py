@@ -21,8 +21,6 @@ Folder layout:
 from __future__ import annotations
 
 import fcntl
-import hashlib
-import json
 import os
 import re
 import sys
@@ -37,6 +35,7 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from tomlens.errors import TomlensError
+from tomlens.io import atomic_path, json_key, read_json
 
 FORMAT = 2  # 2: shards are stretches of the length-sorted order and carry their row indices
 MANIFEST = "manifest.json"
@@ -58,8 +57,7 @@ def default_store() -> Path:
 
 def request_key(request: Mapping[str, Any]) -> str:
     """A short, stable hash of a JSON-able request (sorted keys)."""
-    blob = json.dumps(request, sort_keys=True, separators=(",", ":"), default=str)
-    return hashlib.sha256(blob.encode()).hexdigest()[:24]
+    return json_key(request, 24)
 
 
 def tensor_name(kind: str, position: str) -> str:
@@ -70,42 +68,19 @@ def shard_file(index: int) -> str:
     return f"shard-{index:05d}.safetensors"
 
 
-def _tmp_name(path: Path) -> Path:
-    return path.with_name(f".{path.name}.{os.getpid()}.tmp")
-
-
-def _fsync_replace(tmp: Path, final: Path) -> None:
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, final)
-
-
-def write_json(path: Path, obj: Any) -> None:
-    """Write JSON atomically: temporary name, fsync, rename."""
-    tmp = _tmp_name(path)
-    tmp.write_text(json.dumps(obj, indent=1, ensure_ascii=False, default=str))
-    _fsync_replace(tmp, path)
-
-
-def write_text(path: Path, text: str) -> None:
-    tmp = _tmp_name(path)
-    tmp.write_text(text, encoding="utf-8")
-    _fsync_replace(tmp, path)
-
-
-def read_json(path: Path) -> dict[str, Any] | None:
+def read_manifest(folder: Path) -> dict[str, Any] | None:
+    """The folder's manifest, or None when it is missing or damaged (then the store is unfinished)."""
     try:
-        return json.loads(path.read_text())
+        return read_json(folder / MANIFEST)
     except (OSError, ValueError):
         return None
 
 
 def write_shard(path: Path, tensors: Mapping[str, Tensor], metadata: Mapping[str, str]) -> None:
     """Write one shard atomically (CPU, contiguous tensors)."""
-    tmp = _tmp_name(path)
-    save_file({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, str(tmp),
-              metadata=dict(metadata))
-    _fsync_replace(tmp, path)
+    with atomic_path(path) as tmp:
+        save_file({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, str(tmp),
+                  metadata=dict(metadata))
 
 
 def shard_meta(key: str, index: int, start: int, stop: int | None = None) -> dict[str, str]:
@@ -166,7 +141,7 @@ def writer_lock(folder: Path) -> Iterator[None]:
 
 
 def is_complete(folder: Path) -> bool:
-    manifest = read_json(folder / MANIFEST)
+    manifest = read_manifest(folder)
     return bool(
         manifest
         and manifest.get("complete")
@@ -205,16 +180,3 @@ def _pid_alive(pid: int) -> bool:
 def folder_bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.glob("shard-*.safetensors"))
 
-
-def dtype_from_name(name: str) -> torch.dtype:
-    aliases = {"fp32": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16",
-               "float": "float32", "fp64": "float64", "double": "float64"}
-    name = aliases.get(name, name)
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise TomlensError(f"{name!r} is not a floating-point dtype", "use float32, bfloat16 or float16")
-    return dtype
-
-
-def dtype_to_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")

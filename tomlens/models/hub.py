@@ -86,13 +86,10 @@ def load_local(name: str, dtype: Any) -> tuple[Any, Any, str]:
 def _files_digest(folder: Path) -> str:
     """Short digest of the folder's files (name, size, mtime): new weights saved into the same
     folder give a new revision, so caches keyed on it are not reused."""
-    import hashlib
+    from tomlens.io import sha256_hex
 
-    h = hashlib.sha256()
-    for f in sorted(p for p in folder.rglob("*") if p.is_file()):
-        stat = f.stat()
-        h.update(f"{f.relative_to(folder)}:{stat.st_size}:{stat.st_mtime_ns};".encode())
-    return h.hexdigest()[:16]
+    files = sorted(p for p in folder.rglob("*") if p.is_file())
+    return sha256_hex("".join(f"{f.relative_to(folder)}:{f.stat().st_size}:{f.stat().st_mtime_ns};" for f in files), 16)
 
 
 def load_hub(name: str, dtype: Any, revision: str | None) -> tuple[Any, Any, str]:

@@ -24,6 +24,7 @@ from tomlens.errors import TomlensError
 from tomlens.models import embedded, hub, tiny
 from tomlens.devices import dtype_name, resolve_device, resolve_dtype
 from tomlens.models.tokens import bos_record, prepends_bos, set_bos_rule
+from tomlens.provenance import versions
 
 
 @dataclass(frozen=True)
@@ -31,7 +32,7 @@ class ModelName:
     """One built-in name and what it is, for `tomlens models`."""
 
     name: str
-    kind: str  # "embedded", "tiny" (tests) or "random" (full-size shapes, for benchmarks)
+    source: str  # "embedded", "tiny" (tests) or "random" (full-size shapes, for benchmarks)
     description: str
 
 
@@ -205,22 +206,9 @@ def _boot(name: str, hf_model: Any, tokenizer: Any, device: torch.device, dtype:
     return bridge
 
 
-def _version(distribution: str) -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version(distribution)
-    except PackageNotFoundError:
-        return "unknown"
-
-
 def provenance(model: Any) -> dict[str, Any]:
     """What a result was computed with: model name, revision, dtype, device, shape, tokenizer, BOS
     rule, versions. `bos` is read off the tokenizer itself, so it is true even if the caller changed it."""
-    import transformers
-
-    import tomlens
-
     cfg = model.cfg
     info = _LOADED.get(model, {})
     try:
@@ -248,10 +236,5 @@ def provenance(model: Any) -> dict[str, Any]:
         "n_ctx": int(cfg.n_ctx),
         "tokenizer": info.get("tokenizer", getattr(tok, "name_or_path", None)),
         "bos": bos_record(tok, info.get("bos_source", "tokenizer")) if tok is not None else None,
-        "versions": {
-            "tomlens": tomlens.__version__,
-            "torch": torch.__version__,
-            "transformer_lens": _version("transformer-lens"),
-            "transformers": transformers.__version__,
-        },
+        "versions": versions(),
     }

@@ -31,6 +31,10 @@ class TinySpec:
     full_size: bool = False  # built on the target device in the target dtype (too big for fp32 on CPU)
 
 
+# Special-token ids of the three tiny configs (SmolLM2's tokenizer: 1 = <|im_start|>, 2 = <|im_end|>).
+_TINY_TOKENS: dict[str, int] = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2}
+
+
 def _gpt2_config() -> Any:
     from transformers import GPT2Config
 
@@ -40,10 +44,8 @@ def _gpt2_config() -> Any:
         n_head=4,
         n_embd=64,
         n_positions=512,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=2,
         architectures=["GPT2LMHeadModel"],
+        **_TINY_TOKENS,
     )
 
 
@@ -58,10 +60,8 @@ def _llama_config() -> Any:
         num_key_value_heads=2,
         intermediate_size=128,
         max_position_embeddings=512,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=2,
         architectures=["LlamaForCausalLM"],
+        **_TINY_TOKENS,
     )
 
 
@@ -75,10 +75,8 @@ def _neox_config() -> Any:
         num_attention_heads=4,
         intermediate_size=128,
         max_position_embeddings=512,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=2,
         architectures=["GPTNeoXForCausalLM"],
+        **_TINY_TOKENS,
     )
 
 

@@ -37,25 +37,6 @@ class EncodedBatch:
     def __len__(self) -> int:
         return len(self.lengths)
 
-    def char_to_position(self, row: int, char_index: int, *, first: bool = False) -> int:
-        """Padded index of the token covering character `char_index` of text `row`.
-
-        If several tokens cover it (a multi-byte character split by byte-level BPE), the last one
-        is returned, or the first with `first=True`. Special tokens (BOS) cover no character.
-        """
-        found = [
-            t for t, (start, end) in enumerate(self.offsets[row]) if start <= char_index < end
-        ]
-        if not found:
-            text = self.texts[row] if row < len(self.texts) else None
-            where = f" ({text[max(0, char_index - 10):char_index + 10]!r})" if text else ""
-            raise TomlensError(
-                f"no token covers character {char_index} of text {row}{where}",
-                "check the span offsets against the text (end is exclusive, spans must not be empty)",
-            )
-        t = found[0] if first else found[-1]
-        return self.pad[row] + t
-
     def forward_kwargs(self) -> dict[str, Tensor]:
         """Keyword arguments that make a left-padded forward equal to one prompt at a time."""
         kwargs = {"attention_mask": self.attention_mask}
@@ -186,3 +167,44 @@ def encode(model: Any, texts: Sequence[str]) -> EncodedBatch:
         pass_position_ids=_accepts_position_ids(model),
         texts=tuple(texts),
     )
+
+
+def option_first_tokens(model: Any, stimuli: Sequence[Any], options: Sequence[tuple[str, str]]) -> Int[Tensor, "n 2"]:
+    """First token of `" " + option` for each stimulus and each of its two options, in context.
+
+    Tokenised as a continuation of the stimulus text and located through the tokenizer's offsets,
+    so tokenizers that merge the leading space (BPE) or split it off (SentencePiece) both give the
+    token the model would actually emit next.
+    """
+    texts: list[str] = []
+    ends: list[int] = []
+    for s, opts in zip(stimuli, options):
+        for opt in opts:
+            texts.append(f"{s.text} {opt}")
+            ends.append(len(s.text))
+    out = torch.empty(len(texts), dtype=torch.long)
+    for b0 in range(0, len(texts), 64):
+        batch = encode(model, texts[b0 : b0 + 64])
+        for row in range(len(batch.lengths)):
+            i = b0 + row
+            offs = batch.offsets[row]
+            first = next(
+                (t for t, (cs, ce) in enumerate(offs) if cs >= ends[i] or ce > ends[i]), None
+            )
+            if first is None or first == 0:
+                raise TomlensError(
+                    f"stimulus {stimuli[i // 2].id!r}: option {texts[i][ends[i]:]!r} produced no "
+                    "continuation token",
+                    "check the stimulus text and options",
+                )
+            out[i] = batch.input_ids[row, batch.pad[row] + first]
+    out = out.view(-1, 2)
+    same = (out[:, 0] == out[:, 1]).nonzero().flatten().tolist()
+    if same:
+        s = stimuli[same[0]]
+        raise TomlensError(
+            f"stimulus {s.id!r}: both options {list(options[same[0]])!r} start with the same token, "
+            "so their first-token logit difference is always 0",
+            "use options whose first tokens differ (or drop these pairs)",
+        )
+    return out

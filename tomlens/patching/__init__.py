@@ -1,12 +1,27 @@
-"""Patching between matched stories: the engine, exact and attribution sweeps, AtP* search, head
-rankings with their validations, the plan and checkpoints of a sweep."""
+"""Patching between matched stories: the cell vocabulary (cells), pairs made ready (pairs), the batched
+engine (engine), exact and attribution sweeps (exact, attribution), their result (result), AtP*
+search (search), head rankings with their validations (heads), the plan and checkpoints of a sweep."""
 
 from tomlens.patching.attribution import attribution_patching, compare
-from tomlens.patching.engine import PatchingResult, exact_patching, prepare_pairs
+from tomlens.patching.exact import exact_patching
+from tomlens.patching.pairs import prepare_pairs
+from tomlens.patching.result import PatchingResult
 from tomlens.patching.heads import head_table, mean_ablation, rank_heads, topk_recovery
 from tomlens.patching.search import SearchResult, atp_star, search
+# What a whole patching run (tomlens.runs.patching) lays out, runs, checkpoints and summarises:
+from tomlens.patching.checkpoints import Checkpoints
+from tomlens.patching.cells import canonical_kind, plan_cells
+from tomlens.patching.exact import ExactSweep
+from tomlens.patching.heads import AblationSweep, HeadSetSweep, topk_settings
+from tomlens.patching.metric import METRIC_NAME, gap_note, gap_warnings_silenced
+from tomlens.patching.plan import AttributionSweep, Plan, calibrate, drop_missing_roles, parse_positions, plan_stages
 
 __all__ = [
     "PatchingResult", "SearchResult", "atp_star", "attribution_patching", "compare", "exact_patching",
     "head_table", "mean_ablation", "prepare_pairs", "rank_heads", "search", "topk_recovery",
+]
+__all__ += [
+    "METRIC_NAME", "AblationSweep", "AttributionSweep", "Checkpoints", "ExactSweep", "HeadSetSweep", "Plan",
+    "calibrate", "canonical_kind", "drop_missing_roles", "gap_note", "gap_warnings_silenced", "parse_positions",
+    "plan_cells", "plan_stages", "topk_settings",
 ]

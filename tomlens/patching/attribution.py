@@ -24,22 +24,12 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from tomlens.errors import TomlensError
-from tomlens.patching.metric import Normalize, logit_diff
-from tomlens.patching.engine import (
-    _SHORTCUTS_OK,
-    Cell,
-    Direction,
-    PatchingResult,
-    PreparedPairs,
-    _check_selectors,
-    _needed_hooks,
-    _roles,
-    _selectors,
-    hook_for,
-    plan_cells,
-    prepare_pairs,
-)
 from tomlens.hooks.patch import forward_last, record_hooks
+from tomlens.patching.cells import Cell, cell_hooks, check_selectors, hook_for, plan_cells, selectors_in
+from tomlens.patching.engine import shortcuts_verdict
+from tomlens.patching.metric import Normalise, logit_diff
+from tomlens.patching.pairs import Direction, PreparedPairs, as_prepared, roles
+from tomlens.patching.result import PatchingResult
 
 
 def column_scores(
@@ -68,8 +58,8 @@ def _group_scores(
     differs earlier, so no score is lost).
     """
     g = group.g
-    base_rows = torch.tensor([_roles(direction, g, j)[0] for j in range(g)])
-    src_rows = torch.tensor([_roles(direction, g, j)[1] for j in range(g)])
+    base_rows = torch.tensor([roles(direction, g, j)[0] for j in range(g)])
+    src_rows = torch.tensor([roles(direction, g, j)[1] for j in range(g)])
     batch = group.batch
     fk = batch.forward_kwargs()
     src: dict[str, Tensor] = {}
@@ -78,7 +68,7 @@ def _group_scores(
             model, batch.input_ids, fk, record_hooks(hooks, src), rows=src_rows, keep_cache=reuse_prefix
         )
         src_metric = logit_diff(src_last, group.tokens[src_rows])
-    if _SHORTCUTS_OK.get(model) is False:  # exact patching found the KV prefix unfaithful here
+    if shortcuts_verdict(model) is False:  # exact patching found the KV prefix unfaithful here
         prefix = None
     start = int(group.first_diff.min()) if prefix is not None else 0
     start = min(start, group.width - 1)
@@ -160,7 +150,7 @@ def attribution_patching(
     positions: Sequence[str] = (),
     direction: Direction = "denoise",
     layers: Sequence[int] | None = None,
-    normalize: Normalize = "pooled",
+    normalise: Normalise = "pooled",
     batch_pairs: int = 8,
     reuse_prefix: bool = True,
     progress: bool = True,
@@ -170,16 +160,14 @@ def attribution_patching(
     A cell's value for a pair is the base run's metric plus the summed score over the cell's
     columns (for "all": every token from the first that differs between the two stories).
     """
-    prepared = pairs if isinstance(pairs, PreparedPairs) else prepare_pairs(
-        model, pairs, selectors=_selectors(sites, positions), batch_pairs=batch_pairs
-    )
+    prepared = as_prepared(model, pairs, selectors_in(sites, positions), batch_pairs)
     cells = plan_cells(model, sites, positions, n_aligned=prepared.n_aligned, layers=layers)
-    _check_selectors(cells, prepared)
+    check_selectors(cells, prepared)
     n_pair = len(prepared.pairs)
     values = torch.full((len(cells), n_pair), float("nan"), dtype=torch.float64)
     clean = torch.empty(n_pair, dtype=torch.float64)
     corrupted = torch.empty(n_pair, dtype=torch.float64)
-    hooks = _needed_hooks(cells)
+    hooks = cell_hooks(cells)
     for group in tqdm(prepared.groups, desc=f"attribution ({direction})", unit="group", disable=not progress):
         scores, base_metric, src_metric = _group_scores(model, group, hooks, direction, reuse_prefix=reuse_prefix)
         idx = torch.tensor(group.index)
@@ -189,7 +177,7 @@ def attribution_patching(
             clean[idx], corrupted[idx] = base_metric, src_metric
         values[:, idx] = base_metric[None, :] + CellIndex(cells, group, prepared.n_aligned).values(scores)
     return PatchingResult(
-        "attribution", direction, cells, values, clean, corrupted, prepared.ids, prepared.token_labels, normalize
+        "attribution", direction, cells, values, clean, corrupted, prepared.ids, prepared.token_labels, normalise
     )
 
 

@@ -12,9 +12,7 @@ the sweep's final outputs are written.
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import shutil
 from pathlib import Path
 from typing import Any, Mapping
@@ -23,19 +21,14 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
+from tomlens.io import atomic_path, json_key, write_atomic
+
 PARTIAL = ".partial"
 
 
 def settings_key(settings: Mapping[str, Any]) -> str:
     """A short, stable hash of JSON-able settings (sorted keys)."""
-    blob = json.dumps(settings, sort_keys=True, separators=(",", ":"), default=str)
-    return hashlib.sha256(blob.encode()).hexdigest()[:20]
-
-
-def _replace(tmp: Path, final: Path) -> None:
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, final)
+    return json_key(settings, 20)
 
 
 class Checkpoints:
@@ -85,14 +78,10 @@ class Checkpoints:
         self.folder.mkdir(parents=True, exist_ok=True)
         manifest = self.folder / "manifest.json"
         if not manifest.exists():
-            tmp = manifest.with_name(f".manifest.json.{os.getpid()}.tmp")
-            tmp.write_text(json.dumps({"key": self.key, "settings": self.settings}, indent=1, default=str))
-            _replace(tmp, manifest)
-        path = self._path(name)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(tmp),
-                  metadata={"key": self.key, "chunk": name})
-        _replace(tmp, path)
+            write_atomic(json.dumps({"key": self.key, "settings": self.settings}, indent=1, default=str), manifest)
+        with atomic_path(self._path(name)) as tmp:
+            save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(tmp),
+                      metadata={"key": self.key, "chunk": name})
         self.saved += 1
 
     def count(self) -> int:

@@ -1,31 +1,23 @@
-"""Exact activation patching over minimal pairs, batched: every patched run of a sweep is a batch row.
+"""The batched patched-run engine: every patched run of a sweep is a batch row.
 
-A sweep patches one site at a time (a head's output, the residual stream at a layer and position,
-an attention or MLP output) from one run of a pair into the other and reads the logit difference.
-Denoising patches clean into corrupted ("is this site sufficient to restore the belief answer?"),
-noising patches corrupted into clean ("is it necessary?"). Both report the same scale: 0 is the
-corrupted run, 1 the clean run.
+A patched run is a base story with some cells overwritten by values from a source run (`Run`);
+its result is the logit difference at the last token (`tomlens.patching.metric`).
 
 Why it is fast and still exact:
-- Pairs are processed in groups; each group's clean and corrupted runs are cached once (activations
-  at the patched sites, keys/values, last-token logits).
-- Every (cell, pair) patched run is a row; rows are chunked to a memory budget and run together.
+- Pairs are processed in groups (`tomlens.patching.pairs`); each group's clean and corrupted runs
+  are cached once (activations at the patched sites, keys/values, last-token logits: `base_pass`).
+- Patched runs are rows; rows are chunked to a memory budget and run together (`run_patched`).
 - Clean and corrupted stories are token-identical up to the contrast span, so nothing can change
   before the first differing token; positions before it are never recomputed (their keys and values
-  come from the base run) and cells patched only there are not run at all.
+  come from the base run).
 - Blocks below the first patched block are not run either: the base run's residual stream enters
   the patched block directly. A one-off check per model confirms both shortcuts reproduce a plain
   run; if they do not (an architecture they do not fit), every run is a plain full forward.
 
-Sweeps are laid out before they run (`ExactSweep`: every run of every group, with the work each
-costs), so a plan can count and time them (`tomlens.patching.plan`), and they run in `Stage`
-chunks that are checkpointed as they finish (`tomlens.patching.checkpoints`): a stopped sweep
-resumes from the chunks on disk, which are reused only for exactly the runs that made them.
-
-Positions: "all" (every token), a selector from `tomlens.hooks.resolve_positions` ("final", a span
-role, ...), or "each" (one cell per token). "each" indexes tokens right-aligned across pairs (pairs
-of different lengths share their ending, the belief question); a pair without a token at an index
-gives NaN there and is left out of that cell's statistics.
+Sweeps lay out their runs before they run (`Stage`: every run of every group, with the work each
+costs), so a plan can count and time them (`tomlens.patching.plan`), and run them in chunks that
+are checkpointed as they finish (`tomlens.patching.checkpoints`): a stopped sweep resumes from the
+chunks on disk, which are reused only for exactly the runs that made them.
 """
 
 from __future__ import annotations
@@ -34,182 +26,17 @@ import hashlib
 import warnings
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Literal, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
-import numpy as np
-import pandas as pd
 import torch
-from jaxtyping import Float, Int
+from jaxtyping import Float
 from torch import Tensor
-from tqdm.auto import tqdm
 
 from tomlens.errors import TomlensError
-from tomlens.patching.metric import Normalize, gap_is_unstable, logit_diff, option_first_tokens, summarise
 from tomlens.hooks.patch import PatchIndex, PrefixCache, forward_last, patch_hooks, record_hooks
 from tomlens.oom import OOM_ERRORS, release_memory
-
-Direction = Literal["denoise", "noise"]
-
-KIND_ALIASES: dict[str, str] = {
-    "heads": "head", "head": "head", "z": "head", "head_out": "head",
-    "resid": "resid_pre", "resid_pre": "resid_pre", "resid_mid": "resid_mid",
-    "resid_post": "resid_post",
-    "attn": "attn_out", "attn_out": "attn_out", "mlp": "mlp_out", "mlp_out": "mlp_out",
-}
-# Patching the whole residual stream at every position restores the clean run outright, so the
-# residual stream is swept per position; heads, attention and MLP outputs at all positions.
-DEFAULT_POSITIONS: dict[str, tuple[str, ...]] = {
-    "head": ("all",), "resid_pre": ("each",), "resid_mid": ("each",), "resid_post": ("each",),
-    "attn_out": ("all",), "mlp_out": ("all",),
-}
-
-
-def canonical_kind(name: str) -> str:
-    try:
-        return KIND_ALIASES[name.strip()]
-    except KeyError:
-        raise TomlensError(
-            f"unknown patching site {name!r}", f"use one of {sorted(set(KIND_ALIASES))}"
-        ) from None
-
-
-def hook_for(kind: str, layer: int) -> str:
-    """TransformerLens hook name for a patching kind; a head's output is patched through its z."""
-    from tomlens.hooks import Site, hook_name
-
-    return hook_name(Site("z" if kind == "head" else kind, layer))
-
-
-# --------------------------------------------------------------------------------------------
-# Pairs, tokenised and grouped
-
-
-@dataclass
-class Group:
-    """A batch of pairs: rows `0..g-1` are the clean stories, `g..2g-1` the corrupted ones."""
-
-    index: list[int]
-    batch: Any  # tomlens.models.tokens.EncodedBatch
-    tokens: Int[Tensor, "story 2"]
-    first_diff: Int[Tensor, "g"]  # padded column of the first token where clean != corrupted
-    positions: dict[str, Int[Tensor, "g"]]  # selector -> padded column (same in clean and corrupted)
-
-    @property
-    def g(self) -> int:
-        return len(self.index)
-
-    @property
-    def width(self) -> int:
-        return int(self.batch.input_ids.shape[1])
-
-    def pad(self, j: int) -> int:
-        return int(self.batch.pad[j])
-
-
-@dataclass
-class PreparedPairs:
-    """Pairs tokenised once for a model: groups, answer tokens, aligned position labels."""
-
-    pairs: list[Any]
-    groups: list[Group]
-    lengths: list[int]
-    n_aligned: int
-    token_labels: list[str]
-    selectors: tuple[str, ...]
-
-    @property
-    def ids(self) -> list[str]:
-        return [p.id for p in self.pairs]
-
-
-def _other(options: tuple[str, str], answer: str) -> str:
-    return options[1] if options[0] == answer else options[0]
-
-
-def prepare_pairs(
-    model, pairs: Sequence[Any], *, selectors: Sequence[str] = (), batch_pairs: int = 8
-) -> PreparedPairs:
-    """Tokenise pairs for `model`, check they are aligned, resolve selector positions.
-
-    Pairs are sorted by length into groups of `batch_pairs` so a group carries little padding.
-    """
-    from tomlens.models.tokens import encode
-
-    pairs = list(pairs)
-    if not pairs:
-        raise TomlensError("no minimal pairs to patch", "generate pairs with `tomlens pairs` first")
-    for p in pairs:
-        if tuple(p.clean.options) != tuple(p.corrupted.options):
-            raise TomlensError(
-                f"pair {p.id!r}: clean and corrupted stories have different options "
-                f"({list(p.clean.options)} vs {list(p.corrupted.options)})",
-                "build pairs with tomlens.stimuli.pairs.make_pairs",
-            )
-    selectors = tuple(s for s in selectors if s not in ("all", "each"))
-    options = [(p.clean.answer, _other(p.clean.options, p.clean.answer)) for p in pairs]
-    tokens = option_first_tokens(model, [p.clean for p in pairs], options)
-    tok = model.tokenizer
-    lengths = [len(tok(p.clean.text, add_special_tokens=True)["input_ids"]) for p in pairs]
-    order = sorted(range(len(pairs)), key=lambda i: (-lengths[i], i))
-    groups: list[Group] = []
-    for a in range(0, len(order), max(1, batch_pairs)):
-        idx = order[a : a + batch_pairs]
-        g = len(idx)
-        batch = encode(model, [pairs[i].clean.text for i in idx] + [pairs[i].corrupted.text for i in idx])
-        ids = batch.input_ids
-        first = torch.empty(g, dtype=torch.long)
-        for j, i in enumerate(idx):
-            if batch.lengths[j] != batch.lengths[g + j]:
-                raise TomlensError(
-                    f"pair {pairs[i].id!r} is not aligned: the clean story has {batch.lengths[j]} "
-                    f"tokens, the corrupted one {batch.lengths[g + j]}",
-                    "align pairs for this model's tokenizer with tomlens.stimuli.pairs.align_pairs",
-                )
-            diff = (ids[j] != ids[g + j]).nonzero().flatten()
-            first[j] = int(diff[0]) if len(diff) else ids.shape[1]
-        positions: dict[str, Tensor] = {}
-        if selectors:
-            from tomlens.models.positions import resolve_positions
-
-            stories = [pairs[i].clean for i in idx] + [pairs[i].corrupted for i in idx]
-            pos = resolve_positions(stories, batch, list(selectors)).cpu().long()
-            for s_i, sel in enumerate(selectors):
-                c, r = pos[:g, s_i], pos[g:, s_i]
-                bad = (c != r).nonzero().flatten().tolist()
-                if bad:
-                    j = bad[0]
-                    raise TomlensError(
-                        f"pair {pairs[idx[j]].id!r}: position {sel!r} is token {int(c[j])} in the "
-                        f"clean story and {int(r[j])} in the corrupted one",
-                        "patch at selectors outside the contrast span, or re-align the pairs",
-                    )
-                positions[sel] = c
-        t = tokens[idx]
-        groups.append(Group(idx, batch, torch.cat([t, t]), first, positions))
-    lengths = [0] * len(pairs)
-    for grp in groups:
-        for j, i in enumerate(grp.index):
-            lengths[i] = int(grp.batch.lengths[j])
-    n_aligned = max(lengths)
-    return PreparedPairs(pairs, groups, lengths, n_aligned, _token_labels(model, groups, n_aligned), selectors)
-
-
-def _token_labels(model, groups: Sequence[Group], n_aligned: int) -> list[str]:
-    """Axis labels for right-aligned positions, from the longest pair ("clean|corrupted" where
-    the two stories differ)."""
-    grp = groups[0]  # the first group holds the longest pairs
-    ids = grp.batch.input_ids
-    width = grp.width
-    out = []
-    for k in range(n_aligned):
-        col = width - n_aligned + k
-        if col < grp.pad(0):
-            out.append(f"{k}")
-            continue
-        a = model.tokenizer.decode([int(ids[0, col])])
-        b = model.tokenizer.decode([int(ids[grp.g, col])])
-        out.append(f"{k}:{a}" if a == b else f"{k}:{a}|{b}")
-    return out
+from tomlens.patching.metric import logit_diff
+from tomlens.patching.pairs import Group, PreparedPairs
 
 
 # --------------------------------------------------------------------------------------------
@@ -356,6 +183,15 @@ def _shortcuts_ok(model, group: Group, bp: BasePass) -> bool:
     return ok
 
 
+def shortcuts_verdict(model) -> bool | None:
+    """Whether the shared-prefix shortcuts reproduced a plain run on this model (None: not checked
+    yet). Other passes that start at the first differing token do without them on False."""
+    try:
+        return _SHORTCUTS_OK.get(model)
+    except TypeError:
+        return None
+
+
 def run_patched(
     model,
     group: Group,
@@ -363,7 +199,7 @@ def run_patched(
     sources: Mapping[str, Tensor],
     base: BasePass,
     *,
-    memory_mb: float = 1024,
+    memory_mb: float = 1024.0,
     bar: Any = None,
 ) -> Float[Tensor, "run"]:
     """Metric of every patched run, many runs per forward.
@@ -501,7 +337,7 @@ class Stage:
         *,
         hooks: Sequence[str] = (),
         sources: Callable[[Group], Mapping[str, Tensor]] | None = None,
-        memory_mb: float = 1024,
+        memory_mb: float = 1024.0,
         chunk_runs: int = DEFAULT_CHUNK_RUNS,
         reuse_prefix: bool = True,
     ):
@@ -537,13 +373,13 @@ class Stage:
 
     def cost(self) -> float:
         """Work (`run_cost`) of the chunks not done."""
-        return sum(c.cost for c in self.pending())
+        return float(sum(c.cost for c in self.pending()))
 
     def forward_cost(self) -> float:
         """Multiply-adds of the base passes the chunks not done need (and of groups without one)."""
         groups = {c.group for c in self.pending()} | {g for g, b in enumerate(self.base) if b is None}
-        return sum(forward_cost(self.model, 2 * self.prepared.groups[g].g, self.prepared.groups[g].width)
-                   for g in groups)
+        return float(sum(forward_cost(self.model, 2 * self.prepared.groups[g].g, self.prepared.groups[g].width)
+                         for g in groups))
 
     def _name(self, group: int, part: str) -> str:
         return f"{self.name}-g{group:04d}-{part}"
@@ -604,326 +440,3 @@ class Stage:
                 self.done.add((gi, c.index))
         if chunks is None:
             self._bp = None
-
-
-# --------------------------------------------------------------------------------------------
-# Sweeps
-
-
-@dataclass(frozen=True)
-class Cell:
-    """One patched site: kind ("head", "resid_pre", "attn_out", "mlp_out", ...), layer, head (-1
-    when not a head), position ("all", a selector or "each") and aligned token index (-1 unless
-    position is "each")."""
-
-    kind: str
-    layer: int
-    head: int
-    position: str
-    pos: int
-
-
-def plan_cells(
-    model,
-    sites: Sequence[str] | Mapping[str, Sequence[str]],
-    positions: Sequence[str] = (),
-    *,
-    n_aligned: int,
-    layers: Sequence[int] | None = None,
-) -> list[Cell]:
-    """Cells of a sweep. `sites` lists kinds (each with its default positions) or maps kinds to
-    their own position lists; `positions` are added to every kind."""
-    if isinstance(sites, str):
-        sites = [s for s in sites.split(",") if s.strip()]
-    if isinstance(sites, Mapping):
-        spec = {canonical_kind(k): tuple(dict.fromkeys(tuple(v) + tuple(positions))) for k, v in sites.items()}
-    else:
-        spec = {}
-        for k in sites:
-            kind = canonical_kind(k)
-            spec[kind] = tuple(dict.fromkeys(DEFAULT_POSITIONS[kind] + tuple(positions)))
-    n_layers = model.cfg.n_layers
-    layers = list(range(n_layers)) if layers is None else list(layers)
-    bad = [l for l in layers if not 0 <= l < n_layers]
-    if bad:
-        raise TomlensError(f"layers {bad} do not exist (the model has {n_layers})", "pick layers in range")
-    from tomlens.hooks import Site, check_sites
-
-    check_sites(model, [Site("z" if kind == "head" else kind, l) for kind in spec for l in layers[:1]])
-    cells: list[Cell] = []
-    for kind, poss in spec.items():
-        heads = range(model.cfg.n_heads) if kind == "head" else [-1]
-        for position in poss:
-            ks = range(n_aligned) if position == "each" else [-1]
-            for layer in layers:
-                for k in ks:
-                    for h in heads:
-                        cells.append(Cell(kind, layer, h, position, k))
-    return cells
-
-
-def cell_columns(cell: Cell, group: Group, j: int, n_aligned: int) -> list[int] | None:
-    """Padded columns the cell patches in pair `j` of a group, dropping columns before the first
-    differing token (identical in both runs). None when the pair has no token at that position."""
-    width, fd = group.width, int(group.first_diff[j])
-    if cell.position == "all":
-        return list(range(fd, width))
-    if cell.position == "each":
-        col = width - n_aligned + cell.pos
-        if col < group.pad(j):
-            return None
-        return [col] if col >= fd else []
-    col = int(group.positions[cell.position][j])
-    return [col] if col >= fd else []
-
-
-def _roles(direction: Direction, g: int, j: int) -> tuple[int, int]:
-    """(base row, source row) of pair j: denoising runs the corrupted story with clean values."""
-    if direction == "denoise":
-        return g + j, j
-    if direction == "noise":
-        return j, g + j
-    raise TomlensError(f"unknown patching direction {direction!r}", "use 'denoise' or 'noise'")
-
-
-@dataclass
-class PatchingResult:
-    """Raw patched metric for every cell and pair, with the clean and corrupted baselines.
-
-    `values[c, p]` is the logit difference of pair p with cell c patched (for attribution: the
-    first-order estimate of it); NaN where the pair has no token at that position.
-    """
-
-    method: str
-    direction: str
-    cells: list[Cell]
-    values: Float[Tensor, "cell pair"]
-    clean: Float[Tensor, "pair"]
-    corrupted: Float[Tensor, "pair"]
-    pair_ids: list[str]
-    token_labels: list[str]
-    normalize: Normalize = "pooled"
-    seed: int = 0  # of the bootstrap
-    _summaries: dict[tuple[int, int], pd.DataFrame] = field(default_factory=dict, repr=False)
-
-    def cell_frame(self) -> pd.DataFrame:
-        return pd.DataFrame(
-            {
-                "kind": [c.kind for c in self.cells],
-                "layer": [c.layer for c in self.cells],
-                "head": [c.head for c in self.cells],
-                "position": [c.position for c in self.cells],
-                "pos": [c.pos for c in self.cells],
-            }
-        )
-
-    def summary(self, *, n_boot: int = 1000, seed: int | None = None) -> pd.DataFrame:
-        """One row per cell: normalised effect (mean over pairs), SE, bootstrap 95% interval,
-        number of pairs and the mean raw logit difference after the patch."""
-        seed = self.seed if seed is None else seed
-        if (n_boot, seed) in self._summaries:
-            return self._summaries[(n_boot, seed)]
-        s = summarise(self.values, self.clean, self.corrupted, normalize=self.normalize, n_boot=n_boot, seed=seed)
-        df = self.cell_frame()
-        df.insert(0, "direction", self.direction)
-        df.insert(0, "method", self.method)
-        df["token"] = [self.token_labels[c.pos] if c.pos >= 0 else "" for c in self.cells]
-        df["effect"] = s.mean
-        df["se"] = s.se
-        df["ci_low"] = s.ci_low
-        df["ci_high"] = s.ci_high
-        df["n_pairs"] = s.n
-        with np.errstate(all="ignore"):
-            df["logit_diff"] = np.nanmean(self.values.double().numpy(), axis=1) if len(self.cells) else []
-        self._summaries[(n_boot, seed)] = df
-        return df
-
-    def per_pair(self) -> pd.DataFrame:
-        """Long table: one row per (cell, pair) with the raw and the normalised value."""
-        from tomlens.patching.metric import normalise
-
-        norm = normalise(self.values, self.clean, self.corrupted, self.normalize).numpy()
-        n_cell, n_pair = self.values.shape
-        df = self.cell_frame().loc[np.repeat(np.arange(n_cell), n_pair)].reset_index(drop=True)
-        df.insert(0, "cell", np.repeat(np.arange(n_cell), n_pair))
-        df["pair_id"] = np.tile(np.array(self.pair_ids, dtype=object), n_cell)
-        df["logit_diff"] = self.values.double().numpy().reshape(-1)
-        df["effect"] = norm.reshape(-1)
-        return df
-
-    def baselines(self) -> dict[str, float]:
-        """Mean clean and corrupted metric, and their gap (the normaliser) with its standard error:
-        when the gap is within about two standard errors of 0, normalised effects are unstable."""
-        gap = (self.clean - self.corrupted).double()
-        n = len(self.pair_ids)
-        se = float(gap.std() / n**0.5) if n > 1 else float("nan")
-        return {
-            "clean_logit_diff": float(self.clean.double().mean()),
-            "corrupted_logit_diff": float(self.corrupted.double().mean()),
-            "gap": float(gap.mean()),
-            "gap_se": se,
-            "gap_unstable": gap_is_unstable(gap),
-            "n_pairs": n,
-        }
-
-    def select(self, kind: str, position: str) -> pd.DataFrame:
-        df = self.summary()
-        return df[(df.kind == canonical_kind(kind)) & (df.position == position)]
-
-    def grid(self, kind: str, position: str, column: str = "effect") -> np.ndarray:
-        """`[layer, head]` for heads, `[layer, pos]` for position "each", `[layer, 1]` otherwise."""
-        df = self.select(kind, position)
-        if df.empty:
-            raise TomlensError(f"the result has no cells of kind {kind!r} at position {position!r}")
-        col = "head" if canonical_kind(kind) == "head" and position != "each" else "pos"
-        if canonical_kind(kind) == "head" and position == "each":
-            raise TomlensError("a per-position head sweep has three axes; use select() instead")
-        layers = sorted(df.layer.unique())
-        keys = sorted(df[col].unique())
-        out = np.full((len(layers), len(keys)), np.nan)
-        li = {l: i for i, l in enumerate(layers)}
-        ki = {k: i for i, k in enumerate(keys)}
-        for l, k, v in zip(df.layer, df[col], df[column]):
-            out[li[l], ki[k]] = v
-        return out
-
-
-def _needed_hooks(cells: Sequence[Cell]) -> list[str]:
-    return sorted({hook_for(c.kind, c.layer) for c in cells})
-
-
-class ExactSweep:
-    """An exact patching sweep laid out before it runs: one run per (cell, pair), except cells
-    patched only before the pair's first differing token (nothing changes: the base run's own
-    value) and positions the pair lacks (NaN). `stage` runs the rest; `result` assembles them."""
-
-    def __init__(
-        self,
-        model,
-        prepared: PreparedPairs,
-        cells: Sequence[Cell],
-        direction: Direction = "denoise",
-        *,
-        memory_mb: float = 1024,
-        reuse_prefix: bool = True,
-        chunk_runs: int = DEFAULT_CHUNK_RUNS,
-    ):
-        _check_selectors(cells, prepared)
-        self.prepared, self.cells, self.direction = prepared, list(cells), direction
-        runs: list[list[Run]] = []
-        self.targets: list[list[tuple[int, int]]] = []
-        self.fills: list[list[tuple[int, int, int]]] = []  # (cell, pair, base row): no run needed
-        hooks = {c: hook_for(c.kind, c.layer) for c in set(self.cells)}
-        for group in prepared.groups:
-            g = group.g
-            rs: list[Run] = []
-            ts: list[tuple[int, int]] = []
-            fs: list[tuple[int, int, int]] = []
-            for c_i, cell in enumerate(self.cells):
-                for j, p_i in enumerate(group.index):
-                    base, src = _roles(direction, g, j)
-                    cols = cell_columns(cell, group, j, prepared.n_aligned)
-                    if cols is None:
-                        continue
-                    if not cols:
-                        fs.append((c_i, p_i, base))
-                        continue
-                    rs.append(Run(base, [(hooks[cell], cell.layer, cell.head, cols, src)]))
-                    ts.append((c_i, p_i))
-            runs.append(rs)
-            self.targets.append(ts)
-            self.fills.append(fs)
-        self.stage = Stage(f"exact-{direction}", model, prepared, runs, hooks=_needed_hooks(self.cells),
-                           memory_mb=memory_mb, chunk_runs=chunk_runs, reuse_prefix=reuse_prefix)
-
-    def load(self, checkpoints: Any) -> int:
-        """Take finished chunks from `checkpoints`; returns the runs now done."""
-        return self.stage.load(checkpoints)
-
-    def run(self, *, checkpoints: Any = None, progress: bool = True) -> None:
-        stage = self.stage
-        if checkpoints is not None:
-            stage.load(checkpoints)
-        with tqdm(total=stage.n_runs, desc=f"patching ({self.direction})", unit="run", disable=not progress) as bar:
-            bar.update(stage.n_done)
-            stage.run(checkpoints=checkpoints, bar=bar)
-
-    def result(self, normalize: Normalize = "pooled") -> PatchingResult:
-        n_pair = len(self.prepared.pairs)
-        values = torch.full((len(self.cells), n_pair), float("nan"), dtype=torch.float64)
-        clean = torch.empty(n_pair, dtype=torch.float64)
-        corrupted = torch.empty(n_pair, dtype=torch.float64)
-        for gi, group in enumerate(self.prepared.groups):
-            metric = self.stage.base[gi]
-            if metric is None:
-                raise RuntimeError(f"{self.stage.name}: group {gi} has not run")
-            metric = metric.double()
-            clean[group.index] = metric[: group.g]
-            corrupted[group.index] = metric[group.g :]
-            if self.targets[gi]:
-                t = torch.tensor(self.targets[gi])
-                values[t[:, 0], t[:, 1]] = self.stage.values[gi].double()
-            if self.fills[gi]:
-                f = torch.tensor(self.fills[gi])
-                values[f[:, 0], f[:, 1]] = metric[f[:, 2]]
-        return PatchingResult(
-            "exact", self.direction, self.cells, values, clean, corrupted, self.prepared.ids,
-            self.prepared.token_labels, normalize,
-        )
-
-
-def exact_patching(
-    model,
-    pairs: Sequence[Any] | PreparedPairs,
-    *,
-    sites: Sequence[str] | Mapping[str, Sequence[str]] = ("heads",),
-    positions: Sequence[str] = (),
-    direction: Direction = "denoise",
-    layers: Sequence[int] | None = None,
-    normalize: Normalize = "pooled",
-    batch_pairs: int = 8,
-    memory_mb: float = 1024,
-    reuse_prefix: bool = True,
-    progress: bool = True,
-    cells: Sequence[Cell] | None = None,
-    checkpoints: Any = None,
-    chunk_runs: int = DEFAULT_CHUNK_RUNS,
-) -> PatchingResult:
-    """Patch every cell of the requested sites, one batched forward per chunk of (cell, pair) runs.
-
-    `sites`: kinds ("heads", "resid", "attn", "mlp", "resid_mid", ...) with their default positions
-    (heads/attn/mlp at "all", resid at "each") plus `positions`, or a mapping kind -> positions.
-    `cells`: an explicit list of cells to patch instead (e.g. the candidates a search verifies);
-    `sites`, `positions` and `layers` are then ignored.
-    `checkpoints` (a `tomlens.patching.checkpoints.Checkpoints`): finished chunks of
-    `chunk_runs` runs are saved there and taken from there, so a stopped sweep resumes.
-    """
-    explicit = list(cells) if cells is not None else None
-    extra = tuple(c.position for c in explicit or ())
-    prepared = pairs if isinstance(pairs, PreparedPairs) else prepare_pairs(
-        model, pairs, selectors=_selectors(sites, (*positions, *extra)), batch_pairs=batch_pairs
-    )
-    cells = explicit if explicit is not None else plan_cells(
-        model, sites, positions, n_aligned=prepared.n_aligned, layers=layers
-    )
-    sweep = ExactSweep(model, prepared, cells, direction, memory_mb=memory_mb, reuse_prefix=reuse_prefix,
-                       chunk_runs=chunk_runs)
-    sweep.run(checkpoints=checkpoints, progress=progress)
-    return sweep.result(normalize)
-
-
-def _selectors(sites: Any, positions: Sequence[str]) -> tuple[str, ...]:
-    found = list(positions)
-    if isinstance(sites, Mapping):
-        for v in sites.values():
-            found.extend(v)
-    return tuple(dict.fromkeys(s for s in found if s not in ("all", "each")))
-
-
-def _check_selectors(cells: Sequence[Cell], prepared: PreparedPairs) -> None:
-    missing = {c.position for c in cells if c.position not in ("all", "each")} - set(prepared.selectors)
-    if missing:
-        raise TomlensError(
-            f"positions {sorted(missing)} were not resolved when the pairs were prepared",
-            "pass them as `selectors` to prepare_pairs",
-        )

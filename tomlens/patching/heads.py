@@ -25,22 +25,12 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from tomlens.errors import TomlensError
-from tomlens.patching.metric import Normalize, summarise
-from tomlens.patching.engine import (
-    DEFAULT_CHUNK_RUNS,
-    Cell,
-    Direction,
-    PatchingResult,
-    PreparedPairs,
-    Run,
-    Stage,
-    _roles,
-    base_pass,
-    cell_columns,
-    forward_cost,
-    hook_for,
-    prepare_pairs,
-)
+from tomlens.patching.cells import Cell, hook_for
+from tomlens.patching.engine import DEFAULT_CHUNK_RUNS, Run, Stage, base_pass, forward_cost
+from tomlens.patching.exact import CellSetSweep
+from tomlens.patching.metric import Normalise, summarise
+from tomlens.patching.pairs import Direction, PreparedPairs, as_prepared
+from tomlens.patching.result import PatchingResult
 
 Head = tuple[int, int]
 
@@ -81,10 +71,7 @@ def _random_sets(model, ks: Sequence[int], n_random: int, seed: int) -> dict[int
 
 
 def _prepared(model, pairs: Any, position: str, batch_pairs: int) -> PreparedPairs:
-    if isinstance(pairs, PreparedPairs):
-        return pairs
-    sel = () if position in ("all", "each") else (position,)
-    return prepare_pairs(model, pairs, selectors=sel, batch_pairs=batch_pairs)
+    return as_prepared(model, pairs, () if position in ("all", "each") else (position,), batch_pairs)
 
 
 @dataclass
@@ -99,7 +86,8 @@ class Recovery:
 def topk_settings(
     model, ranking: Sequence[Head] | None, ks: Sequence[int], n_random: int, seed: int
 ) -> list[tuple[str, int, int, list[Head]]]:
-    """(kind, k, draw, heads) for the top-k sets of `ranking` and `n_random` random sets per k.
+    """(selection, k, draw, heads) for the top-k sets of `ranking` (selection "top", draw -1) and
+    `n_random` random sets per k (selection "random", draw 0..n_random-1).
 
     `ranking=None` stands the first random draw in for each top set: same sizes, so a plan made
     before the ranking exists counts the same runs."""
@@ -112,9 +100,21 @@ def topk_settings(
     return top + [("random", k, d, heads) for k in ks for d, heads in enumerate(randoms[k])]
 
 
-class HeadSetSweep:
+def settings_frame(settings: Sequence[tuple[str, int, int, Sequence[Head]]], **columns: Any) -> pd.DataFrame:
+    """One row per head set of `topk_settings` (selection, k, draw, heads as "L0H1;L2H3"), then
+    `columns` (one value per set)."""
+    return pd.DataFrame(
+        {
+            "selection": [s[0] for s in settings], "k": [s[1] for s in settings], "draw": [s[2] for s in settings],
+            "heads": [";".join(f"L{l}H{h}" for l, h in s[3]) for s in settings],
+            **columns,
+        }
+    )
+
+
+class HeadSetSweep(CellSetSweep):
     """Each head set patched into every pair with all its heads at once, laid out per group and
-    run in checkpointed chunks (`tomlens.patching.engine.Stage`)."""
+    run in checkpointed chunks (`tomlens.patching.exact.CellSetSweep`)."""
 
     def __init__(
         self,
@@ -124,61 +124,18 @@ class HeadSetSweep:
         *,
         position: str = "all",
         direction: Direction = "denoise",
-        memory_mb: float = 1024,
+        memory_mb: float = 1024.0,
         chunk_runs: int = DEFAULT_CHUNK_RUNS,
         name: str = "topk",
     ):
-        self.prepared, self.n_sets = prepared, len(head_sets)
-        layers = sorted({l for hs in head_sets for l, _ in hs})
-        runs: list[list[Run]] = []
-        self.targets: list[list[tuple[int, int]]] = []
-        self.fills: list[list[tuple[int, int, int]]] = []
-        for group in prepared.groups:
-            g = group.g
-            rs: list[Run] = []
-            ts: list[tuple[int, int]] = []
-            fs: list[tuple[int, int, int]] = []
-            for s_i, heads in enumerate(head_sets):
-                for j, p_i in enumerate(group.index):
-                    base, src = _roles(direction, g, j)
-                    patches = []
-                    for l, h in heads:
-                        cols = cell_columns(Cell("head", l, h, position, -1), group, j, prepared.n_aligned)
-                        if cols:
-                            patches.append((hook_for("head", l), l, h, cols, src))
-                    if not patches:
-                        fs.append((s_i, p_i, base))
-                        continue
-                    rs.append(Run(base, patches))
-                    ts.append((s_i, p_i))
-            runs.append(rs)
-            self.targets.append(ts)
-            self.fills.append(fs)
-        self.stage = Stage(name, model, prepared, runs, hooks=[hook_for("head", l) for l in layers],
-                           memory_mb=memory_mb, chunk_runs=chunk_runs)
+        sets = [[Cell("head", l, h, position, -1) for l, h in heads] for heads in head_sets]
+        super().__init__(name, model, prepared, sets, direction, desc="top-k heads", memory_mb=memory_mb,
+                         chunk_runs=chunk_runs)
 
     def run(self, *, checkpoints: Any = None, progress: bool = True) -> tuple[Tensor, Tensor, Tensor]:
         """Raw metric `[set, pair]` with the clean and corrupted baselines `[pair]`."""
-        stage = self.stage
-        if checkpoints is not None:
-            stage.load(checkpoints)
-        with tqdm(total=stage.n_runs, desc="top-k heads", unit="run", disable=not progress) as bar:
-            bar.update(stage.n_done)
-            stage.run(checkpoints=checkpoints, bar=bar)
-        n_pair = len(self.prepared.pairs)
-        values = torch.full((self.n_sets, n_pair), float("nan"), dtype=torch.float64)
-        clean = torch.empty(n_pair, dtype=torch.float64)
-        corrupted = torch.empty(n_pair, dtype=torch.float64)
-        for gi, group in enumerate(self.prepared.groups):
-            metric = stage.base[gi].double()
-            clean[group.index], corrupted[group.index] = metric[: group.g], metric[group.g :]
-            if self.targets[gi]:
-                t = torch.tensor(self.targets[gi])
-                values[t[:, 0], t[:, 1]] = stage.values[gi].double()
-            if self.fills[gi]:
-                f = torch.tensor(self.fills[gi])
-                values[f[:, 0], f[:, 1]] = metric[f[:, 2]]
-        return values, clean, corrupted
+        super().run(checkpoints=checkpoints, progress=progress)
+        return self.values()
 
 
 def topk_recovery(
@@ -191,9 +148,9 @@ def topk_recovery(
     seed: int = 0,
     position: str = "all",
     direction: Direction = "denoise",
-    normalize: Normalize = "pooled",
+    normalise: Normalise = "pooled",
     batch_pairs: int = 8,
-    memory_mb: float = 1024,
+    memory_mb: float = 1024.0,
     n_boot: int = 1000,
     progress: bool = True,
     checkpoints: Any = None,
@@ -211,16 +168,10 @@ def topk_recovery(
     sweep = HeadSetSweep(model, prepared, [s[3] for s in settings], position=position, direction=direction,
                          memory_mb=memory_mb, chunk_runs=chunk_runs, name=f"topk-{direction}-{position}")
     values, clean, corrupted = sweep.run(checkpoints=checkpoints, progress=progress)
-    s = summarise(values, clean, corrupted, normalize=normalize, n_boot=n_boot, seed=seed)
-    long = pd.DataFrame(
-        {
-            "kind": [x[0] for x in settings], "k": [x[1] for x in settings], "draw": [x[2] for x in settings],
-            "heads": [";".join(f"L{l}H{h}" for l, h in x[3]) for x in settings],
-            "effect": s.mean, "se": s.se, "ci_low": s.ci_low, "ci_high": s.ci_high,
-        }
-    )
-    top = long[long.kind == "top"].set_index("k")
-    rnd = long[long.kind == "random"].groupby("k").effect
+    s = summarise(values, clean, corrupted, normalise=normalise, n_boot=n_boot, seed=seed)
+    long = settings_frame(settings, effect=s.mean, se=s.se, ci_low=s.ci_low, ci_high=s.ci_high)
+    top = long[long.selection == "top"].set_index("k")
+    rnd = long[long.selection == "random"].groupby("k").effect
     table = pd.DataFrame(
         {
             "k": ks,
@@ -237,7 +188,7 @@ def topk_recovery(
             "direction": direction,
         }
     )
-    return Recovery(table, long[long.kind == "random"].reset_index(drop=True))
+    return Recovery(table, long[long.selection == "random"].reset_index(drop=True))
 
 
 # --------------------------------------------------------------------------------------------
@@ -306,7 +257,7 @@ class AblationSweep:
         head_sets: Sequence[Sequence[Head]],
         *,
         mode: Literal["final", "all"] = "final",
-        memory_mb: float = 1024,
+        memory_mb: float = 1024.0,
         chunk_runs: int = DEFAULT_CHUNK_RUNS,
     ):
         if mode not in ("final", "all"):
@@ -335,7 +286,7 @@ class AblationSweep:
         """Multiply-adds of the forwards that compute the heads' means (0 once they are known)."""
         if self.means is not None:
             return 0.0
-        return sum(forward_cost(self.model, 2 * g.g, g.width) for g in self.prepared.groups)
+        return float(sum(forward_cost(self.model, 2 * g.g, g.width) for g in self.prepared.groups))
 
     def _means_name(self) -> str:
         return f"means-{self.mode}-{hashlib.sha256(repr(self.layers).encode()).hexdigest()[:12]}"
@@ -401,7 +352,7 @@ def mean_ablation(
     seed: int = 0,
     mode: Literal["final", "all"] = "final",
     batch_pairs: int = 8,
-    memory_mb: float = 1024,
+    memory_mb: float = 1024.0,
     progress: bool = True,
     checkpoints: Any = None,
     chunk_runs: int = DEFAULT_CHUNK_RUNS,
@@ -430,18 +381,13 @@ def mean_ablation(
     tb = (ablated[:, 1] < 0).double().mean(1)  # corrupted stories: world answer preferred
     base_fb = float((base[0] > 0).double().mean())
     base_tb = float((base[1] < 0).double().mean())
-    long = pd.DataFrame(
-        {
-            "kind": [s[0] for s in settings], "k": [s[1] for s in settings], "draw": [s[2] for s in settings],
-            "heads": [";".join(f"L{l}H{h}" for l, h in s[3]) for s in settings],
-            "fb_accuracy": fb.numpy(), "tb_accuracy": tb.numpy(),
-            "fb_drop": base_fb - fb.numpy(), "tb_drop": base_tb - tb.numpy(),
-            "clean_logit_diff": ablated[:, 0].mean(1).numpy(),
-            "corrupted_logit_diff": ablated[:, 1].mean(1).numpy(),
-        }
+    long = settings_frame(
+        settings, fb_accuracy=fb.numpy(), tb_accuracy=tb.numpy(), fb_drop=base_fb - fb.numpy(),
+        tb_drop=base_tb - tb.numpy(), clean_logit_diff=ablated[:, 0].mean(1).numpy(),
+        corrupted_logit_diff=ablated[:, 1].mean(1).numpy(),
     )
-    top = long[long.kind == "top"].set_index("k")
-    rnd = long[long.kind == "random"].groupby("k")
+    top = long[long.selection == "top"].set_index("k")
+    rnd = long[long.selection == "random"].groupby("k")
     table = pd.DataFrame(
         {
             "k": ks,
@@ -462,7 +408,7 @@ def mean_ablation(
         "fb_accuracy": base_fb, "tb_accuracy": base_tb,
         "clean_logit_diff": float(base[0].mean()), "corrupted_logit_diff": float(base[1].mean()),
     }
-    return Ablation(table, long[long.kind == "random"].reset_index(drop=True), baseline)
+    return Ablation(table, long[long.selection == "random"].reset_index(drop=True), baseline)
 
 
 def _device(model) -> torch.device:
@@ -505,7 +451,7 @@ def probe_accuracy_by_head(
     if df.empty:
         raise TomlensError(
             f"the probe table has no {kind} accuracy rows for target {target!r} trained on all stories",
-            f"run `tomlens probe --target {target}` with --kinds including {kind}",
+            f"run `tomlens probe --target {target}` with --sites including {kind}",
         )
     chosen_position = None
     if "position" in df.columns:

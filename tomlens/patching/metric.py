@@ -8,7 +8,7 @@ leading space. Logit difference rather than probability because it is linear in 
 Effects are normalised so that 0 is the corrupted run and 1 the clean run. By default ("pooled")
 every pair's raw change is divided by the MEAN clean-corrupted gap over all pairs, so the mean of the
 per-pair values is the ratio of means: stable when a single pair's gap is near zero, which a per-pair
-ratio is not. `normalize="per_pair"` divides by each pair's own gap instead.
+ratio is not. `normalise="per_pair"` divides by each pair's own gap instead.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from __future__ import annotations
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Literal, Sequence
+from typing import Literal
 
 import numpy as np
 import torch
@@ -26,50 +26,7 @@ from torch import Tensor
 from tomlens.errors import TomlensError
 
 METRIC_NAME = "logit_diff(belief - world), first token of ' ' + option, at the last token"
-Normalize = Literal["pooled", "per_pair"]
-
-
-def option_first_tokens(model, stimuli: Sequence, options: Sequence[tuple[str, str]]) -> Int[Tensor, "n 2"]:
-    """First token of `" " + option` for each stimulus and each of its two options, in context.
-
-    Tokenised as a continuation of the stimulus text and located through the tokenizer's offsets,
-    so tokenizers that merge the leading space (BPE) or split it off (SentencePiece) both give the
-    token the model would actually emit next.
-    """
-    from tomlens.models.tokens import encode
-
-    texts: list[str] = []
-    ends: list[int] = []
-    for s, opts in zip(stimuli, options):
-        for opt in opts:
-            texts.append(f"{s.text} {opt}")
-            ends.append(len(s.text))
-    out = torch.empty(len(texts), dtype=torch.long)
-    for b0 in range(0, len(texts), 64):
-        batch = encode(model, texts[b0 : b0 + 64])
-        for row in range(len(batch.lengths)):
-            i = b0 + row
-            offs = batch.offsets[row]
-            first = next(
-                (t for t, (cs, ce) in enumerate(offs) if cs >= ends[i] or ce > ends[i]), None
-            )
-            if first is None or first == 0:
-                raise TomlensError(
-                    f"stimulus {stimuli[i // 2].id!r}: option {texts[i][ends[i]:]!r} produced no "
-                    "continuation token",
-                    "check the stimulus text and options",
-                )
-            out[i] = batch.input_ids[row, batch.pad[row] + first]
-    out = out.view(-1, 2)
-    same = (out[:, 0] == out[:, 1]).nonzero().flatten().tolist()
-    if same:
-        s = stimuli[same[0]]
-        raise TomlensError(
-            f"stimulus {s.id!r}: both options {list(options[same[0]])!r} start with the same token, "
-            "so their first-token logit difference is always 0",
-            "use options whose first tokens differ (or drop these pairs)",
-        )
-    return out
+Normalise = Literal["pooled", "per_pair"]
 
 
 def logit_diff(
@@ -91,20 +48,20 @@ class Summary:
     n: np.ndarray
 
 
-def normalise(
-    values: Float[Tensor, "cell pair"],
+def normalised_effects(
+    values: Float[Tensor, "*cell pair"],
     clean: Float[Tensor, "pair"],
     corrupted: Float[Tensor, "pair"],
-    normalize: Normalize = "pooled",
-) -> Float[Tensor, "cell pair"]:
+    normalise: Normalise = "pooled",
+) -> Float[Tensor, "*cell pair"]:
     """Per-pair effects on the 0 = corrupted, 1 = clean scale (NaN stays NaN: pair not patched)."""
     values, clean, corrupted = values.double(), clean.double(), corrupted.double()
-    if normalize == "pooled":
+    if normalise == "pooled":
         gap = (clean - corrupted).mean()
         return (values - corrupted) / gap
-    if normalize == "per_pair":
+    if normalise == "per_pair":
         return (values - corrupted) / (clean - corrupted)
-    raise TomlensError(f"unknown normalisation {normalize!r}", "use 'pooled' or 'per_pair'")
+    raise TomlensError(f"unknown normalisation {normalise!r}", "use 'pooled' or 'per_pair'")
 
 
 class UnstableGapWarning(UserWarning):
@@ -137,11 +94,11 @@ def gap_warnings_silenced():  # noqa: ANN201 - a context manager, also usable as
         yield
 
 
-def _warn_if_unstable(gap: Float[Tensor, "pair"], normalize: Normalize) -> None:
-    if normalize == "per_pair" and bool((gap == 0).any()):
+def _warn_if_unstable(gap: Float[Tensor, "pair"], normalise: Normalise) -> None:
+    if normalise == "per_pair" and bool((gap == 0).any()):
         warnings.warn(f"{int((gap == 0).sum())} pair(s) have clean == corrupted: their per-pair effects are "
-                      "undefined and left out; use normalize='pooled' or drop those pairs", UnstableGapWarning, stacklevel=3)
-    elif normalize == "pooled" and gap_is_unstable(gap):
+                      "undefined and left out; use normalise='pooled' or drop those pairs", UnstableGapWarning, stacklevel=3)
+    elif normalise == "pooled" and gap_is_unstable(gap):
         warnings.warn(f"the mean clean - corrupted gap ({float(gap.mean()):.3g}) is within two standard errors "
                       "of 0: normalised effects are unstable; read the raw logit differences", UnstableGapWarning,
                       stacklevel=3)
@@ -152,7 +109,7 @@ def summarise(
     clean: Float[Tensor, "pair"],
     corrupted: Float[Tensor, "pair"],
     *,
-    normalize: Normalize = "pooled",
+    normalise: Normalise = "pooled",
     n_boot: int = 1000,
     seed: int = 0,
     alpha: float = 0.05,
@@ -168,8 +125,8 @@ def summarise(
     c = clean.double().cpu()
     r = corrupted.double().cpu()
     n_cell, n_pair = v.shape
-    _warn_if_unstable(c - r, normalize)
-    norm = normalise(v, c, r, normalize)
+    _warn_if_unstable(c - r, normalise)
+    norm = normalised_effects(v, c, r, normalise)
     have = ~torch.isnan(norm)
     n = have.sum(1)
     filled = torch.where(have, norm, torch.zeros((), dtype=norm.dtype))
@@ -181,7 +138,7 @@ def summarise(
     counts = torch.zeros(n_boot, n_pair, dtype=torch.float64)
     counts.scatter_add_(1, idx, torch.ones_like(idx, dtype=torch.float64))  # [boot, pair] multiplicity
     haved = have.double()
-    if normalize == "pooled":
+    if normalise == "pooled":
         top = torch.where(have, v - r, torch.zeros((), dtype=v.dtype))
         den = (counts @ (c - r)) / n_pair  # [boot]: mean gap over the resampled pairs
     else:

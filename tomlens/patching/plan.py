@@ -1,6 +1,6 @@
 """What a patching experiment will do, said before it does it: positions, stages, counts, time.
 
-`patch_experiment` (`tomlens.cli.patch`) lays every stage out (`ExactSweep`, `AttributionSweep`,
+A patching run (`tomlens.runs.patching.run`) lays every stage out (`ExactSweep`, `AttributionSweep`,
 `HeadSetSweep`, `AblationSweep`), counts them into a `Plan`, checks the budget, times one chunk
 (`calibrate`) and only then runs them.
 
@@ -46,9 +46,11 @@ from tomlens.errors import TomlensError
 from tomlens.patching.attribution import attribution_patching
 from tomlens.patching.checkpoints import Checkpoints
 from tomlens.patching.heads import AblationSweep, HeadSetSweep
-from tomlens.patching.engine import (
-    Cell, Direction, ExactSweep, Group, PatchingResult, PreparedPairs, canonical_kind, forward_cost, plan_cells,
-)
+from tomlens.patching.cells import Cell, canonical_kind, plan_cells
+from tomlens.patching.engine import forward_cost
+from tomlens.patching.exact import ExactSweep
+from tomlens.patching.pairs import Direction, Group, PreparedPairs
+from tomlens.patching.result import PatchingResult
 
 DEFAULT_MAX_RUNS = 100_000
 ROLE_POSITIONS: tuple[str, ...] = ("final", "contrast", "query_protagonist", "query_object")
@@ -206,7 +208,7 @@ class Plan:
         if self.seconds_per_mac is None or self.seconds_per_forward_mac is None:
             return None
         stages = [stage] if stage is not None else self.stages
-        return sum(s.cost * self.seconds_per_mac + s.forward * self.seconds_per_forward_mac for s in stages)
+        return float(sum(s.cost * self.seconds_per_mac + s.forward * self.seconds_per_forward_mac for s in stages))
 
     def check_budget(self) -> None:
         """Refuse a plan of more patched runs than `max_runs`, naming what shrinks it."""

@@ -55,26 +55,13 @@ from tqdm.auto import tqdm
 
 from tomlens.errors import TomlensError
 from tomlens.patching.attribution import CellIndex, column_scores
-from tomlens.patching.metric import Normalize, logit_diff, normalise
-from tomlens.patching.engine import (
-    _SHORTCUTS_OK,
-    BasePass,
-    Cell,
-    Direction,
-    Group,
-    PatchingResult,
-    PreparedPairs,
-    Run,
-    _check_selectors,
-    _roles,
-    _selectors,
-    canonical_kind,
-    cell_columns,
-    hook_for,
-    plan_cells,
-    prepare_pairs,
-    run_patched,
+from tomlens.patching.cells import (
+    Cell, canonical_kind, cell_columns, check_selectors, hook_for, layer_list, plan_cells, selectors_in,
 )
+from tomlens.patching.engine import BasePass, Run, run_patched, shortcuts_verdict
+from tomlens.patching.metric import Normalise, logit_diff, normalised_effects
+from tomlens.patching.pairs import Direction, Group, PreparedPairs, as_prepared, roles
+from tomlens.patching.result import PatchingResult
 from tomlens.hooks.attention import (
     AttentionHooks,
     attention_hooks,
@@ -120,11 +107,7 @@ def plan_search(
     if standard:
         plain = standard if isinstance(sites, Mapping) else list(standard)
         cells = plan_cells(model, plain, positions, n_aligned=n_aligned, layers=layers)
-    n_layers = model.cfg.n_layers
-    layer_list = list(range(n_layers)) if layers is None else list(layers)
-    bad = [l for l in layer_list if not 0 <= l < n_layers]
-    if bad:
-        raise TomlensError(f"layers {bad} do not exist (the model has {n_layers})", "pick layers in range")
+    chosen = layer_list(model, layers)
     for name, poss in spec.items():
         kind = _kind(name)
         if kind not in ("q", "k"):
@@ -132,7 +115,7 @@ def plan_search(
         poss = tuple(dict.fromkeys((tuple(poss) if poss is not None else ("all",)) + tuple(positions)))
         heads = range(model.cfg.n_heads if kind == "q" else n_kv_heads(model))
         for position in poss:
-            for layer in layer_list:
+            for layer in chosen:
                 for k in range(n_aligned) if position == "each" else [-1]:
                     cells.extend(Cell(kind, layer, h, position, k) for h in heads)
     return list(dict.fromkeys(cells))
@@ -172,11 +155,11 @@ class Estimates:
     token_labels: list[str]
     qk_fix: bool
 
-    def result(self, normalize: Normalize = "pooled") -> PatchingResult:
+    def result(self, normalise: Normalise = "pooled") -> PatchingResult:
         """The estimates as a patching result (values = base metric + estimate), like attribution's."""
         return PatchingResult(
             "attribution*", self.direction, self.cells, self.base[None, :] + self.atp, self.clean,
-            self.corrupted, self.pair_ids, self.token_labels, normalize,
+            self.corrupted, self.pair_ids, self.token_labels, normalise,
         )
 
 
@@ -297,8 +280,8 @@ def _estimate_group(
     patching reuses."""
     g, width = group.g, group.width
     n_layers = model.cfg.n_layers
-    base_rows = torch.tensor([_roles(direction, g, j)[0] for j in range(g)])
-    src_rows = torch.tensor([_roles(direction, g, j)[1] for j in range(g)])
+    base_rows = torch.tensor([roles(direction, g, j)[0] for j in range(g)])
+    src_rows = torch.tensor([roles(direction, g, j)[1] for j in range(g)])
     layer_of: dict[str, tuple[int, str]] = {}  # hook -> (layer, kind) of every activation with a gradient
     patched = {cell_hook(model, c) for c in cells}
     qk: dict[int, tuple[AttentionHooks, set[str]]] = {}  # layer -> hooks, pattern changes it needs
@@ -325,7 +308,7 @@ def _estimate_group(
             keep_cache=reuse_prefix,
         )
         src_metric = logit_diff(src_last, group.tokens[src_rows])
-    if _SHORTCUTS_OK.get(model) is False:  # exact patching found the KV prefix unfaithful here
+    if shortcuts_verdict(model) is False:  # exact patching found the KV prefix unfaithful here
         prefix = None
     start = min(int(group.first_diff.min()), width - 1) if prefix is not None else 0
     base: dict[str, Tensor] = {}
@@ -398,7 +381,7 @@ def _estimate(
     model, prepared: PreparedPairs, cells: list[Cell], direction: Direction, *, qk_fix: bool,
     graddrop: bool, n_blocks: int | None, reuse_prefix: bool, keep: bool, progress: bool,
 ) -> tuple[Estimates, list[tuple[Group, BasePass] | None]]:
-    _check_selectors(cells, prepared)
+    check_selectors(cells, prepared)
     blocks = graddrop_blocks(model.cfg.n_layers, n_blocks) if graddrop else None
     n_pair = len(prepared.pairs)
     atp = torch.full((len(cells), n_pair), float("nan"), dtype=torch.float64)
@@ -440,11 +423,9 @@ def atp_star(
     """AtP* estimates of every cell of the requested sites (or of `cells`): one source forward, one
     grad-enabled base forward and one backward per group of pairs, plus one partial backward per
     GradDrop block (`graddrop_blocks` contiguous blocks of layers; default one per layer)."""
-    _roles(direction, 1, 0)  # an unknown direction fails here, before any forward
-    prepared = pairs if isinstance(pairs, PreparedPairs) else prepare_pairs(
-        model, pairs, selectors=_selectors(sites, (*positions, *(c.position for c in cells or ()))),
-        batch_pairs=batch_pairs,
-    )
+    roles(direction, 1, 0)  # an unknown direction fails here, before any forward
+    prepared = as_prepared(model, pairs, selectors_in(sites, (*positions, *(c.position for c in cells or ()))),
+                           batch_pairs)
     cells = list(cells) if cells is not None else plan_search(
         model, sites, positions, n_aligned=prepared.n_aligned, layers=layers
     )
@@ -539,7 +520,7 @@ class SearchResult(PatchingResult):
         idx = self.verified.nonzero().flatten()
         return PatchingResult(
             "exact", self.direction, [self.cells[i] for i in idx.tolist()], self.values[idx], self.clean,
-            self.corrupted, self.pair_ids, self.token_labels, self.normalize, self.seed,
+            self.corrupted, self.pair_ids, self.token_labels, self.normalise, self.seed,
         )
 
     def report(self) -> dict[str, Any]:
@@ -596,9 +577,9 @@ def search(
     qk_fix: bool = True,
     graddrop: bool | None = None,
     graddrop_blocks: int | None = None,
-    normalize: Normalize = "pooled",
+    normalise: Normalise = "pooled",
     batch_pairs: int = 8,
-    memory_mb: float = 1024,
+    memory_mb: float = 1024.0,
     seed: int = 0,
     progress: bool = True,
 ) -> SearchResult:
@@ -627,10 +608,8 @@ def search(
     if fn_samples < 0:
         raise TomlensError(f"fn_samples {fn_samples} is negative", "pass 0 to skip the false-negative bound")
     started = time.time()
-    prepared = pairs if isinstance(pairs, PreparedPairs) else prepare_pairs(
-        model, pairs, selectors=_selectors(sites, positions), batch_pairs=batch_pairs
-    )
-    _roles(direction, 1, 0)  # an unknown direction fails here, before any forward
+    prepared = as_prepared(model, pairs, selectors_in(sites, positions), batch_pairs)
+    roles(direction, 1, 0)  # an unknown direction fails here, before any forward
     cells = plan_search(model, sites, positions, n_aligned=prepared.n_aligned, layers=layers)
     n_cell = len(cells)
     members: dict[tuple[str, str], list[int]] = {}
@@ -648,15 +627,15 @@ def search(
     est, kept = _estimate(model, prepared, cells, direction, qk_fix=qk_fix, graddrop=graddrop,
                           n_blocks=graddrop_blocks, reuse_prefix=True, keep=True, progress=progress)
     t_estimates = time.time() - started
-    norm = normalise(est.base[None, :] + est.atp, est.clean, est.corrupted, normalize).numpy()
+    norm = normalised_effects(est.base[None, :] + est.atp, est.clean, est.corrupted, normalise).numpy()
     estimate, se = _mean_se(norm)
     patchable = ~np.isnan(estimate)
     score = np.where(patchable, _importance(estimate, direction), -np.inf)  # ranks the candidates
     gd = np.full(n_cell, np.nan)
     bound = score.copy()
     if est.dropped is not None:
-        per_block = _importance(_mean_se(normalise(
-            est.base[None, None, :] + est.dropped, est.clean, est.corrupted, normalize
+        per_block = _importance(_mean_se(normalised_effects(
+            est.base[None, None, :] + est.dropped, est.clean, est.corrupted, normalise
         ).numpy())[0], direction)  # [cell, block]
         gd = np.nansum(per_block, 1) / max(len(est.blocks) - 1, 1)
         bound = np.fmax(bound, np.max(np.where(np.isnan(per_block), -np.inf, per_block), 1))
@@ -664,14 +643,14 @@ def search(
     exact_values = torch.full((n_cell, len(est.pair_ids)), float("nan"), dtype=torch.float64)
     verified = np.zeros(n_cell, dtype=bool)
 
-    def verify(idx: Sequence[int]) -> None:
+    def verify(idx: Sequence[int] | np.ndarray) -> None:
         todo = [int(i) for i in idx if not verified[i]]
         if todo:
             _verify(model, prepared, kept, cells, todo, exact_values, memory_mb=memory_mb, progress=progress)
             verified[todo] = True
 
     def exact_importance(idx: np.ndarray) -> np.ndarray:
-        n = normalise(exact_values[idx], est.clean, est.corrupted, normalize).numpy()
+        n = normalised_effects(exact_values[idx], est.clean, est.corrupted, normalise).numpy()
         return _importance(_mean_se(n)[0], direction)
 
     # round 1: the top k of each group by estimate, and the false-negative samples from the rest
@@ -747,7 +726,7 @@ def search(
         "seconds": round(time.time() - started, 2),
     }
     return SearchResult(
-        "search", direction, cells, values, est.clean, est.corrupted, est.pair_ids, est.token_labels, normalize, seed,
+        "search", direction, cells, values, est.clean, est.corrupted, est.pair_ids, est.token_labels, normalise, seed,
         verified=torch.from_numpy(verified),
         verified_as=["rule" if r else ("sample" if s else "") for r, s in zip(rule, sampled)],
         estimates=est, estimate=estimate, estimate_se=se, graddrop=gd,

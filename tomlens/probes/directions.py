@@ -27,16 +27,14 @@ def _sidecar(path: Path) -> Path:
 
 def save_directions(path: str | Path, tensors: Mapping[str, Tensor], metadata: Mapping[str, Any]) -> Path:
     """Write `tensors` to `path` (.safetensors) and `metadata` to the `.json` next to it."""
-    from tomlens.io import write_json
+    from tomlens.io import atomic_path, write_json
 
     path = Path(path)
     if path.suffix != ".safetensors":
         raise TomlensError(f"direction file {path} must end in .safetensors", "rename the output path")
-    path.parent.mkdir(parents=True, exist_ok=True)
     flat = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
-    tmp = path.with_name(path.name + ".tmp")
-    save_file(flat, str(tmp), metadata={"format": "tomlens-directions", "version": "1"})
-    tmp.replace(path)  # tensors first: a sidecar is never newer than the tensors it describes
+    with atomic_path(path) as tmp:  # tensors first: a sidecar is never newer than the tensors it describes
+        save_file(flat, str(tmp), metadata={"format": "tomlens-directions", "version": "1"})
     write_json(dict(metadata), _sidecar(path))
     return path
 

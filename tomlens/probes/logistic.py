@@ -30,6 +30,7 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
+from tomlens.devices import resolve_device
 from tomlens.errors import TomlensError
 from tomlens.probes.base import Probe, encode_labels, one_vs_rest, scores_to_index, scores_to_proba
 from tomlens.probes.newton import FIT_STATUS, NON_FINITE_INPUT, NOT_CONVERGED, SOLVER_FAILED, newton_logistic
@@ -59,10 +60,6 @@ class LogisticFit:
     c_grid: tuple[float, ...]
     n_iter: int
     status: Int[Tensor, "label unit"]
-
-
-def default_device() -> torch.device:
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 @contextmanager
@@ -310,7 +307,7 @@ def fit_logistic(
     its reason in `LogisticFit.status`, and one `ProbeFitWarning` sums up the units that failed or
     did not converge.
     """
-    dev = torch.device(device) if device is not None else default_device()
+    dev = resolve_device(device)
     if X.ndim != 3:
         raise TomlensError(f"activations must be [unit, n, d], got shape {tuple(X.shape)}",
                            "add a leading unit axis (X[None]) for a single probe")

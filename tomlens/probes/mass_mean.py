@@ -16,6 +16,7 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
+from tomlens.devices import resolve_device
 from tomlens.probes.base import Probe, encode_labels, one_vs_rest
 from tomlens.probes.newton import newton_logistic
 
@@ -41,9 +42,9 @@ class MassMeanProbe(Probe):
 
     def fit(self, X: Float[Tensor, "unit n d"], y: Int[Tensor, " n"],
             groups: Sequence[Any] | Tensor | None = None) -> MassMeanProbe:
-        from tomlens.probes.logistic import cpu_threads_for, default_device
+        from tomlens.probes.logistic import cpu_threads_for
 
-        dev = torch.device(self.device) if self.device is not None else default_device()
+        dev = resolve_device(self.device)
         with cpu_threads_for(float(X.numel()), dev):
             return self._fit(X, y, dev)
 

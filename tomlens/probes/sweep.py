@@ -37,8 +37,9 @@ from tomlens.probes import stats
 from tomlens.probes.base import Probe, encode_labels
 from tomlens.probes.controls import bag_of_words, shuffle_labels
 from tomlens.probes.directions import direction_name, save_directions, unit_norm
+from tomlens.devices import default_device
 from tomlens.probes.logistic import (
-    C_GRID, LogisticProbe, ProbeFitWarning, cpu_threads_for, default_device, fit_logistic,
+    C_GRID, LogisticProbe, ProbeFitWarning, cpu_threads_for, fit_logistic,
 )
 from tomlens.probes.mass_mean import MassMeanProbe
 from tomlens.probes.newton import FIT_STATUS, NON_FINITE_INPUT, NOT_CONVERGED, OK, SOLVER_FAILED
@@ -82,7 +83,7 @@ class SweepConfig:
     directions: bool = True  # fit on all rows and keep the directions
     device: str | None = None
     progress: bool = True
-    unit_budget_bytes: float = 2**29  # activations per chunk of units
+    unit_budget_bytes: float = 2.0**29  # activations per chunk of units
 
     def __post_init__(self) -> None:
         if self.evaluation not in ("crossfit", "holdout"):
@@ -515,7 +516,7 @@ def _bow_chunks(st_tr: Sequence[Stimulus], st_te: Sequence[Stimulus]):  # noqa: 
     return gen
 
 
-def _collect_directions(store: dict[str, Any], probe: str, X: Tensor, y: Tensor, groups: Tensor,
+def _collect_directions(store: dict[tuple[str, str, str], Any], probe: str, X: Tensor, y: Tensor, groups: Tensor,
                         cfg: SweepConfig, seed: int, target: str, kind: str, position: str,
                         unit_keys: list[tuple[int, int]]) -> None:
     probes, C, status = _fit(probe, X, y.unsqueeze(0), groups, cfg, seed)
@@ -598,6 +599,28 @@ def write_probe_sweep(result: ProbeSweepResult, out: str | Path, *, table_format
                         {**result.metadata, "tensors": {k: list(v.shape) for k, v in result.directions.items()}})
     write_json(result.metadata, out / "probes.json")
     return out
+
+
+def read_probe_sweep(out: str | Path) -> ProbeSweepResult:
+    """Read back what `write_probe_sweep` wrote into `out` (the table as written: floats exact)."""
+    from tomlens.io import read_json
+    from tomlens.probes.directions import load_directions
+
+    out = Path(out)
+    if not (out / "probes.json").is_file():
+        raise TomlensError(f"{out} holds no finished probe sweep (no probes.json)",
+                           "run `tomlens probe --out` into that folder first")
+    if (out / "probes.parquet").is_file():
+        table = pd.read_parquet(out / "probes.parquet")
+    elif (out / "probes.csv").is_file():
+        table = pd.read_csv(out / "probes.csv", float_precision="round_trip")
+    else:
+        raise TomlensError(f"{out} has probes.json but no probes.parquet or probes.csv",
+                           "run the probe sweep into that folder again")
+    metadata = read_json(out / "probes.json")
+    directions = load_directions(out / "directions.safetensors")[0] \
+        if (out / "directions.safetensors").is_file() else {}
+    return ProbeSweepResult(table=table, directions=directions, metadata=metadata)
 
 
 def activations_from_tensors(stimuli: Sequence[Stimulus], tensors: dict[tuple[str, str], Float[Tensor, "n layer *d"]],

@@ -60,9 +60,6 @@ def write_report(path: str | Path, title: str, sections: list[Section],
         parts.append("<h2>Provenance</h2><pre>"
                      + html.escape(json.dumps(provenance, indent=2, default=str)) + "</pre>")
     parts.append("</body></html>")
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("\n".join(parts), encoding="utf-8")
-    tmp.replace(path)
-    return path
+    from tomlens.io import write_atomic
+
+    return write_atomic("\n".join(parts), path)

@@ -16,6 +16,7 @@ import plotly.graph_objects as go
 from plotly.colors import qualitative
 
 from tomlens.errors import TomlensError
+from tomlens.runs.probes import ProbesResult
 
 _PALETTE = qualitative.Plotly
 
@@ -100,24 +101,34 @@ def head_heatmap(table: pd.DataFrame, *, target: str, kind: str = "head_out", me
 
 def write_html(fig: go.Figure, path: str | Path) -> Path:
     """A standalone HTML file with plotly.js inline (no CDN), written atomically."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    fig.write_html(str(tmp), include_plotlyjs=True, full_html=True)
-    tmp.replace(path)
-    return path
+    from tomlens.io import atomic_path
+
+    with atomic_path(path) as tmp:
+        fig.write_html(str(tmp), include_plotlyjs=True, full_html=True)
+    return Path(path)
 
 
-def write_probe_figures(table: pd.DataFrame, out: str | Path) -> list[Path]:
-    """`layers_<kind>.html` for each whole-layer kind and `heads_<target>.html` for per-head kinds."""
-    out = Path(out)
-    written: list[Path] = []
+def probe_figures(table: pd.DataFrame) -> dict[str, go.Figure]:
+    """By file stem: `layers_<kind>` for each whole-layer kind, `heads_<kind>_<target>` for per-head kinds."""
+    figures: dict[str, go.Figure] = {}
     probed = table[table["kind"] != "bow"]
     for kind in probed.loc[probed["head"] == -1, "kind"].unique():
-        written.append(write_html(layer_figure(table, kind=kind), out / f"layers_{kind}.html"))
+        figures[f"layers_{kind}"] = layer_figure(table, kind=kind)
     heads = probed[probed["head"] >= 0]
     for kind in heads["kind"].unique():
         for target in heads.loc[heads["kind"] == kind, "target"].unique():
-            fig = head_heatmap(table, target=target, kind=kind)
-            written.append(write_html(fig, out / f"heads_{kind}_{target}.html"))
-    return written
+            figures[f"heads_{kind}_{target}"] = head_heatmap(table, target=target, kind=kind)
+    return figures
+
+
+def write_probe_figures(table: pd.DataFrame, out: str | Path) -> list[Path]:
+    """Each of `probe_figures(table)` as `<stem>.html` in `out`; returns the paths."""
+    return [write_html(fig, Path(out) / f"{stem}.html") for stem, fig in probe_figures(table).items()]
+
+
+def write_probes_figures(result: ProbesResult, out: str | Path) -> dict[str, go.Figure]:
+    """The probes stage's figures, written as `<stem>.html` into `out`; returns them by stem."""
+    figures = probe_figures(result.table)
+    for stem, fig in figures.items():
+        write_html(fig, Path(out) / f"{stem}.html")
+    return figures

@@ -4,12 +4,18 @@ against exact patching, and the top-k recovery curve. Plotly, written as self-co
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from tomlens.patching.engine import PatchingResult, canonical_kind
+from tomlens.errors import TomlensError
+from tomlens.patching import PatchingResult, canonical_kind
+
+if TYPE_CHECKING:
+    from tomlens.runs.patching import PatchingRunResult
 
 
 def _go():
@@ -112,15 +118,14 @@ def position_heatmap(result: PatchingResult, kind: str = "resid_pre") -> Any:
     return fig
 
 
-def attribution_scatter(exact: PatchingResult, attribution: PatchingResult, position: str = "all") -> Any:
-    """One point per head: attribution estimate against exact effect, with the y = x line."""
-    from tomlens.patching.attribution import compare
-
+def attribution_scatter(exact: PatchingResult, attribution: PatchingResult, stats: Mapping[str, Any],
+                        position: str = "all") -> Any:
+    """One point per head: attribution estimate against exact effect, with the y = x line; `stats`
+    is `tomlens.patching.compare` of the two (Spearman and top-k overlap, in the title)."""
     go = _go()
     a = exact.select("head", position).set_index(["layer", "head"]).effect
     b = attribution.select("head", position).set_index(["layer", "head"]).effect
     j = a.to_frame("exact").join(b.to_frame("attribution"), how="inner").dropna()
-    stats = compare(exact, attribution, kind="head", position=position)
     lo = float(min(j.exact.min(), j.attribution.min(), 0.0)) if len(j) else 0.0
     hi = float(max(j.exact.max(), j.attribution.max(), 1.0)) if len(j) else 1.0
     names = [f"L{l}H{h}" for l, h in j.index]
@@ -176,9 +181,54 @@ def recovery_curve(table: Any) -> Any:
 
 def write_figure(fig: Any, path: str | Path) -> Path:
     """Self-contained HTML (plotly.js inlined), written atomically."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    fig.write_html(tmp, include_plotlyjs=True, full_html=True)
-    tmp.replace(path)
-    return path
+    from tomlens.io import atomic_path
+
+    with atomic_path(path) as tmp:
+        fig.write_html(tmp, include_plotlyjs=True, full_html=True)
+    return Path(path)
+
+
+def _stem(position: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_]+", "-", position)
+
+
+def write_patching_figures(result: PatchingRunResult, out: str | Path) -> dict[str, Any]:
+    """The run's figures as HTML under `out/figures/`: per-head heatmaps (`heads_<method>_<direction>`
+    at the ranking position, `heads_<position>_...` at the others), per-layer heatmaps of the other
+    sites (`<site>_...` over every token, `<site>_positions_...` at named positions), attribution
+    against exact (`attribution_vs_exact_<direction>`) and the top-k recovery curve. Returns them by
+    file stem (for a report). Needs the sweeps of the run itself (`load` does not restore them)."""
+    if result.dry_run:
+        raise TomlensError("a dry run has no results to draw", "run again without dry_run (--dry-run)")
+    if not result.sweeps:
+        raise TomlensError("this patching result holds no sweeps (a result read back with `load`)",
+                           "draw the figures from the result `run` returns, or open the saved figures/")
+    summary = result.summary
+    spec = summary["positions"]
+    rank_position = summary.get("rank_position")
+    folder = Path(out) / "figures"
+    figures: dict[str, Any] = {}
+
+    def add(fig: Any, stem: str) -> None:
+        figures[stem] = fig
+        write_figure(fig, folder / f"{stem}.html")
+
+    for (m, d), res in result.sweeps.items():
+        for p in spec.get("head", ()):
+            if p != "each":
+                add(head_heatmap(res, p), f"heads_{m}_{d}" if p == rank_position else f"heads_{_stem(p)}_{m}_{d}")
+        for kind in summary["sites"]:
+            if kind == "head":
+                continue
+            if "each" in spec[kind]:
+                add(resid_heatmap(res, kind), f"{kind}_{m}_{d}")
+            if any(p not in ("all", "each") for p in spec[kind]):
+                add(position_heatmap(res, kind), f"{kind}_positions_{m}_{d}")
+    for d in summary["directions"]:
+        if ("exact", d) in result.sweeps and ("attribution", d) in result.sweeps and rank_position is not None:
+            stats = result.compare(d, kind="head", position=rank_position)
+            add(attribution_scatter(result.sweeps[("exact", d)], result.sweeps[("attribution", d)], stats,
+                                    rank_position), f"attribution_vs_exact_{d}")
+    if "topk" in result.tables:
+        add(recovery_curve(result.tables["topk"]), "topk_recovery")
+    return figures

@@ -104,11 +104,24 @@ def _config_class(tp: Any) -> type | None:
     return None
 
 
+def _options(tp: Any) -> tuple[Any, ...]:
+    """The members of a union annotation, or the annotation alone."""
+    return typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) else (tp,)
+
+
+def _is_str_tuple(tp: Any) -> bool:
+    """`tuple[str, ...]`, alone or in a union (`tuple[str, ...] | None`)."""
+    options = _options(tp)
+    return any(typing.get_origin(o) is tuple and typing.get_args(o)[:1] == (str,) for o in options)
+
+
 def _convert(value: Any, tp: Any, where: str) -> Any:
     cls = _config_class(tp)
     if cls is not None and isinstance(value, Mapping):
         return config_from_dict(cls, value, where=where)
     origin = typing.get_origin(tp)
+    if isinstance(value, str) and _is_str_tuple(tp):  # sites = "resid_post head_out": the list syntax
+        return tuple(split_items(value))
     if origin is tuple and isinstance(value, (list, tuple)):  # tuple[Spec, ...]: a list of tables
         args = typing.get_args(tp)
         inner = _config_class(args[0]) if args else None
@@ -120,8 +133,8 @@ def _convert(value: Any, tp: Any, where: str) -> Any:
     if origin in (typing.Union, types.UnionType) and isinstance(value, list) \
             and any(typing.get_origin(a) is tuple for a in typing.get_args(tp)):
         return tuple(value)
-    if tp is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
+    if isinstance(value, int) and not isinstance(value, bool) and float in _options(tp) and int not in _options(tp):
+        return float(value)  # TOML's `1` for a float setting
     return value
 
 

@@ -6,7 +6,11 @@ import importlib
 from typing import Any
 
 from tomlens.errors import TomlensError
-from tomlens.stimuli.records import Span, Stimulus, stimuli_hash, to_dataset, write_jsonl
+from tomlens.stimuli.records import Span, Stimulus, stimuli_hash, write_jsonl
+from tomlens.stimuli.user import load_user_file, write_user_csv
+
+# What `write_jsonl` writes reads back through the user-file reader (which also takes CSV).
+read_jsonl = load_user_file
 
 # family name -> (module, function). Each function takes (n, seed, **options) -> list[Stimulus].
 FAMILIES: dict[str, tuple[str, str]] = {
@@ -29,12 +33,6 @@ def generate(family: str, /, n: int = 20, seed: int = 0, **options: Any) -> list
     return getattr(importlib.import_module(module), fn)(n=n, seed=seed, **options)
 
 
-def read_jsonl(path):  # noqa: ANN001 - thin re-export
-    from tomlens.stimuli.user import load_user_file
-
-    return load_user_file(path)
-
-
 def load_bigtom(path, **options):  # noqa: ANN001
     from tomlens.stimuli.bigtom import load_bigtom as _load
 
@@ -42,6 +40,6 @@ def load_bigtom(path, **options):  # noqa: ANN001
 
 
 __all__ = [
-    "FAMILIES", "Span", "Stimulus", "generate", "load_bigtom", "read_jsonl", "stimuli_hash",
-    "to_dataset", "write_jsonl",
+    "FAMILIES", "Span", "Stimulus", "generate", "load_bigtom", "load_user_file", "read_jsonl",
+    "stimuli_hash", "write_jsonl", "write_user_csv",
 ]

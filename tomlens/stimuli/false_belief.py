@@ -559,10 +559,6 @@ EXTRA_CONTRASTS: dict[str, dict[str, str]] = {
 }
 
 
-def _union(spans: Sequence[Span]) -> Span:
-    return Span(min(s.start for s in spans), max(s.end for s in spans))
-
-
 def mentions(text: str, words: Sequence[str]) -> list[str]:
     """The occurrences of `words` in `text`, in order (whole words, case-sensitive)."""
     pattern = re.compile(r"\b(" + "|".join(re.escape(w) for w in words) + r")\b")
@@ -576,7 +572,7 @@ def story_stimulus(story: Story, prompt_type: str) -> Stimulus:
     by_role = {s.role: span for s, span in zip(story.sentences, r.sentences)}
     world, belief = story.labels()
     spans = dict(r.spans)
-    spans["contrast"] = _union([by_role[x] for x in CONTRAST_ROLES[task.family][story.condition]])
+    spans["contrast"] = Span.covering([by_role[x] for x in CONTRAST_ROLES[task.family][story.condition]])
     for name, role in EXTRA_CONTRASTS[task.family].items():
         spans[name] = by_role[role]
     spans["query"] = r.query

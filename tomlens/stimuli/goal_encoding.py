@@ -54,7 +54,7 @@ def goal_encoding(
     *,
     test_cases: Sequence[str] = TEST_CASES,
     target_types: Sequence[str] = TARGET_TYPES,
-    anim_denotations: Sequence[bool] = (False, True),
+    anim_denotations: Sequence[bool] | bool = (False, True),
     animate_adverb: str | None = "deliberately",
     control_adverb: str = "accidentally",
     manner_scope: Literal["all", "test"] = "all",

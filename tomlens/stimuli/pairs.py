@@ -448,14 +448,9 @@ def diff_positions(pair: MinimalPair, tokenizer: Any) -> list[int]:
 
 def write_pairs(pairs: Iterable[MinimalPair], path: str | Path) -> Path:
     """Write pairs as JSON lines, atomically (temporary name, then rename)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("w", encoding="utf-8") as f:
-        for p in pairs:
-            f.write(json.dumps(p.to_dict(), ensure_ascii=False) + "\n")
-    tmp.replace(path)
-    return path
+    from tomlens.io import write_jsonl
+
+    return write_jsonl((p.to_dict() for p in pairs), path)
 
 
 def read_pairs(path: str | Path) -> list[MinimalPair]:

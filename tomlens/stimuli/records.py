@@ -6,12 +6,11 @@ token positions through the tokenizer's offsets without hard-coded indices.
 
 from __future__ import annotations
 
-import hashlib
-import json
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterable, Literal, Sequence
 
+from tomlens import io
 from tomlens.errors import TomlensError
 
 PromptType = Literal["reality", "belief", "goal"]
@@ -39,6 +38,11 @@ class Span:
 
     def of(self, text: str) -> str:
         return text[self.start : self.end]
+
+    @staticmethod
+    def covering(spans: Sequence[Span]) -> Span:
+        """The smallest span that covers all of `spans` (e.g. a contrast sentence's role mentions)."""
+        return Span(min(s.start for s in spans), max(s.end for s in spans))
 
 
 @dataclass(frozen=True)
@@ -149,41 +153,10 @@ def validate(s: Stimulus) -> list[str]:
 
 def write_jsonl(stimuli: Iterable[Stimulus], path: str | Path) -> Path:
     """Write records as JSON lines, atomically (temporary name, then rename)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("w", encoding="utf-8") as f:
-        for s in stimuli:
-            f.write(json.dumps(s.to_dict(), ensure_ascii=False) + "\n")
-    tmp.replace(path)
-    return path
-
-
-def read_jsonl(path: str | Path) -> list[Stimulus]:
-    """Read records written by `write_jsonl` (for user files see `tomlens.stimuli.user`)."""
-    from tomlens.stimuli.user import load_user_file
-
-    return load_user_file(path)
+    return io.write_jsonl((s.to_dict() for s in stimuli), path)
 
 
 def stimuli_hash(stimuli: Sequence[Stimulus]) -> str:
     """A content hash over the records, in order: provenance and cache keys use it."""
-    h = hashlib.sha256()
-    for s in stimuli:
-        h.update(json.dumps(s.to_dict(), sort_keys=True, ensure_ascii=False).encode())
-        h.update(b"\n")
-    return h.hexdigest()[:16]
+    return io.records_hash((s.to_dict() for s in stimuli), 16)
 
-
-def to_dataset(stimuli: Sequence[Stimulus]):  # -> datasets.Dataset
-    """Export to a Hugging Face `datasets.Dataset` (spans and meta as JSON strings)."""
-    import datasets
-
-    rows = []
-    for s in stimuli:
-        d = s.to_dict()
-        d["options"] = list(s.options)
-        d["spans"] = json.dumps(d["spans"])
-        d["meta"] = json.dumps(d["meta"])
-        rows.append(d)
-    return datasets.Dataset.from_list(rows)

@@ -22,7 +22,7 @@ from typing import Sequence
 from tomlens.errors import TomlensError
 from tomlens.stimuli.false_belief import (
     CONDITION_CODES, CONDITIONS, CONTENTS, CONTRAST_ROLES, EXTRA_CONTRASTS, PROMPT_TYPES, TRANSFER, Story,
-    _union, build_story, make_tasks,
+    build_story, make_tasks,
 )
 from tomlens.stimuli.records import Span, Stimulus
 
@@ -85,7 +85,7 @@ def prefix_stimulus(story: Story, k: int, prompt_type: str) -> Stimulus:
     present = [included[role] for role in CONTRAST_ROLES[story.family][story.condition]
                if role in included]
     if present:
-        spans["contrast"] = _union(present)
+        spans["contrast"] = Span.covering(present)
     for name, role in EXTRA_CONTRASTS[story.family].items():
         if role in included:
             spans[name] = included[role]

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator, Sequence
 
 from tomlens.errors import TomlensError
+from tomlens.io import atomic_path
 from tomlens.stimuli.records import PROMPT_TYPES, Span, Stimulus
 
 JSONL_SUFFIXES: tuple[str, ...] = (".jsonl", ".ndjson")
@@ -94,15 +95,12 @@ def write_user_csv(stimuli: Sequence[Stimulus], path: str | Path) -> Path:
 
     Written to a temporary name and renamed, so an interrupted write never looks complete.
     """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
     columns = [
         "id", "text", "option_a", "option_b", "answer", "family", "task_id", "template_id",
         "condition", "reversed", "prompt_type", "world_state", "protagonist_belief",
         "reference_state", "spans", "meta",
     ]
-    with tmp.open("w", encoding="utf-8", newline="") as f:
+    with atomic_path(path) as tmp, tmp.open("w", encoding="utf-8", newline="") as f:
         w = csv.DictWriter(f, fieldnames=columns)
         w.writeheader()
         for s in stimuli:
@@ -117,8 +115,7 @@ def write_user_csv(stimuli: Sequence[Stimulus], path: str | Path) -> Path:
                 "spans": json.dumps({k: [v.start, v.end] for k, v in s.spans.items()}),
                 "meta": json.dumps(s.meta, ensure_ascii=False),
             })
-    tmp.replace(path)
-    return path
+    return Path(path)
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,0 +1,133 @@
+"""The patching and pairs runs: configs that round-trip through plain dicts, results that save and
+load to the same tables, dry runs that write nothing, and sweep results left as the sweeps made them."""
+
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+import pytest
+
+from tomlens.errors import TomlensError
+from tomlens.patching import AttributionSweep, ExactSweep
+from tomlens.runs.base import ModelSpec, config_from_dict, config_hash, config_to_dict
+from tomlens.runs.pairs import PairsConfig, PairsResult
+from tomlens.runs.pairs import run as run_pairs
+from tomlens.runs.patching import PatchingConfig, PatchingRunResult, run
+
+pytestmark = pytest.mark.integration  # tiny models
+TINY = ModelSpec("tiny-llama")
+PAIRS = PairsConfig(model=TINY, n=1, contrasts=("present",))  # 2 pairs, aligned for tiny-llama's tokenizer
+
+
+def test_config_round_trip_and_errors():
+    config = PatchingConfig(model=TINY, pairs=PairsConfig(model=TINY, n=3, seed=2, contrasts=("present",),
+                                                           options={"ks": [0, 6]}),
+                            method="exact", sites=("heads", "mlp"), positions=("roles", "heads=contrast"),
+                            direction="both", top_k=3, n_random=4, ablation="none", seed=5, memory_mb=256.0,
+                            max_runs=None, search_threshold=0.25, graddrop="off", format="csv")
+    as_dict = json.loads(json.dumps(config_to_dict(config)))  # what config.json holds
+    back = config_from_dict(PatchingConfig, as_dict)
+    assert back == config and config_hash(back) == config_hash(config)
+    assert back.methods == ["exact"] and back.directions == ["denoise", "noise"]
+    assert back.search_options() == {"budget": None, "threshold": 0.25, "fn_samples": 10, "graddrop": False}
+    assert PatchingConfig().positions == ("roles",) and PatchingConfig().sites == ("heads", "resid")
+    # presentation settings do not change the hash; a setting that changes the numbers does
+    assert config_hash(PatchingConfig(dry_run=True, max_runs=5)) == config_hash(PatchingConfig())
+    assert config_hash(PatchingConfig(seed=1)) != config_hash(PatchingConfig())
+    with pytest.raises(TomlensError, match="did you mean 'top_k'"):
+        config_from_dict(PatchingConfig, {"topk": 3})
+    with pytest.raises(TomlensError, match="unknown method 'exakt'"):
+        PatchingConfig(method="exakt")
+    with pytest.raises(TomlensError, match="both `pairs`"):
+        PatchingConfig(pairs=PAIRS, pairs_path="p.jsonl")
+    with pytest.raises(TomlensError, match="needs --path"):
+        PairsConfig(family="bigtom")
+
+
+def test_run_save_load_gives_the_same_tables(load_tiny, tmp_path, capsys):
+    model = load_tiny("tiny-llama")
+    config = PatchingConfig(model=TINY, pairs=PAIRS, method="both", sites=("heads", "resid"), positions=("final",),
+                            top_k=2, n_random=2, seed=1)
+    result = run(config, model=model, out=tmp_path, progress=False)
+    assert "plan (2 pairs" in capsys.readouterr().out
+    assert set(result.sweeps) == {("exact", "denoise"), ("attribution", "denoise")}
+    assert all(r.seed == 1 for r in result.sweeps.values())
+    assert result.summary["pairs"]["n_aligned"] == 2 and len(result.heads) == 8
+    result.save(tmp_path)
+    assert not (tmp_path / ".partial").exists()  # checkpoints go once the outputs are written
+    for name in ("config.json", "manifest.json", "summary.json", "result.json", "heads.parquet", "topk.parquet",
+                 "ablation_random.parquet", "cells_exact_denoise.parquet", "pairs_attribution_denoise.parquet"):
+        assert (tmp_path / name).is_file(), name
+
+    loaded = PatchingRunResult.load(tmp_path)
+    assert loaded.config == config and loaded.sweeps == {}
+    assert list(loaded.tables) == list(result.tables)
+    for stem, table in result.tables.items():
+        pd.testing.assert_frame_equal(loaded.tables[stem].reset_index(drop=True), table.reset_index(drop=True),
+                                      check_dtype=False, obj=stem)
+    assert loaded.summary["baselines"] == result.summary["baselines"]
+    assert loaded.summary["top_heads"] == result.summary["top_heads"]
+    assert loaded.describe() == result.describe() and "top heads" in result.describe()
+    assert loaded.manifest["model"]["model"] == "tiny-llama" and loaded.manifest["seed"] == 1
+    assert json.loads((tmp_path / "summary.json").read_text()) == loaded.summary
+
+    from tomlens.report.patching import write_patching_figures
+
+    figures = write_patching_figures(result, tmp_path)
+    assert sorted(figures) == ["attribution_vs_exact_denoise", "heads_attribution_denoise", "heads_exact_denoise",
+                               "resid_pre_positions_attribution_denoise", "resid_pre_positions_exact_denoise",
+                               "topk_recovery"]
+    assert sorted(p.stem for p in (tmp_path / "figures").iterdir()) == sorted(figures)
+    with pytest.raises(TomlensError, match="no sweeps"):
+        write_patching_figures(loaded, tmp_path / "again")
+
+
+def test_dry_run_returns_the_plan_and_saves_nothing(load_tiny, tmp_path, capsys):
+    model = load_tiny("tiny-llama")
+    pairs = run_pairs(PAIRS, model=model).pairs
+    result = run(PatchingConfig(model=TINY, method="exact", top_k=0, dry_run=True), model=model, pairs=pairs,
+                 out=tmp_path / "out", progress=False)
+    assert result.dry_run and result.plan["total_runs"] > 0 and not result.tables
+    assert "nothing written" in capsys.readouterr().out
+    with pytest.raises(TomlensError, match="dry run"):
+        result.save(tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_run_leaves_the_sweep_results_as_made(load_tiny, tmp_path, monkeypatch):
+    """The run's bootstrap seed goes into copies: the objects the sweeps return keep their own."""
+    model = load_tiny("tiny-llama")
+    made = []
+    for cls in (ExactSweep, AttributionSweep):
+        real = cls.result
+
+        def record(self, *args, _real=real, **kwargs):
+            res = _real(self, *args, **kwargs)
+            made.append(res)
+            return res
+        monkeypatch.setattr(cls, "result", record)
+    result = run(PatchingConfig(model=TINY, pairs=PAIRS, sites=("heads",), positions=("final",), top_k=0, seed=7),
+                 model=model, progress=False)
+    assert len(made) == 2 and all(r.seed == 0 and r._summaries == {} for r in made)
+    assert all(r.seed == 7 for r in result.sweeps.values())
+    assert all(a is not b for a in made for b in result.sweeps.values())
+    summary = result.sweeps[("exact", "denoise")].summary()
+    assert summary.effect.tolist() == pytest.approx(made[0].summary(seed=7).effect.tolist(), nan_ok=True)
+
+
+def test_pairs_run_saves_and_loads(tmp_path, capsys):
+    result = run_pairs(PAIRS)
+    assert len(result.pairs) == 2 and "2 of 2 pairs aligned" in result.describe()
+    folder = result.save(tmp_path / "run")
+    assert {p.name for p in folder.iterdir()} == {"pairs.jsonl", "pairs.report.json", "config.json",
+                                                  "manifest.json", "result.json"}
+    back = PairsResult.load(folder)
+    assert back.config == PAIRS and back.summary == result.summary
+    assert [p.to_dict() for p in back.pairs] == [p.to_dict() for p in result.pairs]
+    single = result.write_file(tmp_path / "p.jsonl")
+    report = json.loads((tmp_path / "p.report.json").read_text())
+    assert report["pairs_file"] == str(single) and report["aligned"] == 2 and report["model"] == "tiny-llama"
+    again = PairsResult.load(single)
+    assert again.config.family == PAIRS.family and again.config.contrasts == ("present",)
+    assert [p.to_dict() for p in again.pairs] == [p.to_dict() for p in result.pairs]

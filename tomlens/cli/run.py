@@ -1,0 +1,70 @@
+"""`tomlens run FILE.toml`: an experiment file run end to end into one self-describing folder.
+
+The file names the model(s) and the stages (`tomlens.runs.experiment`); the folder gets the
+resolved `config.json`, `manifest.json`, one subfolder per stage, the figures and `report.html`.
+Running the same file again reuses every stage that finished with the same settings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+from typing import Any
+
+from tomlens.cli.options import add_progress
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("run", help="run an experiment file (TOML): model(s), stages, report",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("file", help="experiment file, e.g. examples/demo.toml")
+    p.add_argument("--out", default=None, help="output folder (default: runs/<name>)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="change one setting of the file, e.g. --set model.name=tiny-llama "
+                   "--set probes.stimuli.n=5 (VALUE is a TOML value; repeatable)")
+    add_progress(p)
+    p.set_defaults(func=run)
+
+
+def _section(title: str) -> None:
+    print(f"\n== {title} ==", flush=True)
+
+
+def run_file(config: Any, out: Path, *, progress: bool = True, headers: dict[str, str] | None = None) -> Any:
+    """Run `config` into `out`, printing a header before and `describe()` after each stage, then
+    write the figures and report.html. `headers` replaces the stage names in the headers."""
+    from tomlens.report.experiment import write_experiment_figures, write_experiment_report
+    from tomlens.runs.experiment import run_experiment
+
+    several = len(config.models) > 1
+
+    def before(stage: str, model: Any) -> None:
+        if headers is None or stage in headers:
+            title = (headers or {}).get(stage, stage)
+            _section(f"{title} ({model.name})" if several else title)
+
+    def after(stage: str, model: Any, result: Any) -> None:
+        text = result.describe()
+        if text:
+            print(text, flush=True)
+
+    result = run_experiment(config, out, progress=progress, before=before, after=after)
+    if headers is None or "report" in headers:
+        _section((headers or {}).get("report", "report"))
+    figures = write_experiment_figures(result)
+    path = write_experiment_report(result, out, figures=figures)
+    print(f"wrote {path}")
+    return result
+
+
+def run(args: argparse.Namespace) -> int:
+    from tomlens.runs.experiment import ExperimentConfig
+
+    t0 = time.time()
+    config = ExperimentConfig.load(args.file, args.overrides)
+    out = Path(args.out) if args.out else Path("runs") / config.name
+    print(f"experiment {config.name!r}: {', '.join(config.stages)} on {', '.join(m.name for m in config.models)} -> {out}/")
+    run_file(config, out, progress=not args.no_progress)
+    print(f"\ndone in {time.time() - t0:.0f} s; results under {out}/")
+    return 0

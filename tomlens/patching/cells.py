@@ -1,0 +1,144 @@
+"""The patching vocabulary: site kinds with their aliases and default positions, the cells of a
+sweep (kind, layer, head, position) and the padded columns a cell patches in a pair.
+
+A kind here is a site kind of `tomlens.hooks`, except that `head` (a head's output) is patched
+through the site `z`. Positions: "all" (every token), a selector from
+`tomlens.models.positions` ("final", a span role, ...), or "each" (one cell per token, indexing
+tokens right-aligned across pairs: pairs of different lengths share their ending).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+from tomlens.errors import TomlensError
+from tomlens.patching.pairs import Group, PreparedPairs
+
+KIND_ALIASES: dict[str, str] = {
+    "heads": "head", "head": "head", "z": "head", "head_out": "head",
+    "resid": "resid_pre", "resid_pre": "resid_pre", "resid_mid": "resid_mid",
+    "resid_post": "resid_post",
+    "attn": "attn_out", "attn_out": "attn_out", "mlp": "mlp_out", "mlp_out": "mlp_out",
+}
+# Patching the whole residual stream at every position restores the clean run outright, so the
+# residual stream is swept per position; heads, attention and MLP outputs at all positions.
+DEFAULT_POSITIONS: dict[str, tuple[str, ...]] = {
+    "head": ("all",), "resid_pre": ("each",), "resid_mid": ("each",), "resid_post": ("each",),
+    "attn_out": ("all",), "mlp_out": ("all",),
+}
+
+
+def canonical_kind(name: str) -> str:
+    """The canonical patching kind of a site name or alias ("heads" -> "head", "resid" -> "resid_pre")."""
+    try:
+        return KIND_ALIASES[name.strip()]
+    except KeyError:
+        raise TomlensError(
+            f"unknown patching site {name!r}", f"use one of {sorted(set(KIND_ALIASES))}"
+        ) from None
+
+
+def hook_for(kind: str, layer: int) -> str:
+    """TransformerLens hook name for a patching kind; a head's output is patched through its z."""
+    from tomlens.hooks import Site, hook_name
+
+    return hook_name(Site("z" if kind == "head" else kind, layer))
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One patched site: kind ("head", "resid_pre", "attn_out", "mlp_out", ...), layer, head (-1
+    when not a head), position ("all", a selector or "each") and aligned token index (-1 unless
+    position is "each")."""
+
+    kind: str
+    layer: int
+    head: int
+    position: str
+    pos: int
+
+
+def layer_list(model, layers: Sequence[int] | None) -> list[int]:
+    """The layers a sweep patches (None: every layer), refused when the model lacks one."""
+    n_layers = model.cfg.n_layers
+    layers = list(range(n_layers)) if layers is None else list(layers)
+    bad = [l for l in layers if not 0 <= l < n_layers]
+    if bad:
+        raise TomlensError(f"layers {bad} do not exist (the model has {n_layers})", "pick layers in range")
+    return layers
+
+
+def plan_cells(
+    model,
+    sites: Sequence[str] | Mapping[str, Sequence[str]],
+    positions: Sequence[str] = (),
+    *,
+    n_aligned: int,
+    layers: Sequence[int] | None = None,
+) -> list[Cell]:
+    """Cells of a sweep. `sites` lists kinds (each with its default positions) or maps kinds to
+    their own position lists; `positions` are added to every kind."""
+    if isinstance(sites, str):
+        sites = [s for s in sites.split(",") if s.strip()]
+    if isinstance(sites, Mapping):
+        spec = {canonical_kind(k): tuple(dict.fromkeys(tuple(v) + tuple(positions))) for k, v in sites.items()}
+    else:
+        spec = {}
+        for k in sites:
+            kind = canonical_kind(k)
+            spec[kind] = tuple(dict.fromkeys(DEFAULT_POSITIONS[kind] + tuple(positions)))
+    layers = layer_list(model, layers)
+    from tomlens.hooks import Site, check_sites
+
+    check_sites(model, [Site("z" if kind == "head" else kind, l) for kind in spec for l in layers[:1]])
+    cells: list[Cell] = []
+    for kind, poss in spec.items():
+        heads = range(model.cfg.n_heads) if kind == "head" else [-1]
+        for position in poss:
+            ks = range(n_aligned) if position == "each" else [-1]
+            for layer in layers:
+                for k in ks:
+                    for h in heads:
+                        cells.append(Cell(kind, layer, h, position, k))
+    return cells
+
+
+def cell_columns(cell: Cell, group: Group, j: int, n_aligned: int) -> list[int] | None:
+    """Padded columns the cell patches in pair `j` of a group, dropping columns before the first
+    differing token (identical in both runs). None when the pair has no token at that position."""
+    width, fd = group.width, int(group.first_diff[j])
+    if cell.position == "all":
+        return list(range(fd, width))
+    if cell.position == "each":
+        col = width - n_aligned + cell.pos
+        if col < group.pad(j):
+            return None
+        return [col] if col >= fd else []
+    col = int(group.positions[cell.position][j])
+    return [col] if col >= fd else []
+
+
+def cell_hooks(cells: Sequence[Cell]) -> list[str]:
+    """Hook names the cells patch (sorted, once each): what a base pass must record."""
+    return sorted({hook_for(c.kind, c.layer) for c in cells})
+
+
+def selectors_in(sites: Any, positions: Sequence[str]) -> tuple[str, ...]:
+    """Selector positions (not "all" or "each") named by `positions` or by a kind -> positions
+    mapping of sites: those `prepare_pairs` must resolve."""
+    found = list(positions)
+    if isinstance(sites, Mapping):
+        for v in sites.values():
+            found.extend(v)
+    return tuple(dict.fromkeys(s for s in found if s not in ("all", "each")))
+
+
+def check_selectors(cells: Sequence[Cell], prepared: PreparedPairs) -> None:
+    """Fail before any forward when a cell's selector was not resolved for the prepared pairs."""
+    missing = {c.position for c in cells if c.position not in ("all", "each")} - set(prepared.selectors)
+    if missing:
+        raise TomlensError(
+            f"positions {sorted(missing)} were not resolved when the pairs were prepared",
+            "pass them as `selectors` to prepare_pairs",
+        )

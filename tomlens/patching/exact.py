@@ -1,0 +1,179 @@
+"""Exact patching sweeps: sets of cells patched into every pair, each (set, pair) one batched run.
+
+A sweep patches one site at a time (a head's output, the residual stream at a layer and position,
+an attention or MLP output) from one run of a pair into the other and reads the logit difference.
+Denoising patches clean into corrupted ("is this site sufficient to restore the belief answer?"),
+noising patches corrupted into clean ("is it necessary?"). Both report the same scale: 0 is the
+corrupted run, 1 the clean run.
+
+`CellSetSweep` is the one loop behind every exact sweep: the per-cell sweep (`ExactSweep`, a set
+of one cell each) and the head sets of top-k recovery (`tomlens.patching.heads.HeadSetSweep`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import torch
+from jaxtyping import Float
+from torch import Tensor
+from tqdm.auto import tqdm
+
+from tomlens.patching.cells import Cell, cell_columns, cell_hooks, check_selectors, hook_for, plan_cells, selectors_in
+from tomlens.patching.engine import DEFAULT_CHUNK_RUNS, Run, Stage
+from tomlens.patching.metric import Normalise
+from tomlens.patching.pairs import Direction, PreparedPairs, as_prepared, roles
+from tomlens.patching.result import PatchingResult
+
+
+class CellSetSweep:
+    """Each set of cells patched into every pair with all its cells at once, laid out per group
+    before it runs (`stage`, run in checkpointed chunks).
+
+    A (set, pair) needs no run when every cell falls before the pair's first differing token
+    (nothing changes: the base run's own metric) and is NaN when no cell has a token in the pair
+    (a position the pair lacks).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        model,
+        prepared: PreparedPairs,
+        sets: Sequence[Sequence[Cell]],
+        direction: Direction = "denoise",
+        *,
+        desc: str = "patching",
+        memory_mb: float = 1024.0,
+        chunk_runs: int = DEFAULT_CHUNK_RUNS,
+        reuse_prefix: bool = True,
+    ):
+        self.prepared, self.direction, self.n_sets, self.desc = prepared, direction, len(sets), desc
+        hooks = {c: hook_for(c.kind, c.layer) for s in sets for c in s}
+        runs: list[list[Run]] = []
+        self.targets: list[list[tuple[int, int]]] = []  # (set, pair) of each run
+        self.fills: list[list[tuple[int, int, int]]] = []  # (set, pair, base row): no run needed
+        for group in prepared.groups:
+            g = group.g
+            rs: list[Run] = []
+            ts: list[tuple[int, int]] = []
+            fs: list[tuple[int, int, int]] = []
+            for s_i, cells in enumerate(sets):
+                for j, p_i in enumerate(group.index):
+                    base, src = roles(direction, g, j)
+                    cols = [cell_columns(c, group, j, prepared.n_aligned) for c in cells]
+                    if cols and all(c is None for c in cols):
+                        continue
+                    patches = [(hooks[c], c.layer, c.head, cs, src) for c, cs in zip(cells, cols) if cs]
+                    if not patches:
+                        fs.append((s_i, p_i, base))
+                        continue
+                    rs.append(Run(base, patches))
+                    ts.append((s_i, p_i))
+            runs.append(rs)
+            self.targets.append(ts)
+            self.fills.append(fs)
+        self.stage = Stage(name, model, prepared, runs, hooks=cell_hooks([c for s in sets for c in s]),
+                           memory_mb=memory_mb, chunk_runs=chunk_runs, reuse_prefix=reuse_prefix)
+
+    def load(self, checkpoints: Any) -> int:
+        """Take finished chunks from `checkpoints`; returns the runs now done."""
+        return self.stage.load(checkpoints)
+
+    def run(self, *, checkpoints: Any = None, progress: bool = True) -> None:
+        """Run every chunk not done (taking finished ones from `checkpoints` first, saving new ones)."""
+        stage = self.stage
+        if checkpoints is not None:
+            stage.load(checkpoints)
+        with tqdm(total=stage.n_runs, desc=self.desc, unit="run", disable=not progress) as bar:
+            bar.update(stage.n_done)
+            stage.run(checkpoints=checkpoints, bar=bar)
+
+    def values(self) -> tuple[Float[Tensor, "set pair"], Float[Tensor, "pair"], Float[Tensor, "pair"]]:
+        """Raw metric `[set, pair]` with the clean and corrupted baselines `[pair]`, once run."""
+        n_pair = len(self.prepared.pairs)
+        values = torch.full((self.n_sets, n_pair), float("nan"), dtype=torch.float64)
+        clean = torch.empty(n_pair, dtype=torch.float64)
+        corrupted = torch.empty(n_pair, dtype=torch.float64)
+        for gi, group in enumerate(self.prepared.groups):
+            metric = self.stage.base[gi]
+            if metric is None:
+                raise RuntimeError(f"{self.stage.name}: group {gi} has not run")
+            metric = metric.double()
+            clean[group.index] = metric[: group.g]
+            corrupted[group.index] = metric[group.g :]
+            if self.targets[gi]:
+                t = torch.tensor(self.targets[gi])
+                values[t[:, 0], t[:, 1]] = self.stage.values[gi].double()
+            if self.fills[gi]:
+                f = torch.tensor(self.fills[gi])
+                values[f[:, 0], f[:, 1]] = metric[f[:, 2]]
+        return values, clean, corrupted
+
+
+class ExactSweep(CellSetSweep):
+    """An exact patching sweep laid out before it runs: one run per (cell, pair), except cells
+    patched only before the pair's first differing token and positions the pair lacks (see
+    `CellSetSweep`). `run` runs the rest; `result` assembles them."""
+
+    def __init__(
+        self,
+        model,
+        prepared: PreparedPairs,
+        cells: Sequence[Cell],
+        direction: Direction = "denoise",
+        *,
+        memory_mb: float = 1024.0,
+        reuse_prefix: bool = True,
+        chunk_runs: int = DEFAULT_CHUNK_RUNS,
+    ):
+        check_selectors(cells, prepared)
+        self.cells = list(cells)
+        super().__init__(f"exact-{direction}", model, prepared, [[c] for c in self.cells], direction,
+                         desc=f"patching ({direction})", memory_mb=memory_mb, chunk_runs=chunk_runs,
+                         reuse_prefix=reuse_prefix)
+
+    def result(self, normalise: Normalise = "pooled") -> PatchingResult:
+        values, clean, corrupted = self.values()
+        return PatchingResult(
+            "exact", self.direction, self.cells, values, clean, corrupted, self.prepared.ids,
+            self.prepared.token_labels, normalise,
+        )
+
+
+def exact_patching(
+    model,
+    pairs: Sequence[Any] | PreparedPairs,
+    *,
+    sites: Sequence[str] | Mapping[str, Sequence[str]] = ("heads",),
+    positions: Sequence[str] = (),
+    direction: Direction = "denoise",
+    layers: Sequence[int] | None = None,
+    normalise: Normalise = "pooled",
+    batch_pairs: int = 8,
+    memory_mb: float = 1024.0,
+    reuse_prefix: bool = True,
+    progress: bool = True,
+    cells: Sequence[Cell] | None = None,
+    checkpoints: Any = None,
+    chunk_runs: int = DEFAULT_CHUNK_RUNS,
+) -> PatchingResult:
+    """Patch every cell of the requested sites, one batched forward per chunk of (cell, pair) runs.
+
+    `sites`: kinds ("heads", "resid", "attn", "mlp", "resid_mid", ...) with their default positions
+    (heads/attn/mlp at "all", resid at "each") plus `positions`, or a mapping kind -> positions.
+    `cells`: an explicit list of cells to patch instead (e.g. the candidates a search verifies);
+    `sites`, `positions` and `layers` are then ignored.
+    `checkpoints` (a `tomlens.patching.checkpoints.Checkpoints`): finished chunks of
+    `chunk_runs` runs are saved there and taken from there, so a stopped sweep resumes.
+    """
+    explicit = list(cells) if cells is not None else None
+    extra = tuple(c.position for c in explicit or ())
+    prepared = as_prepared(model, pairs, selectors_in(sites, (*positions, *extra)), batch_pairs)
+    cells = explicit if explicit is not None else plan_cells(
+        model, sites, positions, n_aligned=prepared.n_aligned, layers=layers
+    )
+    sweep = ExactSweep(model, prepared, cells, direction, memory_mb=memory_mb, reuse_prefix=reuse_prefix,
+                       chunk_runs=chunk_runs)
+    sweep.run(checkpoints=checkpoints, progress=progress)
+    return sweep.result(normalise)

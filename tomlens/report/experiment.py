@@ -1,0 +1,188 @@
+"""The report of an experiment run: one self-contained `report.html` over the stages that ran,
+built from the result objects (the tables the run just wrote are not read back).
+
+`write_experiment_figures` writes each stage's figure files into its folder and returns the
+figures, so that the page shows the same ones.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from tomlens.report.html import Section, write_report
+
+Figures = dict[str, Any]  # file stem -> plotly Figure
+
+
+def _model_names(result: Any) -> list[str]:
+    """The models as their provenance records them (what was loaded, not what the file asked for)."""
+    names = []
+    for run in result.runs:
+        prov = run.provenance or {}
+        names.append(str(prov.get("model") or run.model.name))
+    return names
+
+
+def _probe_site_column(table: pd.DataFrame) -> str:
+    return "site" if "site" in table.columns and "kind" not in table.columns else "kind"
+
+
+def _probe_figures(table: pd.DataFrame) -> Figures:
+    """A layer curve per whole-layer site and a layer x head grid per target of each per-head site."""
+    from tomlens.report.layers import head_heatmap, layer_figure
+
+    col = _probe_site_column(table)
+    probed = table[table[col] != "bow"]
+    figures: Figures = {}
+    for site in probed.loc[probed["head"] == -1, col].unique():
+        figures[f"layers_{site}"] = layer_figure(table, kind=site)
+    heads = probed[probed["head"] >= 0]
+    for site in heads[col].unique():
+        for target in heads.loc[heads[col] == site, "target"].unique():
+            figures[f"heads_{site}_{target}"] = head_heatmap(table, target=target, kind=site)
+    return figures
+
+
+def write_experiment_figures(result: Any) -> dict[tuple[int, str], Figures]:
+    """Every stage's figures, written as HTML files into the stage's folder; returned by
+    (model index, stage). A reused patching stage keeps the figure files it wrote (its sweeps are
+    not saved, so they cannot be drawn again); only its recovery curve is redrawn from its table."""
+    from tomlens.report.layers import write_html
+    from tomlens.report.patching import recovery_curve, write_patching_figures
+
+    out: dict[tuple[int, str], Figures] = {}
+    for i, run in enumerate(result.runs):
+        if "probes" in run.results:
+            figures = _probe_figures(run.results["probes"].table)
+            for stem, fig in figures.items():
+                write_html(fig, run.folders["probes"] / f"{stem}.html")
+            out[(i, "probes")] = figures
+        patching = run.results.get("patching")
+        if patching is not None and not patching.dry_run:
+            if patching.sweeps:
+                out[(i, "patching")] = write_patching_figures(patching, run.folders["patching"])
+            elif patching.tables.get("topk") is not None:
+                out[(i, "patching")] = {"topk_recovery": recovery_curve(patching.tables["topk"])}
+    return out
+
+
+def _behaviour_sections(res: Any) -> list[Section]:
+    sections = [Section("Behaviour", "Accuracy per family, condition and prompt type (95% Wilson intervals).",
+                        tables=[res.accuracy] + ([res.strict] if len(res.strict) else []))]
+    if len(res.object_bias):
+        sections.append(Section("Behaviour: object bias per cell (Ruis et al.)",
+                                "o_b per cell with its 95% interval, and the selective-encoding criterion.",
+                                tables=[res.object_bias] + ([res.selective] if len(res.selective) else [])))
+    return sections
+
+
+def _cache_sections(res: Any) -> list[Section]:
+    s = res.summary
+    row = {k: (", ".join(map(str, v)) if isinstance(v, (list, tuple)) else v) for k, v in s.items()
+           if k in ("n", "sites", "positions", "dtype", "reused", "store")}
+    return [Section("Activations", "Cached in the content-addressed store (shared by every run that asks for "
+                    "the same stimuli, sites and positions).", tables=[pd.DataFrame([row])])]
+
+
+def _probe_sections(res: Any, figures: Figures) -> list[Section]:
+    table = res.table
+    col = _probe_site_column(table)
+    keys = [c for c in ("target", "train_on", "eval_set", col) if c in table.columns]
+    shown = [c for c in (*keys, "layer", "head", "score", "ci_low", "ci_high", "control", "selectivity", "chance")
+             if c in table.columns]
+    best = (table[(table["metric"] == "accuracy") & (table[col] != "bow")]
+            .sort_values("score", ascending=False).groupby(keys, sort=False).head(1)[shown])
+    targets = sorted(table["target"].unique())
+    title = " vs ".join(t.replace("_", " ") for t in targets)
+    order = [f for f in figures if f.startswith("layers_")] + [f for f in figures if f.startswith("heads_")]
+    return [Section(f"Probes: {title}",
+                    "Logistic probes per layer and per head (each head's own write to the residual stream), "
+                    "scored on held-out stories; bands are bootstrap 95% intervals over test stories. "
+                    "Best layer or head per target, training set, evaluation set and site:",
+                    tables=[best], figures=[figures[f] for f in order])]
+
+
+def _pairs_sections(res: Any) -> list[Section]:
+    s = res.summary
+    row = {"family": s.get("family"), "pairs aligned": s.get("aligned"), "of": s.get("total"),
+           "contrasts": ", ".join(map(str, s.get("options", {}).get("contrasts", []))) or "the family's own",
+           "dropped": len(s.get("dropped_pairs", []))}
+    return [Section("Minimal pairs", res.describe(), tables=[pd.DataFrame([row])])]
+
+
+def _patching_sections(res: Any, figures: Figures) -> list[Section]:
+    from tomlens.patching.metric import gap_note
+
+    summary = res.summary
+    baselines = summary.get("baselines", {})
+    main = next(iter(baselines.values()), {})
+    ranked = summary.get("ranked_by", "")
+    key = next((k for k in baselines if ranked.startswith(k.replace("_", " "))), next(iter(baselines), ""))
+    note = gap_note(baselines.get(key, main)) if baselines else None
+    heads, topk, ablation = (res.tables.get(name) for name in ("heads", "topk", "ablation"))
+    tables = [t for t in (heads.head(15) if heads is not None else None, topk) if t is not None and len(t)]
+    picked = [f for f in figures if re.fullmatch(r"heads_[a-z]+_[a-z]+", f)]
+    picked += [f for f in figures if f.startswith("attribution_vs_exact")]
+    picked += [f for f in figures if f == "topk_recovery"]
+    text = ("Exact and attribution patching of every head from the false-belief story into its matched "
+            "true-belief story (effect 0 = true-belief run, 1 = false-belief run), then the top-k heads "
+            "patched together against random heads." + (f" Note: {note}." if note else ""))
+    if not res.sweeps:
+        text += " (Reused from an earlier run: the per-head figures are the files under patching/figures/.)"
+    sections = [Section("Patching: heads that carry belief", text, tables=tables,
+                        figures=[figures[f] for f in dict.fromkeys(picked)])]
+    if ablation is not None and len(ablation):
+        sections.append(Section(
+            "Mean ablation of the top heads",
+            "Each of the top-k heads' outputs replaced by its mean over all stories at the final token: "
+            "false-belief accuracy and its drop, against the same number of random heads.",
+            tables=[ablation]))
+    comparisons = [c for c in summary.get("comparisons", [])
+                   if c["kind"] == "head" and c["position"] == summary.get("rank_position")]
+    row: dict[str, Any] = {"pairs": summary.get("pairs", {}).get("n_aligned"),
+                           "top heads": ", ".join(summary.get("top_heads", [])[:5])}
+    if comparisons:
+        row["attribution vs exact Spearman"] = round(comparisons[0]["spearman"], 3)
+        row[f"top-{comparisons[0]['k']} overlap"] = comparisons[0]["topk_overlap"]
+    sections.append(Section("Patching summary", tables=[pd.DataFrame([row])]))
+    return sections
+
+
+def write_experiment_report(result: Any, out: str | Path,
+                            figures: dict[tuple[int, str], Figures] | None = None) -> Path:
+    """`<out>/report.html` over the stages that ran (`result`: a `tomlens.runs.experiment.
+    ExperimentResult`); `figures` from `write_experiment_figures` (built here when not given)."""
+    if figures is None:
+        figures = write_experiment_figures(result)
+    config = result.config
+    names = _model_names(result)
+    several = len(result.runs) > 1
+    overview = pd.DataFrame([{"model": name, "stage": stage, "folder": str(run.folders[stage]),
+                              "reused": run.reused.get(stage, False)}
+                             for name, run in zip(names, result.runs) for stage in run.results])
+    sections = [Section("Experiment", config.description, tables=[overview])]
+    for i, (name, run) in enumerate(zip(names, result.runs)):
+        stage_sections: list[Section] = []
+        r = run.results
+        if "behaviour" in r:
+            stage_sections += _behaviour_sections(r["behaviour"])
+        if "cache" in r:
+            stage_sections += _cache_sections(r["cache"])
+        if "probes" in r:
+            stage_sections += _probe_sections(r["probes"], figures.get((i, "probes"), {}))
+        if "pairs" in r:
+            stage_sections += _pairs_sections(r["pairs"])
+        if "patching" in r:
+            stage_sections += _patching_sections(r["patching"], figures.get((i, "patching"), {}))
+        if several:
+            for s in stage_sections:
+                s.heading = f"{name}: {s.heading}"
+        sections += stage_sections
+    provenance = {"experiment": config.name, "models": [run.provenance for run in result.runs],
+                  "argv": result.manifest.get("argv")}
+    title = f"tomlens {config.name}: {', '.join(names)}"
+    return write_report(Path(out) / "report.html", title, sections, provenance)

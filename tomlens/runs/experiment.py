@@ -1,0 +1,378 @@
+"""Experiments as files: one TOML names the model(s) and the stages with their settings, and
+`run_experiment` runs them in pipeline order into one self-describing folder.
+
+A stage table holds the stage config's fields minus `model` (which comes from `[model]` or each
+`[[models]]` entry). A stage whose folder already holds a finished result (`result.json`) with the
+same `config_hash`, and whose inputs were not rerun, is loaded instead of run: rerunning the same
+file reuses what is done. Figures and `report.html` are the report layer's job (`tomlens run`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import importlib
+import inspect
+import json
+import re
+import sys
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from tomlens.errors import TomlensError
+from tomlens.io import write_json
+from tomlens.runs.base import ModelSpec, config_from_dict, config_hash, config_to_dict
+
+# Pipeline order; each stage is `tomlens.runs.<stage>` with these config and result classes.
+STAGES: tuple[str, ...] = ("behaviour", "cache", "probes", "pairs", "patching")
+STAGE_CLASSES: dict[str, tuple[str, str]] = {
+    "behaviour": ("BehaviourConfig", "BehaviourResult"),
+    "cache": ("CacheConfig", "CacheResult"),
+    "probes": ("ProbesConfig", "ProbesResult"),
+    "pairs": ("PairsConfig", "PairsResult"),
+    "patching": ("PatchingConfig", "PatchingRunResult"),
+}
+TOP_LEVEL_KEYS: tuple[str, ...] = ("name", "description", "seed", "model", "models", *STAGES)
+TOKENIZER_ONLY = frozenset({"pairs"})  # stages that need no weights when no model is loaded yet
+PROBES_TABLE = "probes"  # `patching.probe_table = "probes"`: the probes stage's table, same model
+
+
+def stage_module(stage: str) -> Any:
+    """The runs module of `stage` (imported on use: a run needs only its own stages' code)."""
+    if stage not in STAGES:
+        raise TomlensError(f"unknown stage {stage!r}", f"stages are {', '.join(STAGES)}")
+    return importlib.import_module(f"tomlens.runs.{stage}")
+
+
+def _stage_classes(stage: str) -> tuple[type, type]:
+    module = stage_module(stage)
+    config_name, result_name = STAGE_CLASSES[stage]
+    return getattr(module, config_name), getattr(module, result_name)
+
+
+def _unknown(key: str, valid: tuple[str, ...] | list[str], where: str) -> TomlensError:
+    near = difflib.get_close_matches(key, list(valid), n=1, cutoff=0.5)
+    return TomlensError(f"unknown setting {key!r}" + (f" in {where}" if where else "")
+                        + (f": did you mean {near[0]!r}?" if near else ""),
+                        f"valid settings{' in ' + where if where else ''}: {', '.join(valid)}")
+
+
+def model_slug(spec: ModelSpec) -> str:
+    """A folder name for a model entry: its name and the settings it changes from the defaults
+    (revision, dtype, BOS rule, weight seed), path-safe, so two entries of one model get two folders."""
+    parts = [spec.name + (f"@{spec.revision}" if spec.revision else "")]
+    if spec.dtype:
+        parts.append(spec.dtype)
+    if spec.prepend_bos is not None:
+        parts.append("bos" if spec.prepend_bos else "no-bos")
+    if spec.seed:
+        parts.append(f"seed{spec.seed}")
+    return re.sub(r"[^A-Za-z0-9._@-]+", "-", "-".join(parts)).strip("-.") or "model"
+
+
+@dataclass(frozen=True)
+class ExperimentConfig:
+    """A whole experiment: which models, which stages, each stage's settings as written."""
+
+    name: str
+    models: tuple[ModelSpec, ...]
+    seed: int = 0  # each stage's `seed` unless its table sets one
+    description: str = ""
+    stages: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)  # stage -> its table
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", self.name):
+            raise TomlensError(f"experiment name {self.name!r} is not a plain folder name",
+                               'use letters, digits, ".", "_" and "-", e.g. name = "probe-study"')
+        if not self.models:
+            raise TomlensError("the experiment names no model", 'add a [model] table, e.g. name = "smollm2-135m"')
+        if not self.stages:
+            raise TomlensError("the experiment has no stage", f"add at least one of the tables [{'], ['.join(STAGES)}]")
+        for stage, table in self.stages.items():
+            if stage not in STAGES:
+                raise _unknown(stage, TOP_LEVEL_KEYS, "")
+            if not isinstance(table, Mapping):
+                raise TomlensError(f"[{stage}] must be a table of settings", f"write it as [{stage}] with key = value lines")
+            if "model" in table:
+                raise TomlensError(f"[{stage}] sets `model`; the model comes from the experiment's [model] / [[models]]",
+                                   f"remove `model` from [{stage}]")
+        if self.stages.get("patching", {}).get("dry_run"):
+            raise TomlensError("patching.dry_run = true: an experiment runs every stage to the end",
+                               "see a patching plan with `tomlens patch --dry-run`, then drop dry_run here")
+        probe_table = self.stages.get("patching", {}).get("probe_table")
+        if probe_table == PROBES_TABLE and "probes" not in self.stages:
+            raise TomlensError('patching.probe_table = "probes" but the experiment has no [probes] stage',
+                               "add a [probes] table, or give probe_table a table file's path")
+        slugs = [model_slug(m) for m in self.models]
+        if len(set(slugs)) < len(slugs):
+            raise TomlensError(f"two model entries share a folder name ({', '.join(slugs)})",
+                               "list each model (name, revision, dtype, prepend_bos, seed) once")
+        for stage in self.stages:  # misspelt keys and bad values fail now, before any model loads
+            self.stage_config(stage, self.models[0])
+        if probe_table == PROBES_TABLE and "head_out" not in self.stage_config("probes", self.models[0]).sites:
+            raise TomlensError('patching.probe_table = "probes" needs per-head probes, but probes.sites has no head_out',
+                               'add "head_out" to probes.sites, or drop probe_table')
+
+    # -- reading ------------------------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ExperimentConfig:
+        """From a parsed TOML (or a run's resolved `config.json`)."""
+        if not isinstance(data, Mapping):
+            raise TomlensError("an experiment file must be a TOML table", "start with name = \"...\" and a [model] table")
+        for key in data:
+            if key not in TOP_LEVEL_KEYS:
+                raise _unknown(key, TOP_LEVEL_KEYS, "the experiment file")
+        if "name" not in data:
+            raise TomlensError("the experiment has no `name`", 'add name = "my-study" at the top (it names the run folder)')
+        if "model" in data and "models" in data:
+            raise TomlensError("the experiment has both [model] and [[models]]", "keep one: [model] for one model")
+        if "model" in data:
+            entries = [data["model"]]
+            where = ["model"]
+        elif "models" in data:
+            entries = data["models"] if isinstance(data["models"], list) else [data["models"]]
+            where = [f"models[{i}]" for i in range(len(entries))]
+        else:
+            raise TomlensError("the experiment names no model", 'add [model] with name = "smollm2-135m" (or [[models]])')
+        models = tuple(config_from_dict(ModelSpec, m, where=w) for m, w in zip(entries, where))
+        seed = data.get("seed", 0)
+        if not isinstance(seed, int) or isinstance(seed, bool):
+            raise TomlensError(f"seed = {seed!r} is not an integer", "use e.g. seed = 0")
+        for stage in STAGES:
+            if stage in data and not isinstance(data[stage], Mapping):
+                raise TomlensError(f"`{stage}` must be a table of settings, not {type(data[stage]).__name__}",
+                                   f"write it as [{stage}] with key = value lines")
+        if not isinstance(data["name"], str):
+            raise TomlensError(f"name = {data['name']!r} is not a string", 'use e.g. name = "probe-study"')
+        return cls(name=data["name"], models=models, seed=seed, description=str(data.get("description", "")),
+                   stages={s: dict(data[s]) for s in STAGES if s in data})
+
+    @classmethod
+    def load(cls, path: str | Path, overrides: list[str] | None = None) -> ExperimentConfig:
+        """Read an experiment file (TOML; a run's `config.json` works too), with `apply_overrides`."""
+        data = read_experiment_file(path)
+        return cls.from_dict(apply_overrides(data, overrides) if overrides else data)
+
+    # -- resolving ----------------------------------------------------------------------------------
+    def stage_config(self, stage: str, model: ModelSpec, folders: Mapping[str, Path] | None = None) -> Any:
+        """Stage `stage`'s config for `model`. With `folders` (stage -> its output folder), a
+        `probe_table = "probes"` becomes the probes stage's table file there."""
+        config_cls, _ = _stage_classes(stage)
+        table = dict(self.stages[stage])
+        names = [f.name for f in dataclasses.fields(config_cls) if f.init]
+        if "seed" in names and "seed" not in table:
+            table["seed"] = self.seed
+        table["model"] = config_to_dict(model)
+        if stage == "patching":
+            if "pairs" not in table and "pairs_path" not in table and "pairs" in self.stages:
+                table["pairs"] = config_to_dict(self.stage_config("pairs", model))
+            if isinstance(table.get("pairs"), Mapping):
+                table["pairs"] = {**table["pairs"], "model": config_to_dict(model)}
+            if table.get("probe_table") == PROBES_TABLE and folders is not None:
+                probes = self.stage_config("probes", model)
+                ext = "csv" if getattr(probes, "format", "parquet") == "csv" else "parquet"
+                table["probe_table"] = str(folders["probes"] / f"probes.{ext}")
+        return config_from_dict(config_cls, table, where=stage)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The resolved experiment (every default filled in) as plain values; `from_dict` reads it back."""
+        out: dict[str, Any] = {"name": self.name, "description": self.description, "seed": self.seed,
+                               "models": [config_to_dict(m) for m in self.models]}
+        for stage in STAGES:
+            if stage in self.stages:
+                resolved = config_to_dict(self.stage_config(stage, self.models[0]))
+                resolved.pop("model", None)
+                if isinstance(resolved.get("pairs"), dict):
+                    resolved["pairs"].pop("model", None)
+                out[stage] = resolved
+        return out
+
+
+def read_experiment_file(path: str | Path) -> dict[str, Any]:
+    """The plain values of an experiment file (TOML, or JSON for a run's `config.json`)."""
+    path = Path(path)
+    if not path.is_file():
+        raise TomlensError(f"experiment file {str(path)!r} does not exist", "pass a .toml file, e.g. examples/demo.toml")
+    text = path.read_text(encoding="utf-8")
+    try:
+        return json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
+        raise TomlensError(f"{path} is not valid {'JSON' if path.suffix == '.json' else 'TOML'}: {e}",
+                           "fix the line it names") from None
+
+
+def apply_overrides(data: Mapping[str, Any], assignments: list[str]) -> dict[str, Any]:
+    """A copy of a parsed experiment file with `KEY.PATH=VALUE` assignments applied (VALUE is a
+    TOML value; a bare word is a string; a number in the path indexes a list of tables), e.g.
+    `model.name=tiny-llama`, `probes.stimuli.n=5`, `behaviour.stimuli.0.n=1`."""
+    data = json.loads(json.dumps(data))  # deep copy of plain TOML values
+    for text in assignments:
+        key, sep, raw = text.partition("=")
+        if not sep or not key.strip():
+            raise TomlensError(f"override {text!r} is not KEY=VALUE", "write e.g. --set model.name=tiny-llama")
+        try:
+            value = tomllib.loads(f"v = {raw}")["v"]
+        except tomllib.TOMLDecodeError:
+            value = raw  # a bare word
+        *path, last = key.strip().split(".")
+        node: Any = data
+        for i, part in enumerate(path):
+            if isinstance(node, list):
+                if not part.isdigit() or int(part) >= len(node):
+                    raise TomlensError(f"override {key!r}: {'.'.join(path[:i]) or 'the file'} is a list of "
+                                       f"{len(node)} tables; {part!r} is not an index of it", "use 0, 1, ...")
+                node = node[int(part)]
+            else:
+                node = node.setdefault(part, {})
+            if not isinstance(node, (dict, list)):
+                raise TomlensError(f"override {key!r}: {'.'.join(path[:i + 1])} is a value, not a table",
+                                   "set the value itself")
+        if isinstance(node, list):
+            if not last.isdigit() or int(last) >= len(node):
+                raise TomlensError(f"override {key!r}: {last!r} is not an index of a list of {len(node)}", "use 0, 1, ...")
+            node[int(last)] = value
+        else:
+            node[last] = value
+    return data
+
+
+@dataclass
+class ModelRun:
+    """One model's stages: results by stage, where each lives, and whether it was reused."""
+
+    model: ModelSpec
+    folder: Path
+    results: dict[str, Any] = field(default_factory=dict)
+    folders: dict[str, Path] = field(default_factory=dict)
+    reused: dict[str, bool] = field(default_factory=dict)
+    provenance: dict[str, Any] | None = None  # tomlens.models.provenance of the loaded model
+
+
+@dataclass
+class ExperimentResult:
+    config: ExperimentConfig
+    out: Path
+    runs: list[ModelRun]
+    manifest: dict[str, Any]
+
+    def result(self, stage: str, model: int = 0) -> Any:
+        """Stage `stage`'s result for the `model`-th model (None when the stage did not run)."""
+        return self.runs[model].results.get(stage)
+
+    def describe(self) -> str:
+        lines = []
+        for run in self.runs:
+            done = ", ".join(f"{s}{' (reused)' if run.reused[s] else ''}" for s in run.results)
+            lines.append(f"{run.model.name}: {done} -> {run.folder}")
+        return "\n".join(lines)
+
+
+def _finished(folder: Path, config: Any) -> bool:
+    """A finished run of the same settings is in `folder`."""
+    if not (folder / "result.json").is_file() or not (folder / "config.json").is_file():
+        return False
+    try:
+        saved = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except json.JSONDecodeError:
+        return False
+    return config_hash(saved) == config_hash(config)
+
+
+def _inputs(stage: str, config: Any, folders: Mapping[str, Path]) -> set[str]:
+    """The earlier stages whose output `stage` reads: rerunning one of them reruns it."""
+    if stage != "patching":
+        return set()
+    needs = set()
+    if "pairs" in folders and getattr(config, "pairs_path", None) is None:
+        needs.add("pairs")
+    table = getattr(config, "probe_table", None)
+    if table is not None and "probes" in folders and Path(table).parent == folders["probes"]:
+        needs.add("probes")
+    return needs
+
+
+def _saved_provenance(folders: Mapping[str, Path]) -> dict[str, Any] | None:
+    """The model provenance a reused stage recorded (no model was loaded this time)."""
+    for folder in folders.values():
+        path = folder / "manifest.json"
+        if path.is_file():
+            model = json.loads(path.read_text(encoding="utf-8")).get("model")
+            if model:
+                return model
+    return None
+
+
+def run_experiment(config: ExperimentConfig, out: str | Path, *, progress: bool = True,
+                   before: Callable[[str, ModelSpec], None] | None = None,
+                   after: Callable[[str, ModelSpec, Any], None] | None = None) -> ExperimentResult:
+    """Run every stage of `config` for each model into `out` (`<out>/<stage>/` for one model,
+    `<out>/<model>/<stage>/` for several), loading each model once and only if a stage must run.
+
+    `before(stage, model)` and `after(stage, model, result)` let a caller print around each stage.
+    Writes `config.json` (resolved) first and `manifest.json` (provenance per model) last.
+    """
+    from tomlens.provenance import run_manifest
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    resolved = config.to_dict()
+    write_json(resolved, out / "config.json")
+    several = len(config.models) > 1
+    runs: list[ModelRun] = []
+    manifests: list[dict[str, Any]] = []
+    for spec in config.models:
+        folder = out / model_slug(spec) if several else out
+        run = ModelRun(spec, folder)
+        run.folders = {s: folder / s for s in STAGES if s in config.stages}
+        loaded: Any = None
+        rerun: set[str] = set()
+        for stage in STAGES:
+            if stage not in config.stages:
+                continue
+            stage_dir = run.folders[stage]
+            stage_cfg = config.stage_config(stage, spec, run.folders)
+            module = stage_module(stage)
+            _, result_cls = _stage_classes(stage)
+            if before is not None:
+                before(stage, spec)
+            if not (_inputs(stage, stage_cfg, run.folders) & rerun) and _finished(stage_dir, stage_cfg):
+                result = result_cls.load(stage_dir)
+                run.reused[stage] = True
+                print(f"{stage}: reused {stage_dir} (finished with the same settings, "
+                      f"config {config_hash(stage_cfg)})", flush=True)
+            else:
+                if loaded is None and stage not in TOKENIZER_ONLY:
+                    print(f"loading {spec.name}", flush=True)
+                    loaded = spec.load()
+                kwargs: dict[str, Any] = {}
+                accepts = inspect.signature(module.run).parameters
+                if stage == "patching" and "pairs" in run.results and "pairs" in accepts:
+                    kwargs["pairs"] = run.results["pairs"].pairs  # made once, by the pairs stage
+                if "out" in accepts:
+                    kwargs["out"] = stage_dir  # its checkpoints: a stopped run resumes
+                result = module.run(stage_cfg, model=loaded, progress=progress, **kwargs)
+                result.save(stage_dir)
+                run.reused[stage] = False
+                rerun.add(stage)
+            run.results[stage] = result
+            if after is not None:
+                after(stage, spec, result)
+        if loaded is not None:
+            from tomlens.models import provenance
+
+            run.provenance = provenance(loaded)
+        else:
+            run.provenance = _saved_provenance(run.folders)
+        manifest = run_manifest(None, {**resolved, "models": [config_to_dict(spec)]},
+                                extra={"folder": str(folder), "reused": run.reused,
+                                       "stages": {s: str(p) for s, p in run.folders.items()}})
+        manifest["model"] = run.provenance or {"model": spec.name, "revision": spec.revision,
+                                               "loaded": False}  # no stage needed the weights
+        manifests.append(manifest)
+        runs.append(run)
+        del loaded  # one model in memory at a time
+    manifest = {"name": config.name, "argv": list(sys.argv), "models": manifests}
+    write_json(manifest, out / "manifest.json")
+    return ExperimentResult(config, out, runs, manifest)

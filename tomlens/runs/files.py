@@ -1,0 +1,55 @@
+"""The files every stage's result writes beside its tables, in one place: `config.json` (the
+resolved config), `manifest.json` (provenance) and, last, `result.json` (the summary), whose
+presence marks a finished run. A save removes `result.json` first, so a folder caught half-way
+through being rewritten never looks finished."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, TypeVar
+
+from tomlens.errors import TomlensError
+from tomlens.io import read_json, write_json
+from tomlens.runs.base import config_from_dict, config_to_dict
+
+C = TypeVar("C")
+
+CONFIG = "config.json"
+MANIFEST = "manifest.json"
+RESULT = "result.json"
+
+
+def make_manifest(model: Any, config: Any, *, stimuli_hash: str | None = None,
+                  extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The run's provenance (`tomlens.provenance.run_manifest`), taken while the model is at hand."""
+    from tomlens.provenance import run_manifest
+
+    return run_manifest(model, config, stimuli_hash=stimuli_hash, extra=extra)
+
+
+def begin_save(out: str | Path) -> Path:
+    """Create `out` and remove its finished-run marker before anything else is written."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / RESULT).unlink(missing_ok=True)
+    return out
+
+
+def finish_save(out: Path, config: Any, manifest: dict[str, Any], summary: dict[str, Any]) -> Path:
+    """Write config.json and manifest.json, then (last) result.json."""
+    if config is not None:
+        write_json(config_to_dict(config), out / CONFIG)
+    write_json(manifest, out / MANIFEST)
+    write_json(summary, out / RESULT)
+    return out
+
+
+def read_finished(out: str | Path, config_class: type[C]) -> tuple[Path, C | None, dict[str, Any], dict[str, Any]]:
+    """(folder, config, manifest, summary) of a finished run folder; an error if it is not one."""
+    out = Path(out)
+    if not (out / RESULT).is_file():
+        raise TomlensError(f"{out} holds no finished run (no {RESULT})",
+                           "run the stage into that folder first (an interrupted run leaves no result.json)")
+    config = config_from_dict(config_class, read_json(out / CONFIG)) if (out / CONFIG).is_file() else None
+    manifest = read_json(out / MANIFEST) if (out / MANIFEST).is_file() else {}
+    return out, config, manifest, read_json(out / RESULT)

@@ -1,0 +1,176 @@
+"""The pairs stage: clean/corrupted minimal pairs of a family, kept where they are token-aligned for a
+model's tokenizer (no weights are loaded), with the report of every pair left out and why.
+
+`PairsResult.write_file(path)` writes the pairs file and `<stem>.report.json` beside it, as
+`tomlens pairs --out` always has; `save(dir)` writes a run directory: `pairs.jsonl`,
+`pairs.report.json`, `config.json`, `manifest.json` and, last, `result.json` (the report).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from collections.abc import Mapping
+from typing import Any
+
+from tomlens.errors import TomlensError
+from tomlens.runs.base import ModelSpec, config_to_dict
+
+__all__ = ["PairsConfig", "PairsResult", "report_path", "run"]
+
+
+@dataclass(frozen=True)
+class PairsConfig:
+    """Which pairs: a family (`n` tasks or items, default 20; BigToM: the first `n` stories of
+    `path`, default all), the controls to pair with (`contrasts`, default the family's own) and
+    generator `options`; `model` decides alignment through its tokenizer and BOS rule."""
+
+    model: ModelSpec = field(default_factory=ModelSpec)
+    family: str = "unexpected-transfer"
+    n: int | None = None
+    seed: int = 0
+    path: str | None = None
+    contrasts: tuple[str, ...] | None = None
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        from tomlens.stimuli.pairs import PAIR_FAMILIES
+
+        if self.family not in PAIR_FAMILIES:
+            raise TomlensError(f"no minimal pairs for family {self.family!r}", f"use one of {list(PAIR_FAMILIES)}")
+        if self.family == "bigtom" and not self.path:
+            raise TomlensError("`tomlens pairs bigtom` needs --path", "give the BigToM csv with --path (path = ...)")
+        if self.family != "bigtom" and self.path:
+            raise TomlensError(f"--path is for `bigtom`, not {self.family!r}", "drop --path (path = ...)")
+        if self.n is not None and self.n < 1:
+            raise TomlensError(f"--n {self.n} must be at least 1", "pass --n 1 or more")
+        if isinstance(self.contrasts, str):
+            object.__setattr__(self, "contrasts", (self.contrasts,))
+        elif self.contrasts is not None:
+            object.__setattr__(self, "contrasts", tuple(self.contrasts))
+
+    @property
+    def n_resolved(self) -> int | None:
+        """Tasks or items asked for (20 unless given); BigToM: stories (None = all)."""
+        if self.family == "bigtom":
+            return self.n
+        return 20 if self.n is None else self.n
+
+    def generator_options(self) -> dict[str, Any]:
+        """Keyword arguments of `make_pairs` beyond family, n, seed and path."""
+        options = {k: tuple(v) if isinstance(v, list) else v for k, v in dict(self.options).items()}
+        if self.contrasts:
+            options["contrasts"] = tuple(self.contrasts)
+        return options
+
+
+def report_path(out: str | Path) -> Path:
+    """The report beside a pairs file: `pairs.jsonl` -> `pairs.report.json`."""
+    out = Path(out)
+    return out.with_name(out.stem + ".report.json")
+
+
+@dataclass
+class PairsResult:
+    """The aligned pairs, the alignment report, and `summary` (the report's JSON record, without the
+    file it was written beside)."""
+
+    config: PairsConfig
+    pairs: list[Any]  # tomlens.stimuli.pairs.MinimalPair
+    report: Any  # tomlens.stimuli.pairs.PairReport
+    summary: dict[str, Any]
+
+    def describe(self) -> str:
+        """How many pairs aligned, and why each other pair was dropped."""
+        return self.report.summary()
+
+    def write_file(self, path: str | Path) -> Path:
+        """The pairs as JSON lines at `path` and the report beside them (`report_path`), as
+        `tomlens pairs --out` writes them. Returns the pairs file."""
+        from tomlens.io import write_atomic
+        from tomlens.stimuli.pairs import write_pairs
+
+        pairs_file = write_pairs(self.pairs, path)
+        rpath = report_path(pairs_file)
+        write_atomic(json.dumps({**self.summary, "pairs_file": str(pairs_file)}, indent=2), rpath)
+        return pairs_file
+
+    def save(self, out: str | Path) -> Path:
+        """A run directory: pairs.jsonl with pairs.report.json, config.json, manifest.json and,
+        last, result.json (the report)."""
+        from tomlens.io import write_json
+        from tomlens.provenance import run_manifest
+
+        out = Path(out)
+        (out / "result.json").unlink(missing_ok=True)
+        self.write_file(out / "pairs.jsonl")
+        write_json(config_to_dict(self.config), out / "config.json")
+        write_json(run_manifest(None, self.config, stimuli_hash=self.summary["stimuli_hash"],
+                                extra={"tokenizer": self.summary["checked_with"], "bos": self.summary["bos"]}),
+                   out / "manifest.json")
+        write_json(self.summary, out / "result.json")
+        return out
+
+    @classmethod
+    def load(cls, out: str | Path) -> PairsResult:
+        """Read back a run directory written by `save`, or a pairs file with its report."""
+        from tomlens.runs.base import config_from_dict
+        from tomlens.stimuli.pairs import PairReport, read_pairs
+
+        out = Path(out)
+        in_folder = out.is_dir()
+        pairs_file = out / "pairs.jsonl" if in_folder else out
+        rpath = report_path(pairs_file)
+        if not rpath.is_file():
+            raise TomlensError(f"no pairs report at {rpath}", "write the pairs with `tomlens pairs` (or PairsResult.save)")
+        summary = json.loads(rpath.read_text())
+        summary.pop("pairs_file", None)
+        report = PairReport(summary["family"], summary["total"], summary["aligned"],
+                            [tuple(x) for x in summary["dropped_pairs"]], summary["checked_with"])
+        config_file = pairs_file.parent / "config.json"
+        if in_folder and config_file.is_file():
+            config = config_from_dict(PairsConfig, json.loads(config_file.read_text()))
+        else:  # a pairs file written by the CLI: its settings from the report
+            config = PairsConfig(
+                model=ModelSpec(name=summary["model"]), family=summary["family"],
+                n=summary["n"], seed=summary["seed"], options={k: v for k, v in summary["options"].items()
+                                                               if k != "contrasts"},
+                contrasts=tuple(summary["options"]["contrasts"]) if "contrasts" in summary["options"] else None,
+                path=summary.get("path"))
+        return cls(config, read_pairs(pairs_file), report, summary)
+
+
+def run(config: PairsConfig, *, model: Any = None, progress: bool = True) -> PairsResult:
+    """Build and check the candidate pairs, then align them for the tokenizer of `model` (a loaded
+    model) or of `config.model` (tokenizer only). No aligned pair is an error, after the report
+    (with the reasons) is printed."""
+    from tomlens.models.tokens import bos_record
+    from tomlens.stimuli.pairs import align_pairs, make_pairs
+    from tomlens.stimuli.records import stimuli_hash
+
+    n = config.n_resolved
+    options = config.generator_options()
+    # Build and check the candidates before loading anything heavy, then align for the model.
+    candidates, report = make_pairs(config.family, n, config.seed, tokenizer=None, path=config.path, **options)
+    # No weights: alignment only tokenizes, with the BOS rule `tomlens patch` will use.
+    tokenizer = model.tokenizer if model is not None else config.model.load_tokenizer()
+    name = config.model.name
+    source = "tokenizer" if config.model.prepend_bos is None else "user"
+    pairs, token_report = align_pairs(candidates, tokenizer)
+    report.merge(token_report)
+    if not pairs:
+        print(report.summary())
+        raise TomlensError(
+            f"no {config.family} pair is token-aligned for {name}'s tokenizer",
+            "see the reasons above; try another --contrast or family",
+        )
+    summary = {
+        **report.to_dict(), "model": name, "seed": config.seed, "n": n,
+        "bos": bos_record(tokenizer, source),
+        "options": {k: list(v) if isinstance(v, tuple) else v for k, v in options.items()},
+        "stimuli_hash": stimuli_hash([s for p in pairs for s in (p.clean, p.corrupted)]),
+    }
+    if config.path is not None:
+        summary["path"] = config.path
+    return PairsResult(config, pairs, report, summary)
