@@ -333,8 +333,9 @@ def test_probe_command_on_scaled_tiny_llama_activations_prints_a_table(tmp_path,
     printed = capsys.readouterr()
     assert rc == 0, printed.err
     assert "Traceback" not in printed.out + printed.err
-    table = pd.read_csv(out / "probes.csv")
-    assert set(table["kind"]) == {"resid_post", "head_out", "bow"}
+    table = pd.read_csv(out / "probes.csv").fillna({"kind": ""})  # the baseline's empty kind reads as NaN
+    assert set(table["kind"]) == {"resid_post", "head_out", ""}
+    assert set(table.loc[table["kind"] == "", "features"]) == {"bag_of_words"}
     bad = (table["kind"] == "head_out") & (table["layer"] == table["layer"].max()) & (table["head"] == 1)
     assert (table.loc[bad, "fit_status"] == "non_finite_input").all() and table.loc[bad, "score"].isna().all()
     assert table.loc[bad, "selectivity"].isna().all()

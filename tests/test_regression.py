@@ -80,10 +80,9 @@ def test_probe_scores_and_controls_are_unchanged(model, tmp_path):
     table = run(config, model=loaded, progress=False).table
     table = table[table["metric"] == "accuracy"]
     want = GOLDEN["probes"]
-    if "kind" not in table.columns and "site" in table.columns:  # the probe table's site column, renamed
-        want = [{("site" if k == "kind" else k): v for k, v in row.items()} for row in want]
-    site = "kind" if "kind" in table.columns else "site"
-    _assert_frame(table, want, ["target", "train_on", "eval_set", site, "layer", "head"], ["score", "control"])
+    # The pre-move table called the bag-of-words rows kind "bow"; they are features "bag_of_words" now.
+    want = [{**row, "kind": "" if row["kind"] == "bow" else row["kind"]} for row in want]
+    _assert_frame(table, want, ["target", "train_on", "eval_set", "kind", "layer", "head"], ["score", "control"])
 
 
 def test_patching_logit_diffs_heads_and_topk_are_unchanged(model):

@@ -22,11 +22,11 @@ def _probe_rows() -> pd.DataFrame:
     rows = []
     for target in ("protagonist_belief", "world_state"):
         for layer in range(2):
-            rows.append({"target": target, "train_on": "all", "eval_set": "all", "kind": "resid_post",
+            rows.append({"target": target, "train_on": "all", "eval_set": "all", "features": "activations", "kind": "resid_post",
                          "layer": layer, "head": -1, "metric": "accuracy", "score": 0.5 + 0.1 * layer,
                          "ci_low": 0.4, "ci_high": 0.8, "control": 0.5, "selectivity": 0.1 * layer, "chance": 0.5})
             for head in range(2):
-                rows.append({"target": target, "train_on": "all", "eval_set": "all", "kind": "head_out",
+                rows.append({"target": target, "train_on": "all", "eval_set": "all", "features": "activations", "kind": "head_out",
                              "layer": layer, "head": head, "metric": "accuracy", "score": 0.6, "ci_low": 0.5,
                              "ci_high": 0.7, "control": 0.5, "selectivity": 0.1, "chance": 0.5})
     return pd.DataFrame(rows)

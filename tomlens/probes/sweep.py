@@ -11,7 +11,8 @@ true-belief stories and tests on false-belief stories of held-out tasks (and the
 the target varies there).
 
 The result is one tidy table: one row per (kind, layer, head, position, target, train_on,
-eval_set, metric), head = -1 for whole-layer sites; kind "bow" is the bag-of-words baseline.
+eval_set, metric), head = -1 for whole-layer sites. `features` says what a row probed: "activations"
+(at site `kind`) or "bag_of_words" (the baseline over the prompt's words; `kind` is empty there).
 Every row says how its fits went (`fit_status`, the worst over the probe, its control and every
 split: "ok", "not_converged", "solver_failed" or "non_finite_input"); a unit that could not be
 fitted keeps its rows, with NaN scores, and the sweep goes on.
@@ -48,7 +49,7 @@ from tomlens.probes.targets import false_belief_mask, get_target, make_target, t
 from tomlens.stimuli.records import Stimulus, stimuli_hash
 
 PROBES = ("logistic", "mass_mean")
-COLUMNS = ["kind", "layer", "head", "position", "target", "probe", "train_on", "eval_set", "test_set",
+COLUMNS = ["features", "kind", "layer", "head", "position", "target", "probe", "train_on", "eval_set", "test_set",
            "metric", "score", "ci_low", "ci_high", "control", "control_ci_low", "control_ci_high",
            "selectivity", "selectivity_ci_low", "selectivity_ci_high", "chance", "n_train", "n_test",
            "n_test_groups", "C", "fit_status"]
@@ -432,24 +433,26 @@ def run_probe_sweep(
         plans = _plans(st_tr, st_te if test_st is not None else None, gtr, cfg, seed)
         common = {"position": position, "target": tname, "probe": probe, "test_set": test_name}
 
-        feature_sets: list[tuple[str, Callable[[], Iterator[tuple[Tensor, Tensor, list[tuple[int, int]]]]], bool]] = []
+        # (features, site kind, chunks, keep directions): the activations at each site, then the words
+        feature_sets: list[tuple[str, str, Callable[[], Iterator[tuple[Tensor, Tensor, list[tuple[int, int]]]]], bool]] = []
         for kind in kinds:
-            feature_sets.append((kind, _activation_chunks(acts, test_acts, kind, position, ktr, kte, cfg), True))
+            feature_sets.append(("activations", kind,
+                                 _activation_chunks(acts, test_acts, kind, position, ktr, kte, cfg), True))
         if cfg.bow:
-            feature_sets.append(("bow", _bow_chunks(st_tr, st_te), False))
+            feature_sets.append(("bag_of_words", "", _bow_chunks(st_tr, st_te), False))
         n_fits = sum(len(p.splits) for p in plans) + int(cfg.directions)
-        for kind, chunks, keep_dirs in feature_sets:
+        for features, kind, chunks, keep_dirs in feature_sets:
             for Xtr, Xte, unit_keys in chunks():
-                bar = _progress(n_fits, cfg.progress, f"{tname} {kind} layers {unit_keys[0][0]}-{unit_keys[-1][0]}")
+                bar = _progress(n_fits, cfg.progress, f"{tname} {kind or features} layers {unit_keys[0][0]}-{unit_keys[-1][0]}")
                 with cpu_threads_for(float(Xtr.numel()), dev):
                     for plan in plans:
                         outcome = _run_plan(plan, probe, Xtr, ytr, gtr, Xte, yte, cfg, seed, bar.update)
                         if outcome is None:
-                            notes.append(f"{tname}/{kind}: train_on={plan.train_on} skipped "
+                            notes.append(f"{tname}/{kind or features}: train_on={plan.train_on} skipped "
                                          "(no training split with two classes)")
                             continue
                         rows.extend(_rows_for(outcome, plan, yte, gte, cfg, seed, unit_keys,
-                                              {**common, "kind": kind}))
+                                              {**common, "features": features, "kind": kind}))
                     if cfg.directions and keep_dirs:
                         bar.update()
                         _collect_directions(directions, probe, Xtr, ytr, gtr, cfg, seed, tname, kind,
@@ -613,7 +616,8 @@ def read_probe_sweep(out: str | Path) -> ProbeSweepResult:
     if (out / "probes.parquet").is_file():
         table = pd.read_parquet(out / "probes.parquet")
     elif (out / "probes.csv").is_file():
-        table = pd.read_csv(out / "probes.csv", float_precision="round_trip")
+        table = pd.read_csv(out / "probes.csv")  # pandas 3 reads floats back exactly
+        table["kind"] = table["kind"].fillna("")  # the baseline's empty site kind, as written
     else:
         raise TomlensError(f"{out} has probes.json but no probes.parquet or probes.csv",
                            "run the probe sweep into that folder again")

@@ -27,22 +27,17 @@ def _model_names(result: Any) -> list[str]:
     return names
 
 
-def _probe_site_column(table: pd.DataFrame) -> str:
-    return "site" if "site" in table.columns and "kind" not in table.columns else "kind"
-
-
 def _probe_figures(table: pd.DataFrame) -> Figures:
     """A layer curve per whole-layer site and a layer x head grid per target of each per-head site."""
     from tomlens.report.layers import head_heatmap, layer_figure
 
-    col = _probe_site_column(table)
-    probed = table[table[col] != "bow"]
+    probed = table[table["features"] == "activations"]
     figures: Figures = {}
-    for site in probed.loc[probed["head"] == -1, col].unique():
+    for site in probed.loc[probed["head"] == -1, "kind"].unique():
         figures[f"layers_{site}"] = layer_figure(table, kind=site)
     heads = probed[probed["head"] >= 0]
-    for site in heads[col].unique():
-        for target in heads.loc[heads[col] == site, "target"].unique():
+    for site in heads["kind"].unique():
+        for target in heads.loc[heads["kind"] == site, "target"].unique():
             figures[f"heads_{site}_{target}"] = head_heatmap(table, target=target, kind=site)
     return figures
 
@@ -90,11 +85,10 @@ def _cache_sections(res: Any) -> list[Section]:
 
 def _probe_sections(res: Any, figures: Figures) -> list[Section]:
     table = res.table
-    col = _probe_site_column(table)
-    keys = [c for c in ("target", "train_on", "eval_set", col) if c in table.columns]
+    keys = [c for c in ("target", "train_on", "eval_set", "kind") if c in table.columns]
     shown = [c for c in (*keys, "layer", "head", "score", "ci_low", "ci_high", "control", "selectivity", "chance")
              if c in table.columns]
-    best = (table[(table["metric"] == "accuracy") & (table[col] != "bow")]
+    best = (table[(table["metric"] == "accuracy") & (table["features"] == "activations")]
             .sort_values("score", ascending=False).groupby(keys, sort=False).head(1)[shown])
     targets = sorted(table["target"].unique())
     title = " vs ".join(t.replace("_", " ") for t in targets)

@@ -43,7 +43,7 @@ def layer_figure(table: pd.DataFrame, *, kind: str = "resid_post", metric: str =
     if rows.empty:
         raise TomlensError(f"the probe table has no whole-layer {kind!r} rows for metric {metric!r}",
                            "probe a per-layer kind (e.g. resid_post), or use head_heatmap for heads")
-    bow = table[(table["kind"] == "bow") & (table["metric"] == metric)]
+    bow = table[(table["features"] == "bag_of_words") & (table["metric"] == metric)]
     fig = go.Figure()
     chance_seen: set[float] = set()
     keys = rows[["target", "train_on", "eval_set"]].drop_duplicates().itertuples(index=False)
@@ -111,7 +111,7 @@ def write_html(fig: go.Figure, path: str | Path) -> Path:
 def probe_figures(table: pd.DataFrame) -> dict[str, go.Figure]:
     """By file stem: `layers_<kind>` for each whole-layer kind, `heads_<kind>_<target>` for per-head kinds."""
     figures: dict[str, go.Figure] = {}
-    probed = table[table["kind"] != "bow"]
+    probed = table[table["features"] == "activations"]
     for kind in probed.loc[probed["head"] == -1, "kind"].unique():
         figures[f"layers_{kind}"] = layer_figure(table, kind=kind)
     heads = probed[probed["head"] >= 0]

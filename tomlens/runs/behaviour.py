@@ -28,7 +28,7 @@ _INTERVALS = ("animate_vs_inanimate", "animate_vs_control", "inanimate_vs_contro
 def _read_optional(path: Path) -> pd.DataFrame:
     if not path.is_file():
         return pd.DataFrame()
-    df = pd.read_csv(path, float_precision="round_trip")
+    df = pd.read_csv(path)  # pandas 3 reads floats back exactly
     for col in _INTERVALS:
         if col in df:
             df[col] = [tuple(float(x) for x in ast.literal_eval(v)) if isinstance(v, str) else v for v in df[col]]

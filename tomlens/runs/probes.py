@@ -147,9 +147,9 @@ def summarise(table: pd.DataFrame) -> str:
     lines = [f"{'target':<22}{'train -> eval':<30}{'site':<22}{'accuracy [95% CI]':<24}"
              f"{'control':>8}{'bow':>7}{'chance':>8}"]
     for (target, train_on, eval_set), g in acc.groupby(["target", "train_on", "eval_set"], sort=False):
-        bow = g[g["kind"] == "bow"]
+        bow = g[g["features"] == "bag_of_words"]
         bow_s = f"{bow['score'].iloc[0]:.2f}" if len(bow) else "-"
-        for kind, k in g[g["kind"] != "bow"].groupby("kind", sort=False):
+        for kind, k in g[g["features"] == "activations"].groupby("kind", sort=False):
             k = k[k["score"].notna()]
             if k.empty:
                 lines.append(f"{target:<22}{train_on + ' -> ' + eval_set:<30}{kind:<22}no unit could be fitted")
