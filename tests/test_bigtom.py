@@ -130,3 +130,18 @@ def test_bad_arguments(tmp_path):
         load_bigtom(_write(tmp_path, ROW), limit=0)
     with pytest.raises(TomlensError, match="unknown BigToM condition"):
         load_bigtom(_write(tmp_path, ROW), conditions=("fb",))
+
+
+def test_stimuli_spec_n_counts_stories_and_defaults_to_all(tmp_path):
+    from tomlens.runs.base import StimuliSpec
+
+    path = _write(tmp_path, ROW, ROW.replace("Mina", "Omar"), ROW.replace("Mina", "Lena"))
+    every = load_bigtom(path)
+    assert len(every) == 6  # three stories, two conditions each
+    assert StimuliSpec(family="bigtom", path=str(path)).load() == every
+    two = StimuliSpec(family="bigtom", path=str(path), n=2).load()
+    assert two == load_bigtom(path, limit=2) and len({s.task_id for s in two}) == 2 and len(two) == 4
+    with pytest.raises(TomlensError, match="no option 'limit'"):
+        StimuliSpec(family="bigtom", path=str(path), options={"limit": 2})
+    with pytest.raises(TomlensError, match="did you mean 'percept'"):
+        StimuliSpec(family="bigtom", path=str(path), options={"percpet": "aligned"})

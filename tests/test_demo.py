@@ -2,20 +2,21 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import pandas as pd
 
 from pathlib import Path
 
-from tomlens.cli.demo import demo_file, main
+from tomlens.cli.demo import demo_config, demo_file, main
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_demo_writes_every_stage_and_one_report(tmp_path, capsys):
     out = tmp_path / "demo"
-    assert main(["--model", "tiny-llama", "--out", str(out), "--n", "1", "--probe-tasks", "5", "--pairs", "2"]) == 0
+    assert main(["--model", "tiny-llama", "--out", str(out), "--n", "1", "--probe-tasks", "5", "--pairs", "3"]) == 0
     printed = capsys.readouterr().out
     for stage in ("1/4 behaviour", "2/4 probes", "3/4 patching", "4/4 report"):
         assert stage in printed
@@ -25,7 +26,9 @@ def test_demo_writes_every_stage_and_one_report(tmp_path, capsys):
     heads = pd.read_csv(out / "patching" / "heads.csv")
     assert {"patch_effect", "attribution_effect", "probe_accuracy"} <= set(heads.columns)
     assert heads["probe_accuracy"].between(0, 1).all()
-    assert json.loads((out / "patching" / "summary.json").read_text())["pairs"]["n_aligned"] == 2
+    assert json.loads((out / "patching" / "summary.json").read_text())["pairs"]["n_aligned"] == 3  # odd --pairs too
+    probes_result = json.loads((out / "probes" / "result.json").read_text())
+    assert out / "activations" in Path(probes_result["activations"]).parents  # the demo keeps its activations
     report = (out / "report.html").read_text()
     assert "Probes: protagonist belief vs world state" in report and "Provenance" in report
     # the patching figures and the ablation validation reach the report, not only the files
@@ -42,3 +45,12 @@ def test_demo_writes_every_stage_and_one_report(tmp_path, capsys):
 def test_the_example_demo_file_is_the_packaged_one():
     assert (ROOT / "examples" / "demo.toml").read_text(encoding="utf-8") == demo_file().read_text(encoding="utf-8")
     assert "-m tomlens demo --out demo-out" in (ROOT / "Makefile").read_text()
+
+
+def test_demo_flags_set_the_pairs_and_the_activation_store(tmp_path):
+    args = argparse.Namespace(model="tiny-llama", out=str(tmp_path / "d"), n=1, probe_tasks=5, pairs=5, seed=0,
+                              prepend_bos=None)
+    config = demo_config(args)
+    pairs = config.stage_config("pairs", config.models[0])
+    assert pairs.n == 3 and pairs.max_pairs == 5
+    assert config.stage_config("probes", config.models[0]).store == str(tmp_path / "d" / "activations")

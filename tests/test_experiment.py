@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 import pandas as pd
@@ -136,6 +137,11 @@ probe_table = "probes"
     for heading in ("Behaviour", "Activations", "Probes: protagonist belief", "Minimal pairs", "Patching: heads"):
         assert f"<h2>{heading}" in report
     assert "<h2>Mean ablation" in report
+    # `format` is not hashed: a switch reuses the probes, and patching keeps reading the table they wrote
+    assert main(["run", str(path), "--out", str(out), "--no-progress", "--set", "probes.format=parquet"]) == 0
+    printed = capsys.readouterr().out
+    assert "probes: reused" in printed and "patching: reused" in printed
+    assert json.loads((out / "patching" / "config.json").read_text())["probe_table"] == str(out / "probes" / "probes.csv")
 
 
 def test_only_the_stages_that_ran_get_sections(tmp_path, capsys):
@@ -221,3 +227,50 @@ def test_several_models_get_a_folder_each(tmp_path, capsys):
     assert [r.folder.name for r in result.runs] == ["tiny-llama", "tiny-gpt2"]
     assert all((tmp_path / m / "pairs" / "result.json").is_file() for m in ("tiny-llama", "tiny-gpt2"))
     assert [m["model"]["model"] for m in result.manifest["models"]] == ["tiny-llama", "tiny-gpt2"]
+
+
+def _cache_experiment(tmp_path: Path, stimuli: Path) -> ExperimentConfig:
+    return ExperimentConfig.from_dict({
+        "name": "inputs", "model": {"name": "tiny-llama"},
+        "cache": {"stimuli": {"path": str(stimuli)}, "sites": ["resid_post:0"], "store": str(tmp_path / "store")}})
+
+
+def test_reuse_checks_input_files_the_store_and_the_resolved_model(tmp_path, capsys, monkeypatch):
+    import torch
+
+    import tomlens.devices
+    from tomlens.io import read_json
+    from tomlens.runs.experiment import stage_inputs, stale_reason
+    from tomlens.stimuli import generate, write_jsonl
+
+    stimuli = tmp_path / "stimuli.jsonl"
+    write_jsonl(generate("unexpected-transfer", n=1, seed=0)[:2], stimuli)
+    config = _cache_experiment(tmp_path, stimuli)
+    first = run_experiment(config, tmp_path / "out", progress=False)
+    folder = tmp_path / "out" / "cache"
+    saved = read_json(folder / "inputs.json")
+    assert list(saved["files"]) == [str(stimuli)]
+    hashes = first.manifest["models"][0]["stimuli_hash"]  # the top-level manifest names each stage's stimuli
+    assert hashes == {"cache": first.result("cache").summary["stimuli_hash"]} and hashes["cache"]
+    assert run_experiment(config, tmp_path / "out", progress=False).runs[0].reused["cache"]
+
+    # the same path with other stimuli in it: the hash of the config is the same, the inputs are not
+    write_jsonl(generate("unexpected-transfer", n=1, seed=1)[:2], stimuli)
+    again = run_experiment(config, tmp_path / "out", progress=False)
+    assert not again.runs[0].reused["cache"] and "its inputs changed" in capsys.readouterr().out
+    assert again.result("cache").summary["stimuli_hash"] != hashes["cache"]
+
+    # a store that is gone is cached again
+    store = Path(again.result("cache").summary["store"])
+    shutil.rmtree(store)
+    third = run_experiment(config, tmp_path / "out", progress=False)
+    assert not third.runs[0].reused["cache"] and "store" in capsys.readouterr().out
+    assert Path(third.result("cache").summary["store"]).is_dir()
+
+    # dtype None resolves per machine: on a GPU it would load bf16, not the fp32 this run used
+    spec = config.models[0]
+    cache_cfg = config.stage_config("cache", spec, {"cache": folder})
+    inputs = stage_inputs(cache_cfg, {"cache": folder}, set())
+    assert stale_reason("cache", folder, cache_cfg, inputs, spec) is None
+    monkeypatch.setattr(tomlens.devices, "default_device", lambda: torch.device("cuda"))
+    assert "bfloat16" in stale_reason("cache", folder, cache_cfg, inputs, spec)

@@ -158,7 +158,7 @@ def test_local_directory_round_trip(tmp_path, load_tiny):
 def test_provenance_carries_versions_and_shape(load_tiny):
     prov = provenance(load_tiny("tiny-gpt2"))
     assert prov["model"] == "tiny-gpt2" and prov["architecture"] == "GPT2LMHeadModel"
-    assert set(prov["versions"]) == {"tomlens", "torch", "transformer_lens", "transformers", "numpy", "python"}
+    assert set(prov["versions"]) == {"tomlens", "torch", "transformer_lens", "transformers", "numpy", "sklearn", "python"}
     assert prov["versions"]["transformer_lens"].startswith("4.3")
     assert prov["n_layers"] == 2 and prov["d_vocab"] == 49152
     json.dumps(prov)  # provenance goes into JSON manifests

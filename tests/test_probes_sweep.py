@@ -4,20 +4,43 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
+from typing import Any
 
 import pandas as pd
 import pytest
 import torch
 
 from tomlens.errors import TomlensError
-from tomlens.probes.sweep import (
-    COLUMNS, activations_from_tensors, probe_sweep, run_probe_sweep, write_probe_sweep,
-)
-from tomlens.report.layers import head_heatmap, layer_figure, write_html, write_probe_figures
+from tomlens.probes import splits
+from tomlens.probes.sweep import COLUMNS, ActivationsLike, run_probe_sweep, write_probe_sweep
+from tomlens.report import write_figure
+from tomlens.report.layers import head_heatmap, layer_figure, write_probe_figures
 from tomlens.probes.directions import load_directions
-from tomlens.stimuli import generate, write_jsonl
+from tomlens.stimuli import Stimulus, generate, write_jsonl
 
 FAST = dict(folds=3, inner_folds=2, c_grid=(0.1, 1.0), n_boot=200, progress=False, device="cpu")
+
+
+@dataclass
+class TensorActivations:
+    """In-memory activations with what the sweep needs of an ActivationSet: `get(kind, position)`
+    ([n, layer, d] or [n, layer, head, d]) and `layers(kind)`."""
+
+    stimuli: list[Stimulus]
+    tensors: dict[tuple[str, str], torch.Tensor]
+    manifest: dict[str, Any]
+
+    def get(self, kind: str, position: str) -> torch.Tensor:
+        return self.tensors[(kind, position)]
+
+    def layers(self, kind: str) -> list[int]:
+        return next(list(range(t.shape[1])) for (k, _), t in self.tensors.items() if k == kind)
+
+
+def probe_sweep(acts, target, **kwargs) -> pd.DataFrame:
+    """The tidy table of `run_probe_sweep`."""
+    return run_probe_sweep(acts, target, **kwargs).table
 
 
 def planted_acts(stimuli, seed=0, d=16):
@@ -32,8 +55,10 @@ def planted_acts(stimuli, seed=0, d=16):
     resid[:, 2, 3] += 2.5 * world
     heads = torch.randn(n, 3, 2, d, generator=g)
     heads[:, 2, 1, 5] += 2.5 * belief
-    return activations_from_tensors(stimuli, {("resid_post", "final"): resid, ("head_out", "final"): heads},
-                                    {"model": {"model": "planted"}})
+    acts = TensorActivations(list(stimuli), {("resid_post", "final"): resid, ("head_out", "final"): heads},
+                             {"model": {"model": "planted"}})
+    assert isinstance(acts, ActivationsLike)
+    return acts
 
 
 @pytest.fixture(scope="module")
@@ -106,8 +131,9 @@ def test_sweep_writes_table_provenance_directions_and_figures(result, tmp_path):
     assert abs(float(d[1, 0, 0])) > 0.8 and int(d[1, 0].abs().argmax()) == 0  # the planted axis
     assert tensors["protagonist_belief/head_out/final/coef"].shape == (3, 2, 1, 16)
     assert "provenance" in dmeta
-    files = write_probe_figures(result.table, out)
-    names = {f.name for f in files}
+    figures = write_probe_figures(result.table, out)
+    names = {f"{stem}.html" for stem in figures}
+    assert all((out / name).is_file() for name in names)
     assert {"layers_resid_post.html", "heads_head_out_protagonist_belief.html"} <= names
     html = (out / "layers_resid_post.html").read_text()
     assert "Plotly.newPlot" in html and len(html) > 1_000_000  # plotly.js inline
@@ -118,14 +144,14 @@ def test_sweep_writes_table_provenance_directions_and_figures(result, tmp_path):
     assert any((tr.name or "").startswith("chance") for tr in fig.data)
     hm = head_heatmap(result.table, target="protagonist_belief", value="selectivity")
     assert hm.data[0].z.shape == (3, 2)
-    assert write_html(hm, tmp_path / "hm.html").exists()
+    assert write_figure(hm, tmp_path / "hm.html").exists()
     with pytest.raises(TomlensError):
         layer_figure(result.table, kind="mlp_out")
 
 
 def test_cross_set_generalisation_and_mass_mean(stimuli):
     other = generate("unexpected-transfer", n=3, seed=7)
-    t = probe_sweep(planted_acts(stimuli), "protagonist_belief", kinds=("resid_post",),
+    t = probe_sweep(planted_acts(stimuli), "protagonist_belief", sites=("resid_post",),
                     test_acts=planted_acts(other, seed=1), probe="mass_mean", bow=False, **FAST)
     row = score(t, kind="resid_post", layer=1, train_on="all", eval_set="all")
     assert row["score"] > 0.85 and row["n_test"] == len(other) and row["n_train"] == len(stimuli)
@@ -139,12 +165,44 @@ def test_cross_set_generalisation_and_mass_mean(stimuli):
 
 
 def test_holdout_and_template_grouping(stimuli):
-    t = probe_sweep(planted_acts(stimuli), "world_state", kinds=("resid_post",), evaluation="holdout",
+    t = probe_sweep(planted_acts(stimuli), "world_state", sites=("resid_post",), evaluation="holdout",
                     group_by="template", controls=False, conditions=False, bow=False, folds=2, inner_folds=2,
                     c_grid=(1.0,), n_boot=100, progress=False, device="cpu")
     row = score(t, kind="resid_post", layer=2, train_on="all", eval_set="all")
     assert row["n_test"] < len(stimuli) and row["control"] != row["control"]  # no control: NaN
     assert set(t["train_on"]) == {"all"}
+
+
+def test_holdout_evaluation_tests_on_the_split_of_splits_holdout(stimuli, monkeypatch):
+    import tomlens.probes.sweep as sweep
+
+    calls = []
+
+    def recorded(groups, test_size, seed):
+        calls.append(test_size)
+        return splits.holdout(groups, test_size, seed)
+
+    monkeypatch.setattr(sweep, "holdout", recorded)
+    t = probe_sweep(planted_acts(stimuli), "world_state", sites=("resid_post",), evaluation="holdout",
+                    controls=False, conditions=False, bow=False, **{**FAST, "n_boot": 50})
+    groups = splits.group_codes(stimuli, "task")
+    split = splits.holdout(groups, 1 / 3, 0)
+    assert calls == [1 / 3] and torch.equal(split.test, splits.group_kfold(groups, 3, 0)[0].test)
+    assert set(t.loc[t["eval_set"] == "all", "n_test"]) == {int(split.test.numel())}
+
+
+def test_sites_and_positions_are_the_sweeps_vocabulary(stimuli):
+    acts = planted_acts(stimuli)
+    result = run_probe_sweep(acts, "protagonist_belief", sites=("resid_post",), positions=("final",),
+                             controls=False, conditions=False, bow=False, directions=False, **FAST)
+    assert set(result.table["kind"]) == {"resid_post"} and set(result.table["position"]) == {"final"}
+    assert result.metadata["provenance"]["sites"] == ["resid_post"]
+    assert result.metadata["provenance"]["positions"] == ["final"]
+    assert "sklearn" in result.metadata["provenance"]["versions"]
+    with pytest.raises(TomlensError, match="one position"):
+        run_probe_sweep(acts, "protagonist_belief", positions=("final", "protagonist"), **FAST)
+    with pytest.raises(TomlensError, match="not one string"):
+        run_probe_sweep(acts, "protagonist_belief", sites="resid_post", **FAST)
 
 
 def test_probe_command_end_to_end_on_a_tiny_model(tmp_path, stimuli):

@@ -131,3 +131,42 @@ def test_pairs_run_saves_and_loads(tmp_path, capsys):
     again = PairsResult.load(single)
     assert again.config.family == PAIRS.family and again.config.contrasts == ("present",)
     assert [p.to_dict() for p in again.pairs] == [p.to_dict() for p in result.pairs]
+
+
+def test_max_pairs_keeps_exactly_that_many_aligned_pairs_and_is_hashed(tmp_path):
+    three = PairsConfig(model=TINY, n=2, contrasts=("present",), max_pairs=3)
+    result = run_pairs(three)
+    full = run_pairs(PairsConfig(model=TINY, n=2, contrasts=("present",)))
+    assert len(full.pairs) == 4 and len(result.pairs) == 3
+    assert [p.to_dict() for p in result.pairs] == [p.to_dict() for p in full.pairs[:3]]
+    assert config_hash(three) != config_hash(PairsConfig(model=TINY, n=2, contrasts=("present",)))
+    assert PairsResult.load(result.save(tmp_path / "run")).config == three
+    assert PairsResult.load(result.write_file(tmp_path / "p.jsonl")).config.max_pairs == 3  # from the report
+    with pytest.raises(TomlensError, match="max_pairs"):
+        PairsConfig(model=TINY, max_pairs=0)
+
+
+def test_loading_an_unfinished_or_unrecorded_folder_is_a_clear_error(tmp_path):
+    folder = run_pairs(PAIRS).save(tmp_path / "pairs")
+    (folder / "result.json").unlink()  # a save stopped half-way
+    with pytest.raises(TomlensError, match="no finished run"):
+        PairsResult.load(folder)
+    (tmp_path / "patching").mkdir()
+    (tmp_path / "patching" / "result.json").write_text(json.dumps({"files": []}))
+    with pytest.raises(TomlensError, match="config.json"):
+        PatchingRunResult.load(tmp_path / "patching")
+    with pytest.raises(TomlensError, match="no finished run"):
+        PatchingRunResult.load(tmp_path / "nothing")
+
+
+def test_positions_take_the_one_list_syntax():
+    from tomlens.patching import parse_positions
+    from tomlens.runs import base
+    from tomlens.syntax import split_items
+
+    assert base.split_items is split_items  # one parser, below patching and runs
+    kinds = ["head", "resid_pre"]
+    commas = parse_positions("roles,heads=contrast,resid=object:first", kinds).spec
+    assert parse_positions("roles heads=contrast, resid=object:first", kinds).spec == commas
+    assert parse_positions(["roles", "heads=contrast resid=object:first"], kinds).spec == commas
+    assert PatchingConfig(pairs=PAIRS, positions=("roles heads=final",)).positions == ("roles", "heads=final")

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tomlens.errors import TomlensError
-from tomlens.runs import behaviour, cache, probes
+from tomlens.runs import behaviour, cache, patching, probes
 from tomlens.runs.base import ModelSpec, StimuliSpec, config_from_dict, config_hash, config_to_dict
 from tomlens.stimuli import generate, write_jsonl
 
@@ -60,6 +60,50 @@ def test_configs_round_trip_through_plain_dicts(tmp_path):
 def test_a_misspelt_key_names_the_nearest_one(cls, data, near):
     with pytest.raises(TomlensError, match=f"did you mean {near!r}"):
         config_from_dict(cls, data)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("cls, data, setting, expected", [
+    (StimuliSpec, {"family": "unexpected-transfer", "n": "five"}, "n", "an integer"),
+    (patching.PatchingConfig, {"top_k": "3"}, "top_k", "an integer"),
+    (patching.PatchingConfig, {"sites": 3}, "sites", "a list of strings"),
+    (patching.PatchingConfig, {"dry_run": "yes"}, "dry_run", "true or false"),
+    (probes.ProbesConfig, {"stimuli": {"path": "s.jsonl"}, "c_grid": ["a", 1]}, "c_grid", "a list of numbers"),
+    (probes.ProbesConfig, {"stimuli": {"path": "s.jsonl", "options": 3}}, "stimuli.options", "a table"),
+    (ModelSpec, {"revision": 7}, "revision", "a string"),
+])
+def test_a_value_of_the_wrong_type_names_the_setting(cls, data, setting, expected):
+    with pytest.raises(TomlensError, match=f"setting '{setting}' = .* must be {expected}"):
+        config_from_dict(cls, data)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("spec, message", [
+    (dict(family="unexpected-transfr"), "unknown stimulus family 'unexpected-transfr': did you mean 'unexpected-transfer'"),
+    (dict(family="goal-encoding", options={"kss": [0, 6]}), "no option 'kss': did you mean 'ks'"),
+    (dict(family="goal-encoding", options={"seed": 3}), "no option 'seed'"),
+    (dict(path="s.jsonl", options={"ks": [0]}), "a stimulus file takes no options"),
+])
+def test_stimuli_specs_are_checked_when_built(spec, message):
+    with pytest.raises(TomlensError, match=message):
+        StimuliSpec(**spec)
+
+
+@pytest.mark.unit
+def test_stimuli_n_defaults_to_20_tasks_of_a_family_and_every_row_of_a_file(tmp_path):
+    assert StimuliSpec(family="unexpected-transfer").n == 20
+    assert config_to_dict(StimuliSpec(family="unexpected-transfer"))["n"] == 20  # the hash of a default is unchanged
+    path = tmp_path / "s.jsonl"
+    stimuli = generate("unexpected-transfer", n=3, seed=0)
+    write_jsonl(stimuli, path)
+    assert StimuliSpec(path=str(path)).n is None and StimuliSpec(path=str(path)).load() == stimuli
+    assert StimuliSpec(path=str(path), n=5).load() == stimuli[:5]
+
+
+@pytest.mark.unit
+def test_an_integer_is_accepted_where_a_number_is_needed():
+    config = config_from_dict(patching.PatchingConfig, {"memory_mb": 512, "search_threshold": None})
+    assert config.memory_mb == 512.0 and isinstance(config.memory_mb, float)
 
 
 @pytest.mark.unit

@@ -13,11 +13,6 @@ OOM_ERRORS: tuple[type[BaseException], ...] = tuple(
 )
 
 
-def is_oom(error: BaseException) -> bool:
-    """True for an accelerator out-of-memory error (a CPU allocation failure is not recoverable here)."""
-    return isinstance(error, OOM_ERRORS)
-
-
 def release_memory() -> None:
     """Give cached accelerator memory back before retrying with a smaller batch."""
     if torch.cuda.is_available():

@@ -11,6 +11,7 @@ import platform
 import sys
 from collections.abc import Mapping
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any
 
 # Distribution name -> key in `versions()`; the keys are the import names.
@@ -19,11 +20,12 @@ _DISTRIBUTIONS: dict[str, str] = {
     "transformers": "transformers",
     "transformer-lens": "transformer_lens",
     "numpy": "numpy",
+    "scikit-learn": "sklearn",  # the reference the probes are checked against
 }
 
 
 def versions() -> dict[str, str]:
-    """Versions of tomlens, torch, transformers, transformer_lens, numpy and python ("not installed"
+    """Versions of tomlens, torch, transformers, transformer_lens, numpy, sklearn and python ("not installed"
     for a missing one), so a number can be traced to the code that made it."""
     from importlib.metadata import PackageNotFoundError, version
 
@@ -39,13 +41,25 @@ def versions() -> dict[str, str]:
     return out
 
 
+def plain_values(value: Any) -> Any:
+    """`value` as plain JSON/TOML values: dataclasses as tables (dicts), tuples as lists, paths as
+    strings. A config written this way reads back through `tomlens.runs.base.config_from_dict`."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: plain_values(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, (list, tuple)):
+        return [plain_values(x) for x in value]
+    if isinstance(value, Mapping):
+        return {str(k): plain_values(x) for k, x in value.items()}
+    if isinstance(value, Path):
+        return str(value)
+    return value
+
+
 def _config_dict(config: Any) -> dict[str, Any]:
     if config is None:
         return {}
     if dataclasses.is_dataclass(config) and not isinstance(config, type):
-        from tomlens.runs.base import config_to_dict
-
-        return config_to_dict(config)
+        return plain_values(config)
     if isinstance(config, Mapping):
         return {str(k): v for k, v in config.items()}
     raise TypeError(f"config must be a dataclass instance or a mapping, not {type(config).__name__}")

@@ -50,9 +50,11 @@ def demo_config(args: argparse.Namespace) -> Any:
         spec["seed"] = seed
         spec["n"] = max(2, args.n // 2) if spec["family"] == "goal-encoding" else args.n
     data["probes"]["stimuli"] = {**data["probes"]["stimuli"], "n": args.probe_tasks, "seed": seed + 1}
+    data["probes"]["store"] = str(Path(args.out) / "activations")  # the demo's activations stay in its folder
     if args.pairs < 1:
         raise TomlensError(f"--pairs {args.pairs} must be at least 1", "pass --pairs 1 or more")
     data["pairs"]["n"] = max(1, (args.pairs + 1) // 2)  # tasks; each gives two pairs
+    data["pairs"]["max_pairs"] = args.pairs  # exactly --pairs of them, an odd number too
     data["pairs"]["seed"] = seed + 2
     return ExperimentConfig.from_dict(data)
 

@@ -51,7 +51,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tomlens.report.layers import write_probes_figures
+    from tomlens.report.layers import write_probe_figures
     from tomlens.runs import probes
     from tomlens.runs.base import StimuliSpec
 
@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
         format=args.format)
     result = probes.run(config, progress=not args.no_progress)
     out = result.save(args.out)
-    figures = write_probes_figures(result, out)
+    figures = write_probe_figures(result.table, out)
     print(result.describe())
     print("wrote " + ", ".join(str(f) for f in [*result.files(out), *(out / f"{stem}.html" for stem in figures)]))
     return 0

@@ -2,7 +2,7 @@
 
 The file names the model(s) and the stages (`tomlens.runs.experiment`); the folder gets the
 resolved `config.json`, `manifest.json`, one subfolder per stage, the figures and `report.html`.
-Running the same file again reuses every stage that finished with the same settings.
+Running the same file again reuses every stage that finished with the same settings and inputs.
 """
 
 from __future__ import annotations

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import importlib
-import inspect
 import json
 from collections import Counter
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 from tomlens.errors import TomlensError
 from tomlens.stimuli.records import Stimulus
@@ -66,7 +64,7 @@ def summary(stimuli: Sequence[Stimulus]) -> str:
 
 
 def load(args: argparse.Namespace) -> list[Stimulus]:
-    from tomlens.stimuli import FAMILIES, generate
+    from tomlens.stimuli import check_options, generate
     from tomlens.stimuli.bigtom import load_bigtom
     from tomlens.stimuli.user import load_user_file
 
@@ -83,33 +81,14 @@ def load(args: argparse.Namespace) -> list[Stimulus]:
             return stimuli[: args.n] if args.n is not None else stimuli
         if args.n is not None:
             options["limit"] = args.n
-        _check_options("bigtom", load_bigtom, options, reserved=("path",))
+        check_options("bigtom", options, reserved=("path",))
         return load_bigtom(args.path, **options)
     if args.path:
         raise TomlensError(f"--path is for `bigtom` and `user`, not {args.family!r}",
                            "drop --path")
     n = 20 if args.n is None else args.n
-    module, fn = FAMILIES[args.family]
-    _check_options(args.family, getattr(importlib.import_module(module), fn), options,
-                   reserved=("n", "seed"))
+    check_options(args.family, options)
     return generate(args.family, n=n, seed=args.seed, **options)
-
-
-def _check_options(
-    family: str, fn: Callable[..., Any], options: dict[str, Any], reserved: Sequence[str]
-) -> None:
-    """Name a --set option the function does not take, before calling it."""
-    params = inspect.signature(fn).parameters
-    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-    accepted = [k for k, p in params.items() if k not in reserved and p.kind in (
-        inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)]
-    for key in options:
-        if key in reserved or (key not in accepted and not takes_any):
-            raise TomlensError(
-                f"`tomlens stimuli {family}` has no option {key!r}",
-                f"options: {', '.join(accepted)}" + (
-                    f" ({', '.join(reserved)} have their own flags)" if key in reserved else ""),
-            )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -88,8 +88,9 @@ def parse_positions(text: str | Sequence[str], kinds: Sequence[str]) -> Position
     """Positions per site kind from the `--positions` syntax (module docstring); empty = `roles`."""
     from tomlens.models.positions import parse_selectors
 
-    items = [t.strip() for t in text.split(",")] if isinstance(text, str) else [str(t).strip() for t in text]
-    items = [t for t in items if t] or ["roles"]
+    from tomlens.syntax import split_items
+
+    items = split_items(text if isinstance(text, str) else [str(t) for t in text]) or ["roles"]
     spec: dict[str, list[str]] = {k: [] for k in kinds}
     roles: dict[str, set[str]] = {k: set() for k in kinds}
     for item in items:

@@ -30,7 +30,6 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 import pandas as pd
 import torch
-from jaxtyping import Float
 from torch import Tensor
 
 from tomlens.errors import TomlensError
@@ -44,8 +43,9 @@ from tomlens.probes.logistic import (
 )
 from tomlens.probes.mass_mean import MassMeanProbe
 from tomlens.probes.newton import FIT_STATUS, NON_FINITE_INPUT, NOT_CONVERGED, OK, SOLVER_FAILED
-from tomlens.probes.splits import Split, group_codes, group_kfold, restrict
+from tomlens.probes.splits import Split, group_codes, group_kfold, holdout, restrict
 from tomlens.probes.targets import false_belief_mask, get_target, make_target, true_belief_mask
+from tomlens.provenance import versions
 from tomlens.stimuli.records import Stimulus, stimuli_hash
 
 PROBES = ("logistic", "mass_mean")
@@ -169,9 +169,11 @@ def _plans(train_st: Sequence[Stimulus], test_st: Sequence[Stimulus] | None, gro
     fb_test, tb_test = false_belief_mask(pool), true_belief_mask(pool)
     fb_train, tb_train = false_belief_mask(train_st), true_belief_mask(train_st)
     if test_st is None:
-        outer = group_kfold(groups, cfg.folds, seed)
-        if cfg.evaluation == "holdout":
-            outer = outer[:1]
+        if cfg.folds < 2:  # `holdout` would read 1 / folds as a test fraction of 1
+            raise TomlensError(f"folds = {cfg.folds}", "use at least 2 folds")
+        # holdout: the first of the `folds` grouped folds, about 1 / folds of the stories
+        outer = [holdout(groups, 1 / cfg.folds, seed)] if cfg.evaluation == "holdout" \
+            else group_kfold(groups, cfg.folds, seed)
     else:
         outer = [Split(train=torch.arange(n), test=torch.arange(len(test_st)))]
     everything = torch.ones(len(pool), dtype=torch.bool)
@@ -384,21 +386,30 @@ def run_probe_sweep(
     acts: ActivationsLike,
     target: str | Sequence[str],
     *,
-    kinds: Sequence[str] = ("resid_post", "head_out"),
-    position: str = "final",
+    sites: Sequence[str] = ("resid_post", "head_out"),
+    positions: Sequence[str] = ("final",),
     test_acts: ActivationsLike | None = None,
     probe: str = "logistic",
     seed: int = 0,
     config: SweepConfig | None = None,
     **overrides: Any,
 ) -> ProbeSweepResult:
-    """Probe every layer (and head) of `kinds` at `position` for one or more targets.
+    """Probe every layer (and head) of the site kinds `sites` at the one position in `positions`
+    (a one-element sequence, as in `tomlens.runs.probes.ProbesConfig`) for one or more targets.
 
     `config` (or keyword overrides of its fields, e.g. `folds=3`) sets the CV, controls and
     intervals. Returns the tidy table, the directions of probes fitted on all rows (for patching
     and steering) and provenance.
     """
     cfg = replace(config or SweepConfig(), **overrides)
+    if isinstance(sites, str) or isinstance(positions, str):
+        raise TomlensError("sites and positions are sequences of names, not one string",
+                           'pass e.g. sites=("resid_post",), positions=("final",)')
+    kinds = list(sites)
+    if len(positions) != 1:
+        raise TomlensError(f"positions {', '.join(positions) or '(none)'}: the probe sweep uses one position",
+                           "give one position (e.g. final), and run the sweep once per position")
+    position = positions[0]
     if probe not in PROBES:
         raise TomlensError(f"unknown probe {probe!r}", f"use one of {', '.join(PROBES)}")
     targets = [target] if isinstance(target, str) else list(target)
@@ -475,22 +486,6 @@ def run_probe_sweep(
     return ProbeSweepResult(table=table.reset_index(drop=True), directions=directions, metadata=meta)
 
 
-def probe_sweep(
-    acts: ActivationsLike,
-    target: str | Sequence[str],
-    *,
-    kinds: Sequence[str] = ("resid_post", "head_out"),
-    position: str = "final",
-    test_acts: ActivationsLike | None = None,
-    probe: str = "logistic",
-    seed: int = 0,
-    **config: Any,
-) -> pd.DataFrame:
-    """The tidy table of `run_probe_sweep` (see there); keyword options are `SweepConfig` fields."""
-    return run_probe_sweep(acts, target, kinds=kinds, position=position, test_acts=test_acts,
-                           probe=probe, seed=seed, **config).table
-
-
 def _activation_chunks(acts: ActivationsLike, test_acts: ActivationsLike | None, kind: str, position: str,
                        ktr: Tensor, kte: Tensor, cfg: SweepConfig):  # noqa: ANN202
     def gen() -> Iterator[tuple[Tensor, Tensor, list[tuple[int, int]]]]:
@@ -553,18 +548,6 @@ def _stack_directions(store: dict[Any, Any]) -> dict[str, Tensor]:
     return out
 
 
-def _versions() -> dict[str, str]:
-    import importlib.metadata as md
-
-    out = {}
-    for pkg in ("tomlens", "torch", "transformer-lens", "scikit-learn"):
-        try:
-            out[pkg] = md.version(pkg)
-        except md.PackageNotFoundError:
-            out[pkg] = "not installed"
-    return out
-
-
 def _provenance(acts: ActivationsLike, test_acts: ActivationsLike | None, cfg: SweepConfig, seed: int,
                 probe: str, targets: list[str], kinds: Sequence[str], position: str, seconds: float) -> dict[str, Any]:
     man = acts.manifest or {}
@@ -574,9 +557,9 @@ def _provenance(acts: ActivationsLike, test_acts: ActivationsLike | None, cfg: S
         "n_stimuli": len(acts.stimuli),
         "test_stimuli_hash": None if test_acts is None else stimuli_hash(test_acts.stimuli),
         "activations": str(getattr(acts, "path", "")) or None,
-        "targets": targets, "kinds": list(kinds), "position": position, "probe": probe, "seed": seed,
+        "targets": targets, "sites": list(kinds), "positions": [position], "probe": probe, "seed": seed,
         "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(cfg).items()},
-        "versions": _versions(),
+        "versions": versions(),
         "seconds": round(seconds, 2),
     }
 
@@ -625,28 +608,3 @@ def read_probe_sweep(out: str | Path) -> ProbeSweepResult:
     directions = load_directions(out / "directions.safetensors")[0] \
         if (out / "directions.safetensors").is_file() else {}
     return ProbeSweepResult(table=table, directions=directions, metadata=metadata)
-
-
-def activations_from_tensors(stimuli: Sequence[Stimulus], tensors: dict[tuple[str, str], Float[Tensor, "n layer *d"]],
-                             manifest: dict[str, Any] | None = None) -> ActivationsLike:
-    """An in-memory stand-in for an ActivationSet (tests, benchmarks, activations from elsewhere)."""
-    return _TensorActivations(list(stimuli), dict(tensors), dict(manifest or {}))
-
-
-@dataclass
-class _TensorActivations:
-    stimuli: list[Stimulus]
-    tensors: dict[tuple[str, str], Tensor]
-    manifest: dict[str, Any]
-
-    def get(self, kind: str, position: str) -> Tensor:
-        if (kind, position) not in self.tensors:
-            raise TomlensError(f"no activations for {kind!r} at {position!r}",
-                               f"available: {sorted(self.tensors)}")
-        return self.tensors[(kind, position)]
-
-    def layers(self, kind: str) -> list[int]:
-        for (k, _), t in self.tensors.items():
-            if k == kind:
-                return list(range(t.shape[1]))
-        raise TomlensError(f"no activations of kind {kind!r}", f"available: {sorted(self.tensors)}")

@@ -27,35 +27,17 @@ def _model_names(result: Any) -> list[str]:
     return names
 
 
-def _probe_figures(table: pd.DataFrame) -> Figures:
-    """A layer curve per whole-layer site and a layer x head grid per target of each per-head site."""
-    from tomlens.report.layers import head_heatmap, layer_figure
-
-    probed = table[table["features"] == "activations"]
-    figures: Figures = {}
-    for site in probed.loc[probed["head"] == -1, "kind"].unique():
-        figures[f"layers_{site}"] = layer_figure(table, kind=site)
-    heads = probed[probed["head"] >= 0]
-    for site in heads["kind"].unique():
-        for target in heads.loc[heads["kind"] == site, "target"].unique():
-            figures[f"heads_{site}_{target}"] = head_heatmap(table, target=target, kind=site)
-    return figures
-
-
 def write_experiment_figures(result: Any) -> dict[tuple[int, str], Figures]:
     """Every stage's figures, written as HTML files into the stage's folder; returned by
     (model index, stage). A reused patching stage keeps the figure files it wrote (its sweeps are
     not saved, so they cannot be drawn again); only its recovery curve is redrawn from its table."""
-    from tomlens.report.layers import write_html
+    from tomlens.report.layers import write_probe_figures
     from tomlens.report.patching import recovery_curve, write_patching_figures
 
     out: dict[tuple[int, str], Figures] = {}
     for i, run in enumerate(result.runs):
         if "probes" in run.results:
-            figures = _probe_figures(run.results["probes"].table)
-            for stem, fig in figures.items():
-                write_html(fig, run.folders["probes"] / f"{stem}.html")
-            out[(i, "probes")] = figures
+            out[(i, "probes")] = write_probe_figures(run.results["probes"].table, run.folders["probes"])
         patching = run.results.get("patching")
         if patching is not None and not patching.dry_run:
             if patching.sweeps:

@@ -13,6 +13,15 @@ from typing import Any
 import pandas as pd
 
 
+def write_figure(fig: Any, path: str | Path) -> Path:
+    """A standalone HTML file of one plotly figure (plotly.js inline, no CDN), written atomically."""
+    from tomlens.io import atomic_path
+
+    with atomic_path(path) as tmp:
+        fig.write_html(str(tmp), include_plotlyjs=True, full_html=True)
+    return Path(path)
+
+
 @dataclass
 class Section:
     heading: str

@@ -16,7 +16,7 @@ import plotly.graph_objects as go
 from plotly.colors import qualitative
 
 from tomlens.errors import TomlensError
-from tomlens.runs.probes import ProbesResult
+from tomlens.report.html import write_figure
 
 _PALETTE = qualitative.Plotly
 
@@ -99,15 +99,6 @@ def head_heatmap(table: pd.DataFrame, *, target: str, kind: str = "head_out", me
     return fig
 
 
-def write_html(fig: go.Figure, path: str | Path) -> Path:
-    """A standalone HTML file with plotly.js inline (no CDN), written atomically."""
-    from tomlens.io import atomic_path
-
-    with atomic_path(path) as tmp:
-        fig.write_html(str(tmp), include_plotlyjs=True, full_html=True)
-    return Path(path)
-
-
 def probe_figures(table: pd.DataFrame) -> dict[str, go.Figure]:
     """By file stem: `layers_<kind>` for each whole-layer kind, `heads_<kind>_<target>` for per-head kinds."""
     figures: dict[str, go.Figure] = {}
@@ -121,14 +112,9 @@ def probe_figures(table: pd.DataFrame) -> dict[str, go.Figure]:
     return figures
 
 
-def write_probe_figures(table: pd.DataFrame, out: str | Path) -> list[Path]:
-    """Each of `probe_figures(table)` as `<stem>.html` in `out`; returns the paths."""
-    return [write_html(fig, Path(out) / f"{stem}.html") for stem, fig in probe_figures(table).items()]
-
-
-def write_probes_figures(result: ProbesResult, out: str | Path) -> dict[str, go.Figure]:
-    """The probes stage's figures, written as `<stem>.html` into `out`; returns them by stem."""
-    figures = probe_figures(result.table)
+def write_probe_figures(table: pd.DataFrame, out: str | Path) -> dict[str, go.Figure]:
+    """Each of `probe_figures(table)` written as `<stem>.html` into `out`; returns them by stem."""
+    figures = probe_figures(table)
     for stem, fig in figures.items():
-        write_html(fig, Path(out) / f"{stem}.html")
+        write_figure(fig, Path(out) / f"{stem}.html")
     return figures

@@ -13,6 +13,7 @@ import numpy as np
 
 from tomlens.errors import TomlensError
 from tomlens.patching import PatchingResult, canonical_kind
+from tomlens.report.html import write_figure
 
 if TYPE_CHECKING:
     from tomlens.runs.patching import PatchingRunResult
@@ -177,15 +178,6 @@ def recovery_curve(table: Any) -> Any:
         xaxis_title="k (heads patched)", yaxis_title="recovered (0 = corrupted, 1 = clean)",
     )
     return fig
-
-
-def write_figure(fig: Any, path: str | Path) -> Path:
-    """Self-contained HTML (plotly.js inlined), written atomically."""
-    from tomlens.io import atomic_path
-
-    with atomic_path(path) as tmp:
-        fig.write_html(tmp, include_plotlyjs=True, full_html=True)
-    return Path(path)
 
 
 def _stem(position: str) -> str:

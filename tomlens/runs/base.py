@@ -14,7 +14,6 @@ import dataclasses
 import difflib
 import hashlib
 import json
-import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -22,11 +21,15 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence, TypeVar
 
 from tomlens.errors import TomlensError
+from tomlens.provenance import plain_values
+from tomlens.syntax import split_items  # the one list syntax (re-exported here for the runs layer)
 
 C = TypeVar("C")
 
 # Fields that say where output goes or how it is shown: they do not change a run's numbers.
 PRESENTATION_FIELDS = frozenset({"out", "progress", "format", "store", "dry_run", "max_runs"})
+
+DEFAULT_N = 20  # tasks of a generated stimulus family when `n` is not given
 
 
 @dataclass(frozen=True)
@@ -55,29 +58,40 @@ class ModelSpec:
 @dataclass(frozen=True)
 class StimuliSpec:
     """A generated family with its parameters, or a file (JSONL or CSV; BigToM's csv with
-    `family = "bigtom"`)."""
+    `family = "bigtom"`). `n` counts tasks of a generated family (default 20), stories of BigToM and
+    rows of a file; None (the default for files) means all of them."""
 
     family: str | None = None
-    n: int = 20
+    n: int | None = None
     seed: int = 0
     path: str | None = None
     options: Mapping[str, Any] = field(default_factory=dict)  # generator options, e.g. {ks = [0, 6]}
 
     def __post_init__(self) -> None:
+        from tomlens.stimuli import check_options
+
         if (self.family is None) == (self.path is None) and self.family != "bigtom":
             raise TomlensError("a stimuli entry needs exactly one of `family` and `path`",
                                'e.g. {family = "unexpected-transfer", n = 8} or {path = "stimuli.jsonl"}')
         if self.family == "bigtom" and self.path is None:
             raise TomlensError("the `bigtom` family needs `path` (its csv)", "add path = \".../bigtom.csv\"")
-        if self.n < 1:
-            raise TomlensError(f"stimuli n = {self.n} must be at least 1", "use n = 1 or more")
+        if self.family is not None:
+            check_options(self.family, self.options)  # an unknown family or a misspelt option, now
+        elif self.options:
+            raise TomlensError(f"a stimulus file takes no options (got {', '.join(map(str, self.options))})",
+                               "drop `options`, or use `family` to generate stimuli")
+        if self.n is None and self.family is not None and self.family != "bigtom":
+            object.__setattr__(self, "n", DEFAULT_N)
+        if self.n is not None and self.n < 1:
+            raise TomlensError(f"stimuli n = {self.n} must be at least 1",
+                               "use n = 1 or more (leave it out for every story or row of a file)")
 
     def load(self) -> list[Any]:
         """The stimuli, in order; the same spec always gives the same list."""
         from tomlens.stimuli import generate, load_bigtom, read_jsonl
 
         if self.family == "bigtom":
-            return load_bigtom(self.path, **dict(self.options))[: self.n]
+            return load_bigtom(self.path, limit=self.n, **dict(self.options))
         if self.path is not None:
             if not Path(self.path).is_file():
                 raise TomlensError(f"stimulus file {self.path!r} does not exist",
@@ -85,7 +99,7 @@ class StimuliSpec:
             stimuli = read_jsonl(self.path)
             if not stimuli:
                 raise TomlensError(f"{self.path} has no stimuli", "write stimuli into it first, e.g. `tomlens stimuli ...`")
-            return stimuli
+            return stimuli if self.n is None else stimuli[: self.n]
         return generate(self.family, n=self.n, seed=self.seed, **dict(self.options))
 
 
@@ -154,36 +168,73 @@ def config_from_dict(cls: type[C], data: Mapping[str, Any], *, where: str = "") 
                 f"unknown setting {path!r}" + (f": did you mean {near[0]!r}?" if near else ""),
                 f"valid settings{' in ' + where if where else ''}: {', '.join(names)}")
         kwargs[key] = _convert(value, hints[key], path)
+        _check_type(kwargs[key], hints[key], path, given=value)
     return cls(**kwargs)
 
 
-def split_items(values: str | Sequence[str]) -> list[str]:
-    """The one list syntax of sites and positions: items separated by commas and/or spaces. A
-    layer list stays with its site: `resid_post:0,4,8,head_out` is `resid_post:0,4,8` and `head_out`."""
-    items: list[str] = []
-    for value in [values] if isinstance(values, str) else list(values):
-        for word in value.split():
-            for piece in (p for p in word.split(",") if p):
-                if items and ":" in items[-1] and re.fullmatch(r"\d+(-\d+)?", piece):
-                    items[-1] += "," + piece
-                else:
-                    items.append(piece)
-    return items
+def _matches(value: Any, tp: Any) -> bool:
+    """Whether `value` fits annotation `tp`; an annotation this does not know (Any, a class) fits anything."""
+    if tp is Any:
+        return True
+    if tp is None or tp is type(None):
+        return value is None
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        return any(_matches(value, a) for a in typing.get_args(tp))
+    if tp is bool:
+        return isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if tp is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if tp is str:
+        return isinstance(value, str)
+    if origin is tuple:
+        args = typing.get_args(tp)
+        if not isinstance(value, (tuple, list)):
+            return False
+        if len(args) == 2 and args[1] is Ellipsis:
+            return all(_matches(v, args[0]) for v in value)
+        return len(args) == len(value) and all(_matches(v, a) for v, a in zip(value, args))
+    if origin is not None and isinstance(origin, type) and issubclass(origin, Mapping) or tp is Mapping:
+        return isinstance(value, Mapping)
+    if dataclasses.is_dataclass(tp):
+        return isinstance(value, tp)
+    return True
+
+
+def _describe(tp: Any) -> str:
+    """An annotation in the words of a config file: 'an integer', 'a list of strings', ..."""
+    if tp is None or tp is type(None):
+        return "none (leave it out)"
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_describe(a) for a in typing.get_args(tp) if a is not type(None))
+    if origin is tuple:
+        args = typing.get_args(tp)
+        if len(args) == 2 and args[1] is Ellipsis:
+            inner = _describe(args[0]).split(" ", 1)[-1]
+            return f"a list of {inner if inner.endswith('s') else inner + 's'}"
+        return f"a list of {len(args)} values"
+    if dataclasses.is_dataclass(tp):
+        return f"a table of {tp.__name__} settings"
+    if origin is not None and isinstance(origin, type) and issubclass(origin, Mapping) or tp is Mapping:
+        return "a table"
+    return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(
+        tp, getattr(tp, "__name__", str(tp)))
+
+
+def _check_type(value: Any, tp: Any, path: str, given: Any) -> None:
+    """Raise TomlensError naming the setting, the value as `given` and the type it needs, before the
+    dataclass would fail with a bare TypeError."""
+    if not _matches(value, tp):
+        raise TomlensError(f"setting {path!r} = {given!r} is {type(given).__name__}, but it must be {_describe(tp)}",
+                           f"write {path} as {_describe(tp)}")
 
 
 def config_to_dict(config: Any) -> dict[str, Any]:
     """The config as plain JSON/TOML values (tuples as lists, nested configs as tables)."""
-    def plain(v: Any) -> Any:
-        if dataclasses.is_dataclass(v) and not isinstance(v, type):
-            return {f.name: plain(getattr(v, f.name)) for f in dataclasses.fields(v)}
-        if isinstance(v, (list, tuple)):
-            return [plain(x) for x in v]
-        if isinstance(v, Mapping):
-            return {str(k): plain(x) for k, x in v.items()}
-        if isinstance(v, Path):
-            return str(v)
-        return v
-    return plain(config)
+    return plain_values(config)
 
 
 def config_hash(config: Any, *, ignore: frozenset[str] = PRESENTATION_FIELDS) -> str:

@@ -29,11 +29,6 @@ def check_sites(sites: tuple[str, ...]) -> None:
             raise TomlensError(f"unknown site kind {kind!r} in {item!r}", f"use one of {', '.join(KINDS)}")
 
 
-def normalise_items(values: Any) -> tuple[str, ...]:
-    """Sites or positions as a tuple of single items (`split_items` syntax)."""
-    return tuple(split_items(values)) if isinstance(values, str) else tuple(split_items(list(values)))
-
-
 @dataclass(frozen=True)
 class CacheConfig:
     """Which stimuli to run through which model, keeping `sites` at `positions`."""
@@ -49,8 +44,8 @@ class CacheConfig:
     def __post_init__(self) -> None:
         if self.stimuli is None:
             raise TomlensError("a cache run needs stimuli", "add stimuli = {path = \"...\"} or --stimuli FILE")
-        object.__setattr__(self, "sites", normalise_items(self.sites))
-        object.__setattr__(self, "positions", tuple(parse_selectors(normalise_items(self.positions))))
+        object.__setattr__(self, "sites", tuple(split_items(self.sites)))
+        object.__setattr__(self, "positions", tuple(parse_selectors(split_items(self.positions))))
         check_sites(self.sites)
         if self.flush_seconds is not None:
             object.__setattr__(self, "flush_seconds", float(self.flush_seconds))

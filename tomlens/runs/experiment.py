@@ -3,8 +3,11 @@
 
 A stage table holds the stage config's fields minus `model` (which comes from `[model]` or each
 `[[models]]` entry). A stage whose folder already holds a finished result (`result.json`) with the
-same `config_hash`, and whose inputs were not rerun, is loaded instead of run: rerunning the same
-file reuses what is done. Figures and `report.html` are the report layer's job (`tomlens run`).
+same `config_hash`, the same input fingerprints (`inputs.json`: the files its config names and the
+results of the earlier stages it reads; the hash covers paths, not contents), a model loaded the
+same way (resolved dtype and device) and whose inputs were not rerun, is loaded instead of run:
+rerunning the same file reuses what is done. Figures and `report.html` are the report layer's job
+(`tomlens run`).
 """
 
 from __future__ import annotations
@@ -22,8 +25,9 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from tomlens.errors import TomlensError
-from tomlens.io import write_json
+from tomlens.io import file_sha256, read_json, write_json
 from tomlens.runs.base import ModelSpec, config_from_dict, config_hash, config_to_dict
+from tomlens.runs.files import CONFIG, INPUTS, MANIFEST, RESULT, begin_save
 
 # Pipeline order; each stage is `tomlens.runs.<stage>` with these config and result classes.
 STAGES: tuple[str, ...] = ("behaviour", "cache", "probes", "pairs", "patching")
@@ -37,6 +41,7 @@ STAGE_CLASSES: dict[str, tuple[str, str]] = {
 TOP_LEVEL_KEYS: tuple[str, ...] = ("name", "description", "seed", "model", "models", *STAGES)
 TOKENIZER_ONLY = frozenset({"pairs"})  # stages that need no weights when no model is loaded yet
 PROBES_TABLE = "probes"  # `patching.probe_table = "probes"`: the probes stage's table, same model
+PATH_KEYS = frozenset({"path", "pairs_path", "probe_table"})  # config keys that name an input file
 
 
 def stage_module(stage: str) -> Any:
@@ -171,9 +176,7 @@ class ExperimentConfig:
             if isinstance(table.get("pairs"), Mapping):
                 table["pairs"] = {**table["pairs"], "model": config_to_dict(model)}
             if table.get("probe_table") == PROBES_TABLE and folders is not None:
-                probes = self.stage_config("probes", model)
-                ext = "csv" if getattr(probes, "format", "parquet") == "csv" else "parquet"
-                table["probe_table"] = str(folders["probes"] / f"probes.{ext}")
+                table["probe_table"] = str(probe_table_file(folders["probes"], self.stage_config("probes", model)))
         return config_from_dict(config_cls, table, where=stage)
 
     def to_dict(self) -> dict[str, Any]:
@@ -188,6 +191,19 @@ class ExperimentConfig:
                     resolved["pairs"].pop("model", None)
                 out[stage] = resolved
         return out
+
+
+def probe_table_file(folder: Path, probes: Any) -> Path:
+    """The table the probes stage left in `folder`: the format its finished run recorded (a reused
+    run keeps its own, since `format` is not part of the hash), else whichever table exists, else
+    the one `probes` (the config of this run) will write."""
+    saved = folder / CONFIG
+    formats = [read_json(saved).get("format")] if (folder / RESULT).is_file() and saved.is_file() else []
+    formats += [getattr(probes, "format", "parquet"), "parquet", "csv"]
+    for fmt in formats:
+        if fmt in ("parquet", "csv") and (folder / f"probes.{fmt}").is_file():
+            return folder / f"probes.{fmt}"
+    return folder / f"probes.{'csv' if getattr(probes, 'format', 'parquet') == 'csv' else 'parquet'}"
 
 
 def read_experiment_file(path: str | Path) -> dict[str, Any]:
@@ -271,13 +287,106 @@ class ExperimentResult:
 
 def _finished(folder: Path, config: Any) -> bool:
     """A finished run of the same settings is in `folder`."""
-    if not (folder / "result.json").is_file() or not (folder / "config.json").is_file():
+    if not (folder / RESULT).is_file() or not (folder / CONFIG).is_file():
         return False
     try:
-        saved = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+        saved = json.loads((folder / CONFIG).read_text(encoding="utf-8"))
     except json.JSONDecodeError:
         return False
     return config_hash(saved) == config_hash(config)
+
+
+def input_files(config: Any) -> list[str]:
+    """Every file a stage's config names (stimulus files, a BigToM csv, a pairs file, a probe table)."""
+    found: set[str] = set()
+
+    def walk(value: Any) -> None:
+        if isinstance(value, dict):
+            for key, x in value.items():
+                if key in PATH_KEYS and isinstance(x, str):
+                    found.add(x)
+                else:
+                    walk(x)
+        elif isinstance(value, list):
+            for x in value:
+                walk(x)
+    walk(config_to_dict(config))
+    return sorted(found)
+
+
+def stage_inputs(config: Any, folders: Mapping[str, Path], upstream: set[str]) -> dict[str, Any]:
+    """Fingerprints of what a stage reads beyond its settings: the sha256 of each file its config
+    names (None: missing) and of the `result.json` of each earlier stage it reads."""
+    files = {p: file_sha256(p) if Path(p).is_file() else None for p in input_files(config)}
+    stages = {s: file_sha256(folders[s] / RESULT) if (folders[s] / RESULT).is_file() else None
+              for s in sorted(upstream)}
+    return {"files": files, "stages": stages}
+
+
+def _model_mismatch(saved: Any, spec: ModelSpec, loaded: Any) -> str | None:
+    """Why a saved run's model is not the one this run would load (None: the same). The dtype and
+    device are compared resolved (dtype None is bf16 on a GPU, fp32 on a CPU). The revision is
+    compared when it is known without loading: from the model this run already loaded, a tiny
+    model's seed, or a commit id asked for; a branch (or no revision) resolves only when the hub
+    is asked, and the revision asked for is already part of the config hash."""
+    if not isinstance(saved, Mapping) or "dtype" not in saved:
+        return None  # a stage that loads no weights (pairs: the tokenizer only)
+    if loaded is not None:
+        from tomlens.models import provenance
+
+        now = provenance(loaded)
+        want = {"dtype": now["dtype"], "device": now["device"], "revision": now["revision"]}
+    else:
+        import torch
+
+        from tomlens.devices import dtype_name, resolve_device, resolve_dtype
+        from tomlens.models.tiny import TINY
+
+        try:
+            device = resolve_device(spec.device)
+        except TomlensError as e:
+            return e.problem
+        want = {"dtype": dtype_name(resolve_dtype(spec.dtype, device)), "device": str(device), "revision": None}
+        if spec.name in TINY:
+            want["revision"] = f"random-init:seed={spec.seed}"
+        elif spec.revision and re.fullmatch(r"[0-9a-f]{7,40}", spec.revision):
+            want["revision"] = spec.revision
+        if torch.device(saved.get("device", "cpu")).type == device.type and device.index is None:
+            want["device"] = saved.get("device")  # "cuda" asked, "cuda:0" recorded: the same machine's GPU
+    if saved.get("dtype") != want["dtype"]:
+        return f"it ran in {saved.get('dtype')}, this run loads {want['dtype']}"
+    if saved.get("device") != want["device"]:
+        return f"it ran on {saved.get('device')}, this run loads onto {want['device']}"
+    if want["revision"] is not None and not str(saved.get("revision", "")).startswith(want["revision"]):
+        return f"it ran revision {saved.get('revision')}, this run loads {want['revision']}"
+    return None
+
+
+def stale_reason(stage: str, folder: Path, config: Any, inputs: Mapping[str, Any], spec: ModelSpec,
+                 loaded: Any = None) -> str | None:
+    """Why the finished run in `folder` cannot stand for this one (None: reuse it). A folder with
+    no finished run of the same settings gives "" (run it, nothing to say)."""
+    if not _finished(folder, config):
+        return ""
+    saved_inputs = read_json(folder / INPUTS) if (folder / INPUTS).is_file() else None
+    if saved_inputs != json.loads(json.dumps(inputs)):
+        changed = [p for p, h in inputs.get("files", {}).items()
+                   if (saved_inputs or {}).get("files", {}).get(p) != h]
+        changed += [f"the {s} stage's result" for s, h in inputs.get("stages", {}).items()
+                    if (saved_inputs or {}).get("stages", {}).get(s) != h]
+        return ("its inputs changed: " + ", ".join(changed)) if saved_inputs and changed \
+            else "no record of its inputs"
+    manifest = read_json(folder / MANIFEST) if (folder / MANIFEST).is_file() else {}
+    why = _model_mismatch(manifest.get("model"), spec, loaded)
+    if why:
+        return why
+    if stage == "cache":
+        from tomlens.activations.store import is_complete
+
+        store = read_json(folder / RESULT).get("store")
+        if not store or not is_complete(Path(store)):
+            return f"its activation store {store} is gone"
+    return None
 
 
 def _inputs(stage: str, config: Any, folders: Mapping[str, Path]) -> set[str]:
@@ -296,12 +405,18 @@ def _inputs(stage: str, config: Any, folders: Mapping[str, Path]) -> set[str]:
 def _saved_provenance(folders: Mapping[str, Path]) -> dict[str, Any] | None:
     """The model provenance a reused stage recorded (no model was loaded this time)."""
     for folder in folders.values():
-        path = folder / "manifest.json"
+        path = folder / MANIFEST
         if path.is_file():
-            model = json.loads(path.read_text(encoding="utf-8")).get("model")
+            model = read_json(path).get("model")
             if model:
                 return model
     return None
+
+
+def _stimuli_hashes(folders: Mapping[str, Path]) -> dict[str, Any]:
+    """Each stage's stimulus hash, as its own manifest recorded it."""
+    return {s: read_json(f / MANIFEST).get("stimuli_hash") if (f / MANIFEST).is_file() else None
+            for s, f in folders.items()}
 
 
 def run_experiment(config: ExperimentConfig, out: str | Path, *, progress: bool = True,
@@ -337,7 +452,12 @@ def run_experiment(config: ExperimentConfig, out: str | Path, *, progress: bool 
             _, result_cls = _stage_classes(stage)
             if before is not None:
                 before(stage, spec)
-            if not (_inputs(stage, stage_cfg, run.folders) & rerun) and _finished(stage_dir, stage_cfg):
+            upstream = _inputs(stage, stage_cfg, run.folders)
+            inputs = stage_inputs(stage_cfg, run.folders, upstream)
+            why = "" if upstream & rerun else stale_reason(stage, stage_dir, stage_cfg, inputs, spec, loaded)
+            if why:
+                print(f"{stage}: not reused ({why})", flush=True)
+            if why is None:
                 result = result_cls.load(stage_dir)
                 run.reused[stage] = True
                 print(f"{stage}: reused {stage_dir} (finished with the same settings, "
@@ -353,6 +473,8 @@ def run_experiment(config: ExperimentConfig, out: str | Path, *, progress: bool 
                 if "out" in accepts:
                     kwargs["out"] = stage_dir  # its checkpoints: a stopped run resumes
                 result = module.run(stage_cfg, model=loaded, progress=progress, **kwargs)
+                begin_save(stage_dir)  # no finished marker while inputs.json describes the new run
+                write_json(inputs, stage_dir / INPUTS)
                 result.save(stage_dir)
                 run.reused[stage] = False
                 rerun.add(stage)
@@ -370,9 +492,10 @@ def run_experiment(config: ExperimentConfig, out: str | Path, *, progress: bool 
                                        "stages": {s: str(p) for s, p in run.folders.items()}})
         manifest["model"] = run.provenance or {"model": spec.name, "revision": spec.revision,
                                                "loaded": False}  # no stage needed the weights
+        manifest["stimuli_hash"] = _stimuli_hashes(run.folders)  # by stage
         manifests.append(manifest)
         runs.append(run)
         del loaded  # one model in memory at a time
     manifest = {"name": config.name, "argv": list(sys.argv), "models": manifests}
-    write_json(manifest, out / "manifest.json")
+    write_json(manifest, out / MANIFEST)
     return ExperimentResult(config, out, runs, manifest)

@@ -17,6 +17,7 @@ C = TypeVar("C")
 CONFIG = "config.json"
 MANIFEST = "manifest.json"
 RESULT = "result.json"
+INPUTS = "inputs.json"  # an experiment stage's input fingerprints (`tomlens.runs.experiment`)
 
 
 def make_manifest(model: Any, config: Any, *, stimuli_hash: str | None = None,

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from tomlens.errors import TomlensError
-from tomlens.runs.base import ModelSpec, config_to_dict
+from tomlens.runs.base import ModelSpec
 
 __all__ = ["PairsConfig", "PairsResult", "report_path", "run"]
 
@@ -24,7 +24,8 @@ __all__ = ["PairsConfig", "PairsResult", "report_path", "run"]
 class PairsConfig:
     """Which pairs: a family (`n` tasks or items, default 20; BigToM: the first `n` stories of
     `path`, default all), the controls to pair with (`contrasts`, default the family's own) and
-    generator `options`; `model` decides alignment through its tokenizer and BOS rule."""
+    generator `options`; `model` decides alignment through its tokenizer and BOS rule.
+    `max_pairs` keeps the first that many aligned pairs (a task gives several, one per contrast)."""
 
     model: ModelSpec = field(default_factory=ModelSpec)
     family: str = "unexpected-transfer"
@@ -33,6 +34,7 @@ class PairsConfig:
     path: str | None = None
     contrasts: tuple[str, ...] | None = None
     options: Mapping[str, Any] = field(default_factory=dict)
+    max_pairs: int | None = None
 
     def __post_init__(self) -> None:
         from tomlens.stimuli.pairs import PAIR_FAMILIES
@@ -45,6 +47,8 @@ class PairsConfig:
             raise TomlensError(f"--path is for `bigtom`, not {self.family!r}", "drop --path (path = ...)")
         if self.n is not None and self.n < 1:
             raise TomlensError(f"--n {self.n} must be at least 1", "pass --n 1 or more")
+        if self.max_pairs is not None and self.max_pairs < 1:
+            raise TomlensError(f"max_pairs = {self.max_pairs} must be at least 1", "use 1 or more, or leave it out")
         if isinstance(self.contrasts, str):
             object.__setattr__(self, "contrasts", (self.contrasts,))
         elif self.contrasts is not None:
@@ -99,23 +103,18 @@ class PairsResult:
     def save(self, out: str | Path) -> Path:
         """A run directory: pairs.jsonl with pairs.report.json, config.json, manifest.json and,
         last, result.json (the report)."""
-        from tomlens.io import write_json
-        from tomlens.provenance import run_manifest
+        from tomlens.runs.files import begin_save, finish_save, make_manifest
 
-        out = Path(out)
-        (out / "result.json").unlink(missing_ok=True)
+        out = begin_save(out)
         self.write_file(out / "pairs.jsonl")
-        write_json(config_to_dict(self.config), out / "config.json")
-        write_json(run_manifest(None, self.config, stimuli_hash=self.summary["stimuli_hash"],
-                                extra={"tokenizer": self.summary["checked_with"], "bos": self.summary["bos"]}),
-                   out / "manifest.json")
-        write_json(self.summary, out / "result.json")
-        return out
+        manifest = make_manifest(None, self.config, stimuli_hash=self.summary["stimuli_hash"],
+                                 extra={"tokenizer": self.summary["checked_with"], "bos": self.summary["bos"]})
+        return finish_save(out, self.config, manifest, self.summary)
 
     @classmethod
     def load(cls, out: str | Path) -> PairsResult:
         """Read back a run directory written by `save`, or a pairs file with its report."""
-        from tomlens.runs.base import config_from_dict
+        from tomlens.runs.files import read_finished
         from tomlens.stimuli.pairs import PairReport, read_pairs
 
         out = Path(out)
@@ -128,16 +127,14 @@ class PairsResult:
         summary.pop("pairs_file", None)
         report = PairReport(summary["family"], summary["total"], summary["aligned"],
                             [tuple(x) for x in summary["dropped_pairs"]], summary["checked_with"])
-        config_file = pairs_file.parent / "config.json"
-        if in_folder and config_file.is_file():
-            config = config_from_dict(PairsConfig, json.loads(config_file.read_text()))
-        else:  # a pairs file written by the CLI: its settings from the report
+        config = read_finished(out, PairsConfig)[1] if in_folder else None
+        if config is None:  # a pairs file written by the CLI: its settings from the report
             config = PairsConfig(
                 model=ModelSpec(name=summary["model"]), family=summary["family"],
                 n=summary["n"], seed=summary["seed"], options={k: v for k, v in summary["options"].items()
                                                                if k != "contrasts"},
                 contrasts=tuple(summary["options"]["contrasts"]) if "contrasts" in summary["options"] else None,
-                path=summary.get("path"))
+                path=summary.get("path"), max_pairs=summary.get("max_pairs"))
         return cls(config, read_pairs(pairs_file), report, summary)
 
 
@@ -159,6 +156,8 @@ def run(config: PairsConfig, *, model: Any = None, progress: bool = True) -> Pai
     source = "tokenizer" if config.model.prepend_bos is None else "user"
     pairs, token_report = align_pairs(candidates, tokenizer)
     report.merge(token_report)
+    if config.max_pairs is not None:
+        pairs = pairs[: config.max_pairs]
     if not pairs:
         print(report.summary())
         raise TomlensError(
@@ -173,4 +172,6 @@ def run(config: PairsConfig, *, model: Any = None, progress: bool = True) -> Pai
     }
     if config.path is not None:
         summary["path"] = config.path
+    if config.max_pairs is not None:
+        summary["max_pairs"] = config.max_pairs
     return PairsResult(config, pairs, report, summary)

@@ -20,7 +20,6 @@ Figures are the report layer's: `tomlens.report.patching.write_patching_figures`
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from dataclasses import dataclass, field, replace
@@ -28,7 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
 from tomlens.errors import TomlensError
-from tomlens.runs.base import ModelSpec, config_to_dict, split_items
+from tomlens.runs.base import ModelSpec, split_items
 from tomlens.runs.pairs import PairsConfig
 
 if TYPE_CHECKING:
@@ -44,10 +43,6 @@ GRADDROP = {"auto": None, "on": True, "off": False}
 FORMATS = ("parquet", "csv")
 DEFAULT_MAX_RUNS = 100_000  # = tomlens.patching.plan.DEFAULT_MAX_RUNS (kept here: no torch to read a config)
 DEFAULT_CHUNK_RUNS = 1024  # = tomlens.patching.engine.DEFAULT_CHUNK_RUNS
-
-
-def _items(value: str | Sequence[str]) -> tuple[str, ...]:
-    return tuple(split_items(value))
 
 
 @dataclass(frozen=True)
@@ -81,8 +76,8 @@ class PatchingConfig:
     format: str = "parquet"
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "sites", _items(self.sites))
-        object.__setattr__(self, "positions", _items(self.positions))
+        object.__setattr__(self, "sites", tuple(split_items(self.sites)))
+        object.__setattr__(self, "positions", tuple(split_items(self.positions)))
         if self.pairs_path is not None and not isinstance(self.pairs_path, str):
             object.__setattr__(self, "pairs_path", str(self.pairs_path))
         if self.probe_table is not None and not isinstance(self.probe_table, str):
@@ -193,20 +188,18 @@ class PatchingRunResult:
         """Write the tables, config.json, manifest.json, summary.json and, last, result.json; then
         remove the run's checkpoints. A dry run has nothing to save (an error, nothing written)."""
         from tomlens.io import write_json, write_table
+        from tomlens.runs.files import begin_save, finish_save
 
         if self.dry_run:
             raise TomlensError("a dry run has no results to save",
                                "run again without dry_run (--dry-run) to patch and write the tables")
-        out = Path(out)
-        for name in ("result.json", "summary.json"):  # their presence marks a finished run
-            (out / name).unlink(missing_ok=True)
+        out = begin_save(out)
+        (out / "summary.json").unlink(missing_ok=True)  # written with the tables, before result.json
         ext = ".parquet" if self.config.format == "parquet" else ".csv"
         for stem, df in self.tables.items():
             write_table(df, out / f"{stem}{ext}")
-        write_json(config_to_dict(self.config), out / "config.json")
-        write_json(self.manifest, out / "manifest.json")
         write_json(self.summary, out / "summary.json")
-        write_json(self.summary, out / "result.json")
+        finish_save(out, self.config, self.manifest, self.summary)
         if self.checkpoints is not None:
             self.checkpoints.clear()
         return out
@@ -215,28 +208,18 @@ class PatchingRunResult:
     def load(cls, out: str | Path) -> PatchingRunResult:
         """The tables, summary, config and manifest of a finished run (`save`); no sweep objects."""
         from tomlens.io import read_table
-        from tomlens.runs.base import config_from_dict
+        from tomlens.runs.files import CONFIG, read_finished
 
-        out = Path(out)
-        if not (out / "result.json").is_file():
-            raise TomlensError(f"{out} holds no finished patching run (no result.json)",
-                               "run it (e.g. `tomlens patch ... --out DIR`) and let it finish")
-        summary = json.loads((out / "result.json").read_text(encoding="utf-8"))
-        config = config_from_dict(PatchingConfig, json.loads((out / "config.json").read_text(encoding="utf-8")))
-        manifest_file = out / "manifest.json"
-        manifest = json.loads(manifest_file.read_text(encoding="utf-8")) if manifest_file.is_file() else {}
+        out, config, manifest, summary = read_finished(out, PatchingConfig)
+        if config is None:
+            raise TomlensError(f"{out} holds a patching result but no {CONFIG}",
+                               "run the patching again into that folder (its settings are not recorded)")
         tables = {}
         for name in summary["files"]:
             path = out / name
             if path.suffix in (".parquet", ".csv"):
                 tables[path.stem] = read_table(path)
         return cls(config, summary, tables, manifest=manifest)
-
-
-def _stem(position: str) -> str:
-    import re
-
-    return re.sub(r"[^A-Za-z0-9_]+", "-", position)
 
 
 def _with_seed(result: Any, seed: int) -> Any:

@@ -21,8 +21,7 @@ from tomlens.probes.logistic import C_GRID
 from tomlens.probes.sweep import PROBES, ProbeSweepResult, SweepConfig, read_probe_sweep, run_probe_sweep, \
     write_probe_sweep
 from tomlens.probes.targets import get_target
-from tomlens.runs.base import ModelSpec, StimuliSpec
-from tomlens.runs.cache import normalise_items
+from tomlens.runs.base import ModelSpec, StimuliSpec, split_items
 from tomlens.runs.files import begin_save, finish_save, make_manifest, read_finished
 from tomlens.stimuli.records import stimuli_hash
 
@@ -71,14 +70,14 @@ class ProbesConfig:
             raise TomlensError("no probe targets were given", "name at least one, e.g. protagonist_belief")
         for t in targets:
             get_target(t)
-        sites = normalise_items(self.sites)
+        sites = tuple(split_items(self.sites))
         object.__setattr__(self, "sites", sites)
         bad = [k for k in sites if k not in KINDS]
         if bad or not sites:
             raise TomlensError(f"sites {' '.join(bad) or '(none)'}: not a site kind "
                                "(layers are not chosen here: every layer is probed)",
                                f"use bare kinds from {', '.join(KINDS)}")
-        positions = tuple(parse_selectors(normalise_items(self.positions)))
+        positions = tuple(parse_selectors(split_items(self.positions)))
         object.__setattr__(self, "positions", positions)
         if len(positions) != 1:
             raise TomlensError(f"positions {', '.join(positions)}: the probe sweep uses one position",
@@ -183,7 +182,7 @@ def run(config: ProbesConfig, *, model: Any = None, progress: bool = True) -> Pr
                              batch_size=config.batch_size, progress=progress)
     test_acts = None if test is None else cache_activations(
         model, test, sites, [config.position], store=config.store, batch_size=config.batch_size, progress=progress)
-    sweep = run_probe_sweep(acts, list(config.targets), kinds=list(config.sites), position=config.position,
+    sweep = run_probe_sweep(acts, list(config.targets), sites=list(config.sites), positions=config.positions,
                             test_acts=test_acts, probe=config.probe, seed=config.seed,
                             config=sweep_config(config, progress=progress))
     summary = {"rows": len(sweep.table), "targets": list(config.targets), "sites": list(config.sites),
