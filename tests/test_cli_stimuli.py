@@ -20,7 +20,7 @@ BIGTOM = Path(os.environ.get(
 ))
 
 GENERATED = ["unexpected-transfer", "unexpected-contents", "goal-encoding", "belief-tracking",
-             "belief-statements"]
+             "belief-statements", "order-only"]
 
 
 def _summary_counts(line: str) -> dict[tuple[str, str], int]:

@@ -21,6 +21,7 @@ FAMILIES: dict[str, tuple[str, str]] = {
     "goal-encoding": ("tomlens.stimuli.goal_encoding", "goal_encoding"),
     "belief-tracking": ("tomlens.stimuli.tracking", "belief_tracking"),
     "belief-statements": ("tomlens.stimuli.statements", "belief_statements"),
+    "order-only": ("tomlens.stimuli.order_only", "order_only"),
 }
 
 
