@@ -319,7 +319,7 @@ def test_out_of_memory_shrinks_the_batch_with_identical_results(ut_pairs, monkey
     assert calls["raised"] > 1 and max(calls["rows"][1:]) <= calls["raised"] // 2
     # the same runs in smaller forwards: fp32 rounding at most (raw logit differences ~0.1)
     torch.testing.assert_close(got.values, want.values, rtol=1e-5, atol=1e-6, equal_nan=True)
-    torch.testing.assert_close(got.clean, want.clean, rtol=0, atol=0)
+    torch.testing.assert_close(got.clean, want.clean, rtol=1e-5, atol=1e-6)  # the base pass may rerun in smaller batches
 
 
 @pytest.mark.parametrize("name", ["tiny-gpt2", "tiny-llama", "tiny-neox"])

@@ -230,6 +230,7 @@ def test_verified_cells_equal_exact_patching(load_tiny):
     torch.testing.assert_close(res.values[ver], exact.values, atol=1e-5, rtol=1e-5, equal_nan=True)
     torch.testing.assert_close(res.clean, exact.clean, atol=1e-5, rtol=1e-5)
     rest = [i for i in range(len(res.cells)) if i not in set(ver)]
+    # cells left unverified keep their estimate: the very same tensor values, copied, so exact equality
     torch.testing.assert_close(res.values[rest], res.estimates.result().values[rest], atol=0, rtol=0, equal_nan=True)
     table = res.summary()
     assert table.verified.sum() == len(ver) and set(table.verified_as) <= {"rule", "sample", ""}

@@ -16,7 +16,8 @@ from tomlens.behaviour.scoring import score
 from tomlens.errors import TomlensError
 from tomlens.io import read_table, write_json, write_table
 from tomlens.runs.base import ModelSpec, StimuliSpec, config_from_dict
-from tomlens.runs.files import begin_save, finish_save, make_manifest, read_finished
+from tomlens.provenance import run_manifest
+from tomlens.runs.files import begin_save, finish_save, read_finished
 from tomlens.stimuli.records import Stimulus, stimuli_hash
 
 # Optional tables: written only when non-empty (an empty one is absent, and loads back empty).
@@ -120,7 +121,7 @@ def run(config: BehaviourConfig, *, model: Any = None, progress: bool = True) ->
     if model is None:
         model = config.model.load()
     result = run_behaviour(model, stimuli, batch_size=config.batch_size, progress=progress, seed=config.seed)
-    manifest = make_manifest(model, config, stimuli_hash=stimuli_hash(stimuli))
+    manifest = run_manifest(model, config, stimuli_hash=stimuli_hash(stimuli))
     return BehaviourResult(result.table, result.accuracy, result.strict, result.object_bias, result.selective,
                            result.prefix_curves, result.summary, config=config, manifest=manifest)
 

@@ -15,7 +15,8 @@ from tomlens.errors import TomlensError
 from tomlens.hooks.sites import KINDS
 from tomlens.models.positions import parse_selectors
 from tomlens.runs.base import ModelSpec, StimuliSpec, split_items
-from tomlens.runs.files import begin_save, finish_save, make_manifest, read_finished
+from tomlens.provenance import run_manifest
+from tomlens.runs.files import begin_save, finish_save, read_finished
 from tomlens.stimuli.records import stimuli_hash
 
 
@@ -99,5 +100,5 @@ def run(config: CacheConfig, *, model: Any = None, progress: bool = True) -> Cac
         model = config.model.load()
     acts = cache_activations(model, stimuli, list(config.sites), list(config.positions), store=config.store,
                              batch_size=config.batch_size, flush_seconds=config.flush_seconds, progress=progress)
-    manifest = make_manifest(model, config, stimuli_hash=stimuli_hash(stimuli))
+    manifest = run_manifest(model, config, stimuli_hash=stimuli_hash(stimuli))
     return CacheResult(activations=acts, summary=summarise_activations(acts), config=config, manifest=manifest)

@@ -20,14 +20,6 @@ RESULT = "result.json"
 INPUTS = "inputs.json"  # an experiment stage's input fingerprints (`tomlens.runs.experiment`)
 
 
-def make_manifest(model: Any, config: Any, *, stimuli_hash: str | None = None,
-                  extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The run's provenance (`tomlens.provenance.run_manifest`), taken while the model is at hand."""
-    from tomlens.provenance import run_manifest
-
-    return run_manifest(model, config, stimuli_hash=stimuli_hash, extra=extra)
-
-
 def begin_save(out: str | Path) -> Path:
     """Create `out` and remove its finished-run marker before anything else is written."""
     out = Path(out)

@@ -103,11 +103,12 @@ class PairsResult:
     def save(self, out: str | Path) -> Path:
         """A run directory: pairs.jsonl with pairs.report.json, config.json, manifest.json and,
         last, result.json (the report)."""
-        from tomlens.runs.files import begin_save, finish_save, make_manifest
+        from tomlens.provenance import run_manifest
+        from tomlens.runs.files import begin_save, finish_save
 
         out = begin_save(out)
         self.write_file(out / "pairs.jsonl")
-        manifest = make_manifest(None, self.config, stimuli_hash=self.summary["stimuli_hash"],
+        manifest = run_manifest(None, self.config, stimuli_hash=self.summary["stimuli_hash"],
                                  extra={"tokenizer": self.summary["checked_with"], "bos": self.summary["bos"]})
         return finish_save(out, self.config, manifest, self.summary)
 

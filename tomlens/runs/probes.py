@@ -22,7 +22,8 @@ from tomlens.probes.sweep import PROBES, ProbeSweepResult, SweepConfig, read_pro
     write_probe_sweep
 from tomlens.probes.targets import get_target
 from tomlens.runs.base import ModelSpec, StimuliSpec, split_items
-from tomlens.runs.files import begin_save, finish_save, make_manifest, read_finished
+from tomlens.provenance import run_manifest
+from tomlens.runs.files import begin_save, finish_save, read_finished
 from tomlens.stimuli.records import stimuli_hash
 
 EVALUATIONS = ("crossfit", "holdout")
@@ -190,5 +191,5 @@ def run(config: ProbesConfig, *, model: Any = None, progress: bool = True) -> Pr
                "test_activations": None if test_acts is None else str(test_acts.path),
                "directions": bool(sweep.directions), "notes": list(sweep.metadata.get("notes", []))}
     extra = None if test is None else {"test_stimuli_hash": stimuli_hash(test)}
-    manifest = make_manifest(model, config, stimuli_hash=stimuli_hash(stimuli), extra=extra)
+    manifest = run_manifest(model, config, stimuli_hash=stimuli_hash(stimuli), extra=extra)
     return ProbesResult(sweep=sweep, summary=summary, config=config, manifest=manifest)
