@@ -6,6 +6,7 @@ token positions through the tokenizer's offsets without hard-coded indices.
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterable, Literal, Sequence
@@ -54,6 +55,9 @@ class Stimulus:
     story, the label word in a contents story) so that binary targets such as "the protagonist
     believes the object is where it started" mean the same thing in every item.
     `meta` holds family-specific labels (k habituations, agent type, prefix index, ...).
+    `spans` holds one span per role (a role's first mention); `mentions` every mention of a role,
+    in text order (so a position can name the protagonist's mention after the cue, not only the
+    first one). Records from files without mentions have an empty `mentions`.
     """
 
     id: str
@@ -71,6 +75,7 @@ class Stimulus:
     reference_state: str | None = None
     spans: dict[str, Span] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)
+    mentions: dict[str, tuple[Span, ...]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         problems = validate(self)
@@ -116,6 +121,9 @@ class Stimulus:
         d["options"] = list(self.options)
         d["spans"] = {k: [s.start, s.end] for k, s in self.spans.items()}
         d["belief_differs"] = self.belief_differs
+        d.pop("mentions")
+        if self.mentions:  # absent when empty, so records without mentions keep their hash
+            d["mentions"] = {k: [[s.start, s.end] for s in v] for k, v in self.mentions.items()}
         return d
 
     @classmethod
@@ -125,6 +133,7 @@ class Stimulus:
         d["options"] = tuple(d["options"])
         d["spans"] = {k: Span(int(v[0]), int(v[1])) for k, v in (d.get("spans") or {}).items()}
         d["meta"] = dict(d.get("meta") or {})
+        d["mentions"] = {k: tuple(Span(int(a), int(b)) for a, b in v) for k, v in (d.get("mentions") or {}).items()}
         return cls(**d)
 
 
@@ -143,12 +152,34 @@ def validate(s: Stimulus) -> list[str]:
         problems.append(f"answer {s.answer!r} is not one of the options {list(s.options)!r}")
     if s.prompt_type not in PROMPT_TYPES:
         problems.append(f"prompt_type {s.prompt_type!r} is not one of {PROMPT_TYPES}")
-    for role, span in s.spans.items():
+    for role, span in [*s.spans.items(), *((r, m) for r, ms in s.mentions.items() for m in ms)]:
         if not (0 <= span.start < span.end <= len(s.text)):
             problems.append(
                 f"span {role!r} [{span.start}, {span.end}) is outside the text (length {len(s.text)})"
             )
+    for role, ms in s.mentions.items():
+        if list(ms) != sorted(ms, key=lambda m: m.start):
+            problems.append(f"mentions of {role!r} are not in text order")
     return problems
+
+
+def find_mentions(text: str, words: dict[str, str | Sequence[str]]) -> dict[str, tuple[Span, ...]]:
+    """Every whole-word occurrence of each role's word(s) in `text`, in text order.
+
+    `words` maps a role to its surface form(s), e.g. {"protagonist": "Mia", "location_1": "the
+    basket"}; a role whose words never occur is left out. Used by generators to fill `mentions`."""
+    out: dict[str, tuple[Span, ...]] = {}
+    for role, forms in words.items():
+        forms = [forms] if isinstance(forms, str) else list(forms)
+        found: set[tuple[int, int]] = set()
+        for form in forms:
+            if not form:
+                continue
+            pattern = (r"(?<!\w)" if form[0].isalnum() else "") + re.escape(form) + (r"(?!\w)" if form[-1].isalnum() else "")
+            found.update((m.start(), m.end()) for m in re.finditer(pattern, text))
+        if found:
+            out[role] = tuple(Span(a, b) for a, b in sorted(found))
+    return out
 
 
 def write_jsonl(stimuli: Iterable[Stimulus], path: str | Path) -> Path:
