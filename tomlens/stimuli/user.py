@@ -26,7 +26,7 @@ KNOWN: frozenset[str] = frozenset(
     REQUIRED
     + STRING_FIELDS
     + OPTIONAL_STATE_FIELDS
-    + ("reversed", "prompt_type", "spans", "meta", "group", "belief_differs")
+    + ("reversed", "prompt_type", "spans", "mentions", "meta", "group", "belief_differs")
 )
 CSV_ONLY: frozenset[str] = frozenset({"option_a", "option_b"})
 FORMAT_DOC = "see docs/stimulus-format.md"
@@ -98,7 +98,7 @@ def write_user_csv(stimuli: Sequence[Stimulus], path: str | Path) -> Path:
     columns = [
         "id", "text", "option_a", "option_b", "answer", "family", "task_id", "template_id",
         "condition", "reversed", "prompt_type", "world_state", "protagonist_belief",
-        "reference_state", "spans", "meta",
+        "reference_state", "spans", "mentions", "meta",
     ]
     with atomic_path(path) as tmp, tmp.open("w", encoding="utf-8", newline="") as f:
         w = csv.DictWriter(f, fieldnames=columns)
@@ -113,6 +113,7 @@ def write_user_csv(stimuli: Sequence[Stimulus], path: str | Path) -> Path:
                 "protagonist_belief": _none_marker(s.protagonist_belief),
                 "reference_state": _none_marker(s.reference_state),
                 "spans": json.dumps({k: [v.start, v.end] for k, v in s.spans.items()}),
+                "mentions": json.dumps({k: [[m.start, m.end] for m in v] for k, v in s.mentions.items()}),
                 "meta": json.dumps(s.meta, ensure_ascii=False),
             })
     return Path(path)
@@ -234,6 +235,8 @@ def _row_to_stimulus(row: dict[str, Any], *, is_csv: bool) -> Stimulus:
         kwargs["prompt_type"] = pt
     if "spans" in row:
         kwargs["spans"] = _spans(row["spans"], text, is_csv)
+    if "mentions" in row:
+        kwargs["mentions"] = _mentions(row["mentions"], text, is_csv)
     if "meta" in row:
         base = _json_object(row["meta"], "meta", is_csv)
         clash = sorted(set(base) & set(meta))
@@ -356,6 +359,18 @@ def _json_object(value: Any, name: str, is_csv: bool) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise _RowError(name, f"must be a JSON object, got {type(value).__name__}")
     return dict(value)
+
+
+def _mentions(value: Any, text: str, is_csv: bool) -> dict[str, tuple[Span, ...]]:
+    """Every mention of each role: {role: [[start, end], ...]} in text order."""
+    raw = _json_object(value, "mentions", is_csv)
+    out: dict[str, tuple[Span, ...]] = {}
+    for role, spans in raw.items():
+        if not isinstance(spans, list):
+            raise _RowError(f"mentions.{role}", f"must be a list of [start, end] pairs, got {spans!r}")
+        parsed = _spans({f"{role}[{i}]": v for i, v in enumerate(spans)}, text, is_csv=False)
+        out[role] = tuple(sorted(parsed.values(), key=lambda m: m.start))
+    return out
 
 
 def _spans(value: Any, text: str, is_csv: bool) -> dict[str, Span]:
