@@ -110,3 +110,50 @@ def test_behave_cli_names_an_empty_stimulus_file(tmp_path, capsys):
     err = capsys.readouterr().err
     assert rc == 2 and "empty.jsonl" in err and "fix:" in err
     assert not (tmp_path / "out").exists()
+
+
+def test_reality_gating_and_knowledge_state_effect_on_scored_stories(load_tiny, tmp_path):
+    """On real scored tables: reality and belief prompts of a story share a story id, the gated
+    counts agree with the per-prompt table, the paired effect equals its recomputation from the
+    options' log-probabilities, and the new tables save and load as their own files."""
+    import numpy as np
+    import pandas as pd
+
+    from tomlens.runs.behaviour import BehaviourResult, run_behaviour
+    from tomlens.stimuli import generate
+
+    stimuli = generate("order-only", n=4, seed=0) + generate("false-belief-factorial", n=1, seed=0)
+    result = run_behaviour(load_tiny("tiny-gpt2"), stimuli, progress=False, n_boot=100)
+    t = result.table
+    per_story = t.groupby("story_id")["prompt_type"].agg(lambda x: sorted(set(x)))
+    assert (per_story.map(tuple) == ("belief", "reality")).all()
+
+    oo = t[t.family == "order-only"]
+    reality = oo[oo.prompt_type == "reality"].set_index("story_id")["correct"]
+    belief = oo[oo.prompt_type == "belief"]
+    kept = belief[belief.story_id.map(reality)]
+    gated = result.reality_gated.set_index(["family", "condition"])
+    for cond in ("false_belief", "true_belief"):
+        row = gated.loc[("order-only", cond)]
+        want = kept[kept.condition == cond]
+        assert row.n_kept == len(want) and row.n_kept + row.n_dropped == 4 and row.n_unmatched == 0
+        if len(want):
+            assert row.accuracy == want.correct.mean()
+
+    def log_odds(rows: pd.DataFrame) -> pd.Series:  # log p(location 1) - log p(location 2)
+        start = rows.reference_state
+        return pd.Series(np.where(rows.option_a == start, rows.logp_a - rows.logp_b, rows.logp_b - rows.logp_a),
+                         index=rows.task_id)
+    fb, tb = (log_odds(belief[belief.condition == c]) for c in ("false_belief", "true_belief"))
+    effect = result.knowledge_state.set_index("family").loc["order-only"]
+    assert effect.n_pairs == 4 and effect.effect == pytest.approx(float((fb - tb.loc[fb.index]).mean()))
+    fac = result.knowledge_state.set_index("family").loc["false-belief-factorial"]
+    assert fac.contrast == "true_belief" and fac.n_pairs == 8 and fac.n_tasks == 1
+
+    out = result.save(tmp_path / "b")
+    assert (out / "reality_gated.csv").is_file() and (out / "knowledge_state_effect.csv").is_file()
+    back = BehaviourResult.load(out)
+    pd.testing.assert_frame_equal(back.knowledge_state, result.knowledge_state, check_dtype=False)
+    pd.testing.assert_frame_equal(back.reality_gated, result.reality_gated, check_dtype=False)
+    text = back.describe()
+    assert text == result.describe() and "gated on the reality prompt" in text and "knowledge-state effect" in text

@@ -25,7 +25,8 @@ SMALL = {
     "probe-study": (["models.0.name=tiny-llama", "models.1.name=tiny-llama", "probes.stimuli.n=5",
                      "probes.folds=4", "probes.inner_folds=3", "probes.n_boot=50", "probes.c_grid=[0.1, 1.0]"],
                     ["tiny-llama/probes", "tiny-llama-bos/probes"]),
-    "patching-study": (["model.name=tiny-llama", "pairs.n=1", "patching.top_k=2", "patching.n_random=2"],
+    "patching-study": (["model.name=tiny-llama", "pairs.n=1", "patching.top_k=2", "patching.n_random=2",
+                        "patching.force=true"],  # a random model's gap fails the gate: forced, flagged
                        ["pairs", "patching"]),
 }
 
@@ -119,6 +120,7 @@ contrasts = ["present"]
 sites = ["heads"]
 top_k = 1
 n_random = 1
+force = true
 probe_table = "probes"
 """
     path = tmp_path / "small.toml"

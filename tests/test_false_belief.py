@@ -14,6 +14,7 @@ from tomlens.stimuli.false_belief import (
     CONTENTS_TEMPLATES, TRANSFER_TEMPLATES, make_tasks, mentions, unexpected_contents,
     unexpected_transfer,
 )
+from tomlens.stimuli.lexicon import CUE_POOLS
 from tomlens.stimuli.records import Stimulus
 
 GENERATORS = {"unexpected-transfer": unexpected_transfer, "unexpected-contents": unexpected_contents}
@@ -66,8 +67,7 @@ def _contents_roles(s: Stimulus) -> tuple[str, str, str]:
     story = _story(s)
     y = re.search(r"\bno (\w+)\b", story).group(1)
     x = next(o for o in s.options if o != y)
-    label_sentence = next(sent for sent in re.split(r"(?<=\.) ", story)
-                          if "label" in sent and ", not " in sent)
+    label_sentence = s.span_text("contrast_label")
     label = re.search(r"(\w+), not \w+\.$", label_sentence).group(1)
     return x, y, label
 
@@ -169,6 +169,12 @@ def _first(text: str, word: str) -> tuple[int, int]:
     return m.start(), m.end()
 
 
+def _pool_fill(s: Stimulus) -> dict[str, str]:
+    """Pronoun slots of the cue pools for a record's protagonist and other agent."""
+    row = {n: r for n, *r in lexicon.NAMES}
+    return {"Pp": row[s.meta["protagonist"]][2], "Ao": row[s.meta["other_agent"]][1]}
+
+
 def _check_sentence(text: str, start: int, end: int) -> None:
     assert start == 0 or text[start - 2: start] == ". ", text[start - 5: start + 5]
     assert text[end - 1] == "."
@@ -186,14 +192,27 @@ def test_transfer_spans_point_at_the_right_words():
         template = TRANSFER_TEMPLATES[s.template_id]
         contrast = s.span_text("contrast")
         seen, told = s.span_text("contrast_seen"), s.span_text("contrast_told")
+        cue, fill = s.span_text("cue"), _pool_fill(s)
         _check_sentence(s.text, s.spans["contrast"].start, s.spans["contrast"].end)
+        # the seen contrast is the decoy and the deciding move; both cues occur in every story
+        decoy, move = re.split(r"(?<=\.) ", seen)
+        g, p, b = s.meta["cue_group"], s.meta["protagonist"], s.meta["bystander"]
+        absence, presence = (CUE_POOLS[k][g].format(**fill) for k in ("absence", "presence"))
+        assert s.meta["decoy"] and f"{b}, but not {p}," in told or f"{p}, but not {b}," in told
         if s.condition == "present":
-            assert contrast == seen and re.search(rf"\b{template['absent_tb']}\b", seen)
+            assert contrast == seen and cue == presence and presence in move and absence in decoy
         elif s.condition == "informed":
-            assert contrast == told and re.search(rf"\btells {s.meta['protagonist']}\b", told)
+            assert contrast == told and cue == CUE_POOLS["told"][g].format(H=f"{p}, but not {b},")
         else:
-            assert contrast == f"{seen} {told}"
-            assert re.search(rf"\b{template['absent_fb']}\b", seen) and "nobody" in told
+            assert contrast == f"{seen} {told}" and cue == absence and absence in move
+            assert presence in decoy and f"{b}, but not {p}," in told
+        assert s.spans["cue"].start >= s.spans["contrast"].start and s.spans["cue"].end <= s.spans["contrast"].end
+        # the decoy puts the object back; the move ends in the other location unless no transfer
+        d, m = (x.replace(absence, "").replace(presence, "") for x in (decoy, move))
+        assert d.rindex(" back") > d.rindex(f" {other}")
+        assert (m.rindex(" back") > m.rindex(f" {other}")) == (s.condition == "no_transfer")
+        assert s.meta["cue_kind"] == {"present": "presence", "informed": "told"}.get(s.condition, "absence")
+        assert s.meta["cue_id"] == f"{s.meta['cue_kind']}:{g}"
         query = s.span_text("query")
         assert s.spans["query"].end == len(s.text)
         assert query == template[s.prompt_type].format(
@@ -210,20 +229,25 @@ def test_contents_spans_point_at_the_right_words():
         for role, word in expect.items():
             assert s.span_text(role) == word, (s.id, role)
             assert (s.spans[role].start, s.spans[role].end) == _first(s.text, word), (s.id, role)
-        template = CONTENTS_TEMPLATES[s.template_id]
         seen, told = s.span_text("contrast_seen"), s.span_text("contrast_told")
         label = s.span_text("contrast_label")
+        g, p, b, c = s.meta["cue_group"], s.meta["protagonist"], s.meta["bystander"], s.meta["container"]
         _check_sentence(s.text, s.spans["contrast"].start, s.spans["contrast"].end)
+        look = CUE_POOLS["look"][g]
+        assert CUE_POOLS["label"][g].format(C=c, LA=s.reference_state, LB=x if s.reference_state == y
+                                            else y) == label
         if s.condition == "open_container":
-            assert s.span_text("contrast") == seen and f" {template['look_tb']} " in seen
+            assert s.span_text("contrast") == seen and s.span_text("cue") == look.format(tgt=f"the {c}")
+            assert seen.startswith(f"{p} {look.format(tgt=f'the {c}')}, not the glass ")
         elif s.condition == "informed":
-            assert s.span_text("contrast") == told and f" {s.meta['protagonist']} " in told
+            assert s.span_text("contrast") == told and f" {p}, but not {b}, " in told
+            assert s.span_text("cue") == CUE_POOLS["told"][g].format(H=f"{p}, but not {b},")
         elif s.condition == "correct_label":
-            assert s.span_text("contrast") == label and label.startswith(template["conj_tb"])
+            assert s.span_text("contrast") == label and s.span_text("cue") == label[:-1]
         else:
             assert s.span_text("contrast") == f"{seen} {told}"
-            assert f" {template['look_fb']} " in seen and " nobody " in told
-            assert label.startswith(template["conj_fb"])
+            assert seen.endswith(f", not the {c} next to it.") and " glass " in s.span_text("cue")
+            assert f" {b}, but not {p}, " in told
         # K24: contents and label words occur equally often, so word frequency tells nothing
         counts = Counter(mentions(_story(s), s.options))
         assert counts[x] == counts[y] > 0
@@ -309,11 +333,8 @@ def test_option_words_and_swapped_words_are_single_smollm2_tokens(load_tiny):
     def n_tokens(word: str) -> int:
         return len(tok(" " + word, add_special_tokens=False)["input_ids"])
 
+    # minimal pairs swap a hearer's name for another (or for "nobody"); cues trade places whole
     swapped = {"nobody"} | {n for n, *_ in lexicon.NAMES}
-    for t in TRANSFER_TEMPLATES.values():
-        swapped |= {t["absent_fb"], t["absent_tb"]}
-    for t in CONTENTS_TEMPLATES.values():
-        swapped |= {t["look_fb"], t["look_tb"], t["conj_fb"], t["conj_tb"]}
     for word in (*lexicon.TRANSFER_LOCATIONS, *lexicon.CONTENTS, *swapped):
         assert n_tokens(word) == 1, word
     firsts = [tok(" " + w, add_special_tokens=False)["input_ids"][0]

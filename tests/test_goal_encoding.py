@@ -108,24 +108,51 @@ def test_targets_spread_evenly_and_options_counterbalanced():
     assert len(placements) == 12  # each of the 6 placements in both option orders
 
 
-def test_agent_wording_per_test_case():
+def test_agent_wording_per_test_case_is_ruis_by_default():
     stims = goal_encoding(3, 0, ks=(2,))
+    assert not any("deliberately" in s.text for s in stims)
     for s in stims:
         reach = s.span_text("contrast")
-        anim = s.meta["anim_denotation"]
+        anim, agent = s.meta["anim_denotation"], s.meta["agent"]
+        assert s.meta["wording"] == "ruis"
         if s.condition == "inanimate":
-            assert s.meta["agent"] in MOVERS
+            assert agent in MOVERS
             assert reach.startswith("An inanimate " if anim else "A")
             assert "moves to and touches" in reach
+            continue
+        assert reach.startswith("A person named " if anim else agent)
+        if s.condition == "animate":
+            assert f"{agent} grasps" in reach and s.meta["manner"] is None
+            assert s.text.count(f"{agent} grasps") == 3  # every reach, habituations included
+        else:  # R23: the accidental agent touches a fruit but grasps the item on a pillar
+            verb = "touches" if s.meta["target_type"] == "fruit" else "grasps"
+            assert f"{agent} accidentally {verb}" in reach and s.meta["reach_verb"] == verb
+            assert s.text.count(f"accidentally {verb}") == 3
+
+
+def test_r23_table_sentences_word_for_word():
+    """The four test-reach sentences of Ruis et al.'s table, with Wendy and a kiwi or the first pillar."""
+    stims = goal_encoding(12, 0, ks=(0,))
+    seen = set()
+    for s in stims:
+        if s.condition == "inanimate":
+            continue
+        m = s.meta
+        reach = s.span_text("contrast").replace(m["agent"], "Wendy")
+        head = ("A person named Wendy" if m["anim_denotation"] else "Wendy")
+        if s.condition == "animate":
+            want = f"{head} grasps the"
+        elif m["target_type"] == "fruit":
+            want = f"{head} accidentally touches the"
         else:
-            assert reach.startswith("A person named " if anim else s.meta["agent"])
-            adverb = "deliberately" if s.condition == "animate" else "accidentally"
-            assert f"{s.meta['agent']} {adverb} grasps" in reach
-            assert s.text.count(adverb) == 3  # every reach, habituations included
+            want = f"{head} accidentally grasps the"
+        assert reach == want + (" item on the" if m["target_type"] == "pillar" else "")
+        seen.add((s.condition, m["target_type"], m["anim_denotation"]))
+    assert len(seen) == 8
 
 
-def test_animate_control_pairs_differ_by_one_same_length_word():
-    stims = goal_encoding(4, 2, ks=(0, 3))
+def test_animate_control_pairs_differ_by_one_same_length_word_with_matched_wording():
+    stims = goal_encoding(4, 2, ks=(0, 3), wording="matched")
     key = lambda s: (s.task_id, s.meta["k"], s.template_id)  # noqa: E731
     animate = {key(s): s for s in stims if s.condition == "animate"}
     for s in stims:
@@ -136,33 +163,40 @@ def test_animate_control_pairs_differ_by_one_same_length_word():
         assert len(a.text) == len(s.text)
         assert a.text.replace("deliberately", "accidentally") == s.text
         assert a.spans == s.spans
+        assert "touches" not in s.text
 
 
-def test_manner_scope_test_and_r23_wording():
-    stims = goal_encoding(2, 0, ks=(3,), manner_scope="test")
-    key = lambda s: (s.task_id, s.template_id)  # noqa: E731
-    animate = {key(s): s for s in stims if s.condition == "animate"}
-    for s in stims:
-        if s.condition == "control":
-            a, c = animate[key(s)].text, s.text
-            diff = [i for i, (x, y) in enumerate(zip(a, c)) if x != y]
-            span = s.spans["contrast"]
-            assert diff and all(span.start <= i < span.end for i in diff)
-            assert s.text.count("accidentally") == 1
-    r23 = goal_encoding(1, 0, ks=(1,), animate_adverb=None, test_cases=("animate",),
-                        target_types=("fruit",), anim_denotations=(False,))
-    (s,) = r23
+def test_manner_scope_test_and_adverb_overrides():
+    for wording in ("ruis", "matched"):
+        stims = goal_encoding(2, 0, ks=(3,), manner_scope="test", wording=wording)
+        key = lambda s: (s.task_id, s.template_id)  # noqa: E731
+        animate = {key(s): s for s in stims if s.condition == "animate"}
+        for s in stims:
+            if s.condition == "control":
+                a, c = animate[key(s)].text, s.text
+                # the texts agree up to the test reach, which lies inside the contrast span
+                start = next(i for i, (x, y) in enumerate(zip(a, c)) if x != y)
+                span = s.spans["contrast"]
+                assert span.start <= start and a[:span.start] == c[:span.start]
+                assert s.text.count("accidentally") == 1
+    matched = goal_encoding(1, 0, ks=(1,), wording="matched", animate_adverb=None,
+                            test_cases=("animate",), target_types=("fruit",),
+                            anim_denotations=(False,))
+    (s,) = matched
+    assert f"{s.meta['agent']} deliberately grasps the {s.meta['goal_object']}." in s.text
+    (s,) = goal_encoding(1, 0, ks=(1,), animate_adverb="purposely", test_cases=("animate",),
+                         target_types=("fruit",), anim_denotations=(False,))
+    assert f"{s.meta['agent']} purposely grasps the {s.meta['goal_object']}." in s.text
     assert goal_encoding(1, 0, ks=2, test_cases="control", target_types="pillar",
                          anim_denotations=True) == [
         x for x in goal_encoding(1, 0, ks=(2,)) if x.condition == "control"
         and x.template_id == "pillar-anim"]
-    assert f"{s.meta['agent']} grasps the {s.meta['goal_object']}." in s.text
-    assert s.meta["manner"] is None
 
 
 @pytest.mark.parametrize("kwargs", [
     {"n": 0}, {"ks": (-1,)}, {"ks": ()}, {"ks": (1, 1)}, {"ks": (1.5,)}, {"test_cases": ("robot",)},
     {"target_types": ("shelf",)}, {"anim_denotations": ("yes",)}, {"manner_scope": "some"},
+    {"wording": "woodward"}, {"control_adverb": ""},
 ])
 def test_bad_options_raise(kwargs):
     args = {"n": 2, "seed": 0, **kwargs}

@@ -84,6 +84,15 @@ def test_topk_recovery(setup):
     assert len(rec.draws) == 4 * n_heads and rec.draws.heads.str.count("L").tolist() == [k for k in t.k for _ in range(4)]
     again = topk_recovery(model, prepared, ranking, k_max=2, n_random=4, seed=3, progress=False)
     assert again.draws.heads.tolist() == rec.draws[rec.draws.k <= 2].heads.tolist()  # seeded
+    some = topk_recovery(model, prepared, ranking, k_max=n_heads, ks=[1, 3, 99], n_random=6, seed=3, progress=False)
+    assert some.table.k.tolist() == [1, 3]  # a k above the ranked heads is left out
+    assert some.table.top_effect.tolist() == pytest.approx(t.set_index("k").loc[[1, 3]].top_effect.tolist())
+    for row in some.table.itertuples():  # random sets take the top set's layers; reach share by hand
+        draws = some.draws[some.draws.k == row.k]
+        layers = sorted(h.split("H")[0] for h in row.heads.split(";"))
+        assert all(sorted(h.split("H")[0] for h in d.split(";")) == layers for d in draws.heads)
+        assert row.random_reach == pytest.approx(float((draws.effect >= row.top_effect).mean()))
+        assert row.p_random == pytest.approx((1 + (draws.effect >= row.top_effect).sum()) / (1 + len(draws)))
 
 
 def _ablate_directly(model, pairs, heads, mode):
@@ -148,6 +157,9 @@ def test_mean_ablation(setup, mode):
         assert row.tb_accuracy == pytest.approx(float((direct[1] < 0).double().mean()))
         assert row.fb_drop == pytest.approx(ab.baseline["fb_accuracy"] - row.fb_accuracy)
     assert len(ab.draws) == 2 * 3 and set(ab.draws.k) == {1, 3}
+    for row in ab.table.itertuples():
+        draws = ab.draws[ab.draws.k == row.k]
+        assert row.random_reach == pytest.approx(float((draws.fb_drop >= row.fb_drop).mean()))
     with pytest.raises((TomlensError, TypeCheckError), match="mode"):  # the guard, or the annotation
         mean_ablation(model, prepared, ranking, ks=[1], mode="median", progress=False)
 

@@ -342,3 +342,37 @@ def test_full_size_random_shapes_match_the_real_models(name, params, layers, hea
     cfg = model.config
     assert (cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads) == (layers, heads, kv)
     assert next(model.parameters()).dtype == torch.bfloat16
+
+
+def test_random_init_keeps_the_architecture_and_tokenizer_with_fresh_seeded_weights(tmp_path, load_tiny):
+    """random:NAME reads NAME's config only: weights differ from NAME's, repeat for a seed, and
+    the tokenizer is NAME's."""
+    from tomlens.models import load_tokenizer
+    from tomlens.models.tiny import build_tiny
+
+    folder = tmp_path / "trained"
+    build_tiny("tiny-llama", seed=5).save_pretrained(folder)  # stands in for trained weights
+    load_tiny("tiny-llama").tokenizer.save_pretrained(folder)
+    base = load_model(str(folder), dtype="float32")
+    r0 = load_model(f"random:{folder}", dtype="float32", seed=0)
+    again = load_model(f"random:{folder}", dtype="float32", seed=0)
+    r1 = load_model(f"random:{folder}", dtype="float32", seed=1)
+    weights = lambda m: [p.detach() for p in m.parameters() if p.ndim == 2]  # noqa: E731
+    assert len(weights(r0)) == len(weights(base)) > 0
+    assert all(not torch.equal(a, b) for a, b in zip(weights(r0), weights(base)))
+    assert all(torch.equal(a, b) for a, b in zip(weights(r0), weights(again)))
+    assert not torch.equal(weights(r0)[0], weights(r1)[0])
+    text = ["Anna puts the ball in the basket."]
+    assert r0.tokenizer(text)["input_ids"] == base.tokenizer(text)["input_ids"]
+    assert load_tokenizer(f"random:{folder}")(text)["input_ids"] == base.tokenizer(text)["input_ids"]
+    prov = provenance(r0)
+    assert prov["source"] == "random-init" and prov["base"] == str(folder) and prov["seed"] == 0
+    assert prov["revision"].startswith(f"random-init:seed=0 of {folder}@local:")
+    assert (prov["n_layers"], prov["d_model"]) == (provenance(base)["n_layers"], provenance(base)["d_model"])
+    tiny = load_model("random:tiny-llama", dtype="float32", seed=2)
+    assert provenance(tiny)["revision"] == "random-init:seed=2 of tiny-llama@config"
+    assert all(torch.equal(a, b) for a, b in zip(weights(tiny), weights(load_tiny("tiny-llama", seed=2))))
+    with pytest.raises(TomlensError, match="names no base model"):
+        load_model("random:")
+    with pytest.raises(TomlensError, match="has no revisions"):
+        load_model("random:tiny-gpt2", revision="main")

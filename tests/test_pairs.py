@@ -46,13 +46,19 @@ def test_false_belief_pairs_align_for_smollm2(tok, family, contrasts):
         assert c.options == k.options and c.span_text("query") == k.span_text("query")
         # clean answer = the belief-consistent one; the control's answer = the world's
         assert c.answer == c.protagonist_belief != c.world_state == p.other_answer == k.answer
-        # one swapped token, inside the (narrowed) contrast sentence of both prompts
+        # the swapped tokens lie inside the (narrowed) contrast of both prompts; with decoys the
+        # informed control swaps two names (who is told, who is not) and the present control swaps
+        # the absence and presence cues between the decoy and the move (two sentences)
         enc_c = tok(c.text, return_offsets_mapping=True)
         positions = diff_positions(p, tok)
-        assert len(positions) == 1
-        start, end = enc_c["offset_mapping"][positions[0]]
-        assert c.spans["contrast"].start <= start and end <= c.spans["contrast"].end
-        assert c.span_text("contrast").count(".") == 1  # exactly one sentence
+        assert positions and (len(positions) == 2 or p.contrast != "informed")
+        for i in positions:
+            start, end = enc_c["offset_mapping"][i]
+            assert c.spans["contrast"].start <= start and end <= c.spans["contrast"].end
+        two = family == "unexpected-transfer" and p.contrast == "present"
+        assert c.span_text("contrast").count(".") == (2 if two else 1)
+        # the control's deciding cue lies inside the contrast
+        assert k.spans["contrast"].start <= k.spans["cue"].start < k.spans["cue"].end <= k.spans["contrast"].end
 
 
 def test_without_a_tokenizer_only_characters_are_checked():
@@ -63,13 +69,45 @@ def test_without_a_tokenizer_only_characters_are_checked():
 
 
 def test_unalignable_controls_are_reported_and_dropped(tok):
+    # without decoys the present control swaps an absence phrase for a presence phrase, which
+    # often differ in length; the informed control swaps "nobody" for a name and always aligns
     pairs, report = make_pairs("unexpected-transfer", 8, seed=0, tokenizer=tok,
-                               contrasts=("present", "no_transfer"))
-    assert report.total == 32 and report.aligned == 16 == len(pairs)
-    assert all(p.contrast == "present" for p in pairs)
-    assert report.reason_counts() == {"token_count": 16}
-    assert all(pid.endswith("no_transfer") for pid, _ in report.dropped_pairs)
+                               contrasts=("present", "informed"), decoys=False)
+    assert report.total == 32 and report.aligned == len(pairs) and 0 < report.dropped < 16
+    assert sum(p.contrast == "informed" for p in pairs) == 16
+    assert report.reason_counts() == {"token_count": report.dropped}
+    assert all(pid.endswith("present") for pid, _ in report.dropped_pairs)
     assert "token_count" in report.summary()
+    # with decoys (the default) every control of these tasks aligns, no transfer included
+    pairs, report = make_pairs("unexpected-transfer", 8, seed=0, tokenizer=tok,
+                               contrasts=("present", "informed", "no_transfer"))
+    assert report.aligned == report.total == 48
+
+
+def test_order_only_pairs_differ_only_in_sentence_order(tok):
+    pairs, report = make_pairs("order-only", 40, seed=1, tokenizer=tok)
+    assert report.total == 40 and report.aligned == len(pairs) and report.aligned_fraction >= 0.9
+    for p in pairs:
+        c, k = p.clean, p.corrupted
+        assert (c.condition, k.condition, p.contrast) == ("false_belief", "true_belief", "true_belief")
+        assert c.prompt_type == k.prompt_type == "belief" and c.task_id == k.task_id
+        assert sorted(c.text.split()) == sorted(k.text.split()) and c.text != k.text
+        assert c.answer == c.meta["location_1"] and p.other_answer == k.answer == c.meta["location_2"]
+        for s in (c, k):  # the contrast covers exactly the two sentences that trade places
+            first, second = sorted([s.spans["contrast_leave"], s.spans["contrast_move"]],
+                                   key=lambda span: span.start)
+            assert s.spans["contrast"] == Span(first.start, second.end) and second.start == first.end + 1
+        assert c.spans["contrast"] == k.spans["contrast"]
+        offsets = tok(c.text, return_offsets_mapping=True)["offset_mapping"]
+        for i in diff_positions(p, tok):
+            start, end = offsets[i]
+            start += len(c.text[start:end]) - len(c.text[start:end].lstrip())
+            assert c.spans["contrast"].start <= start and end <= c.spans["contrast"].end
+    # the character-level check alone accepts them too
+    unchecked, rep = make_pairs("order-only", 4, seed=1)
+    assert rep.checked_with == "characters" and rep.aligned == rep.total == 4 == len(unchecked)
+    with pytest.raises(TomlensError, match="contrasts"):
+        make_pairs("order-only", 2, 0, contrasts=("present",))
 
 
 def _pair(clean_text: str, corrupted_text: str, clean_span: tuple[int, int],

@@ -40,7 +40,7 @@ from tomlens.stimuli.pairs import make_pairs, write_pairs
 
 def patch_and_save(model, pairs, out, **settings):
     """A patching run on a loaded tiny-gpt2 with its checkpoints under `out`, saved there; its summary."""
-    config = PatchingConfig(model=ModelSpec("tiny-gpt2"), **settings)
+    config = PatchingConfig(model=ModelSpec("tiny-gpt2"), **{"force": True, **settings})  # random model: gate fails
     result = run_patching(config, model=model, pairs=pairs, out=out, progress=False)
     result.save(out)
     return result.summary
@@ -147,11 +147,12 @@ def test_plan_counts_equal_the_runs_made(ut_pairs, tmp_path, monkeypatch, capsys
     assert sum(counter.by_stage.values()) == summary["plan"]["total_runs"]
     cells = pd.read_csv(tmp_path / "out" / "cells_exact_denoise.csv")
     assert plan["exact denoise"]["units"] == len(cells)
+    n_select = summary["pairs"]["selection"]["n"]  # cells are patched on the selection pairs only
     if positions == "all":  # cells patched only before the first differing token need no run
-        assert plan["exact denoise"]["runs"] < len(cells) * len(pairs)
+        assert plan["exact denoise"]["runs"] < len(cells) * n_select
         assert set(cells.position) == {"all", "each"}
     else:  # every role position lies after the first differing token: every cell and pair runs
-        assert plan["exact denoise"]["runs"] == len(cells) * len(pairs)
+        assert plan["exact denoise"]["runs"] == len(cells) * n_select
         assert set(cells.position) == {"final", "contrast", "query_protagonist", "query_object"}
         assert set(cells[cells.kind == "head"].position) == {"final", "query_protagonist", "query_object"}
     printed = capsys.readouterr().out
@@ -165,7 +166,7 @@ def test_dry_run_prints_the_plan_and_writes_nothing(ut_pairs, tmp_path, capsys):
     pairs_file = write_pairs(pairs, tmp_path / "pairs.jsonl")
     out = tmp_path / "out"
     code = main(["patch", "--model", "tiny-gpt2", "--pairs", str(pairs_file), "--out", str(out), "--dry-run",
-                 "--no-progress", "--max-runs", "10"])
+                 "--no-progress", "--max-runs", "10", "--force"])
     printed = capsys.readouterr().out
     assert code == 0 and not out.exists()
     assert "exact denoise" in printed and "top-k recovery" in printed and "mean ablation" in printed
@@ -178,7 +179,7 @@ def test_max_runs_refuses_before_running(ut_pairs, tmp_path, monkeypatch, capsys
     counter = RunCounter(monkeypatch)
     out = tmp_path / "out"
     code = main(["patch", "--model", "tiny-gpt2", "--pairs", str(pairs_file), "--out", str(out),
-                 "--positions", "all", "--max-runs", "100", "--no-progress"])
+                 "--positions", "all", "--max-runs", "100", "--no-progress", "--force"])
     captured = capsys.readouterr()
     assert code == 2 and counter.by_stage == {} and not out.exists()
     total = int(captured.out.split("total")[1].split("patched runs")[0].replace(",", ""))
@@ -201,7 +202,7 @@ def test_missing_role_spans_fall_back_with_a_note(load_tiny, tmp_path, capsys):
 # ---- resume -------------------------------------------------------------------------------------
 
 ARGS = ["--model", "tiny-gpt2", "--method", "both", "--positions", "all", "--top-k", "2", "--n-random", "2",
-        "--chunk-runs", "24", "--no-progress", "--format", "csv"]
+        "--chunk-runs", "24", "--no-progress", "--format", "csv", "--force"]
 
 
 def test_a_killed_run_resumes_to_the_same_tables(ut_pairs, tmp_path, monkeypatch):

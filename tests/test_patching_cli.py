@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pandas as pd
+import pytest
 from helpers import probe_table, short_pairs
 
 from tomlens.cli import main
@@ -20,11 +21,11 @@ def test_patch_cli_end_to_end(load_tiny, tmp_path, capsys):
     code = main([
         "patch", "--model", "tiny-gpt2", "--pairs", str(pairs_file), "--method", "both",
         "--sites", "heads,resid", "--positions", "all,final", "--top-k", "2", "--n-random", "2",
-        "--probe-table", str(probe_file), "--out", str(out), "--no-progress", "--format", "csv",
-    ])
+        "--probe-table", str(probe_file), "--out", str(out), "--no-progress", "--format", "csv", "--force",
+    ])  # a random model's gap fails the gate, and 3 pairs cannot be split: forced, every output flagged
     assert code == 0
     printed = capsys.readouterr().out
-    assert "3 pairs" in printed and "top heads" in printed and "Spearman" in printed
+    assert "3 pairs" in printed and "top heads" in printed and "Spearman" in printed and "FORCED" in printed
     assert "plan (3 pairs" in printed and "estimated" in printed
 
     summary = json.loads((out / "summary.json").read_text())
@@ -36,6 +37,8 @@ def test_patch_cli_end_to_end(load_tiny, tmp_path, capsys):
     assert len(summary["topk"]) == 2 and summary["ablation"]["mode"] == "final"
     assert summary["positions"] == {"head": ["all", "final"], "resid_pre": ["each", "final"]}
     assert summary["rank_position"] == "all" and summary["plan"]["total_runs"] > 0
+    assert summary["forced"] is True and summary["forced_message"].startswith("FORCED")
+    assert summary["pairs"]["evaluation"]["same_as_selection"] and summary["topk"][0]["n_random"] == 2
 
     cells = pd.read_csv(out / "cells_exact_denoise.csv")
     assert set(cells.kind) == {"head", "resid_pre"} and set(cells.position) >= {"all", "each", "final"}
@@ -46,6 +49,8 @@ def test_patch_cli_end_to_end(load_tiny, tmp_path, capsys):
     assert len(heads) == 8 and {"patch_effect", "attribution_effect", "probe_accuracy"} <= set(heads.columns)
     for name in ("topk", "topk_random", "ablation", "ablation_random"):
         assert len(pd.read_csv(out / f"{name}.csv")) > 0
+    for name in summary["files"]:
+        assert pd.read_csv(out / name)["forced"].all(), name
     figures = sorted(p.name for p in (out / "figures").iterdir())
     assert figures == [
         "attribution_vs_exact_denoise.html", "heads_attribution_denoise.html", "heads_exact_denoise.html",
@@ -55,6 +60,7 @@ def test_patch_cli_end_to_end(load_tiny, tmp_path, capsys):
         "topk_recovery.html",
     ]
     html = (out / "figures" / "heads_exact_denoise.html").read_text()
+    assert "FORCED (gate failed): " in html
     assert "plotly" in html and '<script src="https://cdn' not in html  # plotly.js inlined, no network
     assert sorted(summary["files"]) == sorted(p.name for p in out.iterdir() if p.suffix == ".csv")
     assert json.loads((out / "result.json").read_text()) == summary
@@ -62,6 +68,28 @@ def test_patch_cli_end_to_end(load_tiny, tmp_path, capsys):
     assert config["pairs_path"] == str(pairs_file) and config["sites"] == ["heads", "resid"]
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["model"]["model"] == "tiny-gpt2" and manifest["pairs_hash"] == summary["pairs"]["hash"]
+
+
+def test_patch_cli_withholds_when_the_gate_fails(load_tiny, tmp_path, capsys):
+    load_tiny("tiny-llama")  # built offline once per session
+    pairs_file = tmp_path / "pairs.jsonl"
+    assert main(["pairs", "unexpected-transfer", "--model", "tiny-llama", "--n", "3", "--contrast", "present", "--out",
+                 str(pairs_file)]) == 0
+    out = tmp_path / "out"
+    code = main(["patch", "--model", "tiny-llama", "--pairs", str(pairs_file), "--sites", "heads", "--positions",
+                 "final", "--ks", "1,2", "--out", str(out), "--no-progress", "--format", "csv"])
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "withheld: head ranking" in printed and "lower bound" in printed and "power" in printed
+    assert "plan (" not in printed
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["withheld"].startswith("withheld:") and summary["gate"]["passed"] == []
+    assert sorted(summary["files"]) == ["base.csv", "gate.csv"] and not (out / "figures").exists()
+    base = pd.read_csv(out / "base.csv")
+    assert len(base) == 6 and base.gap.tolist() == pytest.approx((base.clean_logit_diff - base.corrupted_logit_diff).tolist())
+    code = main(["patch", "--model", "tiny-llama", "--pairs", str(pairs_file), "--ks", "1,x",
+                 "--out", str(tmp_path / "o"), "--no-progress"])
+    assert code == 2 and "whole numbers" in capsys.readouterr().err
 
 
 def test_patch_cli_user_errors(load_tiny, tmp_path, capsys):

@@ -108,3 +108,81 @@ def test_selector_parsing():
     for bad in ("object:middle", "final:first", ""):
         with pytest.raises(TomlensError):
             parse_selectors(bad)
+
+
+# ---- mentions: <role>@<k>, <role>@last, role_mentions ------------------------------------------
+
+
+def _mentioned(text: str, words: dict[str, str], sid: str = "m") -> Stimulus:
+    from tomlens.stimuli.records import find_mentions
+
+    found = find_mentions(text, words)
+    return Stimulus(id=sid, text=text, options=("box", "bag"), answer="box",
+                    spans={role: ms[0] for role, ms in found.items()}, mentions=found)
+
+
+MENTIONED = _mentioned("Ann puts the key in the box. Ann leaves. Bo moves the key to the bag. Ann looks in the",
+                       {"protagonist": "Ann", "object": "key", "location_1": "box", "location_2": "bag",
+                        "other_agent": "Bo"})
+
+
+def test_mention_selectors_pick_the_kth_and_the_last_mention():
+    from tomlens.models.positions import selector_span
+
+    text = MENTIONED.text
+    starts = [i for i in range(len(text)) if text.startswith("Ann", i)]
+    assert len(starts) == 3
+    for k, start in enumerate(starts, 1):
+        span, first = selector_span(MENTIONED, f"protagonist@{k}")
+        assert (span.start, first) == (start, False) and span.of(text) == "Ann"
+    assert selector_span(MENTIONED, "protagonist@last")[0].start == starts[-1]
+    assert selector_span(MENTIONED, "protagonist@2:first") == (Span(starts[1], starts[1] + 3), True)
+    assert selector_span(MENTIONED, "object@2")[0].start == text.rindex("key")
+    # `@1` falls back to the span when a record has no mentions; the bare role is the first mention
+    plain = STORIES[0]
+    assert selector_span(plain, "protagonist@1")[0] == plain.spans["protagonist"]
+    assert selector_span(MENTIONED, "protagonist")[0].start == starts[0]
+
+
+def test_missing_mentions_fail_naming_the_role_and_the_count():
+    from tomlens.models.positions import check_selectors, lacking, parse_selectors, selector_span
+
+    with pytest.raises(TomlensError, match=r"has 3 mention\(s\) of 'protagonist'.*protagonist@4") as err:
+        selector_span(MENTIONED, "protagonist@4")
+    assert "protagonist@1..protagonist@3" in err.value.fix
+    with pytest.raises(TomlensError, match=r"has 1 mention\(s\) of 'other_agent'"):
+        check_selectors([MENTIONED], ["final", "other_agent@2"])
+    with pytest.raises(TomlensError, match="records no mentions of 'protagonist'"):  # span only: last unknown
+        selector_span(STORIES[0], "protagonist@last")
+    with pytest.raises(TomlensError, match="a first-mention span only"):
+        selector_span(STORIES[0], "protagonist@2")
+    with pytest.raises(TomlensError, match="no span 'cue'"):
+        selector_span(MENTIONED, "cue")
+    assert lacking([MENTIONED, STORIES[0]], ["final", "protagonist@3", "protagonist@1", "object@last"]) == {
+        "protagonist@3": 1, "object@last": 1}
+    assert parse_selectors("protagonist@2:first object@last final") == ["protagonist@2:first", "object@last", "final"]
+    for bad in ("protagonist@0", "protagonist@x", "final@1", "protagonist@2:middle", "@2"):
+        with pytest.raises(TomlensError):
+            parse_selectors([bad])
+
+
+def test_role_mentions_list_every_mention_in_text_order():
+    from tomlens.models.positions import role_mentions
+
+    got = [(sel, span.of(MENTIONED.text)) for sel, span in role_mentions(MENTIONED)]
+    assert got == [("protagonist@1", "Ann"), ("object@1", "key"), ("location_1@1", "box"), ("protagonist@2", "Ann"),
+                   ("other_agent@1", "Bo"), ("object@2", "key"), ("location_2@1", "bag"), ("protagonist@3", "Ann")]
+    # a record without mentions lists its word roles' first mentions (not sentence spans like contrast)
+    assert [sel for sel, _ in role_mentions(STORIES[0])] == ["protagonist@1", "object@1", "location_1@1",
+                                                            "location_2@1"]
+
+
+def test_mention_positions_resolve_in_a_padded_batch(load_tiny):
+    model = load_tiny("tiny-llama")
+    other = _mentioned("Once upon a time. " + MENTIONED.text, {"protagonist": "Ann", "object": "key"}, "m2")
+    batch = encode(model, [MENTIONED.text, other.text])
+    pos = resolve_positions([MENTIONED, other], batch, ["protagonist@3", "object@last", "protagonist@2:first"])
+    for row in range(2):
+        words = [_decode(model, batch, row, int(p)).strip() for p in pos[row]]
+        assert "Ann".endswith(words[0]) and "key".endswith(words[1]) and "Ann".startswith(words[2])
+    assert int(pos[1, 0]) == int(pos[0, 0]) and batch.pad[0] > 0  # right-aligned: same column

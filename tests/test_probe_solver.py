@@ -334,8 +334,9 @@ def test_probe_command_on_scaled_tiny_llama_activations_prints_a_table(tmp_path,
     assert rc == 0, printed.err
     assert "Traceback" not in printed.out + printed.err
     table = pd.read_csv(out / "probes.csv").fillna({"kind": ""})  # the baseline's empty kind reads as NaN
-    assert set(table["kind"]) == {"resid_post", "head_out", ""}
-    assert set(table.loc[table["kind"] == "", "features"]) == {"bag_of_words"}
+    assert {"resid_post", "head_out", ""} <= set(table["kind"]) <= {"resid_post", "head_out", "", "resid_pre"}
+    assert set(table.loc[table["kind"] == "", "features"]) == {"bag_of_words", "length", "position"}
+    assert set(table.loc[table["kind"] == "resid_pre", "features"]) <= {"embeddings"}
     bad = (table["kind"] == "head_out") & (table["layer"] == table["layer"].max()) & (table["head"] == 1)
     assert (table.loc[bad, "fit_status"] == "non_finite_input").all() and table.loc[bad, "score"].isna().all()
     assert table.loc[bad, "selectivity"].isna().all()
@@ -352,5 +353,5 @@ def test_probe_command_on_scaled_tiny_llama_activations_prints_a_table(tmp_path,
     assert torch.isnan(tensors["protagonist_belief/head_out/final/coef"][-1, 1]).all()
     # one line says how many failed and why
     lines = [ln for ln in printed.out.splitlines() if "could not be fitted" in ln]
-    n_units = table.groupby(["target", "kind", "layer", "head"]).ngroups
+    n_units = table.groupby(["features", "target", "kind", "layer", "head"]).ngroups
     assert len(lines) == 1 and f"1 of {n_units} probe units could not be fitted (1 non_finite_input)" in lines[0]

@@ -22,7 +22,9 @@ from tomlens.probes.logistic import LogisticProbe, choose_c, fit_logistic, inner
 from tomlens.probes.mass_mean import MassMeanProbe
 from tomlens.probes.splits import group_codes, group_kfold, holdout, leaked_groups
 from tomlens.probes.stats import auroc, bootstrap_auroc, bootstrap_mean
-from tomlens.probes.targets import false_belief_mask, make_target, true_belief_mask
+from tomlens.probes.targets import (
+    false_belief_mask, label_variation, make_target, true_belief_mask,
+)
 from tomlens.stimuli import generate
 from tomlens.stimuli.records import Stimulus
 
@@ -255,6 +257,27 @@ def test_statement_targets_follow_the_two_points_of_view():
     fb = false_belief_mask(st)
     assert fb.any() and (~fb).any()
     assert (p[fb] != w[fb]).all() and torch.equal(p[~fb], w[~fb])
+    lit, kl = make_target(st, "statement_literal")
+    assert kl.all() and lit.tolist() == [int(s.answer == "true") for s in st]
+    assert (lit[fb] != p[fb]).any() and (lit[fb] != w[fb]).any()  # neither embedded view
+
+
+def test_label_variation_flags_targets_constant_within_a_condition(transfer):
+    table = label_variation(transfer, "protagonist_belief")
+    assert list(table.columns) == ["condition", "n", "share_1", "share_top", "varies"]
+    assert set(table["condition"]) == {s.condition for s in transfer}
+    assert int(table["n"].sum()) == len(transfer)
+    fb = table.set_index("condition").loc["false_belief"]
+    labels = [s.belief_is_reference for s in transfer if s.condition == "false_belief"]
+    assert fb["share_1"] == pytest.approx(sum(labels) / len(labels))
+    assert bool(fb["varies"]) == (len(set(labels)) > 1)
+    st = generate("belief-statements", n=2, seed=0)
+    lit = label_variation(st, "statement_literal")
+    assert lit["varies"].all() and (lit["share_top"] < 1).all()
+    with pytest.raises(TomlensError, match="no stimulus carries"):
+        label_variation(transfer, "statement_literal")
+    with pytest.raises(TomlensError, match="unknown probe target"):
+        label_variation(transfer, "belief")
 
 
 # ------------------------------------------------------------------------------------------- stats

@@ -4,16 +4,18 @@ load to the same tables, dry runs that write nothing, and sweep results left as 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pandas as pd
 import pytest
+import torch
 
 from tomlens.errors import TomlensError
 from tomlens.patching import AttributionSweep, ExactSweep
 from tomlens.runs.base import ModelSpec, config_from_dict, config_hash, config_to_dict
 from tomlens.runs.pairs import PairsConfig, PairsResult
 from tomlens.runs.pairs import run as run_pairs
-from tomlens.runs.patching import PatchingConfig, PatchingRunResult, run
+from tomlens.runs.patching import PatchingConfig, PatchingRunResult, parse_ks, run
 
 pytestmark = pytest.mark.integration  # tiny models
 TINY = ModelSpec("tiny-llama")
@@ -25,10 +27,21 @@ def test_config_round_trip_and_errors():
                                                            options={"ks": [0, 6]}),
                             method="exact", sites=("heads", "mlp"), positions=("roles", "heads=contrast"),
                             direction="both", top_k=3, n_random=4, ablation="none", seed=5, memory_mb=256.0,
-                            max_runs=None, search_threshold=0.25, graddrop="off", format="csv")
+                            max_runs=None, search_threshold=0.25, graddrop="off", format="csv", ks=(3, 1),
+                            force=True, solved_only=True, select_fraction=0.25)
     as_dict = json.loads(json.dumps(config_to_dict(config)))  # what config.json holds
     back = config_from_dict(PatchingConfig, as_dict)
     assert back == config and config_hash(back) == config_hash(config)
+    assert back.ks == (1, 3) and back.force and back.solved_only and back.select_fraction == 0.25
+    assert PatchingConfig().n_random == 200 and PatchingConfig().ks == (1, 2, 3, 5, 10)
+    assert PatchingConfig(ks=parse_ks("5,1 2")).ks == (1, 2, 5)
+    with pytest.raises(TomlensError, match="whole numbers"):
+        parse_ks("1,two")
+    assert config_hash(PatchingConfig(force=True)) != config_hash(PatchingConfig())
+    with pytest.raises(TomlensError, match="--ks"):
+        PatchingConfig(ks=(0, 2))
+    with pytest.raises(TomlensError, match="--select-fraction"):
+        PatchingConfig(select_fraction=1.0)
     assert back.methods == ["exact"] and back.directions == ["denoise", "noise"]
     assert back.search_options() == {"budget": None, "threshold": 0.25, "fn_samples": 10, "graddrop": False}
     assert PatchingConfig().positions == ("roles",) and PatchingConfig().sites == ("heads", "resid")
@@ -48,9 +61,10 @@ def test_config_round_trip_and_errors():
 def test_run_save_load_gives_the_same_tables(load_tiny, tmp_path, capsys):
     model = load_tiny("tiny-llama")
     config = PatchingConfig(model=TINY, pairs=PAIRS, method="both", sites=("heads", "resid"), positions=("final",),
-                            top_k=2, n_random=2, seed=1)
+                            top_k=2, n_random=2, seed=1, force=True)  # 2 pairs of one task: no split, forced
     result = run(config, model=model, out=tmp_path, progress=False)
-    assert "plan (2 pairs" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "plan (2 pairs" in printed and "the SAME pairs" in printed and result.forced
     assert set(result.sweeps) == {("exact", "denoise"), ("attribution", "denoise")}
     assert all(r.seed == 1 for r in result.sweeps.values())
     assert result.summary["pairs"]["n_aligned"] == 2 and len(result.heads) == 8
@@ -86,7 +100,7 @@ def test_run_save_load_gives_the_same_tables(load_tiny, tmp_path, capsys):
 def test_dry_run_returns_the_plan_and_saves_nothing(load_tiny, tmp_path, capsys):
     model = load_tiny("tiny-llama")
     pairs = run_pairs(PAIRS, model=model).pairs
-    result = run(PatchingConfig(model=TINY, method="exact", top_k=0, dry_run=True), model=model, pairs=pairs,
+    result = run(PatchingConfig(model=TINY, method="exact", top_k=0, dry_run=True, force=True), model=model, pairs=pairs,
                  out=tmp_path / "out", progress=False)
     assert result.dry_run and result.plan["total_runs"] > 0 and not result.tables
     assert "nothing written" in capsys.readouterr().out
@@ -107,13 +121,92 @@ def test_run_leaves_the_sweep_results_as_made(load_tiny, tmp_path, monkeypatch):
             made.append(res)
             return res
         monkeypatch.setattr(cls, "result", record)
-    result = run(PatchingConfig(model=TINY, pairs=PAIRS, sites=("heads",), positions=("final",), top_k=0, seed=7),
+    result = run(PatchingConfig(model=TINY, pairs=PAIRS, sites=("heads",), positions=("final",), top_k=0, seed=7,
+                                force=True),
                  model=model, progress=False)
     assert len(made) == 2 and all(r.seed == 0 and r._summaries == {} for r in made)
     assert all(r.seed == 7 for r in result.sweeps.values())
     assert all(a is not b for a in made for b in result.sweeps.values())
     summary = result.sweeps[("exact", "denoise")].summary()
     assert summary.effect.tolist() == pytest.approx(made[0].summary(seed=7).effect.tolist(), nan_ok=True)
+
+
+UT = PairsConfig(model=TINY, n=3, contrasts=("present",))  # 6 unexpected-transfer pairs of 3 tasks
+
+
+def test_a_random_models_gap_is_withheld_and_force_flags_every_output(load_tiny, tmp_path, capsys):
+    """tiny-llama is random: its false-minus-true-belief gap is noise, so the gate fails and nothing
+    that divides by the gap runs; --force runs it all, flagged; heads are ranked on selection pairs
+    and validated on held-out pairs of other tasks."""
+    model = load_tiny("tiny-llama")
+    config = PatchingConfig(model=TINY, pairs=UT, sites=("heads",), positions=("final",), top_k=3, n_random=30,
+                            ks=(1, 3))
+    held = run(config, model=model, progress=False)
+    printed = capsys.readouterr().out
+    assert held.withheld and held.withheld.startswith("withheld:") and "plan (" not in printed
+    assert "lower bound" in held.describe() and "power" in held.describe()
+    assert not held.summary["gate"]["passed"] and not held.sweeps and set(held.tables) == {"gate", "base"}
+    base = held.tables["base"]
+    assert len(base) == 6 and {"clean_logit_diff", "corrupted_logit_diff", "gap", "solved"} <= set(base.columns)
+    gate = held.tables["gate"].iloc[0]
+    assert gate.contrast == "present" and gate["n"] == 6 and gate["mean"] == pytest.approx(base.gap.mean())
+    assert not gate.passed and gate.lower <= 0
+    folder = held.save(tmp_path / "held")
+    back = PatchingRunResult.load(folder)
+    assert back.withheld == held.withheld and held.withheld in back.describe()
+    assert "unpatched logit diff" in back.describe() and "lower bound" in back.describe()
+    from tomlens.report.patching import write_patching_figures
+
+    assert write_patching_figures(held, folder) == {}
+
+    forced = run(replace(config, force=True), model=model, progress=False)
+    assert forced.forced and forced.summary["forced_message"].startswith("FORCED (gate failed): ")
+    assert {"cells_exact_denoise", "heads", "topk", "topk_random", "ablation", "ablation_random", "gate",
+            "base"} <= set(forced.tables)
+    for stem, table in forced.tables.items():
+        assert "forced" in table and table["forced"].all(), stem
+    pairs = forced.summary["pairs"]
+    assert pairs["selection"]["n"] + pairs["evaluation"]["n"] == 6 and not pairs["evaluation"]["same_as_selection"]
+    assert pairs["selection"]["hash"] != pairs["evaluation"]["hash"]
+    sel_ids = set(forced.tables["pairs_exact_denoise"].pair_id)
+    tasks = dict(zip(base.pair_id, base.task_id))
+    assert len(sel_ids) == pairs["selection"]["n"]
+    held_tasks = set(base.task_id) - {tasks[i] for i in sel_ids}
+    assert held_tasks and len(held_tasks) == pairs["evaluation"]["tasks"]  # no task on both sides
+    topk = forced.tables["topk"]
+    assert topk.k.tolist() == [1, 3] and topk.n_random.eq(30).all()
+    assert ((topk.random_reach >= 0) & (topk.random_reach <= 1)).all()
+    draws = forced.tables["topk_random"]
+    for k, top in zip(topk.k, topk.heads):
+        layers = sorted(h.split("H")[0] for h in top.split(";"))
+        assert all(sorted(h.split("H")[0] for h in d.split(";")) == layers for d in draws[draws.k == k].heads)
+    figures = write_patching_figures(forced, tmp_path / "forced")
+    assert figures and all(f.layout.title.text.startswith("FORCED (gate failed): ") for f in figures.values())
+    assert "FORCED" in forced.describe() and "held-out" in forced.describe()
+
+    solved = run(replace(config, solved_only=True), model=model, progress=False)
+    n_solved = int(base.solved.sum())
+    assert solved.summary["pairs"]["n_kept"] == n_solved
+    assert f"kept {n_solved} of 6" in " ".join(solved.summary["notes"])
+
+
+def test_too_few_pairs_for_a_split_are_refused_unless_forced(load_tiny, monkeypatch):
+    """With a gate that passes (stubbed), 2 pairs of one task still cannot be split: withheld."""
+    import tomlens.patching.gate as gate
+
+    model = load_tiny("tiny-llama")
+    real = gate.gate_pairs
+
+    def passing(clean, corrupted, contrasts, **kw):
+        return real(clean + 10 + torch.arange(len(clean)), corrupted, contrasts, **kw)
+    monkeypatch.setattr(gate, "gate_pairs", passing)
+    config = PatchingConfig(model=TINY, pairs=PAIRS, sites=("heads",), positions=("final",), top_k=1, n_random=2)
+    result = run(config, model=model, progress=False)
+    assert result.summary["gate"]["passed"] == ["present"]
+    assert result.withheld and "cannot be split" in result.withheld and not result.sweeps
+    forced = run(replace(config, force=True), model=model, progress=False)
+    assert forced.forced and forced.summary["pairs"]["evaluation"]["same_as_selection"]
+    assert "topk" in forced.tables and forced.tables["topk"]["forced"].all()
 
 
 def test_pairs_run_saves_and_loads(tmp_path, capsys):

@@ -38,7 +38,8 @@ def _configs(tmp_path):
         probes.ProbesConfig(model=TINY, stimuli=StimuliSpec(family="unexpected-transfer", n=3, seed=1),
                             test_stimuli=StimuliSpec(family="unexpected-transfer", n=2, seed=9),
                             targets=("protagonist_belief", "world_state"), sites=("resid_post",),
-                            store=str(tmp_path / "store"), format="csv", **FAST_PROBES),
+                            store=str(tmp_path / "store"), format="csv", selection_fraction=0.4,
+                            n_permutations=9, random_twin=True, **FAST_PROBES),
     ]
 
 
@@ -192,6 +193,41 @@ def test_probes_run_save_load(tmp_path, model):
     assert back.metadata["notes"] == result.metadata["notes"]
     assert back.describe() == result.describe() and "protagonist_belief" in back.describe()
     assert back.manifest["test_stimuli_hash"] == result.manifest["test_stimuli_hash"]
+    # the unit chosen on `stimuli` and scored on `test_stimuli`, with the random-init twin as a baseline
+    assert (out / "selection.json").is_file() and back.selection == result.selection
+    assert set(result.selection) == {"protagonist_belief", "world_state"}
+    sel = result.selection["protagonist_belief"]
+    assert sel.n_perm == 9 and sel.n_evaluation == 32 and "random_init" in sel.baselines
+    assert result.describe().startswith("selected unit, scored on held-out evaluation stories:")
+    assert result.summary["selection"]["world_state"]["verdict"] in ("found", "withheld")
+    acts = result.table[result.table["features"] == "activations"]
+    assert acts["baseline_random_init"].notna().all()
+    assert (acts["best_baseline"] >= acts["baseline_random_init"]).all()  # the best is taken over the twin too
+
+
+@pytest.mark.unit
+def test_probe_cli_selection_flags_reach_the_config(monkeypatch, tmp_path):
+    from tomlens.cli import build_parser, probe
+    from tomlens.runs import probes as stage
+
+    seen = []
+
+    def stop(config, **kwargs):
+        seen.append(config)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(stage, "run", stop)
+    stimuli = write_jsonl(generate("order-only", n=1, seed=1), tmp_path / "s.jsonl")
+    base = ["probe", "--stimuli", str(stimuli), "--out", str(tmp_path / "o")]
+    for flags in ([], ["--no-selection", "--permutations", "7", "--random-twin", "--selection-fraction", "0.3"]):
+        with pytest.raises(SystemExit):
+            probe.run(build_parser().parse_args(base + flags))
+    default, chosen = seen
+    assert (default.selection, default.n_permutations, default.random_twin) == (True, 100, False)
+    assert (chosen.selection, chosen.n_permutations, chosen.random_twin, chosen.selection_fraction) == \
+        (False, 7, True, 0.3)
+    with pytest.raises(TomlensError, match="selection_fraction"):
+        probes.ProbesConfig(stimuli=StimuliSpec(path="s.jsonl"), selection_fraction=1.0)
 
 
 @pytest.mark.integration

@@ -12,7 +12,7 @@ from tomlens.stimuli import generate
 from tomlens.stimuli.false_belief import unexpected_contents, unexpected_transfer
 from tomlens.stimuli.tracking import UNKNOWN, belief_tracking
 
-N_TRANSFER, N_CONTENTS = 8, 8  # sentences per false-belief story
+N_TRANSFER, N_CONTENTS = 9, 8  # sentences per false-belief story (transfer: with its decoy)
 
 
 def _sentences(text: str) -> list[str]:
@@ -72,7 +72,7 @@ def test_transfer_labels_follow_the_story():
     for rev in (False, True):
         rows = _labels(track, rev=rev)
         roles = [r.meta["sentence_role"] for r in rows]
-        assert roles[0] is None and roles[1:] == ["setting", "listing", "put", "move", "tell",
+        assert roles[0] is None and roles[1:] == ["setting", "listing", "put", "decoy", "move", "tell",
                                                   "closing", "leave", "return"]
         start = rows[-1].reference_state
         other = next(o for o in rows[-1].options if o != start)

@@ -1,21 +1,38 @@
 """The papers' aggregate rules over a per-prompt behaviour table (see `behaviour.score`).
 
-- accuracy per family x condition x prompt type with Wilson 95% intervals;
-- Kosinski's strict rule: a task counts only when every one of its prompts is right;
+The unit of replication is the task (one story frame with its names, objects and places): the
+prompts of a task share nearly all their words, so they are not independent draws, and an interval
+that counts them as such is too narrow by up to the square root of the prompts per task. Every
+interval over prompts here is therefore a bootstrap that resamples whole tasks (`task_id`).
+
+- accuracy per family x condition x prompt type, with a task-bootstrap 95% interval and n_tasks;
+- belief accuracy gated on the reality prompt of the same story (Kosinski; Kosoy et al.);
+- the paired false- vs true-belief log-odds effect (Jones, Trott & Bergen's knowledge-state effect);
+- Kosinski's strict rule: a task counts only when every one of its prompts is right (tasks are
+  independent units, so a Wilson interval over tasks is the right one there);
 - Ruis et al.'s object bias o_b = p(obj) / (p(obj) + p(loc)) per cell and their
-  selective-encoding criterion (animate differs from inanimate and control, which agree);
+  selective-encoding criterion (animate differs from inanimate and control, which are equivalent
+  by a TOST equivalence test);
 - probability curves over sentence prefixes (Kosinski's Figures 1-2).
 """
 
 from __future__ import annotations
 
 import math
+import zlib
 from dataclasses import asdict, dataclass
 
 import numpy as np
 import pandas as pd
+from scipy import stats
+
+from tomlens.errors import TomlensError
 
 Z95 = 1.959963984540054
+# Factors that identify one version of a task besides its condition (Jones et al.'s factorial):
+# a false-belief story is paired with the true-belief story that agrees on all of them.
+PAIR_FACTORS: tuple[str, ...] = ("first_mention", "recent_mention", "knowledge_cue")
+FALSE_BELIEF = "false_belief"
 
 
 def wilson_interval(k: int, n: int, z: float = Z95) -> tuple[float, float]:
@@ -29,23 +46,202 @@ def wilson_interval(k: int, n: int, z: float = Z95) -> tuple[float, float]:
     return (max(0.0, centre - half), min(1.0, centre + half))
 
 
+def _cell_rng(seed: int, key: object) -> np.random.Generator:
+    """A generator per table cell, so a cell's interval does not depend on which others exist."""
+    return np.random.default_rng([int(seed), zlib.crc32(repr(key).encode())])
+
+
+def task_bootstrap(total: np.ndarray, count: np.ndarray, *, n_boot: int = 1000,
+                   rng: np.random.Generator | None = None, level: float = 0.95) -> tuple[float, float]:
+    """Percentile interval of sum(total) / sum(count) with whole tasks resampled.
+
+    `total[t]` and `count[t]` are task t's sum of the measure and its number of rows, so rows of
+    one task move together: duplicating a task's rows leaves the interval unchanged. Fewer than two
+    tasks give no interval (nan, nan).
+    """
+    total, count = np.asarray(total, float), np.asarray(count, float)
+    if n_boot < 1:
+        raise TomlensError(f"n_boot = {n_boot} must be at least 1", "use e.g. n_boot = 1000")
+    if len(total) < 2:
+        return (float("nan"), float("nan"))
+    rng = rng if rng is not None else np.random.default_rng(0)
+    idx = rng.integers(0, len(total), (n_boot, len(total)))
+    boots = total[idx].sum(1) / count[idx].sum(1)
+    a = (1 - level) / 2
+    return (float(np.quantile(boots, a)), float(np.quantile(boots, 1 - a)))
+
+
+def _task_of(df: pd.DataFrame) -> pd.Series:
+    """The resampling unit of each row: its `task_id`; a row without one is its own unit."""
+    ids = df["id"].astype(str) if "id" in df else pd.Series(df.index.astype(str), index=df.index)
+    if "task_id" not in df:
+        return ids
+    task = df["task_id"]
+    missing = task.isna() | (task.astype(str) == "")
+    return task.astype(str).where(~missing, "row:" + ids)
+
+
+def _per_task(values: pd.Series, tasks: pd.Series) -> tuple[np.ndarray, np.ndarray]:
+    g = values.astype(float).groupby(tasks.to_numpy(), sort=True)
+    return g.sum().to_numpy(), g.size().to_numpy().astype(float)
+
+
 def accuracy_table(df: pd.DataFrame, by: tuple[str, ...] = ("family", "condition", "prompt_type"),
-                   column: str = "correct") -> pd.DataFrame:
-    """Accuracy with a 95% interval per group."""
+                   column: str = "correct", *, n_boot: int = 1000, seed: int = 0) -> pd.DataFrame:
+    """Accuracy per group with a 95% interval from a bootstrap over tasks (whole tasks resampled).
+
+    No Wilson interval here: the prompts of a task are not independent, so a binomial interval
+    over prompts would be too narrow. `n` counts prompts, `n_tasks` the resampled units (a row
+    without a `task_id` is its own unit); a group from one task has no interval (nan).
+    """
+    cols = [*by, "n", "n_tasks", "accuracy", "ci_low", "ci_high", "mean_p_answer"]
+    if df.empty:
+        return pd.DataFrame(columns=cols)
+    tasks = _task_of(df)
     rows = []
     for key, g in df.groupby(list(by), sort=True, dropna=False):
         key = key if isinstance(key, tuple) else (key,)
-        k, n = int(g[column].sum()), len(g)
-        lo, hi = wilson_interval(k, n)
-        rows.append({**dict(zip(by, key)), "n": n, "accuracy": k / n, "ci_low": lo, "ci_high": hi,
+        total, count = _per_task(g[column], tasks.loc[g.index])
+        lo, hi = task_bootstrap(total, count, n_boot=n_boot, rng=_cell_rng(seed, key))
+        rows.append({**dict(zip(by, key)), "n": len(g), "n_tasks": len(total),
+                     "accuracy": float(g[column].astype(float).mean()), "ci_low": lo, "ci_high": hi,
                      "mean_p_answer": float(g["p_answer"].mean())})
-    return pd.DataFrame(rows)
+    return pd.DataFrame(rows, columns=cols)
+
+
+def _unprefixed(df: pd.DataFrame) -> pd.DataFrame:
+    """Whole-story prompts: sentence-prefix rows (belief tracking) are curves, not trials."""
+    return df[df["prefix_index"].isna()] if "prefix_index" in df else df
+
+
+def _story_keys(df: pd.DataFrame) -> pd.Series:
+    """One key per story: the `story_id` the scorer writes (the text before the question, which the
+    reality and belief prompts of a story share), else family x task x condition x version."""
+    parts = [df[c].astype(str) for c in ("family", "task_id", "condition", "reversed") if c in df]
+    fallback = pd.Series(["|".join(x) for x in zip(*parts)], index=df.index, dtype=object)
+    if "story_id" not in df:
+        return fallback
+    sid = df["story_id"]
+    return ("story:" + sid.astype(str)).where(sid.notna() & (sid.astype(str) != ""), fallback)
+
+
+def reality_gated_accuracy(df: pd.DataFrame, *, by: tuple[str, ...] = ("family", "condition"),
+                           n_boot: int = 1000, seed: int = 0) -> pd.DataFrame:
+    """Belief accuracy counted only on stories whose reality prompt the model answers right.
+
+    A belief prompt is kept when every reality prompt of its story is right and dropped when one
+    is wrong; one without a reality prompt in its story cannot be gated (`n_unmatched`, left out).
+    `accuracy` is belief accuracy on the kept prompts; `joint_accuracy` scores a dropped prompt as
+    wrong (Kosoy et al.: failing the control scores 0); `ungated_accuracy` is the plain rate on the
+    same matched prompts. Intervals resample whole tasks. Pass `by=("family", "task_id",
+    "condition")` for one row per task and condition.
+    """
+    cols = [*by, "n_belief", "n_kept", "n_dropped", "n_unmatched", "n_tasks", "accuracy", "ci_low",
+            "ci_high", "joint_accuracy", "joint_ci_low", "joint_ci_high", "ungated_accuracy"]
+    d = _unprefixed(df)
+    d = d[d["prompt_type"].isin(["reality", "belief"])]
+    if d.empty:
+        return pd.DataFrame(columns=cols)
+    d = d.assign(_story=_story_keys(d), _task=_task_of(d))
+    reality_ok = d[d["prompt_type"] == "reality"].groupby("_story")["correct"].agg(
+        lambda x: bool(np.all(x.astype(bool))))
+    belief = d[d["prompt_type"] == "belief"].copy()
+    if belief.empty or reality_ok.empty:
+        return pd.DataFrame(columns=cols)
+    belief["_reality"] = belief["_story"].map(reality_ok)
+    rows = []
+    for key, g in belief.groupby(list(by), sort=True, dropna=False):
+        key = key if isinstance(key, tuple) else (key,)
+        matched = g[g["_reality"].notna()]
+        if matched.empty:
+            continue
+        ok = matched["_reality"].astype(bool)
+        kept = matched[ok]
+        correct = matched["correct"].astype(bool)
+        rng = _cell_rng(seed, ("gated", *key))
+        if len(kept):
+            lo, hi = task_bootstrap(*_per_task(kept["correct"], kept["_task"]), n_boot=n_boot, rng=rng)
+        else:
+            lo = hi = float("nan")
+        joint = correct & ok
+        jlo, jhi = task_bootstrap(*_per_task(joint, matched["_task"]), n_boot=n_boot, rng=rng)
+        rows.append({**dict(zip(by, key)), "n_belief": len(matched), "n_kept": len(kept),
+                     "n_dropped": len(matched) - len(kept), "n_unmatched": len(g) - len(matched),
+                     "n_tasks": int(kept["_task"].nunique()),
+                     "accuracy": float(kept["correct"].astype(float).mean()) if len(kept) else float("nan"),
+                     "ci_low": lo, "ci_high": hi, "joint_accuracy": float(joint.mean()),
+                     "joint_ci_low": jlo, "joint_ci_high": jhi,
+                     "ungated_accuracy": float(correct.mean())})
+    return pd.DataFrame(rows, columns=cols)
+
+
+def _is_false_belief(df: pd.DataFrame) -> pd.Series:
+    """Knowledge state per row: `knowledge_state` where the generator wrote it, else the condition."""
+    cond = df["condition"].astype(str)
+    if "knowledge_state" in df:
+        ks = df["knowledge_state"]
+        cond = ks.astype(str).where(ks.notna() & (ks.astype(str) != ""), cond)
+    return cond == FALSE_BELIEF
+
+
+def _log_odds(df: pd.DataFrame, word: pd.Series) -> pd.Series:
+    """log p(word) - log p(the other option) per row; nan where `word` is not one of the options."""
+    a, b = df["logp_a"].astype(float), df["logp_b"].astype(float)
+    return pd.Series(np.where(df["option_a"] == word, a - b, np.where(df["option_b"] == word, b - a, np.nan)),
+                     index=df.index, dtype=float)
+
+
+def knowledge_state_effect(df: pd.DataFrame, *, n_boot: int = 1000, seed: int = 0) -> pd.DataFrame:
+    """Jones, Trott & Bergen's knowledge-state effect on belief prompts, paired story by story.
+
+    Each false-belief story is paired with each true-belief control of the same task and version
+    (`reversed`, and the factorial's first/recent mention and knowledge cue where present). In both,
+    log-odds = log p(start) - log p(other option), where `start` is the false-belief story's belief
+    answer (the object's starting place, the label word). The effect is the mean paired difference
+    FB - TB: positive when the model's answer follows what the protagonist knows. A control whose
+    belief answer is also `start` (no transfer) makes no knowledge-state contrast and is left out.
+    One row per family x control (`contrast`): n_pairs, n_tasks, the effect with a task-bootstrap
+    95% interval, the share of tasks whose mean paired difference is positive, and the mean
+    log-odds in each condition.
+    """
+    cols = ["family", "contrast", "n_pairs", "n_tasks", "effect", "ci_low", "ci_high",
+            "share_tasks_positive", "logodds_false_belief", "logodds_true_belief"]
+    d = _unprefixed(df)
+    need = {"option_a", "option_b", "logp_a", "logp_b", "answer", "condition", "family"}
+    if d.empty or not need <= set(d.columns):
+        return pd.DataFrame(columns=cols)
+    d = d[d["prompt_type"] == "belief"]
+    d = d.assign(_fb=_is_false_belief(d), _task=_task_of(d))
+    keys = ["family", "_task"] + [c for c in ("reversed", *PAIR_FACTORS) if c in d]
+    d[keys] = d[keys].astype(object).where(d[keys].notna(), "")
+    fb, tb = d[d["_fb"]], d[~d["_fb"]]
+    if fb.empty or tb.empty:
+        return pd.DataFrame(columns=cols)
+    fb = fb.assign(_start=fb["answer"])
+    fb = fb.assign(_lo=_log_odds(fb, fb["_start"]))
+    fb_one = fb.groupby(keys, sort=False).agg(_start=("_start", "first"), _lo_fb=("_lo", "mean"))
+    m = tb.merge(fb_one.reset_index(), on=keys, how="inner")
+    m = m[m["answer"] != m["_start"]]  # the control must call for the other answer
+    m["_lo_tb"] = _log_odds(m, m["_start"])
+    m = m[m["_lo_tb"].notna() & m["_lo_fb"].notna()]
+    m["_diff"] = m["_lo_fb"] - m["_lo_tb"]
+    rows = []
+    for (family, contrast), g in m.groupby(["family", "condition"], sort=True):
+        total, count = _per_task(g["_diff"], g["_task"])
+        lo, hi = task_bootstrap(total, count, n_boot=n_boot, rng=_cell_rng(seed, ("ks", family, contrast)))
+        rows.append({"family": family, "contrast": contrast, "n_pairs": len(g), "n_tasks": len(total),
+                     "effect": float(g["_diff"].mean()), "ci_low": lo, "ci_high": hi,
+                     "share_tasks_positive": float(np.mean(total / count > 0)),
+                     "logodds_false_belief": float(g["_lo_fb"].mean()),
+                     "logodds_true_belief": float(g["_lo_tb"].mean())})
+    return pd.DataFrame(rows, columns=cols)
 
 
 def strict_task_pass(df: pd.DataFrame, column: str = "correct") -> pd.DataFrame:
     """Kosinski's rule per family: a task is solved only when all its prompts are right.
 
-    Chance is 0.5 ** (prompts per task): 1/65,536 for the 16-prompt false-belief tasks.
+    Chance is 0.5 ** (prompts per task): 1/65,536 for the 16-prompt false-belief tasks. The
+    interval is Wilson's over tasks, which are independent units (each its own names and places).
     """
     rows = []
     for family, g in df.groupby("family", sort=True):
@@ -85,18 +281,60 @@ def object_bias_table(df: pd.DataFrame, *, n_boot: int = 1000, seed: int = 0) ->
 
 
 @dataclass(frozen=True)
+class Equivalence:
+    """A paired TOST: is the mean of a - b inside [-margin, margin]?"""
+
+    n: int
+    diff: float
+    low: float  # the (1 - 2 alpha) t interval of the mean difference: 90% at alpha = 0.05
+    high: float
+    p: float  # the larger of the two one-sided p-values
+    margin: float
+    equivalent: bool
+
+
+def equivalence_test(a: np.ndarray, b: np.ndarray, *, margin: float, alpha: float = 0.05) -> Equivalence:
+    """Two one-sided t-tests (Schuirmann's TOST) on paired items a[i], b[i]: equivalence when both
+    "mean(a - b) <= -margin" and "mean(a - b) >= margin" are rejected at `alpha`, i.e. when the
+    (1 - 2 alpha) interval lies inside [-margin, margin]. Few or noisy items give a wide interval,
+    so they cannot show equivalence; fewer than two items never do."""
+    if not margin > 0 or not 0 < alpha < 0.5:
+        raise TomlensError(f"equivalence margin {margin} and alpha {alpha}",
+                           "use a margin above 0 and 0 < alpha < 0.5, e.g. margin = 0.1, alpha = 0.05")
+    d = np.asarray(a, float) - np.asarray(b, float)
+    n = len(d)
+    if n < 2:
+        return Equivalence(n, float(d.mean()) if n else float("nan"), float("nan"), float("nan"), 1.0,
+                           margin, False)
+    mean, se = float(d.mean()), float(d.std(ddof=1) / math.sqrt(n))
+    if se == 0:  # every item has the same difference: the interval is that value
+        p = 0.0 if abs(mean) < margin else 1.0
+        return Equivalence(n, mean, mean, mean, p, margin, p < alpha)
+    t = stats.t(df=n - 1)
+    p = max(float(t.sf((mean + margin) / se)), float(t.cdf((mean - margin) / se)))
+    half = float(t.ppf(1 - alpha)) * se
+    return Equivalence(n, mean, mean - half, mean + half, p, margin, p < alpha)
+
+
+@dataclass(frozen=True)
 class SelectiveEncoding:
     """Ruis et al.'s criterion for one (target type, animacy wording, k) group."""
 
     target_type: str
     anim_denotation: bool
     k: int
+    n_items: int
     o_animate: float
     o_inanimate: float
     o_control: float
     animate_vs_inanimate: tuple[float, float]
     animate_vs_control: tuple[float, float]
     inanimate_vs_control: tuple[float, float]
+    equivalence_margin: float
+    equivalence_low: float  # 90% t interval of inanimate - control (TOST at alpha 0.05)
+    equivalence_high: float
+    equivalence_p: float
+    inanimate_equals_control: bool
     passes: bool
 
 
@@ -118,13 +356,16 @@ def _by_item(g: pd.DataFrame) -> pd.DataFrame:
     return g.pivot_table(index="item", columns="test_case", values="o_b", aggfunc="mean").dropna()
 
 
-def selective_encoding(df: pd.DataFrame, *, margin: float = 0.1, n_boot: int = 1000,
-                       seed: int = 0) -> pd.DataFrame:
+def selective_encoding(df: pd.DataFrame, *, margin: float = 0.1, alpha: float = 0.05,
+                       n_boot: int = 1000, seed: int = 0) -> pd.DataFrame:
     """Ruis et al.'s criterion per target type x animacy wording x k: the animate agent shows *more*
     object bias than both the inanimate agent and the accidental control (paired bootstrap 95%
-    interval of each difference above 0, resampling items), while inanimate and control stay within
-    `margin` of each other. The direction matters: an animate agent with *less* object bias
-    (leaning to the location) is not goal encoding."""
+    interval of each difference above 0, resampling items), and inanimate and control are
+    *equivalent*: a paired TOST at `alpha` shows their mean o_b difference inside +/- `margin`
+    (its 90% t interval lies inside [-margin, margin]). "Not significantly different" would pass
+    on too few items; equivalence has to be shown, so few or noisy items fail. The direction
+    matters: an animate agent with *less* object bias (leaning to the location) is not goal
+    encoding."""
     goal = df[df["prompt_type"] == "goal"].copy()
     goal["o_b"] = object_bias(goal)
     rng = np.random.default_rng(seed)
@@ -138,9 +379,11 @@ def selective_encoding(df: pd.DataFrame, *, margin: float = 0.1, n_boot: int = 1
         ai = _paired_diff_ci(v["animate"], v["inanimate"], rng, n_boot)
         ac = _paired_diff_ci(v["animate"], v["control"], rng, n_boot)
         ic = _paired_diff_ci(v["inanimate"], v["control"], rng, n_boot)
-        passes = ai[0] > 0 and ac[0] > 0 and abs(m["inanimate"] - m["control"]) < margin
-        out.append(asdict(SelectiveEncoding(tt, bool(anim), int(k), m["animate"], m["inanimate"],
-                                            m["control"], ai, ac, ic, bool(passes))))
+        eq = equivalence_test(v["inanimate"], v["control"], margin=margin, alpha=alpha)
+        passes = ai[0] > 0 and ac[0] > 0 and eq.equivalent
+        out.append(asdict(SelectiveEncoding(
+            tt, bool(anim), int(k), len(wide), m["animate"], m["inanimate"], m["control"], ai, ac, ic,
+            margin, eq.low, eq.high, eq.p, bool(eq.equivalent), bool(passes))))
     return pd.DataFrame(out)
 
 

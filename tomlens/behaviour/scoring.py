@@ -7,6 +7,7 @@ leading space and multi-token words are handled the same way for every tokenizer
 
 from __future__ import annotations
 
+import hashlib
 import math
 import sys
 from dataclasses import dataclass
@@ -27,7 +28,19 @@ from tomlens.stimuli.records import Stimulus
 META_COLUMNS: tuple[str, ...] = (
     "k", "test_case", "target_type", "anim_denotation", "object_target", "location_target",
     "prefix_index", "n_sentences", "story_family", "world_state_t", "belief_t", "order",
+    "knowledge_state", "first_mention", "recent_mention", "knowledge_cue",
 )
+
+
+def story_id(s: Stimulus) -> str | None:
+    """A short hash of the story a prompt asks about (family, task and the text before the `query`
+    span), shared by the reality and belief prompts of one story so that belief answers can be gated
+    on reality answers; None without a `query` span."""
+    q = s.spans.get("query")
+    if q is None:
+        return None
+    key = f"{s.family}\x1f{s.task_id}\x1f{s.text[: q.start]}"
+    return hashlib.sha1(key.encode()).hexdigest()[:16]
 
 
 @dataclass(frozen=True)
@@ -167,6 +180,7 @@ def score(
             "p_a": p_a, "p_a_first": p_a_first,
             "p_answer": p_answer, "p_answer_first": p_answer_first,
             "correct": p_answer > 0.5, "correct_first": p_answer_first > 0.5,
+            "story_id": story_id(s),
         }
         for key in META_COLUMNS:
             if key in s.meta:

@@ -48,7 +48,8 @@ def demo_config(args: argparse.Namespace) -> Any:
         data["model"]["prepend_bos"] = args.prepend_bos
     for spec in data["behaviour"]["stimuli"]:
         spec["seed"] = seed
-        spec["n"] = max(2, args.n // 2) if spec["family"] == "goal-encoding" else args.n
+        spec["n"] = {"goal-encoding": max(2, args.n // 2),
+                     "false-belief-factorial": max(2, args.n // 4)}.get(spec["family"], args.n)
     data["probes"]["stimuli"] = {**data["probes"]["stimuli"], "n": args.probe_tasks, "seed": seed + 1}
     data["probes"]["store"] = str(Path(args.out) / "activations")  # the demo's activations stay in its folder
     if args.pairs < 1:
@@ -63,7 +64,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--out", default="demo-out")
     p.add_argument("--n", type=int, default=8, help="tasks per false-belief family (behaviour)")
-    p.add_argument("--probe-tasks", type=int, default=12, help="transfer tasks for the probes (16 prompts each)")
+    p.add_argument("--probe-tasks", type=int, default=48, help="order-only tasks for the probes (4 prompts each)")
     p.add_argument("--pairs", type=int, default=4, help="minimal pairs for patching")
     p.add_argument("--seed", type=int, default=0)
     add_prepend_bos(p)

@@ -2,9 +2,11 @@
 
 The flags make a `tomlens.runs.patching.PatchingConfig`; the run (plan, budget, dry run, checkpoints
 and resume, the search) is `tomlens.runs.patching.run`, its figures `tomlens.report.patching`.
-Prints the plan first; `--dry-run` stops there and writes nothing.
+Prints the plan first; `--dry-run` stops there and writes nothing. The gate comes before the plan: when
+no contrast's false-minus-true-belief gap is reliably positive, only the gate and the raw logit
+differences are written and the message says what was withheld (`--force` runs everything, flagged).
 
-Writes, under --out: per-cell tables (`cells_<method>_<direction>`), per-pair tables
+Writes, under --out: the gate (`gate`), per-pair unpatched logit differences (`base`), per-cell tables (`cells_<method>_<direction>`), per-pair tables
 (`pairs_<method>_<direction>`), the per-head table (`heads`), top-k recovery (`topk`,
 `topk_random`), mean ablation (`ablation`, `ablation_random`), `config.json`, `manifest.json`,
 `summary.json` with provenance and the plan, `result.json`, and HTML figures under `figures/`.
@@ -15,7 +17,7 @@ from __future__ import annotations
 import argparse
 
 from tomlens.cli.options import add_model_options, add_positions, add_progress, add_sites, model_spec
-from tomlens.runs.patching import DEFAULT_CHUNK_RUNS, DEFAULT_MAX_RUNS, DIRECTIONS, METHODS
+from tomlens.runs.patching import DEFAULT_CHUNK_RUNS, DEFAULT_KS, DEFAULT_MAX_RUNS, DIRECTIONS, METHODS
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -43,7 +45,17 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="denoise: clean into corrupted; noise: corrupted into clean")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--top-k", type=int, default=10, help="K for top-k recovery and mean ablation (0: skip both)")
-    p.add_argument("--n-random", type=int, default=10, help="random head sets per k (baseline)")
+    p.add_argument("--n-random", type=int, default=200,
+                   help="random head sets per k, each from the top set's layers (baseline)")
+    p.add_argument("--ks", default=",".join(map(str, DEFAULT_KS)),
+                   help="the k (up to --top-k) at which top-k recovery and ablation run, e.g. 1,2,3,5,10")
+    p.add_argument("--select-fraction", type=float, default=0.5,
+                   help="share of tasks whose pairs select and rank heads; the rest validate them (held out)")
+    p.add_argument("--solved-only", action="store_true",
+                   help="keep only pairs the model answers right both ways (clean: belief answer; corrupted: its own)")
+    p.add_argument("--force", action="store_true",
+                   help="run the sweeps, ranking and validations even when the gate fails (or pairs are too few to "
+                   "split); every output is flagged FORCED")
     p.add_argument("--ablation", choices=("final", "all", "none"), default="final",
                    help="mean-ablate at the final token, at every position, or skip")
     p.add_argument("--max-runs", type=int, default=DEFAULT_MAX_RUNS,
@@ -73,7 +85,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from tomlens.report.patching import write_patching_figures
-    from tomlens.runs.patching import PatchingConfig
+    from tomlens.runs.patching import PatchingConfig, parse_ks
     from tomlens.runs.patching import run as run_patching
 
     config = PatchingConfig(
@@ -83,12 +95,13 @@ def run(args: argparse.Namespace) -> int:
         memory_mb=args.memory_mb, max_runs=args.max_runs, dry_run=args.dry_run, chunk_runs=args.chunk_runs,
         search_budget=args.search_budget, search_threshold=args.search_threshold,
         search_samples=args.search_samples, graddrop=args.graddrop, format=args.format,
+        ks=parse_ks(args.ks), force=args.force, solved_only=args.solved_only, select_fraction=args.select_fraction,
     )
     result = run_patching(config, out=args.out, progress=not args.no_progress)
     if result.dry_run:
         return 0
     out = result.save(args.out)
-    figures = write_patching_figures(result, out)
+    figures = {} if result.withheld else write_patching_figures(result, out)
     print(result.describe())
     print(f"wrote {len(result.summary['files'])} tables, {len(figures)} figures and summary.json under {args.out}")
     return 0

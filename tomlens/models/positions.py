@@ -11,11 +11,19 @@ Selectors:
   - `contrast_end`: the last token of the contrast sentence (same as `contrast`, named for intent);
   - `query_protagonist`, `query_object`: the question's own mention of the protagonist and of what
     it asks about (generated false-belief stories; BigToM pairs have `query_protagonist`), which
-    differ from `protagonist` / `object` (their first mentions in the story).
+    differ from `protagonist` / `object` (their first mentions in the story);
+  - `<role>@<k>` (k-th mention, 1-based) and `<role>@last` (last mention), from
+    `Stimulus.mentions`, each combinable with `:first` / `:last`: a role's first mention often sits
+    in the first sentence, before anything that bears on belief, so a position can name the
+    protagonist's mention after the cue (`protagonist@3`) or the last one (`protagonist@last`).
+    `@1` falls back to `spans[role]` for records without mentions.
+
+`role_mentions(stimulus)` lists every mention as (`role@k`, span) in text order.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -24,10 +32,37 @@ from jaxtyping import Int
 from torch import Tensor
 
 from tomlens.errors import TomlensError
-from tomlens.stimuli.records import Stimulus
+from tomlens.stimuli.records import Span, Stimulus
 
 FINAL = "final"
 ALIASES: dict[str, str] = {"contrast_end": "contrast"}
+# Roles that name a word (a mention) rather than a sentence; `role_mentions` falls back to their
+# `spans` entry (as `@1`) when a record has no `mentions` for them.
+MENTION_ROLES: tuple[str, ...] = (
+    "protagonist", "other_agent", "object", "location_1", "location_2", "container", "cue",
+    "query_protagonist", "query_object",
+)
+_SELECTOR = re.compile(r"^(?P<role>[^@:\s]+)(?:@(?P<k>[0-9]+|last))?(?::(?P<which>[^:]*))?$")
+
+
+def split_selector(selector: str) -> tuple[str, int | str | None, bool]:
+    """(role, mention, first?) of a selector: mention is None (the span), k >= 1 or "last"."""
+    m = _SELECTOR.match(selector)
+    if m is None:
+        raise TomlensError(f"position {selector!r} is malformed",
+                           "write final, <role>, <role>@<k>, <role>@last, each optionally with :first")
+    role, k, which = m.group("role"), m.group("k"), m.group("which")
+    if which is not None and which not in ("first", "last"):
+        raise TomlensError(
+            f"position {selector!r}: {which!r} is not first or last",
+            "write <role>, <role>:first or <role>:last (e.g. object:first, protagonist@2:first)",
+        )
+    if k is not None and k != "last" and int(k) < 1:
+        raise TomlensError(f"position {selector!r}: mentions count from 1", "write <role>@1 for the first mention")
+    if role == FINAL and (k is not None or which is not None):
+        raise TomlensError(f"position {selector!r} is malformed", "write final, <role> or <role>:first")
+    mention: int | str | None = None if k is None else ("last" if k == "last" else int(k))
+    return ALIASES.get(role, role), mention, which == "first"
 
 
 def parse_selectors(selectors: str | Sequence[str]) -> list[str]:
@@ -37,68 +72,105 @@ def parse_selectors(selectors: str | Sequence[str]) -> list[str]:
     if not items:
         raise TomlensError("no positions were given", "name at least one, e.g. final or protagonist")
     for s in items:
-        role, sep, which = s.partition(":")
-        if sep and which not in ("first", "last"):
-            raise TomlensError(
-                f"position {s!r}: {which!r} is not first or last",
-                "write <role>, <role>:first or <role>:last (e.g. object:first)",
-            )
-        if not role or (role == FINAL and sep):
-            raise TomlensError(f"position {s!r} is malformed", "write final, <role> or <role>:first")
+        split_selector(s)
     return list(dict.fromkeys(items))
 
 
-def _span_of(stimulus: Stimulus, selector: str) -> tuple[str, bool]:
-    """(role, first?) for a span selector, checking the stimulus has that span."""
-    role, _, which = selector.partition(":")
-    role = ALIASES.get(role, role)
-    if role not in stimulus.spans:
+def _mentions_of(stimulus: Stimulus, role: str) -> tuple[Span, ...]:
+    """A role's mentions in text order: `mentions[role]`, else its first-mention span alone."""
+    if role in stimulus.mentions:
+        return stimulus.mentions[role]
+    return (stimulus.spans[role],) if role in stimulus.spans else ()
+
+
+def selector_span(stimulus: Stimulus, selector: str) -> tuple[Span, bool]:
+    """(span, first?) a span selector points into, checking the stimulus has that span or mention."""
+    role, mention, first = split_selector(selector)
+    if mention is None:
+        if role in stimulus.spans:
+            return stimulus.spans[role], first
+        if stimulus.mentions.get(role):
+            return stimulus.mentions[role][0], first
         have = ", ".join(sorted(stimulus.spans)) or "none"
         raise TomlensError(
             f"stimulus {stimulus.id!r} has no span {role!r} (position {selector!r}); its spans: {have}",
             "choose a position from its spans, or use `final`",
         )
-    return role, which == "first"
+    found = _mentions_of(stimulus, role)
+    if mention == "last":
+        if role in stimulus.mentions and found:
+            return found[-1], first
+        raise TomlensError(
+            f"stimulus {stimulus.id!r} records no mentions of {role!r} (position {selector!r}), so its last "
+            f"mention is unknown" + (" (it has the first mention only, as a span)" if found else ""),
+            "regenerate the stimuli with a tomlens that fills `mentions`, or use "
+            f"{role}@1 / {role}",
+        )
+    if mention > len(found) or (mention > 1 and role not in stimulus.mentions):
+        n = len(stimulus.mentions.get(role, ())) if role in stimulus.mentions else len(found)
+        where = "mentions" if role in stimulus.mentions else ("a first-mention span only" if found else "no mention")
+        raise TomlensError(
+            f"stimulus {stimulus.id!r} has {n} mention(s) of {role!r} ({where}), so position {selector!r} "
+            "does not exist",
+            f"use {role}@1..{role}@{n} or {role}@last" if n else "choose a role the stimulus mentions",
+        )
+    return found[mention - 1], first
 
 
 def check_selectors(stimuli: Sequence[Stimulus], selectors: Sequence[str]) -> None:
-    """Fail before any forward if a stimulus lacks a span a selector needs."""
+    """Fail before any forward if a stimulus lacks a span or mention a selector needs."""
     for s in stimuli:
         for sel in selectors:
             if sel != FINAL:
-                _span_of(s, sel)
+                selector_span(s, sel)
 
 
 def lacking(stimuli: Sequence[Stimulus], selectors: Sequence[str]) -> dict[str, int]:
-    """How many stimuli lack the span each selector needs (selectors every stimulus has are left
-    out), so a caller can drop a default position with a note instead of failing."""
+    """How many stimuli lack the span or mention each selector needs (selectors every stimulus has
+    are left out), so a caller can drop a default position with a note instead of failing."""
     out: dict[str, int] = {}
     for sel in selectors:
         if sel == FINAL:
             continue
-        role = ALIASES.get(sel.partition(":")[0], sel.partition(":")[0])
-        n = sum(role not in s.spans for s in stimuli)
+        n = 0
+        for s in stimuli:
+            try:
+                selector_span(s, sel)
+            except TomlensError:
+                n += 1
         if n:
             out[sel] = n
     return out
 
 
-def span_position(stimulus: Stimulus, batch: Any, row: int, selector: str) -> int:
-    """Padded index of the first or last token whose characters overlap the selector's span."""
-    role, first = _span_of(stimulus, selector)
-    span = stimulus.spans[role]
-    tokens = [
-        t
-        for t, (start, end) in enumerate(batch.offsets[row])
-        if end > start and start < span.end and end > span.start
-    ]
+def role_mentions(stimulus: Stimulus) -> list[tuple[str, Span]]:
+    """Every mention of every role as ("protagonist@1", span), ... in text order: `mentions`, plus
+    the first-mention span (as `@1`) of a word role (`MENTION_ROLES`) that has no mentions recorded."""
+    found = {role: tuple(spans) for role, spans in stimulus.mentions.items()}
+    for role in MENTION_ROLES:
+        if role not in found and role in stimulus.spans:
+            found[role] = (stimulus.spans[role],)
+    out = [(f"{role}@{k}", span) for role, spans in found.items() for k, span in enumerate(spans, 1)]
+    return sorted(out, key=lambda x: (x[1].start, x[1].end, x[0]))
+
+
+def token_index(stimulus: Stimulus, offsets: Sequence[tuple[int, int]], selector: str) -> int:
+    """Index (into `offsets`, i.e. unpadded) of the first or last token whose characters overlap
+    the selector's span."""
+    span, first = selector_span(stimulus, selector)
+    tokens = [t for t, (start, end) in enumerate(offsets) if end > start and start < span.end and end > span.start]
     if not tokens:
         raise TomlensError(
-            f"stimulus {stimulus.id!r}: no token covers span {role!r} "
+            f"stimulus {stimulus.id!r}: no token covers position {selector!r} "
             f"[{span.start}, {span.end}) = {span.of(stimulus.text)!r}",
             "check the span offsets against the text (end is exclusive)",
         )
-    return int(batch.pad[row] + (tokens[0] if first else tokens[-1]))
+    return tokens[0] if first else tokens[-1]
+
+
+def span_position(stimulus: Stimulus, batch: Any, row: int, selector: str) -> int:
+    """Padded index of the first or last token whose characters overlap the selector's span."""
+    return int(batch.pad[row] + token_index(stimulus, batch.offsets[row], selector))
 
 
 def resolve_positions(

@@ -16,6 +16,7 @@ from __future__ import annotations
 import difflib
 import weakref
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -24,6 +25,7 @@ from tomlens.errors import TomlensError
 from tomlens.models import embedded, hub, tiny
 from tomlens.devices import dtype_name, resolve_device, resolve_dtype
 from tomlens.models.tokens import bos_record, prepends_bos, set_bos_rule
+from tomlens.io import sha256_hex
 from tomlens.provenance import versions
 
 
@@ -47,13 +49,20 @@ BUILTIN: dict[str, ModelName] = {
 
 DEFAULT_MODEL = embedded.EMBEDDED_NAME
 
+RANDOM_PREFIX = "random:"  # "random:NAME": NAME's architecture and tokenizer, fresh seeded weights
+RANDOM_INIT = ModelName(
+    f"{RANDOM_PREFIX}<name>", "random",
+    "any model above, hub id or folder with freshly initialised weights (seeded): the null model for probes",
+)
+
 # What load_model knew about each bridge it returned (the bridge itself has no slot for it).
 _LOADED: "weakref.WeakKeyDictionary[Any, dict[str, Any]]" = weakref.WeakKeyDictionary()
 
 
 def list_models() -> list[ModelName]:
-    """The built-in names; any Hugging Face id or local model directory works as well."""
-    return list(BUILTIN.values())
+    """The built-in names and the `random:<name>` form; any Hugging Face id or local model
+    directory works as well."""
+    return [*BUILTIN.values(), RANDOM_INIT]
 
 
 def load_model(
@@ -68,7 +77,9 @@ def load_model(
     """Load a model by name and return a `TransformerBridge` in eval mode with left padding.
 
     `name`: "smollm2-135m" (default, embedded), "tiny-gpt2" / "tiny-llama" / "tiny-neox" (random
-    weights fixed by `seed`), a Hugging Face id (with optional `revision`) or a local directory.
+    weights fixed by `seed`), a Hugging Face id (with optional `revision`) or a local directory;
+    "random:NAME" is NAME's architecture and tokenizer with fresh weights drawn with `seed` (only
+    NAME's config is read, never its weights): the baseline of a model that has learnt nothing.
     `device` defaults to CUDA when present, else CPU; `dtype` to bf16 on CUDA, else fp32.
     `prepend_bos`: None follows the tokenizer's own rule (as plain transformers does); True or
     False overrides it for every tokenization of this model.
@@ -81,7 +92,10 @@ def load_model(
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
 
-    if name in tiny.TINY:
+    if name.startswith(RANDOM_PREFIX):
+        hf_model, tokenizer, info = _random_init(name, seed, revision, dev, dt)
+        _cast(hf_model, dt)
+    elif name in tiny.TINY:
         if revision is not None:
             raise TomlensError(f"{name!r} is built from a config and has no revisions", "drop --revision; use seed")
         hf_model = tiny.build_tiny(name, seed, device=dev, dtype=dt)
@@ -129,6 +143,8 @@ def load_tokenizer(name: str = DEFAULT_MODEL, *, revision: str | None = None,
     if not isinstance(name, str) or not name.strip():
         raise TomlensError("no model name given", f"use one of {', '.join(BUILTIN)}, a Hugging Face id or a folder")
     name = name.strip()
+    if name.startswith(RANDOM_PREFIX):
+        return load_tokenizer(_random_base(name), revision=revision, prepend_bos=prepend_bos)
     if name in tiny.TINY or name == embedded.EMBEDDED_NAME:
         if revision is not None:
             raise TomlensError(f"{name!r} has no revisions", "drop --revision")
@@ -143,6 +159,61 @@ def load_tokenizer(name: str = DEFAULT_MODEL, *, revision: str | None = None,
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def _random_base(name: str) -> str:
+    base = name[len(RANDOM_PREFIX):].strip()
+    if not base or base.startswith(RANDOM_PREFIX):
+        raise TomlensError(f"model name {name!r} names no base model",
+                           "write random:NAME with NAME a built-in name, a Hugging Face id or a folder")
+    return base
+
+
+def _random_init(name: str, seed: int, revision: str | None, device: torch.device,
+                 dtype: torch.dtype) -> tuple[Any, Any, dict[str, Any]]:
+    """(hf_model, tokenizer, provenance info) for "random:<base>": the base's config and tokenizer,
+    weights from `from_config` under `seed` (the global RNG state is restored afterwards). A tiny
+    base is random already: random:tiny-llama is tiny-llama built the same way (tiny.build_tiny)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    base = _random_base(name)
+    hf_model = None
+    if base in tiny.TINY:
+        if revision is not None:
+            raise TomlensError(f"{base!r} is built from a config and has no revisions", "drop --revision; use seed")
+        hf_model, base_rev = tiny.build_tiny(base, seed, device=device, dtype=dtype), "config"
+        tokenizer, tok_name = embedded.load_tokenizer(embedded.tokenizer_dir()), embedded.EMBEDDED_NAME
+    elif base == embedded.EMBEDDED_NAME:
+        if revision is not None:
+            raise TomlensError(f"{base!r} is the embedded GGUF and has no revisions", "drop --revision")
+        folder = embedded.embedded_dir()
+        config, base_rev = AutoConfig.from_pretrained(folder), embedded.embedded_revision(folder)
+        tokenizer, tok_name = embedded.load_tokenizer(folder), embedded.EMBEDDED_NAME
+    elif hub.looks_like_local_dir(base):
+        folder = Path(base).expanduser()
+        if not (folder / "config.json").is_file():
+            raise TomlensError(f"{str(folder)!r} is not a model directory: it has no config.json",
+                               "point random: at a folder written by save_pretrained (config.json, tokenizer files)")
+        config = AutoConfig.from_pretrained(folder, trust_remote_code=False)
+        base_rev = "local:" + sha256_hex((folder / "config.json").read_text(), 16)
+        tokenizer, tok_name = hub.load_local_tokenizer(base), None
+    else:
+        _reject_near_miss(base)
+        try:
+            config = AutoConfig.from_pretrained(base, revision=revision, trust_remote_code=False)
+        except (OSError, ValueError) as e:
+            raise TomlensError(f"could not read the config of {base!r} for random:{base} ({type(e).__name__})",
+                               "use a Hugging Face id in the local cache (or online), a folder or a built-in name") from e
+        base_rev = revision or "main"
+        tokenizer, tok_name = hub.load_hub_tokenizer(base, revision), None
+    if hf_model is None:
+        with torch.random.fork_rng(devices=[]):  # built on the CPU in fp32: the same weights everywhere
+            torch.manual_seed(seed)
+            hf_model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    hf_model.eval()
+    info = {"source": "random-init", "base": base, "revision": f"random-init:seed={seed} of {base}@{base_rev}",
+            "seed": seed, "tokenizer": tok_name or getattr(tokenizer, "name_or_path", None)}
+    return hf_model, tokenizer, info
 
 
 def _cast(hf_model: Any, dtype: torch.dtype) -> None:
@@ -224,6 +295,7 @@ def provenance(model: Any) -> dict[str, Any]:
         "source": info.get("source", "unknown"),
         "revision": info.get("revision", "unknown"),
         "seed": info.get("seed"),
+        **({"base": info["base"]} if "base" in info else {}),  # random:NAME: the model whose shape it has
         "architecture": getattr(cfg, "architecture", None),
         "dtype": dtype,
         "device": device,

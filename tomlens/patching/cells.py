@@ -2,9 +2,18 @@
 sweep (kind, layer, head, position) and the padded columns a cell patches in a pair.
 
 A kind here is a site kind of `tomlens.hooks`, except that `head` (a head's output) is patched
-through the site `z`. Positions: "all" (every token), a selector from
-`tomlens.models.positions` ("final", a span role, ...), or "each" (one cell per token, indexing
-tokens right-aligned across pairs: pairs of different lengths share their ending).
+through the site `z`. Positions:
+  - "all": every token at once;
+  - a selector from `tomlens.models.positions` ("final", a span role, "protagonist@2", ...),
+    resolved in every pair to that pair's own token: a column means one role in every pair;
+  - "mentions": a keyword, not a cell position: expanded (`tomlens.patching.roles.mention_selectors`)
+    to one selector per role mention every pair has, plus "final", before cells are planned;
+  - "each": one cell per token, indexing tokens right-aligned across pairs (pairs of different
+    lengths share their ending), so when pairs differ in length a column holds different roles in
+    different pairs.
+Which to use: selectors or "mentions" to say what a role's token does (a column is a role in
+every pair); "each" to scan every token for where an effect sits at all, then re-read it by role
+with `tomlens.patching.roles.role_aligned`, or patch the roles it points to.
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ KIND_ALIASES: dict[str, str] = {
 }
 # Patching the whole residual stream at every position restores the clean run outright, so the
 # residual stream is swept per position; heads, attention and MLP outputs at all positions.
+MENTIONS = "mentions"  # keyword expanded per pair set (tomlens.patching.roles)
 DEFAULT_POSITIONS: dict[str, tuple[str, ...]] = {
     "head": ("all",), "resid_pre": ("each",), "resid_mid": ("each",), "resid_post": ("each",),
     "attn_out": ("all",), "mlp_out": ("all",),
@@ -92,6 +102,13 @@ def plan_cells(
     from tomlens.hooks import Site, check_sites
 
     check_sites(model, [Site("z" if kind == "head" else kind, l) for kind in spec for l in layers[:1]])
+    unexpanded = [k for k, v in spec.items() if MENTIONS in v]
+    if unexpanded:
+        raise TomlensError(
+            f"position {MENTIONS!r} (for {unexpanded}) names the pairs' role mentions, which depend on the pairs",
+            "expand it first: positions = tomlens.patching.roles.mention_selectors(pairs)[0] "
+            "(a run does this itself)",
+        )
     cells: list[Cell] = []
     for kind, poss in spec.items():
         heads = range(model.cfg.n_heads) if kind == "head" else [-1]
@@ -131,7 +148,7 @@ def selectors_in(sites: Any, positions: Sequence[str]) -> tuple[str, ...]:
     if isinstance(sites, Mapping):
         for v in sites.values():
             found.extend(v)
-    return tuple(dict.fromkeys(s for s in found if s not in ("all", "each")))
+    return tuple(dict.fromkeys(s for s in found if s not in ("all", "each", MENTIONS)))
 
 
 def check_selectors(cells: Sequence[Cell], prepared: PreparedPairs) -> None:

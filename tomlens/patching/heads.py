@@ -3,9 +3,13 @@
 A single head's patching effect says little about whether a small set of heads carries the
 belief; these functions ask the joint questions:
 - *Top-k recovery*: patch the k best heads together (clean into corrupted) and read the fraction
-  of the logit difference recovered, for k = 1..K, against k random heads (several draws).
+  of the logit difference recovered, for k in a short list, against k random heads drawn from the
+  same layers as the top k (`layer_matched_draw`, many draws), with the share of draws that reach
+  the top set's effect (an empirical p).
 - *Mean ablation*: replace the top-k heads' outputs by their mean over all clean and corrupted
-  stories and read the drop in false-belief accuracy, against k random heads.
+  stories and read the drop in false-belief accuracy, against k layer-matched random heads.
+Rank on one set of pairs and validate on another (`tomlens.patching.gate.split_selection`): a
+ranking validated on the pairs that made it recovers its own noise.
 - *Per-head table*: patching effect, attribution score and (optionally) probe accuracy side by side.
 
 All patched runs go through the batched engine of `tomlens.patching.engine`, laid out
@@ -60,14 +64,37 @@ def _all_heads(model) -> list[Head]:
     return [(l, h) for l in range(model.cfg.n_layers) for h in range(model.cfg.n_heads)]
 
 
-def _random_sets(model, ks: Sequence[int], n_random: int, seed: int) -> dict[int, list[list[Head]]]:
-    """`n_random` draws of k distinct heads for each k, uniform over all heads, fixed by `seed`."""
+def _uniform_sets(model, ks: Sequence[int], seed: int) -> dict[int, list[Head]]:
+    """One draw of k distinct heads per k, uniform over all heads (stand-in top sets for a plan)."""
     heads = _all_heads(model)
     gen = np.random.default_rng(seed)
-    return {
-        k: [[heads[i] for i in gen.choice(len(heads), size=min(k, len(heads)), replace=False)] for _ in range(n_random)]
-        for k in ks
-    }
+    return {k: [heads[i] for i in gen.choice(len(heads), size=min(k, len(heads)), replace=False)] for k in ks}
+
+
+def layer_matched_draw(model, top: Sequence[Head], gen: np.random.Generator) -> list[Head]:
+    """One random head set with exactly the layers of `top`: per layer, as many distinct heads as `top`
+    has there, drawn from that layer's other heads (its top heads too only where it has too few others).
+    Random heads spread over all layers would compare the top set with a different depth profile."""
+    n_heads = model.cfg.n_heads
+    top = [tuple(map(int, h)) for h in top]
+    out: list[Head] = []
+    for layer in dict.fromkeys(l for l, _ in top):
+        mine = [h for l, h in top if l == layer]
+        others = [h for h in range(n_heads) if h not in mine]
+        m = len(mine)
+        if len(others) >= m:
+            picked = [others[i] for i in gen.choice(len(others), size=m, replace=False)]
+        else:
+            fill = [mine[i] for i in gen.choice(len(mine), size=m - len(others), replace=False)]
+            picked = others + fill
+        out.extend((layer, h) for h in picked)
+    return out
+
+
+def _random_sets(model, top_sets: dict[int, Sequence[Head]], n_random: int, seed: int) -> dict[int, list[list[Head]]]:
+    """`n_random` layer-matched draws (`layer_matched_draw`) for each k's top set, fixed by `seed`."""
+    gen = np.random.default_rng(seed)
+    return {k: [layer_matched_draw(model, top, gen) for _ in range(n_random)] for k, top in top_sets.items()}
 
 
 def _prepared(model, pairs: Any, position: str, batch_pairs: int) -> PreparedPairs:
@@ -87,16 +114,17 @@ def topk_settings(
     model, ranking: Sequence[Head] | None, ks: Sequence[int], n_random: int, seed: int
 ) -> list[tuple[str, int, int, list[Head]]]:
     """(selection, k, draw, heads) for the top-k sets of `ranking` (selection "top", draw -1) and
-    `n_random` random sets per k (selection "random", draw 0..n_random-1).
+    `n_random` random sets per k (selection "random", draw 0..n_random-1), each matched to its top
+    set's layers (`layer_matched_draw`).
 
-    `ranking=None` stands the first random draw in for each top set: same sizes, so a plan made
+    `ranking=None` stands a uniform random draw in for each top set: same sizes, so a plan made
     before the ranking exists counts the same runs."""
-    randoms = _random_sets(model, ks, n_random, seed)
     if ranking is None:
-        stand_in = _random_sets(model, ks, 1, seed + 1)
-        top = [("top", k, -1, stand_in[k][0]) for k in ks]
+        tops = _uniform_sets(model, ks, seed + 1)
     else:
-        top = [("top", k, -1, [tuple(map(int, h)) for h in ranking[:k]]) for k in ks]
+        tops = {k: [tuple(map(int, h)) for h in ranking[:k]] for k in ks}
+    top = [("top", k, -1, tops[k]) for k in ks]
+    randoms = _random_sets(model, tops, n_random, seed)
     return top + [("random", k, d, heads) for k in ks for d, heads in enumerate(randoms[k])]
 
 
@@ -144,7 +172,8 @@ def topk_recovery(
     ranking: Sequence[Head],
     *,
     k_max: int,
-    n_random: int = 10,
+    ks: Sequence[int] | None = None,
+    n_random: int = 200,
     seed: int = 0,
     position: str = "all",
     direction: Direction = "denoise",
@@ -156,14 +185,19 @@ def topk_recovery(
     checkpoints: Any = None,
     chunk_runs: int = DEFAULT_CHUNK_RUNS,
 ) -> Recovery:
-    """Patch the top-k heads of `ranking` together for k = 1..k_max, and k random heads, at
-    `position`. `checkpoints`: finished chunks are saved there and reused (see `exact_patching`)."""
+    """Patch the top-k heads of `ranking` together for each k of `ks` (default 1..k_max; those above
+    k_max dropped), and k layer-matched random heads, at `position`. `random_reach` is the share of
+    random draws whose effect reaches the top set's (for noising, whose effect falls as low), `p_random`
+    the empirical p (1 + reaching) / (1 + draws). `checkpoints`: finished chunks are saved there and
+    reused (see `exact_patching`)."""
     ranking = [tuple(map(int, h)) for h in ranking]
     k_max = min(k_max, len(ranking))
     if k_max < 1:
         raise TomlensError("top-k recovery needs at least one ranked head", "pass a non-empty ranking")
     prepared = _prepared(model, pairs, position, batch_pairs)
-    ks = list(range(1, k_max + 1))
+    ks = list(range(1, k_max + 1)) if ks is None else sorted({int(k) for k in ks if 1 <= k <= k_max})
+    if not ks:
+        raise TomlensError(f"no k of the list is between 1 and {k_max}", "pass ks within the ranked heads")
     settings = topk_settings(model, ranking, ks, n_random, seed)
     sweep = HeadSetSweep(model, prepared, [s[3] for s in settings], position=position, direction=direction,
                          memory_mb=memory_mb, chunk_runs=chunk_runs, name=f"topk-{direction}-{position}")
@@ -172,6 +206,7 @@ def topk_recovery(
     long = settings_frame(settings, effect=s.mean, se=s.se, ci_low=s.ci_low, ci_high=s.ci_high)
     top = long[long.selection == "top"].set_index("k")
     rnd = long[long.selection == "random"].groupby("k").effect
+    reach = _reach(long, "effect", higher=direction == "denoise")
     table = pd.DataFrame(
         {
             "k": ks,
@@ -183,12 +218,28 @@ def topk_recovery(
             "random_mean": [rnd.mean().get(k, np.nan) for k in ks],
             "random_low": [rnd.quantile(0.025).get(k, np.nan) for k in ks],
             "random_high": [rnd.quantile(0.975).get(k, np.nan) for k in ks],
+            "random_reach": [reach[k][0] for k in ks],
+            "p_random": [reach[k][1] for k in ks],
             "n_random": n_random,
             "position": position,
             "direction": direction,
         }
     )
     return Recovery(table, long[long.selection == "random"].reset_index(drop=True))
+
+
+def _reach(long: pd.DataFrame, column: str, *, higher: bool) -> dict[int, tuple[float, float]]:
+    """Per k: (share of random draws whose `column` reaches the top set's, (1 + reaching) / (1 + draws));
+    NaN without draws. `higher`: reaching is >= the top value, else <=."""
+    out = {}
+    for k, top in long[long.selection == "top"].set_index("k")[column].items():
+        rnd = long[(long.selection == "random") & (long.k == k)][column].dropna().to_numpy()
+        if len(rnd) == 0 or not np.isfinite(top):
+            out[int(k)] = (float("nan"), float("nan"))
+            continue
+        hits = int((rnd >= top).sum() if higher else (rnd <= top).sum())
+        out[int(k)] = (hits / len(rnd), (1 + hits) / (1 + len(rnd)))
+    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -348,7 +399,7 @@ def mean_ablation(
     ranking: Sequence[Head],
     *,
     ks: Sequence[int],
-    n_random: int = 10,
+    n_random: int = 200,
     seed: int = 0,
     mode: Literal["final", "all"] = "final",
     batch_pairs: int = 8,
@@ -364,7 +415,9 @@ def mean_ablation(
     `mode="all"`: every position is replaced by that head's mean at the same right-aligned position.
     False-belief accuracy is the share of clean stories whose logit difference favours the
     belief-consistent answer (> 0); true-belief accuracy the share of corrupted stories favouring
-    the world-consistent one (< 0). `checkpoints`: see `exact_patching`.
+    the world-consistent one (< 0). Random sets are layer-matched; `random_reach` is the share of
+    draws whose false-belief drop reaches the top set's, `p_random` the empirical p.
+    `checkpoints`: see `exact_patching`.
     """
     if mode not in ("final", "all"):
         raise TomlensError(f"unknown ablation mode {mode!r}", "use 'final' or 'all'")
@@ -388,6 +441,7 @@ def mean_ablation(
     )
     top = long[long.selection == "top"].set_index("k")
     rnd = long[long.selection == "random"].groupby("k")
+    reach = _reach(long, "fb_drop", higher=True)
     table = pd.DataFrame(
         {
             "k": ks,
@@ -400,6 +454,8 @@ def mean_ablation(
             "random_fb_drop_low": [rnd.fb_drop.quantile(0.025).get(k, np.nan) for k in ks],
             "random_fb_drop_high": [rnd.fb_drop.quantile(0.975).get(k, np.nan) for k in ks],
             "random_tb_accuracy_mean": [rnd.tb_accuracy.mean().get(k, np.nan) for k in ks],
+            "random_reach": [reach[k][0] for k in ks],
+            "p_random": [reach[k][1] for k in ks],
             "n_random": n_random,
             "mode": mode,
         }

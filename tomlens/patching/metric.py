@@ -70,7 +70,9 @@ class UnstableGapWarning(UserWarning):
 
 def gap_is_unstable(gap: Float[Tensor, "pair"]) -> bool:
     """Whether the mean clean - corrupted gap is within two standard errors of 0 (or undefined):
-    effects normalised by it are then noise over noise."""
+    effects normalised by it are then noise over noise. Two-sided and blind to the sign, so it is no
+    gate: a significantly negative gap passes it. `tomlens.patching.gate` is the one-sided gate that
+    runs before any head ranking."""
     n = gap.numel()
     if n < 2:
         return not bool(gap.abs().sum() > 0)

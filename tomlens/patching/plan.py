@@ -22,12 +22,19 @@ before any run.
   all       every position: heads, attention and MLP outputs patched at all positions at once (one
             cell per head; the sweep before role positions), the residual stream one position at
             a time
+  mentions  one cell per role mention that every pair has, in the order of the first pair
+            ("protagonist@1", "protagonist@2", ..., "cue", "query_object", then "final"), each
+            resolved in every pair to that pair's own token (`tomlens.patching.roles`); a mention
+            at different tokens in a pair's two stories (order-only pairs) is left out with a note
   each      one cell per position (right-aligned), for every site: heads x every position is the
-            largest sweep there is
-  a selector  `final`, a span role (`contrast`, `query_protagonist`, `object`, ...) or
-            `<role>:first`, as in `tomlens.models.positions`
+            largest sweep there is. When pairs differ in length a column holds different roles in
+            different pairs: use it to find where effects sit, and `mentions` (or
+            `tomlens.patching.roles.role_aligned` on the result) to say which role they sit on
+  a selector  `final`, a span role (`contrast`, `query_protagonist`, `object`, ...),
+            `<role>:first`, or a mention `<role>@<k>` / `<role>@last` (with `:first` too), as in
+            `tomlens.models.positions`
 Examples: `--positions all` (the every-position sweep), `--positions roles,heads=contrast`,
-`--positions heads=each,resid=final`.
+`--positions heads=each,resid=final`, `--positions resid=mentions,heads=roles`.
 """
 
 from __future__ import annotations
@@ -46,7 +53,7 @@ from tomlens.errors import TomlensError
 from tomlens.patching.attribution import attribution_patching
 from tomlens.patching.checkpoints import Checkpoints
 from tomlens.patching.heads import AblationSweep, HeadSetSweep
-from tomlens.patching.cells import Cell, canonical_kind, plan_cells
+from tomlens.patching.cells import MENTIONS, Cell, canonical_kind, plan_cells
 from tomlens.patching.engine import forward_cost
 from tomlens.patching.exact import ExactSweep
 from tomlens.patching.pairs import Direction, Group, PreparedPairs
@@ -73,7 +80,7 @@ class Positions:
 
     @property
     def selectors(self) -> list[str]:
-        return list(dict.fromkeys(p for ps in self.spec.values() for p in ps if p not in ("all", "each")))
+        return list(dict.fromkeys(p for ps in self.spec.values() for p in ps if p not in ("all", "each", MENTIONS)))
 
     def rank_position(self) -> str | None:
         """Where heads are ranked for top-k recovery and the per-head table: all positions when
@@ -113,6 +120,8 @@ def parse_positions(text: str | Sequence[str], kinds: Sequence[str]) -> Position
                 chosen = ("all",) if kind in WHOLE else ("each",)
             elif pos == "each":
                 chosen = ("each",)
+            elif pos == MENTIONS:
+                chosen = (MENTIONS,)
             else:
                 chosen = tuple(parse_selectors([pos]))
             spec[kind].extend(p for p in chosen if p not in spec[kind])
@@ -121,6 +130,23 @@ def parse_positions(text: str | Sequence[str], kinds: Sequence[str]) -> Position
         raise TomlensError(f"--positions {','.join(items)!r} gives site(s) {bare} no position",
                            "add positions for them (e.g. roles, or SITE=final) or leave them out of --sites")
     return Positions({k: tuple(v) for k, v in spec.items()}, roles)
+
+
+def expand_mentions(positions: Positions, pairs: Sequence[Any], tokenizer: Any = None) -> Positions:
+    """Replace the `mentions` keyword with the role mentions every pair has (`mention_selectors`),
+    with its notes; positions without the keyword come back unchanged."""
+    if not any(MENTIONS in ps for ps in positions.spec.values()):
+        return positions
+    from tomlens.patching.roles import mention_selectors
+
+    sels, notes = mention_selectors(pairs, tokenizer)
+    spec = {}
+    for kind, ps in positions.spec.items():
+        out: list[str] = []
+        for p in ps:
+            out.extend(x for x in (sels if p == MENTIONS else [p]) if x not in out)
+        spec[kind] = tuple(out)
+    return Positions(spec, positions.from_roles, positions.notes + notes)
 
 
 def drop_missing_roles(positions: Positions, stimuli: Sequence[Any]) -> Positions:

@@ -10,7 +10,12 @@ The sweep over cached activations lives in `tomlens.probes.sweep`.
 """
 
 from tomlens.probes.base import Probe
-from tomlens.probes.controls import bag_of_words, shuffle_labels
+from tomlens.probes.baselines import (
+    BASELINE_COLUMNS, add_best_baseline, attach_baselines, length_features, position_features,
+)
+from tomlens.probes.controls import (
+    bag_of_words, condition_split, shuffle_labels, split_labels, type_cells, type_control_labels,
+)
 from tomlens.probes.directions import load_directions, save_directions
 from tomlens.probes.logistic import C_GRID, LogisticFit, LogisticProbe, fit_logistic
 from tomlens.probes.mass_mean import MassMeanProbe
@@ -19,8 +24,9 @@ from tomlens.probes.stats import Interval, bootstrap_auroc, bootstrap_mean
 from tomlens.probes.targets import TARGETS, false_belief_mask, make_target, true_belief_mask
 
 __all__ = [
-    "C_GRID", "Interval", "LogisticFit", "LogisticProbe", "MassMeanProbe", "Probe", "Split", "TARGETS",
-    "bag_of_words", "bootstrap_auroc", "bootstrap_mean", "false_belief_mask", "fit_logistic",
-    "group_codes", "group_kfold", "holdout", "leaked_groups", "load_directions", "make_target",
-    "save_directions", "shuffle_labels", "true_belief_mask",
+    "BASELINE_COLUMNS", "C_GRID", "Interval", "LogisticFit", "LogisticProbe", "MassMeanProbe", "Probe", "Split",
+    "TARGETS", "add_best_baseline", "attach_baselines", "bag_of_words", "bootstrap_auroc", "bootstrap_mean",
+    "condition_split", "false_belief_mask", "fit_logistic", "group_codes", "group_kfold", "holdout",
+    "leaked_groups", "length_features", "load_directions", "make_target", "position_features",
+    "save_directions", "shuffle_labels", "split_labels", "true_belief_mask", "type_cells", "type_control_labels",
 ]

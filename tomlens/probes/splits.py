@@ -1,4 +1,4 @@
-"""Leak-free splits: every story (task) lies wholly on one side, optionally every template too.
+"""Leak-free splits: every story (task) lies wholly on one side, optionally every template or cue too.
 
 The prompts of one task share their story, so a prompt-level split lets a probe memorise stories
 (RepBelief's 80/20 split over prompts can put one story's prompts on both sides). Here rows are
@@ -22,7 +22,21 @@ from tomlens.stimuli.records import Stimulus
 GROUPINGS: dict[str, tuple[str, ...]] = {
     "task": ("task_id",),  # no story on both sides
     "template": ("task_id", "template_id"),  # no story and no template on both sides
+    "cue": ("task_id", "meta:cue_id"),  # no story and no cue phrasing on both sides
 }
+
+
+def _values(s: Stimulus, field: str) -> list[str]:
+    """The values of one grouping field for a row: `meta:NAME` reads `s.meta[NAME]` (a string, or a
+    list of them when a story has several cues); an empty task id stands for the row's own id."""
+    if field.startswith("meta:"):
+        value = s.meta.get(field[5:])
+        if value is None or value == "":
+            return []  # no cue phrasing recorded: the row falls back to the task grouping
+        items = value if isinstance(value, (list, tuple)) else [value]
+        return [f"{field}={v}" for v in items if v is not None and v != ""]
+    value = getattr(s, field) or (s.id if field == "task_id" else "")
+    return [value] if value else []
 
 
 @dataclass(frozen=True)
@@ -50,13 +64,11 @@ def group_codes(stimuli: Sequence[Stimulus], by: str = "task") -> Int[Tensor, " 
     for field in GROUPINGS[by]:
         first: dict[str, int] = {}
         for i, s in enumerate(stimuli):
-            value = getattr(s, field) or (s.id if field == "task_id" else "")
-            if not value:
-                continue
-            j = first.setdefault(value, i)
-            ri, rj = find(i), find(j)
-            if ri != rj:
-                parent[ri] = rj
+            for value in _values(s, field):
+                j = first.setdefault(value, i)
+                ri, rj = find(i), find(j)
+                if ri != rj:
+                    parent[ri] = rj
     return as_codes([find(i) for i in range(len(stimuli))], len(stimuli))
 
 
@@ -85,7 +97,8 @@ def group_kfold(groups: Sequence[Any] | Tensor, n_splits: int = 5, seed: int = 0
     if uniq.numel() < n_splits:
         raise TomlensError(
             f"{uniq.numel()} groups cannot fill {n_splits} grouped folds (a group is a task, or with "
-            "group_by='template' every task sharing a template; generated families have 4 templates)",
+            "group_by='template' every task sharing a template, with group_by='cue' every task sharing a cue "
+            "phrasing; generated families have 4 templates)",
             f"use fewer folds (--folds {uniq.numel()} or less), group by task, or more stimuli",
         )
     rng = np.random.default_rng(seed)

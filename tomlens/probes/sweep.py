@@ -3,19 +3,24 @@
 For each target and site kind, probes are trained on grouped folds (no story on both sides) and
 scored on the held-out stories: by default every story is held out once (cross-fitting, C chosen
 inside each training split by a nested grouped CV), or on one held-out split, or on a second
-stimulus set (`test_acts`). Next to each score sit a shuffled-label control trained on the same
-folds (selectivity = score - control), the chance level of a guess with the training class
-frequencies, a bag-of-words baseline,
-and 95% intervals from resampling test stories. Generalisation across conditions trains on
-true-belief stories and tests on false-belief stories of held-out tasks (and the reverse, when
-the target varies there).
+stimulus set (`test_acts`). Next to each score sit, trained on the same folds in the same batched
+fit: a type-level control task (one random label per template x cue x condition cell, scored on
+its own labels with its own chance level `control_chance`; selectivity = score - control, paired
+on the test stories; see `controls`) and a condition split (an arbitrary balanced split of the
+set's conditions, least correlated with the target, scored on its own labels); the chance level
+of a guess with the training class frequencies; and 95% intervals from resampling test stories.
+Generalisation across conditions trains on true-belief stories and tests on false-belief stories
+of held-out tasks (and the reverse, when the target varies there).
 
-The result is one tidy table: one row per (kind, layer, head, position, target, train_on,
+The result is one tidy table: one row per (features, kind, layer, head, position, target, train_on,
 eval_set, metric), head = -1 for whole-layer sites. `features` says what a row probed: "activations"
-(at site `kind`) or "bag_of_words" (the baseline over the prompt's words; `kind` is empty there).
-Every row says how its fits went (`fit_status`, the worst over the probe, its control and every
-split: "ok", "not_converged", "solver_failed" or "non_finite_input"); a unit that could not be
-fitted keeps its rows, with NaN scores, and the sweep goes on.
+(at site `kind`), "embeddings" (the same probe on resid_pre layer 0) or a text baseline,
+"bag_of_words", "length" or "position" (`kind` is empty there; see `baselines`). Every activation
+row carries the baselines' scores on the same split (`baseline_*`), the best of them and
+`above_baseline` = score - best_baseline. Every row says how its fits went (`fit_status`, the worst
+over the probe, its control, its condition split and every split: "ok", "not_converged",
+"solver_failed" or "non_finite_input"); a unit that could not be fitted keeps its rows, with NaN
+scores, and the sweep goes on.
 """
 
 from __future__ import annotations
@@ -35,7 +40,10 @@ from torch import Tensor
 from tomlens.errors import TomlensError
 from tomlens.probes import stats
 from tomlens.probes.base import Probe, encode_labels
-from tomlens.probes.controls import bag_of_words, shuffle_labels
+from tomlens.probes.baselines import attach_baselines, length_features, position_features
+from tomlens.probes.controls import (
+    CELL_LEVELS, bag_of_words, condition_split, split_labels, type_cells, type_control_labels,
+)
 from tomlens.probes.directions import direction_name, save_directions, unit_norm
 from tomlens.devices import default_device
 from tomlens.probes.logistic import (
@@ -43,16 +51,19 @@ from tomlens.probes.logistic import (
 )
 from tomlens.probes.mass_mean import MassMeanProbe
 from tomlens.probes.newton import FIT_STATUS, NON_FINITE_INPUT, NOT_CONVERGED, OK, SOLVER_FAILED
-from tomlens.probes.splits import Split, group_codes, group_kfold, holdout, restrict
+from tomlens.probes.splits import GROUPINGS, Split, group_codes, group_kfold, holdout, restrict
 from tomlens.probes.targets import false_belief_mask, get_target, make_target, true_belief_mask
 from tomlens.provenance import versions
 from tomlens.stimuli.records import Stimulus, stimuli_hash
 
 PROBES = ("logistic", "mass_mean")
 COLUMNS = ["features", "kind", "layer", "head", "position", "target", "probe", "train_on", "eval_set", "test_set",
-           "metric", "score", "ci_low", "ci_high", "control", "control_ci_low", "control_ci_high",
-           "selectivity", "selectivity_ci_low", "selectivity_ci_high", "chance", "n_train", "n_test",
-           "n_test_groups", "C", "fit_status"]
+           "metric", "score", "ci_low", "ci_high", "control", "control_ci_low", "control_ci_high", "control_chance",
+           "selectivity", "selectivity_ci_low", "selectivity_ci_high", "condition_split", "condition_split_ci_low",
+           "condition_split_ci_high", "chance", "n_train", "n_test", "n_test_groups", "C", "fit_status",
+           "baseline_bow", "baseline_length", "baseline_position", "baseline_embeddings", "best_baseline",
+           "best_baseline_name", "above_baseline"]
+BASELINE_FEATURES = ("bag_of_words", "length", "position", "embeddings")
 
 
 @runtime_checkable
@@ -75,11 +86,15 @@ class SweepConfig:
     folds: int = 5  # outer grouped folds (held-out stories)
     inner_folds: int = 4  # grouped folds inside each training split, to choose C
     evaluation: str = "crossfit"  # "crossfit": every story tested once; "holdout": the first fold only
-    group_by: str = "task"  # "task", or "template" (no task and no template on both sides)
+    group_by: str = "task"  # "task", "template" or "cue" (no task and no template / cue phrasing on both sides)
     n_boot: int = 1000
     level: float = 0.95
-    controls: bool = True  # shuffled-label control for every probe
+    controls: bool = True  # type-level control task for every probe
+    condition_split: bool = True  # decode an arbitrary split of the conditions too
     bow: bool = True  # bag-of-words baseline
+    length: bool = True  # prompt-length baseline
+    position: bool = True  # role-position baseline
+    embeddings: bool = True  # the probe on resid_pre layer 0, when the activations hold it
     conditions: bool = True  # train on true-belief, test on false-belief (and the reverse)
     directions: bool = True  # fit on all rows and keep the directions
     device: str | None = None
@@ -89,6 +104,8 @@ class SweepConfig:
     def __post_init__(self) -> None:
         if self.evaluation not in ("crossfit", "holdout"):
             raise TomlensError(f"unknown evaluation {self.evaluation!r}", "use 'crossfit' or 'holdout'")
+        if self.group_by not in GROUPINGS:
+            raise TomlensError(f"unknown grouping {self.group_by!r}", f"use one of {', '.join(GROUPINGS)}")
 
 
 @dataclass
@@ -108,14 +125,24 @@ class _Plan:
 
 
 @dataclass
-class _Outcome:
-    """Out-of-split decisions of the probe and control for every test-pool row of one plan."""
+class _Extra:
+    """Out-of-split decisions of one extra label vector (the control task, the condition split)."""
 
-    scores: Tensor  # [L, U, n_test_pool, k]
+    scores: Tensor  # [U, n_test_pool] decision value for label 1
+    predicted: Tensor  # [n_test_pool] bool: rows scored by a fit of this label vector
+    chance_correct: Tensor  # [n_test_pool] chance of a frequency-matched guess of its labels
+
+
+@dataclass
+class _Outcome:
+    """Out-of-split decisions of the probe and its extra label vectors for every test-pool row of one plan."""
+
+    scores: Tensor  # [U, n_test_pool, k]
     predicted: Tensor  # [n_test_pool] bool
     chance_correct: Tensor  # [n_test_pool] chance of a frequency-matched guess
     classes: Tensor
-    status: Tensor  # [U] worst fit status over splits, probe and control (`FIT_STATUS` codes)
+    status: Tensor  # [U] worst fit status over splits, probe and extras (`FIT_STATUS` codes)
+    extras: dict[str, _Extra] = field(default_factory=dict)
     n_train: list[int] = field(default_factory=list)
     C: list[Tensor] = field(default_factory=list)  # per split [U]
 
@@ -197,35 +224,59 @@ def _chance(y_train: Tensor, y_test: Tensor) -> Tensor:
 
 
 def _run_plan(plan: _Plan, probe: str, Xtr: Tensor, ytr: Tensor, gtr: Tensor, Xte: Tensor, yte: Tensor,
-              cfg: SweepConfig, seed: int, tick: Callable[[], None]) -> _Outcome | None:
-    """Fit on each split's training rows, score its test rows; None when no split can be fitted."""
+              cfg: SweepConfig, seed: int, tick: Callable[[], None],
+              extras: dict[str, tuple[Tensor, Tensor]] | None = None) -> _Outcome | None:
+    """Fit on each split's training rows, score its test rows; None when no split can be fitted.
+
+    `extras` maps a name to 0/1 label vectors over the training rows and the test pool (the control
+    task, the condition split): each is fitted beside the target, in the same batched fit when the
+    target is binary, on every split where its training labels hold both classes."""
+    extras = extras or {}
     n_pool = Xte.shape[1]
     out: _Outcome | None = None
+    binary_target = torch.equal(torch.unique(ytr), torch.tensor([0, 1]))
     for i, split in enumerate(plan.splits):
         tick()
         tr, te = split.train, split.test
         if tr.numel() == 0 or te.numel() == 0 or torch.unique(ytr[tr]).numel() < 2 \
                 or torch.unique(gtr[tr]).numel() < 2:
             continue
-        Y = ytr[tr].unsqueeze(0)
-        if cfg.controls:
-            Y = torch.cat([Y, shuffle_labels(ytr[tr], seed + 1000 + i).unsqueeze(0)])
-        probes, C, status = _fit(probe, Xtr[:, tr], Y, gtr[tr], cfg, seed + i)
+        names = [k for k, (lab, _) in extras.items() if torch.unique(lab[tr]).numel() == 2]
+        extra_Y = [extras[k][0][tr] for k in names]
+        if binary_target:  # one batched fit: the extras share every Gram matrix with the target
+            probes, C, status = _fit(probe, Xtr[:, tr], torch.stack([ytr[tr], *extra_Y]), gtr[tr], cfg, seed + i)
+            extra_probes = probes[1:]
+            probes = probes[:1]
+        else:  # the extras are binary, the target is not: one more fit for them
+            probes, C, status = _fit(probe, Xtr[:, tr], ytr[tr].unsqueeze(0), gtr[tr], cfg, seed + i)
+            extra_probes = []
+            if extra_Y:
+                extra_probes, _, st = _fit(probe, Xtr[:, tr], torch.stack(extra_Y), gtr[tr], cfg, seed + i)
+                status = torch.maximum(status, st)
         Xs = Xte[:, te].to(torch.float64)
-        s = torch.stack([p.decision_function(Xs) for p in probes])  # [L, U, t, k]
+        s = probes[0].decision_function(Xs)  # [U, t, k]
         status[_non_finite_units(Xs)] = NON_FINITE_INPUT
         classes = probes[0].classes_
         if out is None:
-            out = _Outcome(scores=torch.zeros(s.shape[0], s.shape[1], n_pool, s.shape[3], dtype=torch.float64),
+            out = _Outcome(scores=torch.zeros(s.shape[0], n_pool, s.shape[2], dtype=torch.float64),
                            predicted=torch.zeros(n_pool, dtype=torch.bool),
                            chance_correct=torch.zeros(n_pool, dtype=torch.float64), classes=classes,
-                           status=torch.zeros(s.shape[1], dtype=torch.long))
+                           status=torch.zeros(s.shape[0], dtype=torch.long))
+            out.extras = {k: _Extra(scores=torch.zeros(s.shape[0], n_pool, dtype=torch.float64),
+                                    predicted=torch.zeros(n_pool, dtype=torch.bool),
+                                    chance_correct=torch.zeros(n_pool, dtype=torch.float64)) for k in extras}
         if not torch.equal(out.classes, classes):
             continue  # a split missing a class cannot share the decision columns of the others
         out.status = torch.maximum(out.status, status.cpu())
-        out.scores[:, :, te] = s.cpu()
+        out.scores[:, te] = s.cpu()
         out.predicted[te] = True
         out.chance_correct[te] = _chance(ytr[tr], yte[te])
+        for name, p in zip(names, extra_probes):
+            lab_tr, lab_te = extras[name]
+            e = out.extras[name]
+            e.scores[:, te] = p.decision_function(Xs)[..., 0].cpu()  # binary: one column, > 0 means 1
+            e.predicted[te] = True
+            e.chance_correct[te] = _chance(lab_tr[tr], lab_te[te])
         out.n_train.append(int(tr.numel()))
         out.C.append(C.cpu())
     return out
@@ -248,9 +299,56 @@ def _mode_c(cs: list[Tensor]) -> Tensor:
     return torch.tensor(out, dtype=torch.float64)
 
 
+def _paired_auroc_difference(a: Tensor, ya: Tensor, b: Tensor, yb: Tensor, groups: Tensor, cfg: SweepConfig,
+                              seed: int) -> stats.Interval:
+    """AUROC(a on labels ya) - AUROC(b on labels yb) on the same resampled test groups: the control
+    is scored on its own labels, so `stats.bootstrap_auroc_difference` (one label vector) does not fit."""
+    w = stats.group_weights(groups.cpu(), cfg.n_boot, seed)
+    boot = stats.auroc(a, ya, w) - stats.auroc(b, yb, w)
+    q = torch.tensor([(1 - cfg.level) / 2, 1 - (1 - cfg.level) / 2], dtype=boot.dtype)
+    lo, hi = torch.nanquantile(boot, q, dim=0)
+    return stats.Interval(stats.auroc(a, ya)[0] - stats.auroc(b, yb)[0], lo, hi)
+
+
+def _nan_interval(u: int) -> stats.Interval:
+    nan = torch.full((u,), float("nan"), dtype=torch.float64)
+    return stats.Interval(nan, nan, nan)
+
+
+def _extra_scores(outcome: _Outcome, name: str, sel: Tensor, labels: Tensor, correct: Tensor, y: Tensor,
+                  metric: str, cfg: SweepConfig, seed: int, gte: Tensor
+                  ) -> tuple[stats.Interval, stats.Interval, float] | None:
+    """For one extra label vector on the eval rows `sel`: its score on its own labels, the paired
+    difference score - extra on the rows both scored, and its chance level; None when not fitted."""
+    e = outcome.extras.get(name)
+    if e is None:
+        return None
+    ok = e.predicted[sel]
+    if not bool(ok.any()):
+        return None
+    rows = sel[ok]
+    lab = labels[rows]
+    g = gte[rows]
+    u = outcome.scores.shape[0]
+    sc = e.scores[:, rows]
+    if metric == "accuracy":
+        corr = ((sc > 0).long() == lab).to(torch.float64)  # [U, t]
+        est = stats.bootstrap_mean(corr, g, n_boot=cfg.n_boot, seed=seed, level=cfg.level)
+        diff = stats.bootstrap_mean(correct[:, ok] - corr, g, n_boot=cfg.n_boot, seed=seed, level=cfg.level)
+        return est, diff, float(e.chance_correct[rows].mean())
+    if torch.unique(lab).numel() < 2:
+        return _nan_interval(u), _nan_interval(u), 0.5
+    yb = (y[ok] == outcome.classes[1]).long()
+    est = stats.bootstrap_auroc(sc, lab, g, n_boot=cfg.n_boot, seed=seed, level=cfg.level)
+    diff = _paired_auroc_difference(outcome.scores[:, rows, 0], yb, sc, lab, g, cfg, seed)
+    return est, diff, 0.5
+
+
 def _rows_for(outcome: _Outcome, plan: _Plan, yte: Tensor, gte: Tensor, cfg: SweepConfig, seed: int,
-              unit_keys: list[tuple[int, int]], common: dict[str, Any]) -> list[dict[str, Any]]:
+              unit_keys: list[tuple[int, int]], common: dict[str, Any],
+              extra_labels: dict[str, Tensor] | None = None) -> list[dict[str, Any]]:
     classes = outcome.classes
+    extra_labels = extra_labels or {}
     rows: list[dict[str, Any]] = []
     C = _mode_c(outcome.C)
     failed = (outcome.status >= SOLVER_FAILED).tolist()
@@ -263,27 +361,21 @@ def _rows_for(outcome: _Outcome, plan: _Plan, yte: Tensor, gte: Tensor, cfg: Swe
             continue
         y = yte[sel]
         g = gte[sel]
-        s = outcome.scores[:, :, sel]  # [L, U, t, k]
+        s = outcome.scores[:, sel]  # [U, t, k]
         pred = classes[(s[..., 0] > 0).long()] if binary else classes[s.argmax(-1)]
-        correct = (pred == y).to(torch.float64)  # [L, U, t]
-        acc = stats.bootstrap_mean(correct[0], g, n_boot=cfg.n_boot, seed=seed, level=cfg.level)
-        metrics = [("accuracy", acc, correct)]
+        correct = (pred == y).to(torch.float64)  # [U, t]
+        acc = stats.bootstrap_mean(correct, g, n_boot=cfg.n_boot, seed=seed, level=cfg.level)
+        metrics = [("accuracy", acc)]
         if binary and torch.unique(y).numel() == 2:
             yb = (y == classes[1]).long()
-            au = stats.bootstrap_auroc(s[0, ..., 0], yb, g, n_boot=cfg.n_boot, seed=seed, level=cfg.level)
-            metrics.append(("auroc", au, None))
+            au = stats.bootstrap_auroc(s[..., 0], yb, g, n_boot=cfg.n_boot, seed=seed, level=cfg.level)
+            metrics.append(("auroc", au))
         chance = float(outcome.chance_correct[sel].mean())
-        for metric, est, corr in metrics:
-            ctrl = sel_iv = None
-            if cfg.controls:
-                if metric == "accuracy":
-                    ctrl = stats.bootstrap_mean(corr[1], g, n_boot=cfg.n_boot, seed=seed, level=cfg.level)
-                    sel_iv = stats.bootstrap_mean(corr[0] - corr[1], g, n_boot=cfg.n_boot, seed=seed,
-                                                  level=cfg.level)
-                else:
-                    ctrl = stats.bootstrap_auroc(s[1, ..., 0], yb, g, n_boot=cfg.n_boot, seed=seed, level=cfg.level)
-                    sel_iv = stats.bootstrap_auroc_difference(s[0, ..., 0], s[1, ..., 0], yb, g,
-                                                              n_boot=cfg.n_boot, seed=seed, level=cfg.level)
+        for metric, est in metrics:
+            ctrl = _extra_scores(outcome, "control", sel, extra_labels["control"], correct, y, metric, cfg, seed,
+                                 gte) if "control" in extra_labels else None
+            split = _extra_scores(outcome, "condition_split", sel, extra_labels["condition_split"], correct, y,
+                                  metric, cfg, seed, gte) if "condition_split" in extra_labels else None
             for ui, (layer, head) in enumerate(unit_keys):
                 row = {**common, "layer": layer, "head": head, "train_on": plan.train_on,
                        "eval_set": eval_set, "metric": metric,
@@ -293,11 +385,18 @@ def _rows_for(outcome: _Outcome, plan: _Plan, yte: Tensor, gte: Tensor, cfg: Swe
                        "n_train": n_train, "n_test": int(sel.numel()),
                        "n_test_groups": int(torch.unique(g).numel()), "C": float(C[ui]),
                        "fit_status": status[ui]}
-                if ctrl is not None and sel_iv is not None:
-                    row.update(control=float(ctrl.estimate[ui]), control_ci_low=float(ctrl.low[ui]),
-                               control_ci_high=float(ctrl.high[ui]), selectivity=float(sel_iv.estimate[ui]),
+                if ctrl is not None:
+                    c_iv, sel_iv, c_chance = ctrl
+                    row.update(control=float(c_iv.estimate[ui]), control_ci_low=float(c_iv.low[ui]),
+                               control_ci_high=float(c_iv.high[ui]), control_chance=c_chance,
+                               selectivity=float(sel_iv.estimate[ui]),
                                selectivity_ci_low=float(sel_iv.low[ui]),
                                selectivity_ci_high=float(sel_iv.high[ui]))
+                if split is not None:
+                    s_iv = split[0]
+                    row.update(condition_split=float(s_iv.estimate[ui]),
+                               condition_split_ci_low=float(s_iv.low[ui]),
+                               condition_split_ci_high=float(s_iv.high[ui]))
                 if failed[ui]:  # no number from a probe (or control) that could not be fitted
                     row.update({k: float("nan") for k in _FIT_VALUES})
                 rows.append(row)
@@ -305,17 +404,19 @@ def _rows_for(outcome: _Outcome, plan: _Plan, yte: Tensor, gte: Tensor, cfg: Swe
 
 
 _FIT_VALUES = ("score", "ci_low", "ci_high", "control", "control_ci_low", "control_ci_high", "selectivity",
-               "selectivity_ci_low", "selectivity_ci_high", "C")
+               "selectivity_ci_low", "selectivity_ci_high", "condition_split", "condition_split_ci_low",
+               "condition_split_ci_high", "C")
 
 
 def fit_summary(table: pd.DataFrame) -> str | None:
     """One line on the units whose probes failed or did not converge (None when all are "ok").
 
-    A unit is one (target, kind, layer, head) of the table; its status is the worst of its rows."""
+    A unit is one (features, target, kind, layer, head) of the table; its status is the worst of its rows."""
     if "fit_status" not in table or table.empty:
         return None
     code = table["fit_status"].map({name: i for i, name in enumerate(FIT_STATUS)})
-    worst = code.groupby([table[c] for c in ("target", "kind", "layer", "head")]).max()
+    keys = [c for c in ("features", "target", "kind", "layer", "head") if c in table]
+    worst = code.groupby([table[c] for c in keys]).max()
     counts = worst.value_counts()
     failed = {FIT_STATUS[c]: int(k) for c, k in sorted(counts.items()) if c >= SOLVER_FAILED}
     slow = int(counts.get(NOT_CONVERGED, 0))
@@ -443,33 +544,45 @@ def run_probe_sweep(
         encode_labels(ytr)  # at least two classes, or a clear error
         plans = _plans(st_tr, st_te if test_st is not None else None, gtr, cfg, seed)
         common = {"position": position, "target": tname, "probe": probe, "test_set": test_name}
+        extras = _extras(st_tr, st_te if test_st is not None else None, ytr, plans, cfg, seed, tname, notes)
+        extra_te = {k: te for k, (_, te) in extras.items()}
 
-        # (features, site kind, chunks, keep directions): the activations at each site, then the words
+        # (features, site kind, chunks, keep directions): the activations at each site, then the baselines
         feature_sets: list[tuple[str, str, Callable[[], Iterator[tuple[Tensor, Tensor, list[tuple[int, int]]]]], bool]] = []
         for kind in kinds:
             feature_sets.append(("activations", kind,
                                  _activation_chunks(acts, test_acts, kind, position, ktr, kte, cfg), True))
         if cfg.bow:
             feature_sets.append(("bag_of_words", "", _bow_chunks(st_tr, st_te), False))
+        if cfg.length:
+            feature_sets.append(("length", "", _length_chunks(st_tr, st_te), False))
+        if cfg.position:
+            feature_sets.append(("position", "", _position_chunks(st_tr, st_te, position), False))
+        if cfg.embeddings:
+            if _holds(acts, "resid_pre", 0, position) and (test_acts is None or _holds(test_acts, "resid_pre", 0, position)):
+                feature_sets.append(("embeddings", "resid_pre",
+                                     _embedding_chunks(acts, test_acts, position, ktr, kte), False))
+            else:
+                notes.append("embeddings baseline not run: cache resid_pre:0")
         n_fits = sum(len(p.splits) for p in plans) + int(cfg.directions)
         for features, kind, chunks, keep_dirs in feature_sets:
             for Xtr, Xte, unit_keys in chunks():
                 bar = _progress(n_fits, cfg.progress, f"{tname} {kind or features} layers {unit_keys[0][0]}-{unit_keys[-1][0]}")
                 with cpu_threads_for(float(Xtr.numel()), dev):
                     for plan in plans:
-                        outcome = _run_plan(plan, probe, Xtr, ytr, gtr, Xte, yte, cfg, seed, bar.update)
+                        outcome = _run_plan(plan, probe, Xtr, ytr, gtr, Xte, yte, cfg, seed, bar.update, extras)
                         if outcome is None:
                             notes.append(f"{tname}/{kind or features}: train_on={plan.train_on} skipped "
                                          "(no training split with two classes)")
                             continue
                         rows.extend(_rows_for(outcome, plan, yte, gte, cfg, seed, unit_keys,
-                                              {**common, "features": features, "kind": kind}))
+                                              {**common, "features": features, "kind": kind}, extra_te))
                     if cfg.directions and keep_dirs:
                         bar.update()
                         _collect_directions(directions, probe, Xtr, ytr, gtr, cfg, seed, tname, kind,
                                             position, unit_keys)
                 bar.close()
-    table = pd.DataFrame(rows, columns=COLUMNS)
+    table = attach_baselines(pd.DataFrame(rows, columns=COLUMNS))[COLUMNS]
     summary = fit_summary(table)
     if summary:
         notes.append(summary)
@@ -504,6 +617,122 @@ def _activation_chunks(acts: ActivationsLike, test_acts: ActivationsLike | None,
             Xte = Xtr if test_acts is None else Xb[:, sl][kte].transpose(0, 1).float().contiguous()
             yield Xtr, Xte, keys[sl]
     return gen
+
+
+def _holds(acts: ActivationsLike, kind: str, layer: int, position: str) -> bool:
+    """Whether the activations hold `kind` at `layer` and `position` (without reading them where
+    the cache says so in its manifest)."""
+    try:
+        if layer not in list(acts.layers(kind)):
+            return False
+        positions = (getattr(acts, "manifest", None) or {}).get("positions")
+        if positions is not None:
+            return position in positions
+        acts.get(kind, position)
+        return True
+    except (TomlensError, LookupError, StopIteration):
+        return False
+
+
+def _embedding_chunks(acts: ActivationsLike, test_acts: ActivationsLike | None, position: str,
+                      ktr: Tensor, kte: Tensor):  # noqa: ANN202
+    """resid_pre layer 0 (token + position embeddings) as one unit, keyed (0, -1)."""
+    def gen() -> Iterator[tuple[Tensor, Tensor, list[tuple[int, int]]]]:
+        def layer0(a: ActivationsLike, rows: Tensor) -> Tensor:
+            X = a.get("resid_pre", position)
+            i = list(a.layers("resid_pre")).index(0)
+            X = X[:, i]
+            return X.reshape(X.shape[0], -1)[rows].float().unsqueeze(0).contiguous()  # [1, n, d]
+
+        Xtr = layer0(acts, ktr)
+        Xte = Xtr if test_acts is None else layer0(test_acts, kte)
+        yield Xtr, Xte, [(0, -1)]
+    return gen
+
+
+def _length_chunks(st_tr: Sequence[Stimulus], st_te: Sequence[Stimulus]):  # noqa: ANN202
+    def gen() -> Iterator[tuple[Tensor, Tensor, list[tuple[int, int]]]]:
+        Xtr = length_features(st_tr)
+        Xte = Xtr if st_te is st_tr else length_features(st_te, st_tr)
+        yield Xtr.unsqueeze(0), Xte.unsqueeze(0), [(-1, -1)]
+    return gen
+
+
+def _position_chunks(st_tr: Sequence[Stimulus], st_te: Sequence[Stimulus], position: str):  # noqa: ANN202
+    def gen() -> Iterator[tuple[Tensor, Tensor, list[tuple[int, int]]]]:
+        Xtr = position_features(st_tr, position)
+        Xte = Xtr if st_te is st_tr else position_features(st_te, position, st_tr)
+        yield Xtr.unsqueeze(0), Xte.unsqueeze(0), [(-1, -1)]
+    return gen
+
+
+def _seen_share(cells_tr: list[Any], cells_te: list[Any], plan: _Plan, ytr: Tensor) -> float:
+    """The share of a plan's test rows whose type cell occurs in their split's training rows."""
+    seen = shared = 0
+    for sp in plan.splits:
+        if sp.train.numel() == 0 or torch.unique(ytr[sp.train]).numel() < 2:
+            continue
+        train_cells = {cells_tr[i] for i in sp.train.tolist()}
+        seen += sum(cells_te[i] in train_cells for i in sp.test.tolist())
+        shared += sp.test.numel()
+    return seen / shared if shared else 0.0
+
+
+def _cell_level(st_tr: list[Stimulus], st_te: list[Stimulus] | None, ytr: Tensor, plans: list[_Plan]) -> str:
+    """The finest type-cell level whose cells recur across the main plan's folds (a control whose
+    test cells never occur in training is at chance by construction and cannot fail)."""
+    for level in CELL_LEVELS:
+        cells_tr = type_cells(st_tr, level)
+        cells_te = cells_tr if st_te is None else type_cells(st_te, level)
+        if _seen_share(cells_tr, cells_te, plans[0], ytr) >= 0.5:
+            return level
+    return next(iter(CELL_LEVELS))
+
+
+def _extras(st_tr: list[Stimulus], st_te: list[Stimulus] | None, ytr: Tensor, plans: list[_Plan],
+            cfg: SweepConfig, seed: int, tname: str, notes: list[str]) -> dict[str, tuple[Tensor, Tensor]]:
+    """The control task's and the condition split's labels over the training rows and the test pool
+    (the same rows when `st_te` is None), with notes on what cannot be run or cannot fail."""
+    out: dict[str, tuple[Tensor, Tensor]] = {}
+    outer = plans[0].splits
+    if cfg.controls:
+        level = _cell_level(st_tr, st_te, ytr, plans)
+        if level != "template_cue_condition":
+            notes.append(f"{tname}: type-level control cells are {CELL_LEVELS[level]} (cue phrasings do not recur "
+                         "across folds)")
+        cells_tr = type_cells(st_tr, level)
+        cells_te = None if st_te is None else type_cells(st_te, level)
+        split_rows = [(sp.train.tolist(), sp.test.tolist() if st_te is None else []) for sp in outer]
+        labels = type_control_labels(cells_tr, split_rows, seed + 1000, test_cells=cells_te)
+        if labels is None:
+            notes.append(f"{tname}: type-level control not run (fewer than two template x cue x condition "
+                         "cells, or none that puts both labels in every training split)")
+        else:
+            lab_tr = labels[0]
+            lab_te = lab_tr if st_te is None else labels[1]
+            out["control"] = (lab_tr, lab_te)
+            cells_te = cells_te if cells_te is not None else cells_tr
+            for plan in plans:
+                share = _seen_share(cells_tr, cells_te, plan, ytr)
+                if share < 0.5:
+                    notes.append(f"{tname}: train_on={plan.train_on}: {1 - share:.0%} of the test rows' "
+                                 f"{CELL_LEVELS[level]} cells never occur in training, so the type-level "
+                                 "control is at chance there by construction (it cannot fail)")
+    if cfg.condition_split:
+        conds_tr = [s.condition for s in st_tr]
+        found = condition_split(conds_tr, ytr, seed)
+        if found is None:
+            m = len(set(conds_tr))
+            notes.append(f"the set has {m} condition{'s' if m != 1 else ''}: no split other than the label itself"
+                         if m == 2 else f"the set has {m} condition{'s' if m != 1 else ''}: no condition split")
+        else:
+            half, r = found
+            lab_tr = split_labels(conds_tr, half)
+            lab_te = lab_tr if st_te is None else split_labels([s.condition for s in st_te], half)
+            out["condition_split"] = (lab_tr, lab_te)
+            notes.append(f"{tname}: condition split {{{', '.join(sorted(half))}}} vs the rest "
+                         f"(|r| with the target {r:.2f})")
+    return out
 
 
 def _bow_chunks(st_tr: Sequence[Stimulus], st_te: Sequence[Stimulus]):  # noqa: ANN202
@@ -601,6 +830,8 @@ def read_probe_sweep(out: str | Path) -> ProbeSweepResult:
     elif (out / "probes.csv").is_file():
         table = pd.read_csv(out / "probes.csv")  # pandas 3 reads floats back exactly
         table["kind"] = table["kind"].fillna("")  # the baseline's empty site kind, as written
+        if "best_baseline_name" in table:  # "" (no baseline) reads back as NaN
+            table["best_baseline_name"] = table["best_baseline_name"].fillna("")
     else:
         raise TomlensError(f"{out} has probes.json but no probes.parquet or probes.csv",
                            "run the probe sweep into that folder again")

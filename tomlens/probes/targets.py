@@ -5,7 +5,13 @@ contents stories: believes the label), "world_state" is 1 when the object is whe
 Across false- and true-belief stories the two come apart: only on false-belief rows
 (`belief_differs`) do they disagree, which is where a probe shows which of the two it reads.
 "joint" is the 4-way label 2 * world + belief. The statement targets follow Zhu et al.: is the
-statement after the story true from the protagonist's point of view, or from the world's.
+statement after the story true from the protagonist's point of view, or from the world's, and
+(`statement_literal`) is it literally true, as the recursive belief tracker labels "Ben thinks that
+Anna believes ..." (the label the statements' question asks for).
+
+Why `label_variation`: a target that is constant within a condition (protagonist_belief on
+false-belief transfer rows) can be decoded from whatever marks the condition, so a probe report
+should say, per condition, whether the label varies there. Each target's description says which.
 
 Rows without a label for the target are dropped (`keep` is False), never guessed.
 """
@@ -15,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from collections.abc import Callable, Sequence
 
+import pandas as pd
 import torch
 from jaxtyping import Bool, Int
 from torch import Tensor
@@ -51,20 +58,30 @@ def _joint(s: Stimulus) -> int | None:
     return 2 * int(w) + int(b)
 
 
+_CONSTANT = ("; constant within each condition of the transfer and order-only families (it marks "
+             "the condition there): check label_variation")
 TARGETS: dict[str, Target] = {
     t.name: t
     for t in (
-        Target("protagonist_belief", "the protagonist believes the object is where it started",
-               ("elsewhere", "where it started"), lambda s: _flag(s.belief_is_reference)),
-        Target("world_state", "the object is where it started",
+        Target("protagonist_belief", "the protagonist believes the object is where it started"
+               + _CONSTANT, ("elsewhere", "where it started"), lambda s: _flag(s.belief_is_reference)),
+        Target("world_state", "the object is where it started" + _CONSTANT,
                ("elsewhere", "where it started"), lambda s: _flag(s.world_is_reference)),
-        Target("joint", "world state x protagonist belief (2 * world + belief)",
+        Target("joint", "world state x protagonist belief (2 * world + belief)" + _CONSTANT,
                ("world moved, belief moved", "world moved, belief start",
                 "world start, belief moved", "world start, belief start"), _joint),
-        Target("statement_protagonist", "the statement is true for the protagonist",
+        Target("statement_protagonist", "the statement's embedded claim is true for the protagonist; "
+               "varies within every condition (the place named), but within a condition it is "
+               "fixed by which place the statement names",
                ("false", "true"), lambda s: _flag(s.meta.get("statement_true_for_protagonist"))),
-        Target("statement_world", "the statement is true of the world",
+        Target("statement_world", "the statement's embedded claim is true of the world; varies "
+               "within every condition (the place named), but within a condition it is fixed by "
+               "which place the statement names",
                ("false", "true"), lambda s: _flag(s.meta.get("statement_true_for_world"))),
+        Target("statement_literal", "the statement is literally true (recursive belief tracker over "
+               "its chain of believers); varies within every condition and order, and which place "
+               "is true depends on the chain",
+               ("false", "true"), lambda s: _flag(s.meta.get("statement_literal_true"))),
     )
 }
 
@@ -113,3 +130,28 @@ def true_belief_mask(stimuli: Sequence[Stimulus]) -> Bool[Tensor, " n"]:
         else:
             out.append(known and not s.belief_differs)
     return torch.tensor(out, dtype=torch.bool)
+
+
+def label_variation(stimuli: Sequence[Stimulus], target: str) -> pd.DataFrame:
+    """Per condition: rows with a label (`n`), the share of label 1 (`share_1`; for the 4-way
+    `joint` the share of its most common class is in `share_top`) and whether the label `varies`.
+
+    Cheap (one pass over the records), so a probe table can flag a target that is constant within
+    a condition: there a probe can be right by reading the condition alone."""
+    t = get_target(target)
+    rows: dict[str, list[int]] = {}
+    for s in stimuli:
+        v = t.label(s)
+        if v is not None:
+            rows.setdefault(s.condition, []).append(v)
+    if not rows:
+        raise TomlensError(f"no stimulus carries a label for target {target!r}",
+                           "use stimuli that carry this target's labels")
+    out = []
+    for condition in sorted(rows):
+        labels = rows[condition]
+        top = max(labels.count(c) for c in set(labels))
+        out.append({"condition": condition, "n": len(labels),
+                    "share_1": sum(1 for v in labels if v == 1) / len(labels),
+                    "share_top": top / len(labels), "varies": len(set(labels)) > 1})
+    return pd.DataFrame(out, columns=["condition", "n", "share_1", "share_top", "varies"])

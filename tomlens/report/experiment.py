@@ -37,7 +37,8 @@ def write_experiment_figures(result: Any) -> dict[tuple[int, str], Figures]:
     out: dict[tuple[int, str], Figures] = {}
     for i, run in enumerate(result.runs):
         if "probes" in run.results:
-            out[(i, "probes")] = write_probe_figures(run.results["probes"].table, run.folders["probes"])
+            probes = run.results["probes"]
+            out[(i, "probes")] = write_probe_figures(probes.table, run.folders["probes"], probes.selection)
         patching = run.results.get("patching")
         if patching is not None and not patching.dry_run:
             if patching.sweeps:
@@ -48,11 +49,25 @@ def write_experiment_figures(result: Any) -> dict[tuple[int, str], Figures]:
 
 
 def _behaviour_sections(res: Any) -> list[Section]:
-    sections = [Section("Behaviour", "Accuracy per family, condition and prompt type (95% Wilson intervals).",
+    sections = [Section("Behaviour", "Accuracy per family, condition and prompt type, with 95% intervals from "
+                        "resampling whole tasks (prompts of one task are not independent).",
                         tables=[res.accuracy] + ([res.strict] if len(res.strict) else []))]
+    gated = getattr(res, "reality_gated", None)
+    if gated is not None and len(gated):
+        sections.append(Section("Behaviour: belief accuracy gated on the reality prompt",
+                                "Belief prompts counted only where the model answers the same story's reality "
+                                "prompt right (kept and dropped counts per cell).", tables=[gated]))
+    effect = getattr(res, "knowledge_state", None)
+    if effect is not None and len(effect):
+        sections.append(Section("Behaviour: the knowledge-state effect (Jones et al.)",
+                                "Paired false- minus true-belief difference of the log-odds of the start answer "
+                                "over matched stories, with a task-bootstrap 95% interval and the share of tasks "
+                                "where it is positive. A model that tracks belief shows a positive effect.",
+                                tables=[effect]))
     if len(res.object_bias):
         sections.append(Section("Behaviour: object bias per cell (Ruis et al.)",
-                                "o_b per cell with its 95% interval, and the selective-encoding criterion.",
+                                "o_b per cell with its 95% interval, and the selective-encoding criterion "
+                                "(inanimate equal to control by a TOST equivalence test).",
                                 tables=[res.object_bias] + ([res.selective] if len(res.selective) else [])))
     return sections
 
@@ -65,20 +80,45 @@ def _cache_sections(res: Any) -> list[Section]:
                     "the same stimuli, sites and positions).", tables=[pd.DataFrame([row])])]
 
 
+def _selection_table(selection: dict[str, Any]) -> pd.DataFrame:
+    """One row per target: the unit chosen on the selection stories, its held-out evaluation score
+    next to the best baseline and the control on the same stories, the permutation p and the verdict."""
+    rows = []
+    for target, r in selection.items():
+        e, best = r.evaluation, r.best_baseline
+        rows.append({"target": target, "unit": r.site, "selection score": r.selection_score,
+                     "held-out score": None if e is None else e.score,
+                     "ci_low": None if e is None else e.ci_low, "ci_high": None if e is None else e.ci_high,
+                     "chance": None if e is None else e.chance,
+                     "best baseline": "-" if best is None else f"{best[0]} {best[1].score:.2f}",
+                     "control": None if r.control is None else r.control.score,
+                     "p_max": r.p_max, "permutations": r.n_perm, "verdict": r.verdict, "reason": r.reason})
+    return pd.DataFrame(rows)
+
+
 def _probe_sections(res: Any, figures: Figures) -> list[Section]:
     table = res.table
     keys = [c for c in ("target", "train_on", "eval_set", "kind") if c in table.columns]
-    shown = [c for c in (*keys, "layer", "head", "score", "ci_low", "ci_high", "control", "selectivity", "chance")
+    shown = [c for c in (*keys, "layer", "head", "score", "ci_low", "ci_high", "best_baseline", "best_baseline_name",
+                         "above_baseline", "control", "control_chance", "condition_split", "chance")
              if c in table.columns]
     best = (table[(table["metric"] == "accuracy") & (table["features"] == "activations")]
             .sort_values("score", ascending=False).groupby(keys, sort=False).head(1)[shown])
     targets = sorted(table["target"].unique())
     title = " vs ".join(t.replace("_", " ") for t in targets)
     order = [f for f in figures if f.startswith("layers_")] + [f for f in figures if f.startswith("heads_")]
-    return [Section(f"Probes: {title}",
+    selection = getattr(res, "selection", None) or {}
+    lead = ("The unit was chosen on half of the stories and is scored here on the other half, beside the "
+            "baselines and the control task fitted the same way; 'found' needs an interval above chance and "
+            "above the best baseline and a max-statistic permutation p below 0.05, else the result is withheld. "
+            + " ".join(r.line() for r in selection.values())) if selection else \
+        "No held-out selection was run (selection = false): the maxima below are biased upwards by the choice."
+    return [Section(f"Probes: {title}", lead, tables=[_selection_table(selection)] if selection else []),
+            Section("Probes: every layer and head (selection-biased maxima)",
                     "Logistic probes per layer and per head (each head's own write to the residual stream), "
-                    "scored on held-out stories; bands are bootstrap 95% intervals over test stories. "
-                    "Best layer or head per target, training set, evaluation set and site:",
+                    "scored on held-out stories; bands are bootstrap 95% intervals over test stories. The best "
+                    "layer or head per target, training set, evaluation set and site is a maximum over many units "
+                    "and is not a finding by itself; read it against its best baseline and control:",
                     tables=[best], figures=[figures[f] for f in order])]
 
 
@@ -94,6 +134,9 @@ def _patching_sections(res: Any, figures: Figures) -> list[Section]:
     from tomlens.patching.metric import gap_note
 
     summary = res.summary
+    if summary.get("withheld"):  # the gate failed: no sweep ran; say why, with the raw numbers
+        return [Section("Patching: withheld by the gate", summary["withheld"],
+                        tables=[t for t in (res.tables.get("gate"), res.tables.get("base")) if t is not None])]
     baselines = summary.get("baselines", {})
     main = next(iter(baselines.values()), {})
     ranked = summary.get("ranked_by", "")
@@ -107,6 +150,8 @@ def _patching_sections(res: Any, figures: Figures) -> list[Section]:
     text = ("Exact and attribution patching of every head from the false-belief story into its matched "
             "true-belief story (effect 0 = true-belief run, 1 = false-belief run), then the top-k heads "
             "patched together against random heads." + (f" Note: {note}." if note else ""))
+    if summary.get("forced"):
+        text = f"{summary['forced_message']}. {text}"
     if not res.sweeps:
         text += " (Reused from an earlier run: the per-head figures are the files under patching/figures/.)"
     sections = [Section("Patching: heads that carry belief", text, tables=tables,

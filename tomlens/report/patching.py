@@ -77,16 +77,26 @@ def resid_heatmap(result: PatchingResult, kind: str = "resid_pre") -> Any:
     grid = result.grid(kind, "each")
     layers = sorted(df.layer.unique())
     pos = sorted(df.pos.unique())
-    labels = [result.token_labels[p] for p in pos]
+    longest = [result.token_labels[p] for p in pos]
+    # Pairs of different lengths leave early columns empty for the shorter ones: then a column is a
+    # distance from the final token, not a role, and is labelled so (the longest pair's token on hover).
+    mixed = bool((df.n_pairs < len(result.pair_ids)).any())
+    n_al = len(result.token_labels)
+    labels = [f"{p - n_al + 1}" if p < n_al - 1 else "0 (final)" for p in pos] if mixed else longest
     fig = go.Figure(
         go.Heatmap(
-            z=grid, x=labels, y=[f"L{l}" for l in layers],
-            hovertemplate="%{y} token %{x}<br>effect %{z:.3f}<extra></extra>",
+            z=grid, x=labels, y=[f"L{l}" for l in layers], customdata=[longest] * len(layers),
+            hovertemplate="%{y} token %{x}<br>longest pair: %{customdata}<br>effect %{z:.3f}<extra></extra>",
             colorbar={"title": "effect"}, **_effect_scale(grid, result.direction),
         )
     )
+    title = _title(result, f"{kind} by layer and position")
+    if mixed:
+        title += ("<br><sup>columns are right-aligned tokens (0 = final); the pairs differ in length, so a column "
+                  "mixes roles across pairs: patch --positions mentions (or re-read with "
+                  "tomlens.patching.roles.role_aligned) for columns by role</sup>")
     fig.update_layout(
-        title=_title(result, f"{kind} by layer and position"), xaxis_title="token",
+        title=title, xaxis_title="tokens before the final one" if mixed else "token",
         yaxis_title="layer", yaxis={"autorange": "reversed"}, xaxis={"tickangle": -60, "type": "category"},
         width=max(800, 14 * len(labels)),
     )
@@ -94,8 +104,9 @@ def resid_heatmap(result: PatchingResult, kind: str = "resid_pre") -> Any:
 
 
 def position_heatmap(result: PatchingResult, kind: str = "resid_pre") -> Any:
-    """Layer x named position (final token, contrast, the question's mentions, ...) for a sweep at
-    role positions rather than at every token."""
+    """Layer x named position (final token, contrast, the question's mentions, role mentions such
+    as "protagonist@2", ...) for a sweep at role positions rather than at every token: each column
+    is one role, at each pair's own token."""
     go = _go()
     kind = canonical_kind(kind)
     df = result.summary()
@@ -192,6 +203,8 @@ def write_patching_figures(result: PatchingRunResult, out: str | Path) -> dict[s
     file stem (for a report). Needs the sweeps of the run itself (`load` does not restore them)."""
     if result.dry_run:
         raise TomlensError("a dry run has no results to draw", "run again without dry_run (--dry-run)")
+    if result.summary.get("withheld"):
+        return {}  # the gate withheld every sweep: nothing to draw (the message says why)
     if not result.sweeps:
         raise TomlensError("this patching result holds no sweeps (a result read back with `load`)",
                            "draw the figures from the result `run` returns, or open the saved figures/")
@@ -202,6 +215,8 @@ def write_patching_figures(result: PatchingRunResult, out: str | Path) -> dict[s
     figures: dict[str, Any] = {}
 
     def add(fig: Any, stem: str) -> None:
+        if summary.get("forced"):  # a run past a failed gate (--force): every figure says so
+            fig.update_layout(title_text="FORCED (gate failed): " + (fig.layout.title.text or ""))
         figures[stem] = fig
         write_figure(fig, folder / f"{stem}.html")
 

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import ast
+import math
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,9 @@ from tomlens.runs.files import begin_save, finish_save, read_finished
 from tomlens.stimuli.records import Stimulus, stimuli_hash
 
 # Optional tables: written only when non-empty (an empty one is absent, and loads back empty).
-_OPTIONAL = ("strict", "object_bias", "selective", "prefix_curves")
+_OPTIONAL = ("strict", "object_bias", "selective", "prefix_curves", "reality_gated", "knowledge_state")
+# File names where they differ from the field's.
+_FILES = {"knowledge_state": "knowledge_state_effect"}
 # Interval columns of `selective` hold (low, high) tuples, which a CSV holds as their text.
 _INTERVALS = ("animate_vs_inanimate", "animate_vs_control", "inanimate_vs_control")
 
@@ -38,12 +41,14 @@ def _read_optional(path: Path) -> pd.DataFrame:
 
 @dataclass(frozen=True)
 class BehaviourConfig:
-    """Which model scores which stimuli; `seed` drives the aggregates' bootstrap intervals."""
+    """Which model scores which stimuli; `seed` and `n_boot` drive the aggregates' bootstrap
+    intervals (whole tasks resampled)."""
 
     model: ModelSpec = ModelSpec()
     stimuli: tuple[StimuliSpec, ...] = ()
     batch_size: int = 8
     seed: int = 0
+    n_boot: int = 1000
 
     def __post_init__(self) -> None:
         stimuli = self.stimuli
@@ -57,12 +62,14 @@ class BehaviourConfig:
                                'add e.g. stimuli = [{family = "unexpected-transfer", n = 8}] or --stimuli FILE')
         if self.batch_size < 1:
             raise TomlensError(f"batch_size = {self.batch_size} must be at least 1", "use batch_size = 1 or more")
+        if self.n_boot < 1:
+            raise TomlensError(f"n_boot = {self.n_boot} must be at least 1", "use e.g. n_boot = 1000")
 
 
 @dataclass(frozen=True)
 class BehaviourResult:
     table: pd.DataFrame  # one row per prompt
-    accuracy: pd.DataFrame  # family x condition x prompt type
+    accuracy: pd.DataFrame  # family x condition x prompt type, task-bootstrap intervals
     strict: pd.DataFrame  # Kosinski's all-prompts-right rule per family
     object_bias: pd.DataFrame  # Ruis et al. o_b per cell (empty without goal prompts)
     selective: pd.DataFrame  # selective-encoding criterion per group
@@ -70,15 +77,18 @@ class BehaviourResult:
     summary: dict
     config: BehaviourConfig | None = None
     manifest: dict = field(default_factory=dict)
+    reality_gated: pd.DataFrame = field(default_factory=pd.DataFrame)  # belief accuracy on reality-right stories
+    knowledge_state: pd.DataFrame = field(default_factory=pd.DataFrame)  # paired FB - TB log-odds effect
 
     def save(self, out: str | Path) -> Path:
-        """prompts.parquet, accuracy.csv, the non-empty optional tables, summary.json, config.json,
-        manifest.json and, last, result.json."""
+        """prompts.parquet, accuracy.csv, the non-empty optional tables (reality_gated.csv and
+        knowledge_state_effect.csv among them), summary.json, config.json, manifest.json and, last,
+        result.json."""
         out = begin_save(out)
         write_table(self.table, out / "prompts.parquet")
         write_table(self.accuracy, out / "accuracy.csv")
         for name in _OPTIONAL:
-            df, path = getattr(self, name), out / f"{name}.csv"
+            df, path = getattr(self, name), out / f"{_FILES.get(name, name)}.csv"
             if len(df):
                 write_table(df, path)
             elif path.exists():
@@ -89,24 +99,82 @@ class BehaviourResult:
     @classmethod
     def load(cls, out: str | Path) -> BehaviourResult:
         out, config, manifest, summary = read_finished(out, BehaviourConfig)
-        optional = {name: _read_optional(out / f"{name}.csv") for name in _OPTIONAL}
+        optional = {name: _read_optional(out / f"{_FILES.get(name, name)}.csv") for name in _OPTIONAL}
         return cls(table=read_table(out / "prompts.parquet"), accuracy=_read_optional(out / "accuracy.csv"),
                    summary=summary, config=config, manifest=manifest, **optional)
 
     def describe(self) -> str:
-        """The accuracy table and, for false-belief stories, the strict whole-task table."""
+        """Accuracy with task-bootstrap intervals, Kosinski's strict table, reality-gated belief
+        accuracy, the knowledge-state effect and the selective-encoding verdicts, when present."""
         text = format_accuracy(self.accuracy)
         if len(self.strict):
             text += "\n" + self.strict.to_string(index=False)
+        for block in (format_gated(self.reality_gated), format_knowledge_state(self.knowledge_state),
+                      format_selective(self.selective)):
+            if block:
+                text += "\n" + block
         return text
 
 
+def _iv(lo: float, hi: float, fmt: str = ".2f") -> str:
+    return "[n/a: one task]" if math.isnan(lo) or math.isnan(hi) else f"[{lo:{fmt}}, {hi:{fmt}}]"
+
+
+# Below this many tasks a percentile bootstrap over tasks sees too little between-task spread to
+# trust (two tasks that both score 0.5 give the interval [0.5, 0.5]); such rows are marked.
+FEW_TASKS = 5
+
+
 def format_accuracy(acc: pd.DataFrame) -> str:
-    """One line per family x condition x prompt type: n and accuracy with its 95% interval."""
-    lines = [f"{'family':<22}{'condition':<16}{'prompt':<9}{'n':>5}  accuracy [95% CI]"]
+    """One line per family x condition x prompt type: prompts, tasks and accuracy with its 95%
+    interval from a bootstrap over tasks; rows with fewer than FEW_TASKS tasks are marked *."""
+    lines = [f"{'family':<24}{'condition':<16}{'prompt':<9}{'n':>5}{'tasks':>6}  accuracy [95% CI] (whole tasks resampled)"]
+    few = False
     for r in acc.itertuples():
-        lines.append(f"{r.family:<22}{r.condition:<16}{r.prompt_type:<9}{r.n:>5}  "
-                     f"{r.accuracy:.2f} [{r.ci_low:.2f}, {r.ci_high:.2f}]")
+        n_tasks = getattr(r, "n_tasks", float("nan"))
+        mark = " *" if n_tasks < FEW_TASKS else ""
+        few = few or bool(mark)
+        lines.append(f"{r.family:<24}{r.condition:<16}{r.prompt_type:<9}{r.n:>5}{n_tasks:>6}  "
+                     f"{r.accuracy:.2f} {_iv(r.ci_low, r.ci_high)}{mark}")
+    if few:
+        lines.append(f"* fewer than {FEW_TASKS} tasks: the interval understates the uncertainty; use more tasks")
+    return "\n".join(lines)
+
+
+def format_gated(gated: pd.DataFrame) -> str:
+    """Belief accuracy on stories whose reality prompt is right, one line per family x condition."""
+    if gated.empty:
+        return ""
+    lines = ["belief accuracy gated on the reality prompt (kept / dropped stories):"]
+    for r in gated.itertuples():
+        acc = "n/a (none kept)" if r.n_kept == 0 else f"{r.accuracy:.2f} {_iv(r.ci_low, r.ci_high)}"
+        lines.append(f"  {r.family:<24}{r.condition:<16}{r.n_kept:>4} / {r.n_dropped:<4} {acc}"
+                     f"  joint {r.joint_accuracy:.2f}")
+    return "\n".join(lines)
+
+
+def format_knowledge_state(effect: pd.DataFrame) -> str:
+    """The paired FB - TB log-odds effect per family and control."""
+    if effect.empty:
+        return ""
+    lines = ["knowledge-state effect, FB - TB log-odds of the start answer (> 0: follows belief):"]
+    for r in effect.itertuples():
+        lines.append(f"  {r.family:<24}vs {r.contrast:<16}{r.effect:+.3g} {_iv(r.ci_low, r.ci_high, '+.3g')}"
+                     f"  pairs {r.n_pairs}, tasks {r.n_tasks}, positive in {r.share_tasks_positive:.0%} of tasks")
+    return "\n".join(lines)
+
+
+def format_selective(sel: pd.DataFrame) -> str:
+    """Ruis et al.'s verdict per target type x animacy wording x k, with the TOST line."""
+    if sel.empty or "equivalence_p" not in sel:
+        return ""
+    lines = ["selective goal encoding (animate > inanimate and control; inanimate = control by TOST):"]
+    for r in sel.itertuples():
+        verdict = "passes" if r.passes else "fails"
+        lines.append(f"  {r.target_type:<7}{'anim' if r.anim_denotation else 'plain':<6}k={r.k:<3}"
+                     f"o_b {r.o_animate:.2f}/{r.o_inanimate:.2f}/{r.o_control:.2f}  inanimate-control 90% "
+                     f"[{r.equivalence_low:+.3f}, {r.equivalence_high:+.3f}] vs +/-{r.equivalence_margin:g}, "
+                     f"TOST p={r.equivalence_p:.2g}  {verdict}")
     return "\n".join(lines)
 
 
@@ -120,14 +188,14 @@ def run(config: BehaviourConfig, *, model: Any = None, progress: bool = True) ->
     stimuli = load_stimuli(config.stimuli)  # a bad file fails before the model loads
     if model is None:
         model = config.model.load()
-    result = run_behaviour(model, stimuli, batch_size=config.batch_size, progress=progress, seed=config.seed)
+    result = run_behaviour(model, stimuli, batch_size=config.batch_size, progress=progress, seed=config.seed,
+                           n_boot=config.n_boot)
     manifest = run_manifest(model, config, stimuli_hash=stimuli_hash(stimuli))
-    return BehaviourResult(result.table, result.accuracy, result.strict, result.object_bias, result.selective,
-                           result.prefix_curves, result.summary, config=config, manifest=manifest)
+    return replace(result, config=config, manifest=manifest)
 
 
 def run_behaviour(model: Any, stimuli: Sequence[Stimulus], *, batch_size: int = 8,
-                  progress: bool = True, seed: int = 0) -> BehaviourResult:
+                  progress: bool = True, seed: int = 0, n_boot: int = 1000) -> BehaviourResult:
     """The engine of `run`: score loaded stimuli with a loaded model."""
     from tomlens.models import provenance
 
@@ -136,24 +204,31 @@ def run_behaviour(model: Any, stimuli: Sequence[Stimulus], *, batch_size: int = 
         raise TomlensError("no stimuli to score", "check the stimulus file: it has no rows")
     t0 = time.time()
     table = score(model, stimuli, batch_size=batch_size, progress=progress)
-    acc = aggregates.accuracy_table(table)
+    acc = aggregates.accuracy_table(table, n_boot=n_boot, seed=seed)
+    gated = aggregates.reality_gated_accuracy(table, n_boot=n_boot, seed=seed)
+    effect = aggregates.knowledge_state_effect(table, n_boot=n_boot, seed=seed)
     fb = table[table["family"].isin(["unexpected-transfer", "unexpected-contents"])
                & table["prefix_index"].isna()] if "prefix_index" in table else \
         table[table["family"].isin(["unexpected-transfer", "unexpected-contents"])]
     strict = aggregates.strict_task_pass(fb) if len(fb) else pd.DataFrame()
     has_goal = "object_target" in table and (table["prompt_type"] == "goal").any()
-    ob = aggregates.object_bias_table(table, seed=seed) if has_goal else pd.DataFrame()
-    sel = aggregates.selective_encoding(table, seed=seed) if has_goal else pd.DataFrame()
+    ob = aggregates.object_bias_table(table, n_boot=n_boot, seed=seed) if has_goal else pd.DataFrame()
+    sel = aggregates.selective_encoding(table, n_boot=n_boot, seed=seed) if has_goal else pd.DataFrame()
     curves = aggregates.prefix_curves(table)
     summary = {
         "provenance": {**provenance(model), "stimuli_hash": stimuli_hash(stimuli),
                        "n_stimuli": len(stimuli), "seed": seed,
                        "scoring": "sum of option-token log-probs with a leading space; "
                                   "p(a)/(p(a)+p(b)); first-token variant alongside",
+                       "intervals": f"bootstrap over tasks, {n_boot} resamples; Wilson over tasks "
+                                    "for the strict rule",
                        "seconds": round(time.time() - t0, 2)},
         "accuracy": acc.to_dict(orient="records"),
+        "reality_gated": gated.to_dict(orient="records"),
+        "knowledge_state_effect": effect.to_dict(orient="records"),
         "strict_task_pass": strict.to_dict(orient="records"),
         "object_bias": ob.to_dict(orient="records"),
         "selective_encoding": sel.to_dict(orient="records"),
     }
-    return BehaviourResult(table, acc, strict, ob, sel, curves, summary)
+    return BehaviourResult(table, acc, strict, ob, sel, curves, summary, reality_gated=gated,
+                           knowledge_state=effect)

@@ -11,7 +11,21 @@ Given `out`, finished chunks are checkpointed under `<out>/.partial/<key>/` (the
 the pairs and the settings), so a stopped run resumes when the same run starts again; `save` writes
 the outputs once every stage is complete and then removes the checkpoints.
 
-`PatchingRunResult.save(out)` writes per-cell tables (`cells_<method>_<direction>`), per-pair tables
+Before any sweep, the gate (`tomlens.patching.gate`): one plain forward per story gives every pair's
+clean and corrupted logit differences, and per contrast the paired false-minus-true-belief gap must
+have a one-sided 95% lower bound above 0. When no contrast passes, the cell sweeps, the ranking,
+top-k recovery and mean ablation are withheld (not run): the result holds the gate table, the
+per-pair logit differences and the message. When some pass, only their pairs go on. `force` runs
+everything anyway and flags every output (`summary["forced"]`, a `forced` column in every table,
+"FORCED" in figure titles). `solved_only` keeps the pairs the model answers right both ways.
+
+Selection is kept apart from evaluation: the pairs are split by task (`select_fraction` of the tasks)
+into selection pairs, on which cells are patched and heads ranked, and held-out evaluation pairs, on
+which top-k recovery and mean ablation (against layer-matched random heads, at the k of `ks`) test the
+ranking. Fewer than 4 pairs or a single task: no split, refused unless forced.
+
+`PatchingRunResult.save(out)` writes the gate (`gate`: one row per contrast), the unpatched logit
+differences per pair (`base`), per-cell tables (`cells_<method>_<direction>`), per-pair tables
 (`pairs_<method>_<direction>`), the per-head table (`heads`), top-k recovery (`topk`,
 `topk_random`), mean ablation (`ablation`, `ablation_random`), `config.json`, `manifest.json`,
 `summary.json` (provenance, the plan, the comparisons) and, last, `result.json` (= the summary).
@@ -33,8 +47,8 @@ from tomlens.runs.pairs import PairsConfig
 if TYPE_CHECKING:
     import pandas as pd
 
-__all__ = ["DEFAULT_CHUNK_RUNS", "DEFAULT_MAX_RUNS", "DIRECTIONS", "METHODS", "PatchingConfig",
-           "PatchingRunResult", "pairs_hash", "run"]
+__all__ = ["DEFAULT_CHUNK_RUNS", "DEFAULT_KS", "DEFAULT_MAX_RUNS", "DIRECTIONS", "FORCED_PREFIX", "METHODS",
+           "PatchingConfig", "PatchingRunResult", "pairs_hash", "parse_ks", "run"]
 
 METHODS = ("exact", "attribution", "both", "search")
 DIRECTIONS = ("denoise", "noise", "both")
@@ -43,6 +57,8 @@ GRADDROP = {"auto": None, "on": True, "off": False}
 FORMATS = ("parquet", "csv")
 DEFAULT_MAX_RUNS = 100_000  # = tomlens.patching.plan.DEFAULT_MAX_RUNS (kept here: no torch to read a config)
 DEFAULT_CHUNK_RUNS = 1024  # = tomlens.patching.engine.DEFAULT_CHUNK_RUNS
+DEFAULT_KS = (1, 2, 3, 5, 10)
+FORCED_PREFIX = "FORCED (gate failed): "
 
 
 @dataclass(frozen=True)
@@ -50,7 +66,11 @@ class PatchingConfig:
     """A whole patching run. The pairs come from `pairs` (built for `model`'s tokenizer) or from the
     file `pairs_path` (written by `tomlens pairs`), unless `run` is handed them. `sites` and
     `positions` take the one list syntax (`split_items`); a position item may be `SITE=POSITION`.
-    `search_*` and `graddrop` are `method = "search"`'s settings; `max_runs = None` sets no limit."""
+    `search_*` and `graddrop` are `method = "search"`'s settings; `max_runs = None` sets no limit.
+    `force` runs past a failed gate (or a refused split), flagging every output; `solved_only` keeps
+    pairs answered right both ways; `select_fraction` of the tasks select and rank heads, the rest
+    validate them; `ks` are the k (up to `top_k`) of top-k recovery and ablation, each against
+    `n_random` layer-matched random head sets."""
 
     model: ModelSpec = field(default_factory=ModelSpec)
     pairs: PairsConfig | None = None
@@ -60,7 +80,11 @@ class PatchingConfig:
     positions: tuple[str, ...] = ("roles",)
     direction: str = "denoise"
     top_k: int = 10
-    n_random: int = 10
+    n_random: int = 200
+    ks: tuple[int, ...] = DEFAULT_KS
+    force: bool = False
+    solved_only: bool = False
+    select_fraction: float = 0.5
     ablation: str = "final"
     probe_table: str | None = None
     seed: int = 0
@@ -78,6 +102,13 @@ class PatchingConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "sites", tuple(split_items(self.sites)))
         object.__setattr__(self, "positions", tuple(split_items(self.positions)))
+        ks = parse_ks(self.ks)
+        if not ks or any(k < 1 for k in ks):
+            raise TomlensError(f"--ks {list(ks)} needs at least one k, each at least 1", "pass e.g. --ks 1,2,3,5,10")
+        object.__setattr__(self, "ks", tuple(sorted(set(ks))))
+        if not 0 < float(self.select_fraction) < 1:
+            raise TomlensError(f"--select-fraction {self.select_fraction} is not between 0 and 1",
+                               "pass the share of tasks that select heads, e.g. 0.5")
         if self.pairs_path is not None and not isinstance(self.pairs_path, str):
             object.__setattr__(self, "pairs_path", str(self.pairs_path))
         if self.probe_table is not None and not isinstance(self.probe_table, str):
@@ -119,6 +150,15 @@ class PatchingConfig:
                 "fn_samples": self.search_samples, "graddrop": GRADDROP[self.graddrop]}
 
 
+def parse_ks(value: str | int | Sequence[int | str]) -> tuple[int, ...]:
+    """The k of top-k recovery and ablation from "1,2,3", "1 2 3" or a list of whole numbers."""
+    raw = (value,) if isinstance(value, (int, str)) else tuple(value)
+    try:
+        return tuple(int(k) for v in raw for k in (split_items(v) if isinstance(v, str) else [v]))
+    except (TypeError, ValueError):
+        raise TomlensError(f"--ks {value!r} is not a list of whole numbers", "pass e.g. --ks 1,2,3,5,10") from None
+
+
 def pairs_hash(pairs: Sequence[Any]) -> str:
     """Content hash of the pairs in order (clean and corrupted records, ids, contrasts)."""
     from tomlens.io import records_hash
@@ -149,6 +189,16 @@ class PatchingRunResult:
         return self.summary["plan"]
 
     @property
+    def withheld(self) -> str | None:
+        """Why the sweeps, ranking and validations were not run (the gate failed, or no split), or None."""
+        return self.summary.get("withheld")
+
+    @property
+    def forced(self) -> bool:
+        """Whether the run went past a failed gate or a refused split (`force`): every output is flagged."""
+        return bool(self.summary.get("forced"))
+
+    @property
     def heads(self) -> pd.DataFrame | None:
         """The per-head table (patch and attribution effects, probe accuracy), if heads were ranked."""
         return self.tables.get("heads")
@@ -167,10 +217,28 @@ class PatchingRunResult:
         """What `tomlens patch` prints after a run: baselines, top heads, search bounds, comparisons."""
         s = self.summary
         if self.dry_run:
+            if s.get("withheld"):
+                return f"dry run: {s['withheld']}; nothing written"
             return f"dry run: a plan of {s['plan']['total_runs']:,} patched runs; nothing run, nothing written"
+        lines = []
+        if "base" in self.tables:  # raw logit differences first: what every effect below is a share of
+            base = self.tables["base"]
+            lines.append(f"{s['pairs']['n_aligned']} pairs; unpatched logit diff (belief - world) clean "
+                         f"{base.clean_logit_diff.mean():.3f}, corrupted {base.corrupted_logit_diff.mean():.3f}")
+        lines += [g["message"] for g in s.get("gate", {}).get("contrasts", {}).values()]
+        lines += list(s.get("notes", []))
+        if self.withheld:
+            lines.append(self.withheld)
+            return "\n".join(lines)
+        if self.forced:
+            lines.append(s["forced_message"])
+        elif s.get("gate", {}).get("dropped_contrasts"):
+            lines.append(s["gate"]["message"])
+        sel, ev = s["pairs"]["selection"], s["pairs"]["evaluation"]
+        lines.append(f"heads ranked on {sel['n']} selection pairs ({sel['tasks']} tasks), validated on "
+                     f"{ev['n']} held-out pairs ({ev['tasks']} tasks)" + (": the SAME pairs" if ev["same_as_selection"] else ""))
         b = next(iter(s["baselines"].values()))
-        lines = [f"{s['pairs']['n_aligned']} pairs; logit diff clean {b['clean_logit_diff']:.3f}, "
-                 f"corrupted {b['corrupted_logit_diff']:.3f}"]
+        lines.append(f"selection pairs: logit diff clean {b['clean_logit_diff']:.3f}, corrupted {b['corrupted_logit_diff']:.3f}")
         if "top_heads" in s:
             lines.append(f"top heads ({s['ranked_by']}): {', '.join(s['top_heads'][:10])}")
         for d, rep in s.get("search", {}).items():
@@ -182,6 +250,10 @@ class PatchingRunResult:
             if c["kind"] == "head" and c["position"] == s.get("rank_position"):
                 lines.append(f"attribution vs exact ({c['direction']}): Spearman {c['spearman']:.2f}, "
                              f"top-{c['k']} overlap {c['topk_overlap']:.2f}")
+        for r in s.get("topk", []):
+            lines.append(f"top-{r['k']} recovery {r['top_effect']:.3f} vs layer-matched random "
+                         f"{r['random_mean']:.3f} [{r['random_low']:.3f}, {r['random_high']:.3f}], share of "
+                         f"draws reaching it {r['random_reach']:.3f}")
         return "\n".join(lines)
 
     def save(self, out: str | Path) -> Path:
@@ -271,6 +343,28 @@ def run(config: PatchingConfig, *, model: Any = None, pairs: Sequence[Any] | Non
             return result
 
 
+def _base_table(aligned: Sequence[Any], clean: Any, corrupted: Any, kept: set[int]) -> pd.DataFrame:
+    """The unpatched logit differences of every aligned pair (raw numbers, read before any effect)."""
+    import pandas as pd
+
+    from tomlens.patching.gate import solved_mask
+
+    solved = solved_mask(clean, corrupted)
+    return pd.DataFrame({
+        "pair_id": [p.id for p in aligned], "contrast": [p.contrast for p in aligned],
+        "task_id": [p.clean.task_id for p in aligned],
+        "clean_logit_diff": clean.numpy(), "corrupted_logit_diff": corrupted.numpy(),
+        "gap": (clean - corrupted).numpy(), "solved": solved.numpy(),
+        "kept": [i in kept for i in range(len(aligned))],
+    })
+
+
+def _flag(tables: dict[str, pd.DataFrame]) -> None:
+    """A `forced` column (True) in every table of a run that went past a failed gate or split."""
+    for df in tables.values():
+        df["forced"] = True
+
+
 def _run(config: PatchingConfig, *, model: Any, pairs: Sequence[Any] | None, out: str | Path,
          progress: bool, resumable: bool) -> PatchingRunResult:
     import torch
@@ -280,8 +374,11 @@ def _run(config: PatchingConfig, *, model: Any, pairs: Sequence[Any] | None, out
     from tomlens.models import provenance
     from tomlens.patching import (
         METRIC_NAME, AblationSweep, AttributionSweep, Checkpoints, ExactSweep, HeadSetSweep, Plan, calibrate,
-        canonical_kind, compare, drop_missing_roles, gap_note, head_table, mean_ablation, parse_positions,
+        canonical_kind, compare, drop_missing_roles, head_table, mean_ablation, parse_positions,
         plan_cells, plan_stages, prepare_pairs, rank_heads, topk_recovery, topk_settings,
+    )
+    from tomlens.patching.gate import (
+        METHOD, MIN_SPLIT_PAIRS, base_logit_diffs, gate_message, gate_pairs, gate_table, split_selection,
     )
     from tomlens.provenance import run_manifest
     from tomlens.stimuli.pairs import check_pairs
@@ -315,22 +412,97 @@ def _run(config: PatchingConfig, *, model: Any, pairs: Sequence[Any] | None, out
             "no minimal pair is token-aligned for this model's tokenizer",
             "write the pairs with `tomlens pairs --model` set to this model",
         )
-    pos = drop_missing_roles(pos, [s for p in aligned for s in (p.clean, p.corrupted)])
-    prepared = prepare_pairs(model, aligned, selectors=pos.selectors, batch_pairs=batch_pairs)
+    from tomlens.patching.plan import expand_mentions  # `mentions`: the role mentions these pairs share
+
+    pos = drop_missing_roles(expand_mentions(pos, aligned, model.tokenizer),
+                             [s for p in aligned for s in (p.clean, p.corrupted)])
+
+    # The gate, before anything is planned: one plain forward per story.
+    everything = prepare_pairs(model, aligned, selectors=pos.selectors, batch_pairs=batch_pairs)
+    clean0, corrupted0 = base_logit_diffs(model, everything)
+    solved = ((clean0 > 0) & (corrupted0 < 0)).tolist()
+    kept = [i for i in range(len(aligned)) if solved[i] or not cfg.solved_only]
+    gates = gate_pairs(clean0[kept], corrupted0[kept], [aligned[i].contrast for i in kept]) if kept else {}
+    passed = [c for c, g in gates.items() if g.passed]
+    gate_failed = len(passed) < len(gates) or not gates
+    message = gate_message(gates, forced=cfg.force) if gates else (
+        f"withheld: no pair of {len(aligned)} is answered right both ways (--solved-only): nothing to patch")
+    notes: list[str] = []
+    if cfg.solved_only:
+        notes.append(f"--solved-only: kept {len(kept)} of {len(aligned)} pairs the model answers right both ways")
+    use = kept if cfg.force else [i for i in kept if aligned[i].contrast in passed]
+    dropped_contrasts = sorted(c for c in gates if c not in passed) if (passed and not cfg.force) else []
+    withheld = None
+    if not use:
+        withheld = message
+    split = split_selection([aligned[i] for i in use], cfg.select_fraction, seed) if use else None
+    forced = bool(cfg.force and gate_failed)
+    if use and split is None:
+        n_tasks = len({aligned[i].clean.task_id or aligned[i].id for i in use})
+        why = (f"{len(use)} pairs from {n_tasks} task(s) cannot be split into selection and held-out evaluation "
+               f"pairs (needs at least {MIN_SPLIT_PAIRS} pairs and 2 tasks)")
+        if cfg.force:
+            forced = True
+            notes.append(f"FORCED: {why}; heads are ranked and validated on the SAME pairs")
+            split = (list(range(len(use))), list(range(len(use))))
+        else:
+            withheld = (f"withheld: head ranking, top-k recovery, mean ablation and the cell sweeps. Reason: {why}, "
+                        "and heads validated on the pairs that ranked them recover their own noise; use more pairs "
+                        "(--force runs everything anyway, flagged)")
+    gate_summary = {
+        "method": METHOD, "contrasts": {c: g.to_dict() for c, g in gates.items()}, "passed": passed,
+        "dropped_contrasts": dropped_contrasts, "message": message, "forced": forced,
+        "power": {c: g.power_line for c, g in gates.items()},
+    }
+    base_df = _base_table(aligned, clean0, corrupted0, set(kept))
+    if withheld is None:  # a withheld run says all this in `describe` (what the commands print next)
+        print("\n".join([*(g.message for g in gates.values()), *notes, f"gate: {message}"]))
+    if withheld is not None:
+        tables = {"gate": gate_table(gates), "base": base_df}
+        summary = {
+            "command": "patch", "provenance": provenance(model), "seed": seed, "withheld": withheld,
+            "gate": gate_summary, "notes": notes, "metric": METRIC_NAME,
+            "pairs": {"n_given": len(pairs), "n_aligned": len(aligned), "n_kept": len(kept),
+                      "hash": pairs_hash(aligned), "contrasts": sorted({p.contrast for p in aligned}),
+                      "dropped": report.dropped_pairs},
+            "base": {"clean_logit_diff": float(clean0.mean()), "corrupted_logit_diff": float(corrupted0.mean()),
+                     "gap": float((clean0 - corrupted0).mean())},
+        }
+        if dry_run:
+            print("dry run: nothing else run, nothing written")
+            return PatchingRunResult(config, {**summary, "dry_run": True, "plan": {"total_runs": 0}}, dry_run=True)
+        summary["seconds"] = round(time.time() - started, 2)
+        ext = ".parquet" if cfg.format == "parquet" else ".csv"
+        summary["files"] = [f"{stem}{ext}" for stem in tables]
+        hashed = stimuli_hash([s for p in aligned for s in (p.clean, p.corrupted)])
+        manifest = run_manifest(model, config, stimuli_hash=hashed, extra={"pairs_hash": pairs_hash(aligned)})
+        return PatchingRunResult(config, summary, tables, manifest=manifest)
+
+    assert split is not None
+    selection = [aligned[use[i]] for i in split[0]]
+    evaluation = [aligned[use[i]] for i in split[1]]
+    same = split[0] == split[1]
+    prepared = (everything if len(selection) == len(aligned)
+                else prepare_pairs(model, selection, selectors=pos.selectors, batch_pairs=batch_pairs))
+    held = prepared if same else prepare_pairs(model, evaluation, selectors=pos.selectors, batch_pairs=batch_pairs)
     cells = plan_cells(model, pos.spec, n_aligned=prepared.n_aligned)
     rank_position = pos.rank_position()
     methods, directions = cfg.methods, cfg.directions
     main_dir = directions[0]
     search_options = cfg.search_options()
+    k_max = min(top_k, model.cfg.n_layers * model.cfg.n_heads)
+    ks = sorted({k for k in cfg.ks if k <= k_max}) or ([k_max] if k_max > 0 else [])
     checkpoints = Checkpoints(out, {
         "provenance": provenance(model), "weights": weights_fingerprint(model), "pairs": pairs_hash(aligned),
-        "positions": pos.spec, "methods": methods, "directions": directions, "top_k": top_k,
+        "selection": pairs_hash(selection), "evaluation": pairs_hash(evaluation),
+        "positions": pos.spec, "methods": methods, "directions": directions, "top_k": top_k, "ks": ks,
         "n_random": n_random, "ablation": ablation, "seed": seed, "batch_pairs": batch_pairs,
         "chunk_runs": chunk_runs, "search": search_options,
     })
 
-    # Every stage laid out before anything runs: exact sweeps and attribution (with what the
-    # checkpoints already hold), and top-k / ablation with stand-in top sets (same counts).
+    # Every stage laid out before anything runs: exact sweeps and attribution on the selection pairs
+    # (with what the checkpoints already hold), and top-k / ablation on the evaluation pairs with
+    # stand-in top sets (same counts).
     exact = {d: ExactSweep(model, prepared, cells, d, memory_mb=memory_mb, chunk_runs=chunk_runs)
              for d in directions} if "exact" in methods else {}
     attribution = ({d: AttributionSweep(model, prepared, pos.spec, d) for d in directions}
@@ -338,18 +510,25 @@ def _run(config: PatchingConfig, *, model: Any, pairs: Sequence[Any] | None, out
     for sweep in [*exact.values(), *attribution.values()]:
         sweep.load(checkpoints)
     topk_plan = ablation_plan = None
-    k_max = min(top_k, model.cfg.n_layers * model.cfg.n_heads)
-    if rank_position is not None and top_k > 0:
-        stand_in = [s[3] for s in topk_settings(model, None, list(range(1, k_max + 1)), n_random, seed)]
-        topk_plan = HeadSetSweep(model, prepared, stand_in, position=rank_position, direction=main_dir,
+    if rank_position is not None and ks:
+        stand_in = [s[3] for s in topk_settings(model, None, ks, n_random, seed)]
+        topk_plan = HeadSetSweep(model, held, stand_in, position=rank_position, direction=main_dir,
                                  chunk_runs=chunk_runs)
         if ablation != "none":
-            ablation_plan = AblationSweep(model, prepared, stand_in, mode=ablation, chunk_runs=chunk_runs)
+            ablation_plan = AblationSweep(model, held, stand_in, mode=ablation, chunk_runs=chunk_runs)
 
     def stages() -> list[Any]:
-        return plan_stages(exact, attribution, topk_plan, ablation_plan, n_pairs=len(aligned), k_max=k_max,
-                           n_random=n_random)
-    plan = Plan(stages(), len(aligned), max_runs, notes=list(pos.notes))
+        out = plan_stages(exact, attribution, topk_plan, ablation_plan, n_pairs=len(selection), k_max=k_max,
+                          n_random=n_random)
+        for st in out:  # the validations run on the held-out pairs, at the k of `ks` only
+            if st.name == "top-k recovery":
+                st.what = f"{len(ks)} top + {len(ks) * n_random} layer-matched random head sets (k = {ks})"
+            if st.name.startswith(("top-k recovery", "mean ablation")):
+                st.pairs = len(evaluation)
+        return out
+    plan = Plan(stages(), len(selection) + (0 if same else len(evaluation)), max_runs, notes=list(pos.notes))
+    plan.notes.append(f"selection pairs (cells patched, heads ranked): {len(selection)}; held-out evaluation "
+                      f"pairs (top-k recovery, ablation): {len(evaluation)}" + (" (the SAME pairs: forced)" if same else ""))
     if rank_position is None and top_k > 0:
         plan.notes.append("top-k recovery and ablation need --sites to include heads; skipped")
     if "search" in methods:
@@ -367,7 +546,8 @@ def _run(config: PatchingConfig, *, model: Any, pairs: Sequence[Any] | None, out
         if max_runs is not None and plan.total_runs > max_runs:
             print(f"note: over --max-runs {max_runs:,}: without --dry-run this plan stops before running")
         print("dry run: nothing else run, nothing written")
-        return PatchingRunResult(config, {"plan": plan.to_dict(), "dry_run": True}, dry_run=True)
+        return PatchingRunResult(config, {"plan": plan.to_dict(), "dry_run": True, "gate": gate_summary},
+                                 dry_run=True)
 
     try:
         results: dict[tuple[str, str], Any] = {}
@@ -390,12 +570,12 @@ def _run(config: PatchingConfig, *, model: Any, pairs: Sequence[Any] | None, out
         rec = ab = ranking = None
         if rank_position is not None and ranking_source is not None:
             ranking = list(zip(*[rank_heads(ranking_source, position=rank_position)[c] for c in ("layer", "head")]))
-            if top_k > 0:
-                rec = topk_recovery(model, prepared, ranking, k_max=top_k, n_random=n_random, seed=seed,
+            if ks:
+                rec = topk_recovery(model, held, ranking, k_max=k_max, ks=ks, n_random=n_random, seed=seed,
                                     position=rank_position, direction=main_dir, memory_mb=memory_mb,
                                     progress=progress, checkpoints=checkpoints, chunk_runs=chunk_runs)
                 if ablation != "none":
-                    ab = mean_ablation(model, prepared, ranking, ks=list(range(1, top_k + 1)), n_random=n_random,
+                    ab = mean_ablation(model, held, ranking, ks=ks, n_random=n_random,
                                        seed=seed, mode=ablation, memory_mb=memory_mb, progress=progress,
                                        checkpoints=checkpoints, chunk_runs=chunk_runs)
     except KeyboardInterrupt:
@@ -405,7 +585,7 @@ def _run(config: PatchingConfig, *, model: Any, pairs: Sequence[Any] | None, out
         raise
 
     # Every stage is complete: the tables by file stem, in the order they are written.
-    tables: dict[str, pd.DataFrame] = {}
+    tables: dict[str, pd.DataFrame] = {"gate": gate_table(gates), "base": base_df}
     for (m, d), res in results.items():
         tables[f"cells_{m}_{d}"] = res.summary()
         tables[f"pairs_{m}_{d}"] = res.per_pair()
@@ -414,10 +594,17 @@ def _run(config: PatchingConfig, *, model: Any, pairs: Sequence[Any] | None, out
         "command": "patch",
         "provenance": provenance(model),
         "seed": seed,
+        "gate": gate_summary,
+        "notes": notes,
         "pairs": {
-            "n_given": len(pairs), "n_aligned": len(aligned), "hash": pairs_hash(aligned),
+            "n_given": len(pairs), "n_aligned": len(aligned), "n_kept": len(kept), "hash": pairs_hash(aligned),
             "families": sorted({p.family for p in aligned}), "contrasts": sorted({p.contrast for p in aligned}),
             "dropped": report.dropped_pairs,
+            "selection": {"n": len(selection), "hash": pairs_hash(selection),
+                          "tasks": len({p.clean.task_id or p.id for p in selection})},
+            "evaluation": {"n": len(evaluation), "hash": pairs_hash(evaluation),
+                           "tasks": len({p.clean.task_id or p.id for p in evaluation}), "same_as_selection": same},
+            "select_fraction": cfg.select_fraction,
         },
         "metric": METRIC_NAME,
         "normalisation": "effect = (patched - corrupted) / mean(clean - corrupted) per pair; 0 = corrupted run, 1 = clean run",
@@ -428,6 +615,9 @@ def _run(config: PatchingConfig, *, model: Any, pairs: Sequence[Any] | None, out
         "baselines": {f"{m}_{d}": r.baselines() for (m, d), r in results.items()},
         "comparisons": [],
     }
+    if forced:
+        summary["forced"] = True
+        summary["forced_message"] = message if gate_failed else notes[-1]
     for d in directions:
         if ("exact", d) in results and ("attribution", d) in results:
             ex, at = results[("exact", d)], results[("attribution", d)]
@@ -443,17 +633,20 @@ def _run(config: PatchingConfig, *, model: Any, pairs: Sequence[Any] | None, out
                                      probe, position=rank_position)
         summary["rank_position"] = rank_position
         summary["top_heads"] = [f"L{l}H{h}" for l, h in ranking[: max(top_k, 10)]]
-        summary["ranked_by"] = f"{ranking_source.method} {ranking_source.direction} effect, heads at {rank_position}"
+        summary["ranked_by"] = (f"{ranking_source.method} {ranking_source.direction} effect, heads at {rank_position}, "
+                                f"on {len(selection)} selection pairs")
     if rec is not None:
         tables["topk"] = rec.table
         tables["topk_random"] = rec.draws
         summary["topk"] = rec.table.to_dict(orient="records")
+        summary["validated_on"] = f"{len(evaluation)} held-out evaluation pairs" + (" (the SAME pairs: forced)" if same else "")
+        summary["random_heads"] = f"{n_random} layer-matched draws per k (the top set's layers, its heads left out)"
     if ab is not None:
         tables["ablation"] = ab.table
         tables["ablation_random"] = ab.draws
         summary["ablation"] = {
             "mode": ablation,
-            "mean": "each ablated head's z replaced by its mean over all clean and corrupted stories "
+            "mean": "each ablated head's z replaced by its mean over all clean and corrupted evaluation stories "
             + ("at the final token" if ablation == "final" else "at the same right-aligned position"),
             "baseline": ab.baseline, "table": ab.table.to_dict(orient="records"),
         }
@@ -461,14 +654,14 @@ def _run(config: PatchingConfig, *, model: Any, pairs: Sequence[Any] | None, out
         summary["topk_skipped"] = "top-k recovery and ablation need --sites to include heads"
     if "search" in methods:
         summary["search"] = {d: r.report() for (m, d), r in results.items() if m == "search"}
+    if forced:
+        _flag(tables)
     summary["plan"] = plan.to_dict()
     summary["seconds"] = round(time.time() - started, 2)
     ext = ".parquet" if cfg.format == "parquet" else ".csv"
     summary["files"] = [f"{stem}{ext}" for stem in tables]
     hashed = stimuli_hash([s for p in aligned for s in (p.clean, p.corrupted)])
-    manifest = run_manifest(model, config, stimuli_hash=hashed, extra={"pairs_hash": pairs_hash(aligned)})
-    note = gap_note(summary["baselines"][f"{ranking_source.method}_{main_dir}"] if ranking_source is not None
-                    else next(iter(summary["baselines"].values())))
-    if note:
-        print(f"note: {note}")
+    manifest = run_manifest(model, config, stimuli_hash=hashed,
+                            extra={"pairs_hash": pairs_hash(aligned), "selection_hash": pairs_hash(selection),
+                                   "evaluation_hash": pairs_hash(evaluation)})
     return PatchingRunResult(config, summary, tables, dict(results), rec, ab, manifest, checkpoints=checkpoints)

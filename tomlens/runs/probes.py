@@ -1,15 +1,24 @@
 """The probes stage: cache what is missing, then a probe for every layer (and head) of each site kind.
 
 The activations go through the store (`tomlens.runs.cache`), so a second run on the same request
-reuses them; the sweep itself (`tomlens.probes.sweep.run_probe_sweep`) does the fitting.
+reuses them; the sweep itself (`tomlens.probes.sweep.run_probe_sweep`) does the fitting. resid_pre:0
+is cached as well, so the sweep can run its embeddings baseline.
+
+The best unit of the per-unit table is the maximum of many scores on the stories it is scored on:
+biased upwards. So, by default, the unit is also chosen on a selection half of the stories and
+reported on the other half, with a max-statistic permutation null (`tomlens.probes.selection`);
+that held-out result and its verdict lead the description. With `random_twin`, the same stimuli
+are cached and swept on `random:<model>` (same architecture, fresh weights, same seed), and its
+score joins the table as the baseline `baseline_random_init`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pandas as pd
 from torch import Tensor
 
@@ -17,17 +26,23 @@ from tomlens.activations import cache_activations
 from tomlens.errors import TomlensError
 from tomlens.hooks.sites import KINDS
 from tomlens.models.positions import parse_selectors
+from tomlens.probes.baselines import add_best_baseline
 from tomlens.probes.logistic import C_GRID
+from tomlens.probes.selection import DEFAULT_PERMUTATIONS, EMBEDDINGS_KIND, FOUND, SelectionResult, \
+    select_and_evaluate
+from tomlens.probes.splits import GROUPINGS as SPLIT_GROUPINGS
 from tomlens.probes.sweep import PROBES, ProbeSweepResult, SweepConfig, read_probe_sweep, run_probe_sweep, \
     write_probe_sweep
 from tomlens.probes.targets import get_target
+from tomlens.models import provenance
 from tomlens.runs.base import ModelSpec, StimuliSpec, split_items
 from tomlens.provenance import run_manifest
 from tomlens.runs.files import begin_save, finish_save, read_finished
 from tomlens.stimuli.records import stimuli_hash
 
 EVALUATIONS = ("crossfit", "holdout")
-GROUPINGS = ("task", "template")
+GROUPINGS = tuple(SPLIT_GROUPINGS)  # task, template (and cue phrasing where the splits know it)
+TWIN_KEYS = ["kind", "layer", "head", "position", "target", "train_on", "eval_set", "metric"]
 FORMATS = ("parquet", "csv")
 
 
@@ -61,6 +76,10 @@ class ProbesConfig:
     batch_size: int | None = None  # prompts per forward when caching
     seed: int = 0
     format: str = "parquet"
+    selection: bool = True  # choose the unit on selection stories, report it on evaluation stories
+    selection_fraction: float = 0.5  # of the story groups, for selection
+    n_permutations: int = DEFAULT_PERMUTATIONS  # max-statistic permutation null of the best unit
+    random_twin: bool = False  # sweep random:<model> too (baseline_random_init)
 
     def __post_init__(self) -> None:
         if self.stimuli is None:
@@ -89,6 +108,11 @@ class ProbesConfig:
         _one_of("evaluation", self.evaluation, EVALUATIONS)
         _one_of("group_by", self.group_by, GROUPINGS)
         _one_of("format", self.format, FORMATS)
+        if not 0 < float(self.selection_fraction) < 1:
+            raise TomlensError(f"selection_fraction = {self.selection_fraction}",
+                               "use a fraction strictly between 0 and 1 (e.g. 0.5)")
+        if int(self.n_permutations) < 0:
+            raise TomlensError(f"n_permutations = {self.n_permutations}", "use 0 (no null: always withheld) or more")
 
     @property
     def position(self) -> str:
@@ -103,6 +127,7 @@ class ProbesResult:
     summary: dict[str, Any]
     config: ProbesConfig | None = None
     manifest: dict[str, Any] = field(default_factory=dict)
+    selection: dict[str, SelectionResult] = field(default_factory=dict)  # per target
 
     @property
     def table(self) -> pd.DataFrame:
@@ -121,31 +146,56 @@ class ProbesResult:
         out = Path(out)
         fmt = self.config.format if self.config is not None else "parquet"
         return [out / f"probes.{fmt}", out / "probes.json"] + \
-            ([out / "directions.safetensors"] if self.directions else [])
+            ([out / "directions.safetensors"] if self.directions else []) + \
+            ([out / "selection.json"] if self.selection else [])
 
     def save(self, out: str | Path) -> Path:
-        """probes.<format>, directions.safetensors (+ .json), probes.json, then config.json,
-        manifest.json and, last, result.json."""
+        """probes.<format>, directions.safetensors (+ .json), probes.json, selection.json, then
+        config.json, manifest.json and, last, result.json."""
+        from tomlens.io import write_json
+
         out = begin_save(out)
         write_probe_sweep(self.sweep, out, table_format=self.config.format if self.config is not None else "parquet")
+        (out / "selection.json").unlink(missing_ok=True)
+        if self.selection:
+            write_json({t: r.to_dict() for t, r in self.selection.items()}, out / "selection.json")
         return finish_save(out, self.config, self.manifest, self.summary)
 
     @classmethod
     def load(cls, out: str | Path) -> ProbesResult:
+        from tomlens.io import read_json
+
         out, config, manifest, summary = read_finished(out, ProbesConfig)
-        return cls(sweep=read_probe_sweep(out), summary=summary, config=config, manifest=manifest)
+        selection = {t: SelectionResult.from_dict(r) for t, r in read_json(out / "selection.json").items()} \
+            if (out / "selection.json").is_file() else {}
+        return cls(sweep=read_probe_sweep(out), summary=summary, config=config, manifest=manifest,
+                   selection=selection)
 
     def describe(self) -> str:
-        """Best layer and best head per target and evaluation, then the sweep's notes."""
-        return "\n".join([summarise(self.table), *(f"note: {n}" for n in self.metadata.get("notes", []))])
+        """The selected unit's held-out score and verdict per target, then the per-unit maxima
+        (selection-biased), then the notes of the sweep and of the selection."""
+        notes = [*self.metadata.get("notes", []),
+                 *(f"selection ({t}): {n}" for t, r in self.selection.items() for n in r.notes)]
+        return "\n".join([summarise(self.table, self.selection), *(f"note: {n}" for n in notes)])
 
 
-def summarise(table: pd.DataFrame) -> str:
-    """Best layer (whole-layer sites) and best head per target and evaluation, with intervals;
-    units that could not be fitted (NaN score, see `fit_status`) are left out of the choice."""
+def summarise(table: pd.DataFrame, selection: dict[str, SelectionResult] | None = None) -> str:
+    """First, per target, the unit chosen on selection stories with its score on held-out evaluation
+    stories and its verdict ("withheld: ..." when it fails its gate); then the best layer
+    (whole-layer sites) and best head per target and evaluation, with intervals: maxima over units
+    on the stories they are scored on, marked as selection-biased. Units that could not be fitted
+    (NaN score, see `fit_status`) are left out of the choice."""
     acc = table[table["metric"] == "accuracy"]
-    lines = [f"{'target':<22}{'train -> eval':<30}{'site':<22}{'accuracy [95% CI]':<24}"
-             f"{'control':>8}{'bow':>7}{'chance':>8}"]
+    lines: list[str] = []
+    if selection:
+        lines.append("selected unit, scored on held-out evaluation stories:")
+        lines.extend(f"  {r.line()}" for r in selection.values())
+    lines.append("per-unit maxima (selection-biased: the best unit on the stories it is scored on; "
+                 "read the lines above for a held-out score):" if selection else
+                 "per-unit maxima (selection-biased: the best unit on the stories it is scored on; "
+                 "no held-out selection was run):")
+    lines.append(f"{'target':<22}{'train -> eval':<30}{'site':<22}{'accuracy [95% CI]':<24}"
+                 f"{'control':>8}{'bow':>7}{'best base':>16}{'chance':>8}")
     for (target, train_on, eval_set), g in acc.groupby(["target", "train_on", "eval_set"], sort=False):
         bow = g[g["features"] == "bag_of_words"]
         bow_s = f"{bow['score'].iloc[0]:.2f}" if len(bow) else "-"
@@ -157,9 +207,11 @@ def summarise(table: pd.DataFrame) -> str:
             best = k.loc[k["score"].idxmax()]
             site = f"{kind}:{int(best['layer'])}" + ("" if best["head"] < 0 else f".h{int(best['head'])}")
             ctrl = "-" if best["control"] != best["control"] else f"{best['control']:.2f}"
+            bb = best.get("best_baseline", float("nan"))
+            base = "-" if bb != bb else f"{best.get('best_baseline_name', '')} {bb:.2f}"
             lines.append(f"{target:<22}{train_on + ' -> ' + eval_set:<30}{site:<22}"
                          f"{best['score']:.2f} [{best['ci_low']:.2f}, {best['ci_high']:.2f}]{'':<8}"
-                         f"{ctrl:>8}{bow_s:>7}{best['chance']:>8.2f}")
+                         f"{ctrl:>8}{bow_s:>7}{base:>16}{best['chance']:>8.2f}")
     return "\n".join(lines)
 
 
@@ -171,25 +223,93 @@ def sweep_config(config: ProbesConfig, *, progress: bool = True) -> SweepConfig:
                        device=config.model.device, progress=progress)
 
 
+def cache_sites(config: ProbesConfig) -> str:
+    """The sites to cache: the probed kinds, plus resid_pre:0 for the embeddings baseline."""
+    sites = list(config.sites)
+    if EMBEDDINGS_KIND not in sites:
+        sites.append(f"{EMBEDDINGS_KIND}:0")
+    return " ".join(sites)
+
+
+def _scores_only(cfg: SweepConfig) -> SweepConfig:
+    """The sweep settings for a random-init twin: activation rows only (the main sweep has the rest)."""
+    names = {f.name for f in fields(SweepConfig)}
+    off = ("bow", "length", "position", "embeddings", "condition_split", "directions")
+    return replace(cfg, **{k: False for k in off if k in names})
+
+
+def merge_twin(table: pd.DataFrame, twin: pd.DataFrame) -> pd.DataFrame:
+    """`baseline_random_init` on the activation rows of `table`: the twin's score on the row with
+    the same (kind, layer, head, position, target, train_on, eval_set, metric); then the best
+    baseline is recomputed over every `baseline_*` column."""
+    t = twin[twin["features"] == "activations"][TWIN_KEYS + ["score"]].rename(columns={"score": "baseline_random_init"})
+    if t.duplicated(TWIN_KEYS).any():
+        raise TomlensError("the random-init twin's table has several rows per unit and evaluation",
+                           "run the twin on one stimulus set and one position")
+    out = table.copy()
+    acts = (out["features"] == "activations").to_numpy()
+    merged = out.loc[acts, TWIN_KEYS].merge(t, on=TWIN_KEYS, how="left")["baseline_random_init"]
+    out["baseline_random_init"] = np.nan
+    out.loc[acts, "baseline_random_init"] = merged.to_numpy(dtype=np.float64)
+    return add_best_baseline(out)
+
+
+def twin_spec(config: ProbesConfig) -> ModelSpec:
+    """random:<model>, seeded as the model is (a tiny model is random already: its twin is itself)."""
+    name = config.model.name
+    return replace(config.model, name=name if name.startswith("random:") else f"random:{name}")
+
+
 def run(config: ProbesConfig, *, model: Any = None, progress: bool = True) -> ProbesResult:
-    """Cache the activations that are missing, then run the probe sweep."""
+    """Cache the activations that are missing, run the probe sweep, then (by default) choose the
+    best unit on selection stories and report it on evaluation stories; with `random_twin`, the
+    same on random:<model>, merged as a baseline."""
     assert config.stimuli is not None  # checked in ProbesConfig
     stimuli = config.stimuli.load()  # bad files fail before the model loads
     test = config.test_stimuli.load() if config.test_stimuli is not None else None
     if model is None:
         model = config.model.load()
-    sites = " ".join(config.sites)
-    acts = cache_activations(model, stimuli, sites, [config.position], store=config.store,
-                             batch_size=config.batch_size, progress=progress)
-    test_acts = None if test is None else cache_activations(
-        model, test, sites, [config.position], store=config.store, batch_size=config.batch_size, progress=progress)
+    sites = cache_sites(config)
+
+    def cache(m: Any, st: Any) -> Any:
+        return cache_activations(m, st, sites, [config.position], store=config.store,
+                                 batch_size=config.batch_size, progress=progress)
+
+    acts = cache(model, stimuli)
+    test_acts = None if test is None else cache(model, test)
+    scfg = sweep_config(config, progress=progress)
     sweep = run_probe_sweep(acts, list(config.targets), sites=list(config.sites), positions=config.positions,
-                            test_acts=test_acts, probe=config.probe, seed=config.seed,
-                            config=sweep_config(config, progress=progress))
+                            test_acts=test_acts, probe=config.probe, seed=config.seed, config=scfg)
+    twin_acts = twin_test = None
+    notes = list(sweep.metadata.get("notes", []))
+    if config.random_twin:
+        spec = twin_spec(config)
+        twin_model = spec.load()
+        twin_acts = cache(twin_model, stimuli)
+        twin_test = None if test is None else cache(twin_model, test)
+        twin = run_probe_sweep(twin_acts, list(config.targets), sites=list(config.sites), positions=config.positions,
+                               test_acts=twin_test, probe=config.probe, seed=config.seed, config=_scores_only(scfg))
+        sweep.table = merge_twin(sweep.table, twin.table)
+        twin_rev = provenance(twin_model)["revision"]
+        sweep.metadata["random_twin"] = {"model": spec.name, "revision": twin_rev, "activations": str(twin_acts.path)}
+        notes.append(f"baseline_random_init: the same sweep on {spec.name} ({twin_rev})"
+                     + (" - the model is random-init itself, so its twin is the same model"
+                        if config.model.name.startswith(("random:", "tiny-")) else ""))
+        sweep.metadata["notes"] = sorted(set(notes))
+    selection: dict[str, SelectionResult] = {}
+    if config.selection:
+        for target in config.targets:
+            selection[target] = select_and_evaluate(
+                acts, target, sites=list(config.sites), position=config.position, seed=config.seed,
+                selection_fraction=config.selection_fraction, n_permutations=config.n_permutations,
+                config=replace(scfg, progress=False), probe=config.probe, test_acts=test_acts,
+                twin_acts=twin_acts, twin_test_acts=twin_test)
     summary = {"rows": len(sweep.table), "targets": list(config.targets), "sites": list(config.sites),
                "position": config.position, "activations": str(acts.path),
                "test_activations": None if test_acts is None else str(test_acts.path),
-               "directions": bool(sweep.directions), "notes": list(sweep.metadata.get("notes", []))}
+               "directions": bool(sweep.directions), "notes": list(sweep.metadata.get("notes", [])),
+               "selection": {t: {"unit": r.site, "verdict": r.verdict, "reason": r.reason,
+                                 "found": r.verdict == FOUND} for t, r in selection.items()}}
     extra = None if test is None else {"test_stimuli_hash": stimuli_hash(test)}
     manifest = run_manifest(model, config, stimuli_hash=stimuli_hash(stimuli), extra=extra)
-    return ProbesResult(sweep=sweep, summary=summary, config=config, manifest=manifest)
+    return ProbesResult(sweep=sweep, summary=summary, config=config, manifest=manifest, selection=selection)

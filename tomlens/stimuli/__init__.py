@@ -22,6 +22,7 @@ FAMILIES: dict[str, tuple[str, str]] = {
     "belief-tracking": ("tomlens.stimuli.tracking", "belief_tracking"),
     "belief-statements": ("tomlens.stimuli.statements", "belief_statements"),
     "order-only": ("tomlens.stimuli.order_only", "order_only"),
+    "false-belief-factorial": ("tomlens.stimuli.factorial", "false_belief_factorial"),
 }
 
 

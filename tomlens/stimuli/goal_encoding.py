@@ -3,20 +3,23 @@
 An agent reaches k times for the same fruit on the same pillar (the other two fruits swap places),
 then the goal fruit moves to another pillar and the prompt stops at the test reach. Continuing with
 the goal fruit's new place is *object bias*; continuing with the habituated pillar (or the fruit now
-standing on it) is *location bias*. A selective goal encoder shows object bias for a deliberate
+standing on it) is *location bias*. A selective goal encoder shows object bias for an intending
 agent and not for an inanimate mover or an agent acting by accident.
 
 Every item (one `task_id`) is rendered in every cell: test case (animate / inanimate / control) x
 k x target type (pillar / fruit) x animacy wording, from the same fruits, places and agent, so cells
 can be compared item by item and animate vs control prompts form minimal pairs.
 
-Design choice for those pairs: R23's animate agent "grasps" and its control agent "accidentally
-grasps", which adds a word. Here the animate agent "deliberately grasps" and the control agent
-"accidentally grasps" by default: a same-length swap (one token each in SmolLM2's tokenizer), so
-animate and control prompts have the same length and differ only in that adverb. Pass
-`animate_adverb=None` for R23's wording. With `manner_scope="all"` (R23) every reach sentence
-carries the adverb; with `manner_scope="test"` only the test reach does (the habituation reaches
-are plain "grasps"), so animate and control prompts differ only inside the `contrast` span.
+Wording. By default (`wording="ruis"`) the reach sentences are Ruis et al.'s: the animate agent
+"grasps", the inanimate mover "moves to and touches", and the accidental agent "accidentally
+grasps" the item on a pillar but "accidentally touches" a fruit (their Table: fruit control
+"touches"). `wording="matched"` keeps tomlens's older same-length variant for minimal pairs: the
+animate agent "deliberately grasps" and the control agent "accidentally grasps" for both target
+types, one token each in SmolLM2's tokenizer, so animate and control prompts differ only in that
+adverb (`make_pairs("goal-encoding")` asks for it). `animate_adverb` / `control_adverb` override the
+adverb of either wording. With `manner_scope="all"` (R23) every reach sentence carries the case's
+wording; with `manner_scope="test"` only the test reach does (the habituation reaches are plain
+"grasps"), so animate and control prompts differ only inside the `contrast` span.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ PLACEMENTS: tuple[tuple[int, int], ...] = ((0, 1), (0, 2), (1, 0), (1, 2), (2, 0
 
 TEST_CASES: tuple[str, ...] = ("animate", "inanimate", "control")
 TARGET_TYPES: tuple[str, ...] = ("pillar", "fruit")
+WORDINGS: tuple[str, ...] = ("ruis", "matched")
 FAMILY = "goal-encoding"
 MAX_K = 50
 
@@ -55,8 +59,9 @@ def goal_encoding(
     test_cases: Sequence[str] = TEST_CASES,
     target_types: Sequence[str] = TARGET_TYPES,
     anim_denotations: Sequence[bool] | bool = (False, True),
-    animate_adverb: str | None = "deliberately",
-    control_adverb: str = "accidentally",
+    wording: Literal["ruis", "matched"] = "ruis",
+    animate_adverb: str | None = None,
+    control_adverb: str | None = None,
     manner_scope: Literal["all", "test"] = "all",
 ) -> list[Stimulus]:
     """`n` items, each rendered in every cell (test case x k x target type x animacy wording).
@@ -67,13 +72,19 @@ def goal_encoding(
     inanimate and control cases it is still the object target, so accuracy there reads as object
     bias, not as correctness). Pillar targets are ordinals ("first"/"second"/"third"), fruit
     targets are fruit names; the habituated and new pillars cycle through all six placements.
+    `wording` picks the reach sentences (module docstring): Ruis et al.'s by default;
+    `animate_adverb` / `control_adverb`, when given, replace that wording's adverbs.
     """
     ks = [ks] if isinstance(ks, int) else list(ks)
     test_cases = (test_cases,) if isinstance(test_cases, str) else tuple(test_cases)
     target_types = (target_types,) if isinstance(target_types, str) else tuple(target_types)
     anim_denotations = ((anim_denotations,) if isinstance(anim_denotations, bool)
                         else tuple(anim_denotations))
-    _check(n, ks, test_cases, target_types, anim_denotations, manner_scope, control_adverb)
+    _check(n, ks, test_cases, target_types, anim_denotations, manner_scope, wording, control_adverb)
+    if animate_adverb is None and wording == "matched":
+        animate_adverb = "deliberately"
+    if control_adverb is None:
+        control_adverb = "accidentally"
     out: list[Stimulus] = []
     for i in range(n):
         item = _item(seed, i)
@@ -83,12 +94,13 @@ def goal_encoding(
                     for test_case in test_cases:
                         out.append(
                             _render(item, seed, i, test_case, k, target_type, bool(anim),
-                                    animate_adverb, control_adverb, manner_scope)
+                                    animate_adverb, control_adverb, manner_scope, wording)
                         )
     return out
 
 
-def _check(n, ks, test_cases, target_types, anim_denotations, manner_scope, control_adverb) -> None:
+def _check(n, ks, test_cases, target_types, anim_denotations, manner_scope, wording,
+           control_adverb) -> None:
     if not isinstance(n, int) or n < 1:
         raise TomlensError(f"goal-encoding needs n >= 1 items, got {n!r}", "pass n=1 or more")
     if (not ks or any(not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_K
@@ -109,8 +121,11 @@ def _check(n, ks, test_cases, target_types, anim_denotations, manner_scope, cont
                            "use (False, True), (False,) or (True,)")
     if manner_scope not in ("all", "test"):
         raise TomlensError(f"manner_scope={manner_scope!r}", "use 'all' (R23) or 'test'")
-    if not control_adverb:
-        raise TomlensError("control_adverb is empty", "use e.g. 'accidentally'")
+    if wording not in WORDINGS:
+        raise TomlensError(f"wording={wording!r}",
+                           "use 'ruis' (Ruis et al.'s sentences) or 'matched' (same-length adverbs)")
+    if control_adverb is not None and not control_adverb:
+        raise TomlensError("control_adverb is empty", "use e.g. 'accidentally', or leave it out")
 
 
 def _item(seed: int, i: int) -> dict:
@@ -174,7 +189,15 @@ def _scene(t: _Text, fruits: list[str]) -> tuple[list[Span], list[Span]]:
     return fruit_spans, ordinal_spans
 
 
-def _agent(t: _Text, item: dict, test_case: str, anim: bool, adverb: str | None) -> Span:
+def _verb(test_case: str, target_type: str, wording: str) -> str:
+    """The reach verb of an agent: Ruis et al.'s accidental agent "touches" a fruit target."""
+    if test_case == "control" and target_type == "fruit" and wording == "ruis":
+        return "touches"
+    return "grasps"
+
+
+def _agent(t: _Text, item: dict, test_case: str, anim: bool, adverb: str | None,
+           verb: str = "grasps") -> Span:
     """The reach's subject and verb; returns the span of the agent word (name or mover)."""
     if test_case == "inanimate":
         t.add("An inanimate " if anim else article(item["mover"], capital=True) + " ")
@@ -184,28 +207,31 @@ def _agent(t: _Text, item: dict, test_case: str, anim: bool, adverb: str | None)
     if anim:
         t.add("A person named ")
     span = t.add(item["name"])
-    t.add(f" {adverb} grasps" if adverb else " grasps")
+    t.add(f" {adverb} {verb}" if adverb else f" {verb}")
     return span
 
 
 def _render(item: dict, seed: int, i: int, test_case: str, k: int, target_type: str, anim: bool,
-            animate_adverb: str | None, control_adverb: str, manner_scope: str) -> Stimulus:
+            animate_adverb: str | None, control_adverb: str, manner_scope: str,
+            wording: str) -> Stimulus:
     adverb = {"animate": animate_adverb, "control": control_adverb, "inanimate": None}[test_case]
+    verb = _verb(test_case, target_type, wording)
     habituation_adverb = adverb if manner_scope == "all" else None
+    habituation_verb = verb if manner_scope == "all" else "grasps"
     hab, new = item["hab"], item["new"]
     t = _Text()
     for j in range(k):
         scene = _habituation_scene(item, j)
         _scene(t, scene)
         t.add(" ")
-        _agent(t, item, test_case, anim, habituation_adverb)
+        _agent(t, item, test_case, anim, habituation_adverb, habituation_verb)
         t.add(f" the item on the {ORDINALS[hab]} pillar." if target_type == "pillar"
               else f" the {scene[hab]}.")
         t.add("\n")
     fruit_spans, ordinal_spans = _scene(t, item["test_scene"])
     t.add(" ")
     reach_start = t.length
-    agent_span = _agent(t, item, test_case, anim, adverb)
+    agent_span = _agent(t, item, test_case, anim, adverb, verb)
     t.add(" the item on the" if target_type == "pillar" else " the")
     reach = Span(reach_start, t.length)
 
@@ -249,6 +275,8 @@ def _render(item: dict, seed: int, i: int, test_case: str, k: int, target_type: 
             "agent": item["mover"] if test_case == "inanimate" else item["name"],
             "manner": adverb,
             "manner_scope": manner_scope,
+            "wording": wording,
+            "reach_verb": "moves to and touches" if test_case == "inanimate" else verb,
             "test_scene": list(item["test_scene"]),
         },
     )

@@ -86,3 +86,68 @@ def article(word: str, capital: bool = False) -> str:
     """'a' or 'an' for a noun (by its first letter, which is right for every word listed here)."""
     a = "an" if word[:1].lower() in "aeiou" else "a"
     return a.capitalize() if capital else a
+
+
+# Plausible contents per container: a label word and the true contents are both drawn from the
+# container's own list, so no story has "needles labelled grapes" (every word is in CONTENTS).
+CONTAINER_CONTENTS: dict[str, tuple[str, ...]] = {
+    "box": ("pencils", "crayons", "buttons", "matches", "candles", "cookies", "chocolates",
+            "stickers", "cards", "photos", "letters", "toys", "tissues", "gloves", "candies"),
+    "tin": ("cookies", "biscuits", "sweets", "buttons", "candies", "peanuts", "almonds", "pins",
+            "beads", "stamps", "coins", "crackers", "chocolates"),
+    "jar": ("sweets", "candies", "raisins", "peanuts", "almonds", "olives", "cherries", "buttons",
+            "marbles", "beads", "coins", "pins", "seeds", "beans", "cookies", "nails", "screws"),
+    "bag": ("chips", "sweets", "marbles", "peanuts", "apples", "lemons", "grapes", "cherries",
+            "socks", "toys", "candies", "pebbles", "shells", "beans"),
+    "pouch": ("coins", "beads", "seeds", "marbles", "jewels", "stamps", "keys", "pins", "buttons",
+              "clips"),
+    "sack": ("apples", "lemons", "beans", "rocks", "pebbles", "shells", "seeds", "peanuts"),
+    "chest": ("jewels", "coins", "medals", "letters", "photos", "toys", "gloves", "socks",
+              "ribbons"),
+    "bucket": ("shells", "pebbles", "rocks", "apples", "eggs", "berries", "lemons", "sweets"),
+    "packet": ("seeds", "sweets", "biscuits", "crackers", "stickers", "stamps", "chips", "raisins",
+               "candies", "tissues", "clips", "pins", "needles", "cards"),
+    "tub": ("sweets", "olives", "beads", "buttons", "crayons", "pencils", "marbles", "nails",
+            "screws", "bolts", "clips", "cookies"),
+    "case": ("pencils", "crayons", "brushes", "jewels", "medals", "cards", "keys", "photos"),
+    "basket": ("apples", "lemons", "eggs", "berries", "grapes", "cherries", "cookies", "socks",
+               "toys", "gloves"),
+    "crate": ("apples", "lemons", "eggs", "toys", "rocks", "candles", "bolts"),
+    "barrel": ("apples", "olives", "nails", "bolts", "rocks", "pebbles", "beans"),
+    "carton": ("eggs", "crackers", "biscuits", "cookies", "candles", "batteries", "matches",
+               "tissues"),
+}
+
+# A see-through container a contents story's protagonist may look into instead (a decoy: looking
+# that decides nothing about the labelled container).
+GLASS_CONTAINERS: tuple[str, ...] = ("jar", "bowl", "bottle", "vase")
+
+# --- cue paraphrase pools ----------------------------------------------------------------------
+# Eight phrasings of each cue that decides (or, in a decoy, seems to decide) what the protagonist
+# knows, so that a probe trained on some phrasings can be tested on others. Index i of every pool
+# belongs to cue group i: a task draws one group and uses that phrasing of every kind, so a split
+# by group holds every phrasing out at once. Slots: {Pp} the protagonist's possessive, {Ao} the
+# other agent's object pronoun, {H} who is told, {tgt} what is looked into.
+CUE_POOLS: dict[str, tuple[str, ...]] = {
+    # verb phrases after the protagonist's name: absent while the object is handled
+    "absence": ("is away", "is asleep upstairs", "is out in the garden", "has {Pp} back turned",
+                "is out of the room", "is in the shower", "is at the shops",
+                "is on the phone next door"),
+    # ... and present, seeing it
+    "presence": ("is watching", "looks on", "stands beside {Ao}", "watches closely",
+                 "is sitting right there", "keeps an eye on {Ao}", "sees it all",
+                 "is looking straight at {Ao}"),
+    # the other agent tells {H} (a name, "nobody", or "X, but not Y,")
+    "told": ("tells {H}", "lets {H} know", "explains to {H}", "mentions to {H}", "shows {H}",
+             "whispers to {H}", "makes sure {H} knows", "writes {H} a note saying"),
+    # the protagonist looks into {tgt}
+    "look": ("peeks inside {tgt}", "looks into {tgt}", "checks inside {tgt}", "glances into {tgt}",
+             "peers into {tgt}", "takes a look inside {tgt}", "lifts the lid of {tgt}",
+             "looks at what is in {tgt}"),
+    # the label sentence of a contents story ({C} container, {LA} what it says, {LB} what not)
+    "label": ("The label on the {C} says {LA}, not {LB}.", "The {C} has a label that reads {LA}, not {LB}.",
+              "The {C} is labelled {LA}, not {LB}.", "The {C} carries a label saying {LA}, not {LB}.",
+              "Written on the {C} is the word {LA}, not {LB}.", "A sticker on the {C} says {LA}, not {LB}.",
+              "The {C} is marked {LA}, not {LB}.", "The tag on the {C} reads {LA}, not {LB}."),
+}
+CUE_GROUPS = 8  # every pool has exactly this many phrasings

@@ -13,7 +13,9 @@ Labels are the unexpected-transfer family's: `world_state` = location 2, `protag
 location 1 (false belief) or location 2 (true belief), `reference_state` = location 1, so the
 existing targets and probes apply unchanged. Each sentence role and each question has several
 phrasings, drawn per task; which option comes first and whether the move sentence ends on
-location 1 or location 2 are balanced in blocks of 8 tasks.
+location 1 or location 2 are balanced in blocks of 8 tasks. Records carry every mention of each
+role (`mentions`) and a `cue` span on the leaving sentence, whose place relative to the move is
+what decides belief (`meta["cue_kind"] = "order"`); `tomlens.stimuli.pairs` pairs the two orders.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from typing import Any, Sequence
 from tomlens.errors import TomlensError
 from tomlens.stimuli import lexicon
 from tomlens.stimuli.false_belief import BLOCK, mentions
-from tomlens.stimuli.records import Span, Stimulus
+from tomlens.stimuli.records import Span, Stimulus, find_mentions
 
 FAMILY = "order-only"
 PREFIX = "oo"
@@ -229,6 +231,8 @@ def order_stimulus(task: OrderTask, condition: str, prompt_type: str) -> Stimulu
     spans.update({name: sentences[role] for role, name in SENTENCE_ROLES.items()})
     spans["query"] = query
     spans.update({QUERY_ROLES[slot]: span for slot, span in b.latest.items() if slot in QUERY_ROLES})
+    # what decides belief is where the protagonist's leaving falls relative to the move
+    spans["cue"] = sentences["leave"]
     start, dest = task.locations
     world, belief = dest, (start if condition == "false_belief" else dest)
     named = mentions(b.text[:story_end], task.locations)
@@ -238,7 +242,7 @@ def order_stimulus(task: OrderTask, condition: str, prompt_type: str) -> Stimulu
         "location_2": dest, "room": task.room, "protagonist_goes_to": task.place,
         "phrasing": dict(task.phrasing), "first_mentioned": named[0], "last_mentioned": named[-1],
         "options_ref_first": task.options_ref_first, "last_ref": task.last_ref,
-        "task_index": task.index, "seed": task.seed,
+        "task_index": task.index, "seed": task.seed, "cue_kind": "order",
     }
     return Stimulus(
         id=f"{task.task_id}-{CONDITION_CODES[condition]}-{prompt_type}",
@@ -255,7 +259,22 @@ def order_stimulus(task: OrderTask, condition: str, prompt_type: str) -> Stimulu
         reference_state=start,
         spans=spans,
         meta=meta,
+        mentions=_mentions(task, b.text, story_end, spans["cue"]),
     )
+
+
+def _mentions(task: OrderTask, text: str, story_end: int, cue: Span) -> dict[str, tuple[Span, ...]]:
+    """Every mention of each story role in the story, and of the question's roles in the prompt."""
+    slots = task.slots
+    found = find_mentions(text, {role: slots[slot] for slot, role in SLOT_ROLES.items()})
+    out = {role: tuple(m for m in ms if m.end <= story_end) for role, ms in found.items()}
+    out = {role: ms for role, ms in out.items() if ms}
+    for slot, role in QUERY_ROLES.items():
+        inside = tuple(m for m in found.get(SLOT_ROLES[slot], ()) if m.start > story_end)
+        if inside:
+            out[role] = inside
+    out["cue"] = (cue,)
+    return out
 
 
 def task_stimuli(task: OrderTask, conditions: Sequence[str] = CONDITIONS) -> list[Stimulus]:

@@ -13,10 +13,14 @@ pairs are never returned. Without a tokenizer `make_pairs` checks the same thing
 characters (the texts are identical outside the contrast spans), which every tokenizer needs but
 not every tokenizer finds sufficient.
 
-Families: "unexpected-transfer" (false belief vs present / informed protagonist),
-"unexpected-contents" (vs open container / informed), "goal-encoding" (animate vs accidental
-agent, from `tomlens.stimuli.goal_encoding`), "bigtom" (no percept vs percept, from the user's
-BigToM file).
+Families: "unexpected-transfer" (false belief vs present / informed protagonist; with decoys the
+present control swaps the absence and presence cues between the decoy and the move, and the
+informed control swaps who is told and who is not, so the contrast spans those words only),
+"unexpected-contents" (vs open container / informed), "order-only" (false vs true belief: the same
+sentences, the protagonist leaving before or after the move; the contrast covers both sentences,
+and the token counts match whenever both orders tokenise to the same count), "goal-encoding"
+(animate vs accidental agent, from `tomlens.stimuli.goal_encoding`), "bigtom" (no percept vs
+percept, from the user's BigToM file).
 """
 
 from __future__ import annotations
@@ -31,14 +35,15 @@ from typing import Any, Iterable, Sequence
 from tomlens.errors import TomlensError
 from tomlens.stimuli.records import Span, Stimulus
 
-PAIR_FAMILIES: tuple[str, ...] = ("unexpected-transfer", "unexpected-contents", "goal-encoding",
-                                  "bigtom")
+PAIR_FAMILIES: tuple[str, ...] = ("unexpected-transfer", "unexpected-contents", "order-only",
+                                  "goal-encoding", "bigtom")
 # family -> contrast name -> the span role the pair's `contrast` is narrowed to (None: keep).
 CONTRASTS: dict[str, dict[str, str | None]] = {
     "unexpected-transfer": {"present": "contrast_seen", "informed": "contrast_told",
                             "no_transfer": None},
     "unexpected-contents": {"open_container": "contrast_seen", "informed": "contrast_told",
                             "correct_label": "contrast_label"},
+    "order-only": {"true_belief": None},
     "goal-encoding": {"control": None, "inanimate": None},
     "bigtom": {"true_belief": None},
 }
@@ -46,6 +51,7 @@ CONTRASTS: dict[str, dict[str, str | None]] = {
 DEFAULT_CONTRASTS: dict[str, tuple[str, ...]] = {
     "unexpected-transfer": ("present", "informed"),
     "unexpected-contents": ("open_container", "informed"),
+    "order-only": ("true_belief",),
     "goal-encoding": ("control",),
     "bigtom": ("true_belief",),
 }
@@ -171,6 +177,8 @@ def make_pairs(
                            f"{family}'s contrasts", f"choose from {list(CONTRASTS[family])}")
     if family in ("unexpected-transfer", "unexpected-contents"):
         candidates = _false_belief_pairs(family, n, seed, contrasts, options)
+    elif family == "order-only":
+        candidates = _order_pairs(n, seed, options)
     elif family == "goal-encoding":
         candidates = _goal_pairs(n, seed, contrasts, options)
     else:
@@ -189,13 +197,14 @@ def _false_belief_pairs(family: str, n: int | None, seed: int, contrasts: Sequen
                         options: dict[str, Any]) -> list[MinimalPair]:
     from tomlens.stimuli import false_belief
 
+    decoys = options.pop("decoys", True)
     if options:
         raise TomlensError(f"unknown option(s) {sorted(options)} for {family} pairs",
-                           "pass only family, n, seed, tokenizer and contrasts")
+                           "pass only family, n, seed, tokenizer, contrasts and decoys")
     if n is None:
         n = 20
     pairs: list[MinimalPair] = []
-    for task in false_belief.make_tasks(family, n, seed):
+    for task in false_belief.make_tasks(family, n, seed, decoys):
         for rev in (False, True):
             fb = false_belief.build_story(task, "false_belief", rev)
             clean_full = false_belief.story_stimulus(fb, "belief")
@@ -211,11 +220,27 @@ def _false_belief_pairs(family: str, n: int | None, seed: int, contrasts: Sequen
     return pairs
 
 
+def _order_pairs(n: int | None, seed: int, options: dict[str, Any]) -> list[MinimalPair]:
+    """Order-only false- vs true-belief belief prompts: the same sentences in another order."""
+    from tomlens.stimuli import order_only
+
+    if options:
+        raise TomlensError(f"unknown option(s) {sorted(options)} for order-only pairs",
+                           "pass only family, n, seed, tokenizer and contrasts")
+    pairs: list[MinimalPair] = []
+    for task in order_only.make_order_tasks(20 if n is None else n, seed):
+        clean = order_only.order_stimulus(task, "false_belief", "belief")
+        corrupted = order_only.order_stimulus(task, "true_belief", "belief")
+        pairs.append(MinimalPair(id=f"{task.task_id}-true_belief", clean=clean, corrupted=corrupted,
+                                 family=order_only.FAMILY, contrast="true_belief"))
+    return pairs
+
+
 def _goal_pairs(n: int | None, seed: int, contrasts: Sequence[str],
                 options: dict[str, Any]) -> list[MinimalPair]:
     from tomlens.stimuli.goal_encoding import goal_encoding
 
-    opts = {"ks": (6,), "manner_scope": "test", **options}
+    opts = {"ks": (6,), "manner_scope": "test", "wording": "matched", **options}
     if "test_cases" in opts:
         raise TomlensError("goal-encoding pairs choose their own test cases",
                            "pick the control with contrasts=('control',) or ('inanimate',)")

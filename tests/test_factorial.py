@@ -1,0 +1,246 @@
+"""False-belief factorial: every cell of the 2x2x2x2 design once per task, labels, spans and
+mentions, first/recent mention balanced against the belief label and true to the text, matched
+lengths and mention counts, counterbalanced options, and the CLI."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import Counter, defaultdict
+
+import numpy as np
+import pytest
+
+from tomlens.cli import main
+from tomlens.errors import TomlensError
+from tomlens.stimuli import FAMILIES, generate, lexicon
+from tomlens.stimuli.factorial import (ABSENCE, CONDITIONS, KNOWLEDGE_CUES, MENTIONS, MOVE, PRESENCE,
+                                       TEMPLATES, false_belief_factorial, make_factorial_tasks)
+from tomlens.stimuli.records import Stimulus
+
+N_TASKS = 32
+
+
+@pytest.fixture(scope="module")
+def stims() -> list[Stimulus]:
+    return false_belief_factorial(N_TASKS, seed=4)
+
+
+def _by_task(stims: list[Stimulus]) -> dict[str, list[Stimulus]]:
+    out: dict[str, list[Stimulus]] = defaultdict(list)
+    for s in stims:
+        out[s.task_id].append(s)
+    return out
+
+
+def _cell(s: Stimulus) -> tuple[str, str, str, str | None]:
+    m = s.meta
+    return (m["knowledge_state"], m["first_mention"], m["recent_mention"], m["knowledge_cue"])
+
+
+def _story(s: Stimulus) -> str:
+    return s.text[: s.spans["query"].start]
+
+
+def test_deterministic_by_seed_and_prefix_stable():
+    a, b = false_belief_factorial(5, seed=2), false_belief_factorial(5, seed=2)
+    assert [s.to_dict() for s in a] == [s.to_dict() for s in b]
+    assert [s.text for s in false_belief_factorial(5, seed=3)] != [s.text for s in a]
+    assert [s.to_dict() for s in false_belief_factorial(2, seed=2)] == [s.to_dict() for s in a[:48]]
+
+
+def test_registration_sizes_ids_and_prompt_type_option():
+    assert FAMILIES["false-belief-factorial"] == ("tomlens.stimuli.factorial", "false_belief_factorial")
+    stims = generate("false-belief-factorial", n=3, seed=1)
+    assert len(stims) == 3 * 24 and len({s.id for s in stims}) == len(stims)
+    assert {s.family for s in stims} == {"false-belief-factorial"}
+    assert Counter((s.condition, s.prompt_type) for s in stims) == {
+        ("false_belief", "belief"): 24, ("true_belief", "belief"): 24,
+        ("false_belief", "reality"): 12, ("true_belief", "reality"): 12}
+    only = false_belief_factorial(2, seed=1, prompt_types="belief")
+    assert {s.prompt_type for s in only} == {"belief"} and len(only) == 32
+    for bad in ({"n": 0}, {"n": True}, {"n": 2, "prompt_types": ["goal"]}, {"n": 2, "prompt_types": []}):
+        with pytest.raises(TomlensError):
+            false_belief_factorial(**bad)
+
+
+def test_at_least_24_distinct_templates_each_used_before_any_repeats():
+    assert len(TEMPLATES) >= 24
+    assert len({t.id for t in TEMPLATES}) == len({t.opening for t in TEMPLATES}) == len(TEMPLATES)
+    tasks = make_factorial_tasks(len(TEMPLATES), seed=0)
+    assert len({t.template.id for t in tasks}) == len(TEMPLATES)
+    texts = {s.template_id: s.text for s in generate("false-belief-factorial", n=len(TEMPLATES), seed=0)}
+    assert len(texts) == len(TEMPLATES)
+
+
+def test_templates_are_plausible_and_fit_their_slots():
+    for t in TEMPLATES:
+        assert len(t.locations) >= 4 and len(t.objects) >= 4, t.id
+        assert not set(t.locations) & set(t.objects), t.id
+        assert all(lexicon.article(w) == "a" for w in t.locations), t.id  # "a {LA}" reads right
+        assert t.opening.count("{LA}") == t.opening.count("{LB}") == 1, t.id
+        assert "{obj}" not in t.opening and "{L1}" not in t.opening, t.id
+        # no listed word occurs in the template's fixed text (it would add a mention)
+        fixed = re.sub(r"\{\w+\}", " ", t.opening) + " " + t.room
+        for w in (*t.locations, *t.objects):
+            assert not re.search(rf"\b{w}\b", fixed), (t.id, w)
+    # the knowledge-setting pools: paired by index, same slots and word count, no location / agent
+    assert len(ABSENCE) == len(PRESENCE) >= 8
+    for a, p in zip(ABSENCE, PRESENCE):
+        assert len(a.split()) == len(p.split()) and len(a) == len(p), (a, p)
+        assert sorted(re.findall(r"\{\w+\}", a)) == sorted(re.findall(r"\{\w+\}", p)), (a, p)
+        assert not re.search(r"\{(L1|L2|A|obj)\}", a + p), (a, p)
+    for ends_on_end, ends_on_start in MOVE:  # the two orderings use the same words
+        assert sorted(re.findall(r"[\w{}]+", ends_on_end)) == sorted(re.findall(r"[\w{}]+", ends_on_start))
+
+
+def test_sixteen_versions_per_task_every_cell_once(stims):
+    cells = {(k, f, r, c) for k in CONDITIONS for f in MENTIONS for r in MENTIONS for c in KNOWLEDGE_CUES}
+    assert len(cells) == 16
+    for task_id, rows in _by_task(stims).items():
+        belief = [_cell(s) for s in rows if s.prompt_type == "belief"]
+        assert len(belief) == 16 and set(belief) == cells, task_id
+        reality = [_cell(s)[:3] for s in rows if s.prompt_type == "reality"]
+        assert len(reality) == 8 and set(reality) == {c[:3] for c in cells}, task_id
+        assert all(_cell(s)[3] is None for s in rows if s.prompt_type == "reality")
+        assert len({s.template_id for s in rows}) == 1 and rows[0].template_id == f"fbf-{rows[0].meta['template']}"
+        # a reality prompt is its belief prompts' story
+        stories = defaultdict(set)
+        for s in rows:
+            stories[s.meta["story"]].add(_story(s))
+        assert len(stories) == 8 and all(len(v) == 1 for v in stories.values()), task_id
+
+
+def test_labels_per_version(stims):
+    for s in stims:
+        start, end = s.meta["location_1"], s.meta["location_2"]
+        assert set(s.options) == {start, end}
+        assert s.reference_state == start and s.world_state == end
+        fb = s.meta["knowledge_state"] == "false_belief"
+        assert s.condition == s.meta["knowledge_state"]
+        assert s.protagonist_belief == (start if fb else end)
+        assert s.answer == (end if s.prompt_type == "reality" else s.protagonist_belief)
+        assert s.belief_differs == fb and s.belief_is_reference == fb
+        assert s.meta["protagonist_access"] == ("absent" if fb else "saw")
+        assert s.meta["cue_kind"] == ("absence" if fb else "presence")
+        cue = s.span_text("cue")
+        pool = ABSENCE if fb else PRESENCE
+        index = int(s.meta["cue_id"].split(":")[1])
+        assert s.meta["cue_id"].startswith(s.meta["cue_kind"] + ":")
+        assert cue.startswith(s.meta["protagonist"]) and pool[index].split()[-1].rstrip(".") in cue
+        query = s.span_text("query")
+        if s.prompt_type == "reality":
+            assert query == f"The {s.meta['object']} is now in the"
+        elif s.meta["knowledge_cue"] == "implicit":
+            assert query == f"{s.meta['protagonist']} goes to get the {s.meta['object']} from the"
+        else:
+            assert query == f"{s.meta['protagonist']} thinks the {s.meta['object']} is in the"
+        assert s.text.endswith(query)
+
+
+def test_every_span_and_mention_is_what_it_names(stims):
+    for s in stims:
+        words = {"protagonist": s.meta["protagonist"], "other_agent": s.meta["other_agent"],
+                 "object": s.meta["object"], "location_1": s.meta["location_1"],
+                 "location_2": s.meta["location_2"], "query_object": s.meta["object"]}
+        if s.prompt_type == "belief":
+            words["query_protagonist"] = s.meta["protagonist"]
+        for role, word in words.items():
+            assert s.span_text(role) == word, (s.id, role)
+            found = [m.start() for m in re.finditer(rf"(?<!\w){re.escape(word)}(?!\w)", s.text)]
+            if role.startswith("query_"):
+                q = s.spans["query"]
+                found = [i for i in found if q.start <= i < q.end]
+            assert [m.start for m in s.mentions[role]] == found, (s.id, role)  # every mention
+            assert all(m.of(s.text) == word for m in s.mentions[role])
+            assert s.spans[role] == s.mentions[role][0], (s.id, role)  # span = first mention
+        if s.prompt_type == "reality":  # "The OBJ is now in the" names no protagonist
+            assert "query_protagonist" not in s.spans and "query_protagonist" not in s.mentions
+        for role in ("cue", "query"):
+            assert s.mentions[role] == (s.spans[role],)
+        assert s.spans["contrast"] == s.spans["cue"]
+        assert s.spans["query"].end == len(s.text)
+        assert s.spans["cue"].end < s.spans["query"].start
+        cue = s.span_text("cue")
+        assert cue.startswith(s.meta["protagonist"] + " ") and cue.endswith(".")
+        for word in (s.meta["location_1"], s.meta["location_2"], s.meta["other_agent"], s.meta["object"]):
+            assert not re.search(rf"\b{word}\b", cue), (s.id, word)
+
+
+def test_first_and_recent_mention_are_balanced_against_the_belief_label_and_true_to_the_text(stims):
+    belief = [s for s in stims if s.prompt_type == "belief"]
+    y = np.array([s.protagonist_belief == s.reference_state for s in belief], dtype=float)
+    for factor in ("first_mention", "recent_mention"):
+        x = np.array([s.meta[factor] == "start" for s in belief], dtype=float)
+        r = np.corrcoef(x, y)[0, 1]
+        assert abs(r) < 0.05, (factor, r)
+        # exact balance: each factor level holds as many Start as End answers
+        assert Counter(zip(x, y)) == {(a, b): len(belief) // 4 for a in (0.0, 1.0) for b in (0.0, 1.0)}
+    for s in stims:
+        start, end = s.meta["location_1"], s.meta["location_2"]
+        named = re.findall(rf"\b({start}|{end})\b", _story(s))
+        assert named[0] == (start if s.meta["first_mention"] == "start" else end), s.id
+        assert named[-1] == (start if s.meta["recent_mention"] == "start" else end), s.id
+        assert not re.search(rf"\b({start}|{end})\b", s.span_text("query"))
+
+
+def test_versions_match_in_length_words_and_mentions(stims):
+    """What the design achieves: within a task all 16 stories have the same number of words and
+    characters and the same mention count of every role (Start 3, End 2 times); versions that share
+    a knowledge state have the same words; false and true belief differ only in the cue sentence."""
+    for task_id, rows in _by_task(stims).items():
+        belief = [s for s in rows if s.prompt_type == "belief"]
+        assert len({len(_story(s).split()) for s in belief}) == 1, task_id
+        assert len({len(_story(s)) for s in belief}) == 1, task_id
+        for cue in KNOWLEDGE_CUES:  # whole prompts too
+            assert len({len(s.text) for s in belief if s.meta["knowledge_cue"] == cue}) == 1, task_id
+        for cue in KNOWLEDGE_CUES:
+            counts = {tuple(sorted((r, len(m)) for r, m in s.mentions.items()))
+                      for s in belief if s.meta["knowledge_cue"] == cue}
+            assert len(counts) == 1, task_id
+        s0 = belief[0]
+        assert len(s0.mentions["location_1"]) == 3 and len(s0.mentions["location_2"]) == 2
+        for state in CONDITIONS:
+            same = [_story(s) for s in belief if s.meta["knowledge_state"] == state]
+            assert len({tuple(sorted(re.findall(r"\w+", t))) for t in same}) == 1, task_id
+        by_mentions = defaultdict(set)
+        for s in belief:
+            cue = s.spans["cue"]
+            by_mentions[(s.meta["first_mention"], s.meta["recent_mention"])].add(
+                s.text[: cue.start] + s.text[cue.end:])
+        assert all(len(v) == 2 for v in by_mentions.values())  # two query cues, nothing else
+
+
+def test_options_counterbalanced(stims):
+    tasks = {s.task_id: s for s in stims}.values()
+    assert Counter(s.options[0] == s.meta["location_1"] for s in tasks) == {True: 16, False: 16}
+    for state in CONDITIONS:
+        rows = [s for s in stims if s.condition == state and s.prompt_type == "belief"]
+        assert Counter(s.answer_index for s in rows) == {0: len(rows) // 2, 1: len(rows) // 2}
+    for block in range(N_TASKS // 8):  # within every block of 8 tasks
+        ids = {f"fbf-s4-{i:04d}" for i in range(8 * block, 8 * block + 8)}
+        assert Counter(s.options[0] == s.meta["location_1"] for s in tasks if s.task_id in ids) == {
+            True: 4, False: 4}
+
+
+def test_cli_writes_the_family(tmp_path, capsys):
+    out = tmp_path / "fbf.jsonl"
+    assert main(["stimuli", "false-belief-factorial", "--n", "2", "--seed", "3", "--out", str(out)]) == 0
+    line = capsys.readouterr().out.strip()
+    assert line.startswith("false-belief-factorial: 48 stimuli")
+    back = [Stimulus.from_dict(json.loads(line)) for line in out.read_text().splitlines()]
+    want = false_belief_factorial(2, seed=3)
+    assert [s.text for s in back] == [s.text for s in want]
+    assert [s.mentions for s in back] == [s.mentions for s in want]
+    assert main(["stimuli", "false-belief-factorial", "--n", "1", "--set", "prompt_types=[\"belief\"]"]) == 0
+    assert "16 stimuli" in capsys.readouterr().out
+
+
+def test_location_words_are_single_distinct_smollm2_tokens():
+    from tomlens.models.registry import load_tokenizer
+
+    tok = load_tokenizer("tiny-gpt2")
+    for t in TEMPLATES:
+        ids = [tok(" " + w, add_special_tokens=False)["input_ids"] for w in t.locations]
+        assert all(len(i) == 1 for i in ids), t.id
+        assert len({i[0] for i in ids}) == len(ids), t.id

@@ -1,0 +1,132 @@
+"""Per-position views aligned by role: `mentions` cells and `role_aligned` land on each pair's own token."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tomlens.errors import TomlensError
+from tomlens.models.positions import selector_span
+from tomlens.patching import attribution_patching, exact_patching, plan_cells, prepare_pairs
+from tomlens.patching.plan import expand_mentions, parse_positions
+from tomlens.patching.roles import mention_selectors, role_aligned
+from tomlens.stimuli.order_only import order_only
+from tomlens.stimuli.pairs import MinimalPair, check_pairs
+from tomlens.stimuli.records import find_mentions
+
+
+def _with_mentions(s):
+    m = s.meta
+    words = {"protagonist": m["protagonist"], "other_agent": m["other_agent"], "object": m["object"],
+             "location_1": m["location_1"], "location_2": m["location_2"]}
+    return s.with_(mentions=find_mentions(s.text, words))
+
+
+@pytest.fixture(scope="module")
+def order_pairs(load_tiny):
+    """Order-only belief prompts as pairs (false belief clean, true belief corrupted), with every
+    mention of each role recorded; tasks differ in length, so right-aligned columns mix roles."""
+    model = load_tiny("tiny-llama")
+    stimuli = {s.id: _with_mentions(s) for s in order_only(n=6, seed=1) if s.prompt_type == "belief"}
+    pairs = [MinimalPair(f"{s.task_id}-pair", s, stimuli[s.id.replace("-fb-", "-tb-")], "order-only", "true_belief")
+             for s in stimuli.values() if s.condition == "false_belief"]
+    aligned, _ = check_pairs(pairs, model.tokenizer)
+    assert len(aligned) >= 4
+    return model, aligned
+
+
+def _decode(model, ids, col: int) -> str:
+    return model.tokenizer.decode([int(ids[col])]).strip()
+
+
+def test_mention_cells_point_at_each_pairs_own_role_word(order_pairs):
+    model, pairs = order_pairs
+    sels, notes = mention_selectors(pairs, model.tokenizer)
+    assert sels[-1] == "final" and {"protagonist@1", "query_protagonist", "query_object"} <= set(sels)
+    # the mentions inside the swapped sentences (leave / move) are at different tokens: left out, said so
+    assert any(n.startswith("position 'location_2' left out: it is at different tokens") for n in notes)
+    assert not any(s.startswith("location_2") for s in sels)
+    # one token named twice (the question's object is also the object's last mention): patched once
+    assert any("patched once, as 'query_object'" in n for n in notes) and "object@last" not in sels
+    assert sels == mention_selectors(pairs)[0]  # the text-only check agrees with the tokenizer's
+    prepared = prepare_pairs(model, pairs, selectors=sels[:-1])
+    lengths = set(prepared.lengths)
+    assert len(lengths) > 1  # pairs differ in length: a right-aligned column would mix roles
+    mixed = False
+    for grp in prepared.groups:
+        for j, i in enumerate(grp.index):
+            pair = pairs[i]
+            for sel in sels[:-1]:
+                col = int(grp.positions[sel][j])
+                for story, row in ((pair.clean, j), (pair.corrupted, grp.g + j)):
+                    word = selector_span(story, sel)[0].of(story.text)
+                    tok = _decode(model, grp.batch.input_ids[row], col)
+                    assert tok and word.endswith(tok), (pair.id, sel, word, tok)
+            # the same right-aligned column holds different words in different pairs
+            k = grp.width - int(grp.positions[sels[0]][j])
+            if k < min(lengths):
+                other = prepared.groups[-1]
+                mixed |= _decode(model, other.batch.input_ids[other.g - 1], other.width - k) != _decode(
+                    model, grp.batch.input_ids[j], grp.width - k)
+    assert mixed
+
+
+def test_mentions_keyword_expands_per_pair_set_and_refuses_unexpanded(order_pairs):
+    model, pairs = order_pairs
+    pos = parse_positions("resid=mentions,heads=mentions", ["head", "resid_pre"])
+    assert pos.spec == {"head": ("mentions",), "resid_pre": ("mentions",)} and pos.selectors == []
+    with pytest.raises(TomlensError, match="expand it first"):
+        plan_cells(model, pos.spec, n_aligned=10)
+    full = expand_mentions(pos, pairs, model.tokenizer)
+    sels, notes = mention_selectors(pairs, model.tokenizer)
+    assert full.spec == {"head": tuple(sels), "resid_pre": tuple(sels)} and full.notes == notes
+    assert full.rank_position() == "final"
+    mixed = expand_mentions(parse_positions("mentions,resid=each", ["resid_pre"]), pairs)
+    assert mixed.spec["resid_pre"][-1] == "each" and "final" in mixed.spec["resid_pre"]
+
+
+def test_role_aligned_each_run_equals_patching_the_roles_by_name(order_pairs):
+    model, pairs = order_pairs
+    sels, _ = mention_selectors(pairs, model.tokenizer)
+    each = exact_patching(model, pairs, sites={"resid": ["each"]}, layers=[1], progress=False)
+    named = exact_patching(model, pairs, sites={"resid": sels}, layers=[1], progress=False)
+    want = named.summary().set_index("position")
+    got = role_aligned(each, pairs, model.tokenizer).set_index("position")
+    assert list(got.index) == sels == list(want.index)
+    for col in ("effect", "se", "ci_low", "ci_high", "logit_diff"):
+        np.testing.assert_allclose(got[col].to_numpy(float), want[col].to_numpy(float), atol=1e-4, err_msg=col)
+    assert (got.n_pairs == len(pairs)).all()
+    # from the per-pair table alone: the same means, an interval that holds the normaliser fixed
+    table = role_aligned(each.per_pair(), pairs, model.tokenizer).set_index("position")
+    np.testing.assert_allclose(table.effect.to_numpy(float), want.effect.to_numpy(float), atol=1e-4)
+    assert set(table.interval) == {"bootstrap over pairs, normaliser fixed"}
+    assert (table.ci_low <= table.effect + 1e-9).all() and (table.effect <= table.ci_high + 1e-9).all()
+    # the effect moves with the role, not with the column: the per-pair values differ from "each" read
+    # at one right-aligned column for at least one role
+    per = each.per_pair()
+    first = per[per.pos == int(per.pos.max())]  # the final column: the same role in every pair
+    np.testing.assert_allclose(got.loc["final", "effect"], first.effect.mean(), atol=1e-6)
+    with pytest.raises(TomlensError, match="not among `pairs`"):
+        role_aligned(each, pairs[:1], model.tokenizer)
+    # figures: role columns for the named run; the "each" view says its columns mix roles
+    from tomlens.report.patching import position_heatmap, resid_heatmap
+
+    assert list(position_heatmap(named, "resid").data[0].x) == sels
+    fig = resid_heatmap(each, "resid")
+    assert "mixes roles across pairs" in fig.layout.title.text and fig.data[0].x[-1] == "0 (final)"
+    same = exact_patching(model, pairs[:1], sites={"resid": ["each"]}, layers=[1], progress=False)
+    fig = resid_heatmap(same, "resid")  # one pair: columns are its tokens
+    assert "mixes roles" not in fig.layout.title.text and fig.data[0].x[-1] == same.token_labels[-1]
+
+
+def test_role_aligned_heads_by_attribution_equal_heads_at_the_named_roles(order_pairs):
+    model, pairs = order_pairs
+    sels, _ = mention_selectors(pairs, model.tokenizer)
+    each = attribution_patching(model, pairs, sites={"heads": ["each"]}, progress=False)
+    named = attribution_patching(model, pairs, sites={"heads": sels}, progress=False)
+    want = named.summary().set_index(["layer", "head", "position"]).effect
+    got = role_aligned(each, pairs, model.tokenizer).set_index(["layer", "head", "position"]).effect
+    assert len(got) == model.cfg.n_layers * model.cfg.n_heads * len(sels)
+    np.testing.assert_allclose(got.loc[want.index].to_numpy(float), want.to_numpy(float), atol=1e-4)
+    assert torch.isfinite(torch.tensor(want.to_numpy(float))).all()

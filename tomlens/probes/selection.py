@@ -1,0 +1,440 @@
+"""The best probe unit, chosen on one half of the stories and reported on the other.
+
+The per-unit sweep reports the maximum of a few hundred held-out scores: that maximum is biased
+upwards by the choice itself, and its interval ignores the choice. Here the stories are split
+(whole tasks, or whole templates with `group_by="template"`) into a selection half and an
+evaluation half:
+
+1. on the selection half the sweep (cross-fitted, C by nested CV) scores every unit and the best
+   one (accuracy, trained and tested on all conditions) is chosen;
+2. that unit's probe is fitted on the whole selection half and scored once on the evaluation
+   half, with a bootstrap interval over evaluation stories, next to baselines fitted and scored
+   the same way (bag of words, length, the embeddings, the random-init twin where given) and a
+   type-level control (one random label per template x condition cell, scored on its own labels);
+3. a max-statistic permutation null asks whether "the best unit" beats what the best of all units
+   reaches on permuted labels: per permutation every unit is cross-fitted on the selection half
+   and the maximum kept. The statistic is a ridge classifier's cross-fitted accuracy (closed form:
+   every permutation shares one solve per unit and fold), for the observed labels and for every
+   permutation alike, so the two are comparable.
+
+A unit is "found" only when its evaluation interval lies above chance and above the best
+baseline and the permutation p is below `alpha`; otherwise the result is "withheld", with the
+reason in words.
+
+Cost: one [n, n] solve per unit and fold serves all permutations, so the null costs about one
+ridge fit per unit and fold whatever `n_permutations` is (the smallest p is 1 / (1 + n)). The
+time each run took is in the result's notes.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Any
+
+import numpy as np
+import torch
+from jaxtyping import Float, Int
+from torch import Tensor
+
+from tomlens.errors import TomlensError
+from tomlens.probes import stats
+from tomlens.probes.base import Probe, scores_to_index
+from tomlens.probes.baselines import length_features, position_features
+from tomlens.probes.controls import bag_of_words, type_cells, type_control_labels
+from tomlens.probes.logistic import LogisticProbe
+from tomlens.probes.mass_mean import MassMeanProbe
+from tomlens.probes.splits import Split, group_codes, group_kfold
+from tomlens.probes.sweep import PROBES, ActivationsLike, SweepConfig, run_probe_sweep
+from tomlens.probes.targets import make_target
+from tomlens.stimuli.records import Stimulus
+
+FOUND, WITHHELD = "found", "withheld"
+DEFAULT_PERMUTATIONS = 1000
+EMBEDDINGS_KIND = "resid_pre"  # layer 0 of resid_pre: the token embeddings (plus positions where learnt)
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """One score on the evaluation stories with its group-bootstrap interval and chance level."""
+
+    score: float
+    ci_low: float
+    ci_high: float
+    chance: float
+
+
+@dataclass
+class SelectionResult:
+    """The unit chosen on the selection stories and how it does on the evaluation stories."""
+
+    target: str
+    unit: dict[str, Any] | None  # kind, layer, head, position; None when no unit could be fitted
+    selection_score: float  # the sweep's cross-fitted accuracy of the chosen unit (selection half)
+    evaluation: Estimate | None
+    baselines: dict[str, Estimate] = field(default_factory=dict)  # same split, same fitting
+    control: Estimate | None = None  # type-level control, scored against its own labels
+    p_max: float = float("nan")
+    n_perm: int = 0
+    observed_max: float = float("nan")  # max over units of the cross-fitted ridge-classifier accuracy
+    permutation: str = ""  # "within tasks" or "across rows"
+    n_units: int = 0
+    n_selection: int = 0
+    n_evaluation: int = 0
+    verdict: str = WITHHELD
+    reason: str = ""
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def best_baseline(self) -> tuple[str, Estimate] | None:
+        finite = [(k, v) for k, v in self.baselines.items() if math.isfinite(v.score)]
+        return max(finite, key=lambda kv: kv[1].score) if finite else None
+
+    @property
+    def site(self) -> str:
+        if self.unit is None:
+            return "-"
+        u = self.unit
+        return f"{u['kind']}:{u['layer']}" + ("" if u["head"] < 0 else f".h{u['head']}")
+
+    def line(self) -> str:
+        """One line: the held-out evaluation score of the selected unit, then its verdict."""
+        if self.evaluation is None:
+            return f"{self.target}: no unit selected: {self.verdict}: {self.reason}"
+        e = self.evaluation
+        best = self.best_baseline
+        base = f"best baseline {best[0]} {best[1].score:.2f}" if best else "no baseline run"
+        ctrl = "" if self.control is None else \
+            f", type-level control {self.control.score:.2f} (chance {self.control.chance:.2f})"
+        verdict = FOUND if self.verdict == FOUND else f"{WITHHELD}: {self.reason}"
+        return (f"{self.target}: selected {self.site} (selection {self.selection_score:.2f} of {self.n_units} "
+                f"units), held-out evaluation {e.score:.2f} [{e.ci_low:.2f}, {e.ci_high:.2f}], chance "
+                f"{e.chance:.2f}, {base}{ctrl}, p_max {self.p_max:.3f} ({self.n_perm} permutations) -> {verdict}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> SelectionResult:
+        """Back from `to_dict` as JSON wrote it (NaN was written as null)."""
+        nan = lambda v: float("nan") if v is None else float(v)  # noqa: E731
+        est = lambda v: None if v is None else Estimate(**{k: nan(x) for k, x in v.items()})  # noqa: E731
+        d = dict(data)
+        d["evaluation"] = est(d.get("evaluation"))
+        d["control"] = est(d.get("control"))
+        d["baselines"] = {k: est(v) for k, v in (d.get("baselines") or {}).items()}
+        for k in ("selection_score", "p_max", "observed_max"):
+            d[k] = nan(d.get(k))
+        return cls(**d)
+
+
+class _Rows:
+    """Some rows of an ActivationsLike (a selection or evaluation half), itself ActivationsLike."""
+
+    def __init__(self, acts: ActivationsLike, rows: Int[Tensor, " n"]) -> None:
+        self._acts, self._rows = acts, rows
+        self.stimuli = [acts.stimuli[i] for i in rows.tolist()]
+        self.manifest = acts.manifest
+
+    def get(self, kind: str, position: str) -> Tensor:
+        return self._acts.get(kind, position)[self._rows]
+
+    def layers(self, kind: str) -> list[int]:
+        return list(self._acts.layers(kind))
+
+
+def selection_split(stimuli: Sequence[Stimulus], fraction: float = 0.5, seed: int = 0,
+                    group_by: str = "task") -> Split:
+    """Rows of the selection half (`train`) and the evaluation half (`test`): whole groups (tasks,
+    or templates) on one side, about `fraction` of the groups for selection, seeded."""
+    if not 0 < fraction < 1:
+        raise TomlensError(f"selection_fraction = {fraction}", "use a fraction strictly between 0 and 1")
+    codes = group_codes(stimuli, group_by)
+    uniq = torch.unique(codes)
+    if uniq.numel() < 2:
+        raise TomlensError(f"{uniq.numel()} story group(s) cannot be split into selection and evaluation",
+                           "use more tasks (or turn selection off)")
+    order = uniq[torch.as_tensor(np.random.default_rng(seed).permutation(uniq.numel()))]
+    k = min(max(1, int(round(fraction * uniq.numel()))), uniq.numel() - 1)
+    chosen = torch.isin(codes, order[:k])
+    rows = torch.arange(codes.numel())
+    return Split(train=rows[chosen], test=rows[~chosen])
+
+
+def _unit_matrix(acts: ActivationsLike, kind: str, position: str) -> tuple[Float[Tensor, "n unit d"], list[tuple[int, int]]]:
+    X = acts.get(kind, position)
+    layers = list(acts.layers(kind))
+    if X.ndim == 3:
+        return X, [(layer, -1) for layer in layers]
+    if X.ndim == 4:
+        n, nl, nh, d = X.shape
+        return X.reshape(n, nl * nh, d), [(layer, h) for layer in layers for h in range(nh)]
+    raise TomlensError(f"activations of kind {kind!r} have shape {tuple(X.shape)}",
+                       "expected [n, layer, d] or [n, layer, head, d]")
+
+
+def _one_unit(acts: ActivationsLike, unit: dict[str, Any], rows: Tensor) -> Float[Tensor, "1 n d"]:
+    X, keys = _unit_matrix(acts, unit["kind"], unit["position"])
+    i = keys.index((int(unit["layer"]), int(unit["head"])))
+    return X[rows, i].float().unsqueeze(0).contiguous()
+
+
+def _chance(y_train: Tensor, y_test: Tensor) -> float:
+    vals, counts = torch.unique(y_train, return_counts=True)
+    freq = counts.to(torch.float64) / counts.sum()
+    hit = y_test.unsqueeze(1) == vals.unsqueeze(0)
+    return float((hit.to(torch.float64) * freq).sum(1).mean())
+
+
+def _new_probe(probe: str, cfg: SweepConfig, seed: int) -> Probe:
+    if probe == "logistic":
+        return LogisticProbe(cfg.c_grid, cv=cfg.inner_folds, seed=seed, device=cfg.device)
+    return MassMeanProbe(device=cfg.device)
+
+
+def _fit_and_score(probe: str, Xs: Tensor, ys: Tensor, gs: Tensor, Xe: Tensor, ye: Tensor, ge: Tensor,
+                   cfg: SweepConfig, seed: int) -> Estimate:
+    """Fit on every selection row (C by grouped CV there), score every evaluation row once."""
+    if torch.unique(ys).numel() < 2 or ye.numel() == 0:
+        return Estimate(float("nan"), float("nan"), float("nan"), float("nan"))
+    import warnings
+
+    from tomlens.probes.logistic import ProbeFitWarning
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ProbeFitWarning)
+        p = _new_probe(probe, cfg, seed).fit(Xs, ys, groups=gs)
+    correct = (p.predict(Xe.to(torch.float64)).cpu() == ye.unsqueeze(0)).to(torch.float64)  # [1, n]
+    iv = stats.bootstrap_mean(correct, ge, n_boot=cfg.n_boot, seed=seed, level=cfg.level)
+    return Estimate(float(iv.estimate[0]), float(iv.low[0]), float(iv.high[0]), _chance(ys, ye))
+
+
+def permute_labels(y: Int[Tensor, " n"], groups: Int[Tensor, " n"], n_perm: int, seed: int,
+                   within: bool) -> Int[Tensor, "perm n"]:
+    """`n_perm` permutations of `y`: within each group (design pairs conditions in a task) or across rows."""
+    gen = torch.Generator().manual_seed(seed + 104729)
+    out = y.unsqueeze(0).repeat(n_perm, 1)
+    blocks = [(groups == g).nonzero().squeeze(1) for g in torch.unique(groups)] if within \
+        else [torch.arange(y.numel())]
+    for p in range(n_perm):
+        for rows in blocks:
+            out[p, rows] = y[rows[torch.randperm(rows.numel(), generator=gen)]]
+    return out
+
+
+def pairs_conditions_within_groups(y: Tensor, groups: Tensor) -> bool:
+    """Whether every group holds more than one label (then labels are permuted within groups)."""
+    return all(torch.unique(y[groups == g]).numel() > 1 for g in torch.unique(groups))
+
+
+def _ridge_fold_correct(X: Float[Tensor, "u n d"], Y: Int[Tensor, "l n"], train: Tensor, test: Tensor,
+                        classes: Tensor, ridge: float) -> Float[Tensor, "l u"]:
+    """Right answers on `test` of a one-vs-rest ridge classifier per unit and label vector, fitted on
+    `train` in closed form (dual: an [n_train, n_train] solve per unit serves every label vector)."""
+    Xtr, Xte = X[:, train].to(torch.float64), X[:, test].to(torch.float64)
+    mean = Xtr.mean(1, keepdim=True)
+    Xtr, Xte = Xtr - mean, Xte - mean
+    K = Xtr @ Xtr.transpose(1, 2)  # [u, t, t]
+    lam = ridge * K.diagonal(dim1=1, dim2=2).mean(1).clamp_min(1e-12)  # scale-free penalty per unit
+    K = K + lam[:, None, None] * torch.eye(K.shape[1], dtype=K.dtype)
+    T = (Y[:, train].unsqueeze(-1) == classes).to(torch.float64) * 2 - 1  # [l, t, c] one-vs-rest +-1
+    T = T - T.mean(1, keepdim=True)
+    L, t, c = T.shape
+    rhs = T.permute(1, 0, 2).reshape(t, L * c)  # [t, l*c]
+    alpha = torch.linalg.solve(K, rhs.expand(K.shape[0], t, L * c))  # [u, t, l*c]
+    scores = (Xte @ Xtr.transpose(1, 2)) @ alpha  # [u, te, l*c]
+    scores = scores.reshape(K.shape[0], -1, L, c).permute(2, 0, 1, 3)  # [l, u, te, c]
+    pred = classes[scores.argmax(-1)]
+    return (pred == Y[:, test].unsqueeze(1)).to(torch.float64).sum(2)
+
+
+def max_statistic_null(units: Sequence[Float[Tensor, "_unit n d"]], y: Int[Tensor, " n"], groups: Int[Tensor, " n"],
+                       *, folds: int, n_perm: int, seed: int = 0, within: bool | None = None, ridge: float = 1.0,
+                       unit_budget_bytes: float = 2.0**29) -> tuple[float, Float[Tensor, " perm"], str]:
+    """(observed max, permuted maxima, how labels were permuted): the best cross-fitted accuracy over
+    all units (every row tested once on grouped folds) for the true labels and for each of `n_perm`
+    permutations. p = (1 + #{perm max >= observed}) / (1 + n_perm).
+
+    The statistic is a ridge classifier's accuracy (penalty `ridge` x the mean squared norm of the
+    centred training rows), not the logistic probe's: its closed form fits every permutation with
+    one solve per unit and fold, so a thousand permutations cost about what one does. The test asks
+    whether any unit decodes the label better than the best of all units does by chance."""
+    within = pairs_conditions_within_groups(y, groups) if within is None else within
+    Y = torch.cat([y.unsqueeze(0), permute_labels(y, groups, n_perm, seed, within)])  # [1 + P, n]
+    classes = torch.unique(y)
+    splits = group_kfold(groups, folds, seed)
+    best = torch.full((Y.shape[0],), -math.inf, dtype=torch.float64)
+    for X in units:
+        u, n, d = X.shape
+        per = max(1, int(unit_budget_bytes // max(n * max(d, n) * 8, 1)))
+        for a in range(0, u, per):
+            Xc = X[a:a + per].cpu()
+            correct = torch.zeros(Y.shape[0], Xc.shape[0], dtype=torch.float64)
+            tested = 0
+            for sp in splits:
+                tr, te = sp.train, sp.test
+                if torch.unique(y[tr]).numel() < 2 or te.numel() == 0:
+                    continue
+                correct += _ridge_fold_correct(Xc, Y, tr, te, classes, ridge)
+                tested += int(te.numel())
+            if tested:
+                best = torch.maximum(best, (correct / tested).amax(1))
+    return float(best[0]), best[1:], "within tasks" if within else "across rows"
+
+
+def _selection_sweep_config(cfg: SweepConfig) -> SweepConfig:
+    """The sweep on the selection half: activation rows only (the baselines and the control are
+    refitted on the selection / evaluation split itself)."""
+    off = {"bow", "conditions", "directions", "controls", "progress", "length", "position", "embeddings",
+           "type_control", "condition_split", "baselines"}
+    names = {f.name for f in fields(SweepConfig)}
+    return replace(cfg, **{k: False for k in off if k in names and isinstance(getattr(cfg, k), bool)})
+
+
+def select_and_evaluate(
+    acts: ActivationsLike,
+    target: str,
+    *,
+    sites: Sequence[str],
+    position: str,
+    seed: int = 0,
+    selection_fraction: float = 0.5,
+    n_permutations: int = DEFAULT_PERMUTATIONS,
+    config: SweepConfig | None = None,
+    probe: str = "logistic",
+    test_acts: ActivationsLike | None = None,
+    twin_acts: ActivationsLike | None = None,
+    twin_test_acts: ActivationsLike | None = None,
+    alpha: float = 0.05,
+) -> SelectionResult:
+    """Choose the best unit on a selection half of the stories and report it on the other half.
+
+    With `test_acts` the whole of `acts` is the selection set and `test_acts` the evaluation set.
+    `twin_acts` (and `twin_test_acts`): the same stimuli cached on a random-init model of the
+    same architecture; the chosen unit on them is one more baseline ("random_init").
+    """
+    cfg = config or SweepConfig()
+    if probe not in PROBES:
+        raise TomlensError(f"unknown probe {probe!r}", f"use one of {', '.join(PROBES)}")
+    if n_permutations < 0:
+        raise TomlensError(f"n_permutations = {n_permutations}", "use 0 (no null) or more")
+    t0 = time.time()
+    notes: list[str] = []
+    if test_acts is None:
+        split = selection_split(acts.stimuli, selection_fraction, seed, cfg.group_by)
+        sel, ev = _Rows(acts, split.train), _Rows(acts, split.test)
+        tw_sel = None if twin_acts is None else _Rows(twin_acts, split.train)
+        tw_ev = None if twin_acts is None else _Rows(twin_acts, split.test)
+    else:
+        sel, ev, tw_sel, tw_ev = acts, test_acts, twin_acts, twin_test_acts
+    ys_all, ks = make_target(sel.stimuli, target)
+    ye_all, ke = make_target(ev.stimuli, target)
+    rs, re_ = ks.nonzero().squeeze(1), ke.nonzero().squeeze(1)
+    st_s, st_e = [sel.stimuli[i] for i in rs.tolist()], [ev.stimuli[i] for i in re_.tolist()]
+    ys, ye = ys_all[rs], ye_all[re_]
+    gs, ge = group_codes(st_s, cfg.group_by), group_codes(st_e, cfg.group_by)
+    result = SelectionResult(target=target, unit=None, selection_score=float("nan"), evaluation=None,
+                             n_selection=len(st_s), n_evaluation=len(st_e))
+
+    def withhold(reason: str) -> SelectionResult:
+        result.verdict, result.reason, result.notes = WITHHELD, reason, notes
+        return result
+
+    if torch.unique(ys).numel() < 2 or torch.unique(ye).numel() < 2:
+        return withhold("the selection or evaluation stories hold one class of the target only")
+    n_sel_groups = int(torch.unique(gs).numel())
+    folds = min(cfg.folds, n_sel_groups)
+    if folds < 2:
+        return withhold(f"{n_sel_groups} selection group(s): too few to cross-fit")
+    if folds < cfg.folds:
+        notes.append(f"selection half has {n_sel_groups} groups: {folds} folds instead of {cfg.folds}")
+    scfg = replace(_selection_sweep_config(cfg), folds=folds, inner_folds=min(cfg.inner_folds, max(2, folds - 1)))
+    sweep = run_probe_sweep(sel, target, sites=list(sites), positions=(position,), probe=probe, seed=seed,
+                            config=scfg)
+    t = sweep.table
+    rows = t[(t["features"] == "activations") & (t["train_on"] == "all") & (t["eval_set"] == "all")
+             & (t["metric"] == "accuracy")]
+    result.n_units = int(len(rows))
+    rows = rows[rows["score"].notna()]
+    if rows.empty:
+        return withhold("no unit could be fitted on the selection stories")
+    best = rows.loc[rows["score"].idxmax()]
+    result.unit = {"kind": str(best["kind"]), "layer": int(best["layer"]), "head": int(best["head"]),
+                   "position": position}
+    result.selection_score = float(best["score"])
+
+    # the chosen unit: fit on the selection half, score once on the evaluation half
+    Xs, Xe = _one_unit(sel, result.unit, rs), _one_unit(ev, result.unit, re_)
+    result.evaluation = _fit_and_score(probe, Xs, ys, gs, Xe, ye, ge, cfg, seed)
+
+    # baselines on the same split, fitted and scored the same way
+    bs, vocab = bag_of_words(st_s)
+    be = bag_of_words(st_e, vocab)[0]
+    result.baselines["bag_of_words"] = _fit_and_score(probe, bs.unsqueeze(0), ys, gs, be.unsqueeze(0), ye, ge,
+                                                      cfg, seed)
+    result.baselines["length"] = _fit_and_score(probe, length_features(st_s).unsqueeze(0), ys, gs,
+                                                length_features(st_e, st_s).unsqueeze(0), ye, ge, cfg, seed)
+    result.baselines["position"] = _fit_and_score(
+        probe, position_features(st_s, position).unsqueeze(0), ys, gs,
+        position_features(st_e, position, st_s).unsqueeze(0), ye, ge, cfg, seed)
+    emb = {"kind": EMBEDDINGS_KIND, "layer": 0, "head": -1, "position": position}
+    try:
+        has_emb = 0 in list(sel.layers(EMBEDDINGS_KIND)) and 0 in list(ev.layers(EMBEDDINGS_KIND))
+    except Exception:  # noqa: BLE001 - an activation set without the kind says so in its own way
+        has_emb = False
+    if has_emb:
+        result.baselines["embeddings"] = _fit_and_score(probe, _one_unit(sel, emb, rs), ys, gs, _one_unit(ev, emb, re_),
+                                                        ye, ge, cfg, seed)
+    else:
+        notes.append("embeddings baseline not run (resid_pre:0 was not cached)")
+    if tw_sel is not None and tw_ev is not None:
+        result.baselines["random_init"] = _fit_and_score(probe, _one_unit(tw_sel, result.unit, rs), ys, gs,
+                                                         _one_unit(tw_ev, result.unit, re_), ye, ge, cfg, seed)
+
+    # type-level control: the chosen unit's probe on one random label per template x cue x condition
+    # cell (`controls.type_control_labels`), scored on the evaluation stories against its own labels
+    labels = type_control_labels(type_cells(st_s), seed=seed, test_cells=type_cells(st_e))
+    if labels is not None and torch.unique(labels[0]).numel() > 1 and torch.unique(labels[1]).numel() > 1:
+        result.control = _fit_and_score(probe, Xs, labels[0], gs, Xe, labels[1], ge, cfg, seed)
+        if not set(type_cells(st_e)) & set(type_cells(st_s)):
+            notes.append("type-level control: no evaluation cell occurs in selection, so it is at chance by construction")
+    else:
+        notes.append("type-level control not run (fewer than two type cells, or one label on a side)")
+
+    # max-statistic permutation null over every unit, on the selection half
+    if n_permutations > 0:
+        t1 = time.time()
+        units = [_unit_matrix(sel, kind, position)[0][rs].transpose(0, 1).float().contiguous() for kind in sites]
+        observed, perm_max, how = max_statistic_null(units, ys, gs, folds=folds, n_perm=n_permutations, seed=seed,
+                                                     unit_budget_bytes=cfg.unit_budget_bytes)
+        result.observed_max, result.permutation, result.n_perm = observed, how, n_permutations
+        result.p_max = float((1 + int((perm_max >= observed - 1e-12).sum())) / (1 + n_permutations))
+        notes.append(f"permutation null: {n_permutations} permutations ({how}) of {result.n_units} units, ridge "
+                     f"classifier statistic, took {time.time() - t1:.1f} s")
+    notes.append(f"selection and evaluation took {time.time() - t0:.1f} s")
+
+    # the verdict
+    e = result.evaluation
+    reasons = []
+    if not math.isfinite(e.score):
+        reasons.append("the selected unit could not be scored on the evaluation stories")
+    else:
+        if not e.ci_low > e.chance:
+            reasons.append(f"its evaluation interval [{e.ci_low:.2f}, {e.ci_high:.2f}] does not exclude chance "
+                           f"({e.chance:.2f})")
+        bb = result.best_baseline
+        if bb is not None and not e.ci_low > bb[1].score:
+            reasons.append(f"its evaluation interval low {e.ci_low:.2f} is not above the best baseline "
+                           f"({bb[0]} {bb[1].score:.2f})")
+    if result.n_perm == 0:
+        reasons.append("no permutation null was run")
+    elif not result.p_max < alpha:
+        reasons.append(f"p_max {result.p_max:.3f} >= {alpha} (the best of {result.n_units} units is not "
+                       "better than the best unit on permuted labels)")
+    result.notes = notes
+    if reasons:
+        return withhold("; ".join(reasons))
+    result.verdict, result.reason = FOUND, ""
+    return result
