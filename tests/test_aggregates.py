@@ -257,3 +257,72 @@ def test_prefix_curves_track_the_reference_answer():
                      "p_answer": p_ref})
     curves = aggregates.prefix_curves(pd.DataFrame(rows))
     assert curves.p_reference.tolist() == pytest.approx([0.5, 0.9, 0.95])
+
+
+def test_knowledge_state_effect_skips_true_false_statements():
+    """A model that always answers "true" on belief statements must not show a knowledge-state
+    effect: "true"/"false" is no start answer, and the statements of a task are unrelated."""
+    from tomlens.stimuli import generate
+
+    rows = []
+    for s in generate("belief-statements", n=8, seed=0):
+        a, b = s.options
+        rows.append({"family": s.family, "task_id": s.task_id, "id": s.id, "condition": s.condition,
+                     "reversed": s.reversed, "prompt_type": s.prompt_type, "option_a": a, "option_b": b,
+                     "logp_a": 0.0 if a == "true" else -5.0, "logp_b": 0.0 if b == "true" else -5.0,
+                     "answer": s.answer, "protagonist_belief": s.protagonist_belief,
+                     "world_state": s.world_state, "reference_state": s.reference_state})
+    df = pd.DataFrame(rows)
+    assert aggregates.knowledge_state_effect(df, n_boot=50).empty
+    # the same rows under a user family name: no reference state among the options, still none
+    assert aggregates.knowledge_state_effect(df.assign(family="my-statements"), n_boot=50).empty
+
+
+def test_knowledge_state_effect_keys_start_on_the_belief_and_marks_label_contrasts():
+    def row(task, fam, cond, belief, ref, lp_a, lp_b, options=("drawer", "box")):
+        return {"family": fam, "task_id": task, "id": f"{task}-{cond}", "condition": cond, "reversed": False,
+                "prompt_type": "belief", "option_a": options[0], "option_b": options[1], "logp_a": lp_a,
+                "logp_b": lp_b, "answer": belief, "protagonist_belief": belief, "world_state": None,
+                "reference_state": ref}
+    tr, co = "unexpected-transfer", "unexpected-contents"
+    rows = [
+        # transfer t0: FB log-odds of drawer 2, present -1 -> 3; t1: FB 1, present 0.5 -> 0.5
+        row("t0", tr, "false_belief", "drawer", "drawer", -1.0, -3.0),
+        row("t0", tr, "present", "box", "drawer", -2.0, -1.0),
+        row("t1", tr, "false_belief", "drawer", "drawer", -1.0, -2.0),
+        row("t1", tr, "present", "box", "drawer", -1.0, -1.5),
+        # a statement-like row in the same task with other options is never paired with the FB row
+        row("t1", tr, "present", "cup", "cup", -9.0, 0.0, options=("cup", "jar")),
+        # contents c0: the label says rocks (FB start); correct label names the contents bolts
+        row("c0", co, "false_belief", "rocks", "rocks", -1.0, -2.0, options=("rocks", "bolts")),
+        row("c0", co, "correct_label", "bolts", "bolts", -3.0, -1.0, options=("rocks", "bolts")),
+        row("c0", co, "open_container", "bolts", "rocks", -2.0, -1.0, options=("rocks", "bolts")),
+    ]
+    eff = aggregates.knowledge_state_effect(pd.DataFrame(rows), n_boot=200).set_index(["family", "contrast"])
+    present = eff.loc[(tr, "present")]
+    assert (present.contrast_kind, present.n_pairs, present.n_tasks) == ("knowledge", 2, 2)
+    assert present.effect == pytest.approx((3 + 0.5) / 2) and not present.few_tasks
+    assert present.ci_low == pytest.approx(0.5) and present.ci_high == pytest.approx(3.0)
+    label = eff.loc[(co, "correct_label")]
+    assert label.contrast_kind == "label" and label.effect == pytest.approx(1 - (-2))
+    opened = eff.loc[(co, "open_container")]
+    assert opened.contrast_kind == "knowledge" and opened.effect == pytest.approx(1 - (-1))
+    # one task: no interval, marked
+    assert label.few_tasks and np.isnan(label.ci_low) and np.isnan(label.ci_high)
+
+
+def test_describe_never_shows_a_one_task_or_zero_width_effect_as_a_finding():
+    from tomlens.runs.behaviour import format_knowledge_state
+
+    eff = pd.DataFrame([
+        {"family": "unexpected-transfer", "contrast": "present", "contrast_kind": "knowledge", "n_pairs": 4,
+         "n_tasks": 1, "effect": -1.375, "ci_low": float("nan"), "ci_high": float("nan"), "few_tasks": True,
+         "share_tasks_positive": 0.0, "logodds_false_belief": 0.0, "logodds_true_belief": 1.0},
+        {"family": "order-only", "contrast": "true_belief", "contrast_kind": "knowledge", "n_pairs": 8,
+         "n_tasks": 8, "effect": -1.0, "ci_low": -1.0, "ci_high": -1.0, "few_tasks": False,
+         "share_tasks_positive": 0.0, "logodds_false_belief": 0.0, "logodds_true_belief": 1.0},
+    ])
+    text = format_knowledge_state(eff).splitlines()
+    assert "n tasks too few" in text[1] and "[" not in text[1]
+    assert text[2].rstrip().endswith("of tasks") and "[-1, -1] *" in text[2]
+    assert "not evidence of an effect" in text[-1]

@@ -213,3 +213,34 @@ def test_bag_of_words_on_held_out_cues_is_at_chance_with_decoys():
     assert _bag_of_words_accuracy(stims) <= 0.6
     # without decoys the cue-held-out split still removes most of the signal, not all of it
     assert _bag_of_words_accuracy(unexpected_transfer(64, seed=0, decoys=False), seeds=1) <= 0.85
+
+
+def test_contents_without_decoys_keeps_its_cue_groups_apart():
+    """A closed-container cue is named by the task's cue group, not its template: with the template
+    id, cue grouping joined every task of a template (16 tasks gave 1 group, fold splitting failed)."""
+    from tomlens.probes.splits import group_codes, group_kfold
+
+    st = unexpected_contents(16, seed=0, decoys=False)
+    assert {s.meta["cue_id"].split(":")[1] for s in st if s.meta["cue_id"].startswith("closed:")} <= {
+        str(g) for g in range(8)}
+    codes = group_codes(st, "cue")
+    assert len(set(codes.tolist())) == 8
+    import torch
+
+    group_kfold(codes, 5, seed=0)  # enough groups to fill the folds
+    with pytest.raises(TomlensError) as err:  # one group: the advice never asks for 1 fold
+        group_kfold(torch.zeros(len(st), dtype=torch.long), 2, seed=0)
+    assert "or less" not in str(err.value) and "group by task" in str(err.value)
+
+
+def test_tellings_reach_a_protagonist_who_is_away():
+    """An informed protagonist is elsewhere ("at the shops"): every telling is a call, text, email,
+    message or note, never a whisper or showing, in every condition (so no word marks informed)."""
+    remote = re.compile(r"\b(phones|calls|texts|emails|messages|writes|note|message)\b")
+    assert all(remote.search(p) for p in lexicon.CUE_POOLS["told"])
+    for gen in (unexpected_transfer, unexpected_contents):
+        informed = [s for s in gen(8, seed=0) if s.condition == "informed" and s.prompt_type == "belief"]
+        assert informed
+        for s in informed:
+            assert remote.search(s.span_text("cue")), s.id
+            assert not re.search(r"\b(whispers|shows|explains|mentions)\b", s.text), s.id

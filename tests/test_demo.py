@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_demo_writes_every_stage_and_one_report(tmp_path, capsys):
     out = tmp_path / "demo"
-    assert main(["--model", "tiny-llama", "--out", str(out), "--n", "1", "--probe-tasks", "5", "--pairs", "3"]) == 0
+    assert main(["--model", "tiny-llama", "--out", str(out), "--n", "1", "--probe-tasks", "6", "--pairs", "3"]) == 0
     printed = capsys.readouterr().out
     for stage in ("1/4 behaviour", "2/4 probes", "3/4 patching", "4/4 report"):
         assert stage in printed
@@ -44,7 +44,7 @@ def test_demo_writes_every_stage_and_one_report(tmp_path, capsys):
     assert "<h1>tomlens demo: tiny-llama</h1>" in report and "smollm2" not in report.split("<h1>")[1].split("</h1>")[0]
     # the run folder describes itself: the resolved demo config with the flags applied
     config = json.loads((out / "config.json").read_text())
-    assert config["models"][0]["name"] == "tiny-llama" and config["probes"]["stimuli"]["n"] == 5
+    assert config["models"][0]["name"] == "tiny-llama" and config["probes"]["stimuli"]["n"] == 6
     assert json.loads((out / "manifest.json").read_text())["models"][0]["model"]["model"] == "tiny-llama"
 
 

@@ -25,9 +25,14 @@ SMALL = {
     "probe-study": (["models.0.name=tiny-llama", "models.1.name=tiny-llama", "probes.stimuli.n=5",
                      "probes.folds=4", "probes.inner_folds=3", "probes.n_boot=50", "probes.c_grid=[0.1, 1.0]"],
                     ["tiny-llama/probes", "tiny-llama-bos/probes"]),
-    "patching-study": (["model.name=tiny-llama", "pairs.n=1", "patching.top_k=2", "patching.n_random=2",
+    "patching-study": (["model.name=tiny-llama", "pairs.n=1", "patching.top_k=2", "patching.n_random=2", "patching.ks=[1, 2]",
                         "patching.force=true"],  # a random model's gap fails the gate: forced, flagged
                        ["pairs", "patching"]),
+    "validity-study": (["model.name=tiny-llama", *(f"behaviour.stimuli.{i}.n=1" for i in range(4)),
+                        "probes.stimuli.n=6", "probes.folds=3", "probes.inner_folds=2", "probes.n_boot=50",
+                        "probes.n_permutations=19", "pairs.n=3", "patching.top_k=2", "patching.ks=[1, 2]",
+                        "patching.n_random=2", "patching.force=true"],
+                       ["behaviour", "probes", "pairs", "patching"]),
 }
 
 
@@ -44,7 +49,7 @@ def _run(tmp_path: Path, name: str, capsys: pytest.CaptureFixture, *extra: str) 
 
 def test_every_example_is_a_valid_experiment():
     files = sorted(EXAMPLES.glob("*.toml"))
-    assert {f.stem for f in files} == {"demo", "probe-study", "patching-study"}
+    assert {f.stem for f in files} == {"demo", "probe-study", "patching-study", "validity-study"}
     for f in files:
         config = ExperimentConfig.load(f)
         assert config.name == f.stem and config.stages and config.description

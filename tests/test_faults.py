@@ -178,7 +178,8 @@ def test_kill_9_mid_probe_then_the_same_command_writes_the_same_table(tmp_path, 
     def args(name: str) -> list[str]:
         return ["probe", "--model", "tiny-llama", "--stimuli", str(path), "--sites", "resid_post",
                 "--store", str(tmp_path / f"store-{name}"), "--out", str(tmp_path / f"out-{name}"),
-                "--batch-size", "4", "--folds", "3", "--inner-folds", "2", "--n-boot", "20", "--no-progress"]
+                "--batch-size", "4", "--folds", "3", "--inner-folds", "2", "--n-boot", "20", "--no-progress",
+                "--no-random-twin"]  # one model in each store: the twin is tested in test_runs_stages
 
     marker = tmp_path / "marker"
     fault = {"FAULT_FLUSH_SECONDS": "0", "FAULT_HANG_IN_SHARD": str(HANG_IN_SHARD), "FAULT_MARKER": str(marker)}

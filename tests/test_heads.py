@@ -81,7 +81,13 @@ def test_topk_recovery(setup):
     # with all heads drawn, the random sets are the same set: same effect
     assert t.random_mean.iloc[-1] == pytest.approx(want, abs=tol)
     assert (t.random_low <= t.random_mean + 1e-12).all() and (t.random_mean <= t.random_high + 1e-12).all()
-    assert len(rec.draws) == 4 * n_heads and rec.draws.heads.str.count("L").tolist() == [k for k in t.k for _ in range(4)]
+    # distinct layer-matched sets, all of them where there are at most 4 (exact null)
+    assert (t.n_random == t.n_distinct.clip(upper=4)).all() and len(rec.draws) == t.n_random.sum()
+    assert t.n_distinct.iloc[-1] == 1 and (t.p_random >= 1 / (1 + t.n_distinct)).all()
+    assert rec.draws.heads.str.count("L").tolist() == [k for k, n in zip(t.k, t.n_random) for _ in range(n)]
+    for k in t.k:
+        sets = rec.draws[rec.draws.k == k].heads.map(lambda h: frozenset(h.split(";")))
+        assert sets.nunique() == len(sets)  # no set drawn twice
     again = topk_recovery(model, prepared, ranking, k_max=2, n_random=4, seed=3, progress=False)
     assert again.draws.heads.tolist() == rec.draws[rec.draws.k <= 2].heads.tolist()  # seeded
     some = topk_recovery(model, prepared, ranking, k_max=n_heads, ks=[1, 3, 99], n_random=6, seed=3, progress=False)
@@ -156,7 +162,8 @@ def test_mean_ablation(setup, mode):
         assert row.fb_accuracy == pytest.approx(float((direct[0] > 0).double().mean()))
         assert row.tb_accuracy == pytest.approx(float((direct[1] < 0).double().mean()))
         assert row.fb_drop == pytest.approx(ab.baseline["fb_accuracy"] - row.fb_accuracy)
-    assert len(ab.draws) == 2 * 3 and set(ab.draws.k) == {1, 3}
+    assert len(ab.draws) == ab.table.n_random.sum() and set(ab.draws.k) == {1, 3}
+    assert (ab.table.n_random == ab.table.n_distinct.clip(upper=3)).all()
     for row in ab.table.itertuples():
         draws = ab.draws[ab.draws.k == row.k]
         assert row.random_reach == pytest.approx(float((draws.fb_drop >= row.fb_drop).mean()))

@@ -57,6 +57,7 @@ def test_patch_cli_end_to_end(load_tiny, tmp_path, capsys):
         "heads_final_attribution_denoise.html", "heads_final_exact_denoise.html",
         "resid_pre_attribution_denoise.html", "resid_pre_exact_denoise.html",
         "resid_pre_positions_attribution_denoise.html", "resid_pre_positions_exact_denoise.html",
+        "resid_pre_roles_attribution_denoise.html", "resid_pre_roles_exact_denoise.html",  # role-aligned "each"
         "topk_recovery.html",
     ]
     html = (out / "figures" / "heads_exact_denoise.html").read_text()

@@ -16,6 +16,7 @@ from tomlens.probes import (
     add_best_baseline, condition_split, group_codes, group_kfold, leaked_groups, type_cells, type_control_labels,
 )
 from tomlens.probes.baselines import length_features, position_features
+from tomlens.probes.controls import choose_cell_level
 from tomlens.probes.sweep import COLUMNS, run_probe_sweep
 from tomlens.stimuli import Span, Stimulus, generate
 
@@ -87,8 +88,16 @@ def test_bag_of_words_length_and_position_are_at_chance_on_order_only():
     # two conditions: the condition split cannot be anything but the label, so it is NaN with a note
     assert t["condition_split"].isna().all() and t["condition_split_ci_low"].isna().all()
     assert "the set has 2 conditions: no split other than the label itself" in res.metadata["notes"]
-    # one template per task: the type-level control cannot fail there, and says so
-    assert any("control is at chance there by construction" in n for n in res.metadata["notes"])
+    # one template per task, but the leaving sentence's phrasing recurs: the control runs on cue x
+    # condition cells, whose test cells occur in training, so it can fail (a number, not NaN)
+    assert any("control cells are cue x condition" in n for n in res.metadata["notes"])
+    a = rows(t, features="activations", train_on="all", eval_set="all", metric="accuracy")
+    assert a["control"].notna().all()
+    # the target is fixed by the condition here: the false-belief eval set (one class) is dropped
+    assert not ((t["train_on"] == "all") & (t["eval_set"] == "false_belief")).any()
+    assert any("eval set false_belief (train_on=all) dropped" in n for n in res.metadata["notes"])
+    assert res.metadata["label_variation"]["protagonist_belief"][0]["varies"] is False
+    assert any("protagonist_belief is fixed by the condition here" in n for n in res.metadata["notes"])
 
 
 def test_bag_of_words_is_high_where_words_give_the_condition_away():
@@ -213,3 +222,40 @@ def test_length_and_position_features():
     moved = {(s.task_id, s.prompt_type, s.condition): float(raw[i, 0]) for i, s in enumerate(st)}
     pairs = [(v, moved[(t, p, "true_belief")]) for (t, p, c), v in moved.items() if c == "false_belief"]
     assert pairs and all(fb != tb for fb, tb in pairs)
+
+
+@pytest.mark.parametrize("family,n", [("order-only", 12), ("false-belief-factorial", 24)])
+def test_type_control_runs_on_recurring_cells_and_can_fail_where_templates_are_tasks(family, n):
+    # one template per task: the template cells never recur, the cue x condition cells do (the
+    # factorial has 10 cue phrasings: with 12 tasks most are seen in one fold only)
+    st = generate(family, n=n, seed=0)
+    level, share = choose_cell_level(st, None, [(f.train.tolist(), f.test.tolist())
+                                                for f in group_kfold(group_codes(st), 3, seed=0)])
+    assert level == "cue_condition" and share >= 0.5
+    cells = type_cells(st, level)
+    codes = {c: i for i, c in enumerate(dict.fromkeys(cells))}
+    g = torch.Generator().manual_seed(0)
+    X = torch.nn.functional.one_hot(torch.tensor([codes[c] for c in cells]), len(codes)).float() * 3
+    X = X + 0.1 * torch.randn(X.shape, generator=g)
+    acts = Acts(st, {("resid_post", "final"): X.unsqueeze(1)}, {"model": {"model": "cells"}})
+    res = run_probe_sweep(acts, "protagonist_belief", sites=("resid_post",), bow=False, length=False,
+                          position=False, **FAST)
+    r = rows(res.table, features="activations", train_on="all", eval_set="all", metric="accuracy").iloc[0]
+    # features naming the cells fit the control on every seen cell (unseen ones are a coin flip)
+    assert r["control"] > min(0.9, 0.45 + share / 2) and r["control_ci_low"] > r["control_chance"] + 0.15
+    assert any("control cells are cue x condition" in n for n in res.metadata["notes"])
+    # true -> false-belief transfer: cells differ in condition, so the control cannot fail: NaN, not 0.5
+    tr = rows(res.table, features="activations", train_on="true_belief")
+    assert tr.empty or tr[["control", "control_ci_low", "selectivity", "selectivity_ci_high"]].isna().all().all()
+
+
+def test_controls_without_recurring_cells_are_withheld_and_cue_grouping_without_cues_says_so():
+    # every task its own template and no cue_id: no level recurs, so the control is NaN with a note
+    st = [stimulus(2 * t + c, t, f"own{t}", cond, belief_start=bool(c))
+          for t in range(9) for c, cond in enumerate(("false_belief", "true_belief"))]
+    res = run_probe_sweep(noise_acts(st), "protagonist_belief", sites=("resid_post",), group_by="cue",
+                          bow=False, length=False, position=False, conditions=False, **FAST)
+    act = rows(res.table, features="activations")
+    assert act["control"].isna().all() and act["selectivity_ci_low"].isna().all()
+    assert any("control and selectivity withheld (NaN)" in n for n in res.metadata["notes"])
+    assert "no stimulus has a cue_id: group_by=cue is group_by=task here" in res.metadata["notes"]

@@ -63,7 +63,7 @@ def planted_acts(stimuli, seed=0, d=16):
 
 @pytest.fixture(scope="module")
 def stimuli():
-    return generate("unexpected-transfer", n=6, seed=0)
+    return generate("unexpected-transfer", n=12, seed=0)  # 12 tasks: the 4 templates' cells recur across folds
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +99,7 @@ def test_sweep_table_is_tidy_and_finds_the_planted_layers(result, stimuli):
     assert b["best_baseline"] == max(b[c] for c in ("baseline_bow", "baseline_length", "baseline_position"))
     assert b["above_baseline"] == pytest.approx(b["score"] - b["best_baseline"])
     assert b["condition_split"] == b["condition_split"]  # four conditions: a split is decoded (not NaN)
-    assert b["n_test"] == len(stimuli) and b["n_test_groups"] == 6 and b["chance"] == pytest.approx(0.5)
+    assert b["n_test"] == len(stimuli) and b["n_test_groups"] == 12 and b["chance"] == pytest.approx(0.5)
     assert b["C"] in (0.1, 1.0)
     noise = score(t, kind="resid_post", layer=0, target="protagonist_belief", train_on="all", eval_set="all")
     assert abs(noise["score"] - 0.5) < 0.2
@@ -108,18 +108,23 @@ def test_sweep_table_is_tidy_and_finds_the_planted_layers(result, stimuli):
     heads = pick(t, kind="head_out", target="protagonist_belief", train_on="all", eval_set="all", metric="accuracy")
     best = heads.loc[heads["score"].idxmax()]
     assert (best["layer"], best["head"]) == (2, 1) and len(heads) == 6
-    assert len(pick(t, features="bag_of_words", target="protagonist_belief", metric="accuracy")) >= 2
+    # one row: the train_on / eval sets where belief has one class are dropped (see below)
+    assert len(pick(t, features="bag_of_words", target="protagonist_belief", metric="accuracy")) == 1
 
 
-def test_belief_and_world_probes_come_apart_on_false_belief_stories(result):
+def test_belief_and_world_probes_come_apart_on_false_belief_stories(result, stimuli):
     t = result.table
     # trained on true-belief stories (belief == world), tested on false-belief stories of held-out tasks
-    kw = dict(kind="resid_post", target="protagonist_belief", train_on="true_belief", eval_set="false_belief")
-    assert score(t, layer=1, **kw)["score"] > 0.8  # the belief layer transfers
-    assert score(t, layer=2, **kw)["score"] < 0.2  # the world layer answers with the world
-    fb = score(t, kind="resid_post", layer=1, target="protagonist_belief", train_on="all", eval_set="false_belief")
-    assert fb["score"] > 0.8 and fb["n_test"] < score(t, kind="resid_post", layer=1, target="protagonist_belief",
-                                                      train_on="all", eval_set="all")["n_test"]
+    # belief has one class on false-belief rows of this family: accuracy there is accuracy on one
+    # class (baselines tie at 0), so the true -> false-belief rows are dropped with a note
+    assert pick(t, target="protagonist_belief", train_on="true_belief").empty
+    assert any("eval set false_belief (train_on=true_belief) dropped" in n for n in result.metadata["notes"])
+    assert {r["condition"] for r in result.metadata["label_variation"]["protagonist_belief"]} == \
+        {s.condition for s in stimuli}
+    # belief is one class on false-belief rows: that eval set of the all-condition probe is accuracy on
+    # one class (a constant guess scores 0 or 1), so it is dropped with a note
+    assert pick(t, target="protagonist_belief", train_on="all", eval_set="false_belief").empty
+    assert any("eval set false_belief (train_on=all) dropped" in n for n in result.metadata["notes"])
     # belief never varies on false-belief rows, so that training set is skipped with a note
     assert any("train_on=false_belief skipped" in note for note in result.metadata["notes"])
 
@@ -236,6 +241,7 @@ def test_probe_command_end_to_end_on_a_tiny_model(tmp_path, stimuli):
                  & (table["eval_set"] == "all")].set_index(["layer", "head"])["score"]
     assert len(per_head) == len(want) > 0
     assert per_head["probe_accuracy"].sort_index().tolist() == want.sort_index().tolist()  # the same numbers, copied
-    assert per_head["probe_accuracy_false_belief"].between(0, 1).all()
+    # belief is one class on false-belief rows here: that eval set is dropped, so no such column
+    assert "probe_accuracy_false_belief" not in per_head
     assert main(["probe", "--model", "tiny-gpt2", "--stimuli", str(path), "--target", "belief",
                  "--out", str(out)]) == 2

@@ -113,7 +113,7 @@ def test_probe_scores_controls_and_baselines_are_unchanged(model, tmp_path):
     from tomlens.runs.probes import ProbesConfig, run
 
     spec, loaded = model
-    config = ProbesConfig(model=spec, stimuli=StimuliSpec(family="unexpected-transfer", n=5, seed=1),
+    config = ProbesConfig(model=spec, stimuli=StimuliSpec(family="unexpected-transfer", n=8, seed=1),
                           targets=("protagonist_belief", "world_state"), sites=("resid_post", "head_out"),
                           positions=("final",), folds=4, inner_folds=3, c_grid=(0.01, 0.1, 1.0), n_boot=50,
                           seed=0, n_permutations=5, store=str(tmp_path / "store"))

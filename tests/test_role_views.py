@@ -120,6 +120,46 @@ def test_role_aligned_each_run_equals_patching_the_roles_by_name(order_pairs):
     assert "mixes roles" not in fig.layout.title.text and fig.data[0].x[-1] == same.token_labels[-1]
 
 
+def test_mixed_columns_are_read_from_role_tokens_and_the_run_draws_the_role_aligned_view(order_pairs, tmp_path):
+    from tomlens.patching.roles import role_columns
+    from tomlens.report.patching import resid_heatmap, role_aligned_heatmap, write_patching_figures
+    from tomlens.runs.patching import PatchingConfig, PatchingRunResult
+
+    model, pairs = order_pairs
+    tok = model.tokenizer
+    each = exact_patching(model, pairs, sites={"resid": ["each"]}, layers=[1], progress=False)
+    n_al = len(each.token_labels)
+    roles, mixed = role_columns(pairs, tok, n_al)
+    assert mixed  # the role mentions sit at different right-aligned columns in different pairs
+    # the same pair twice under two ids: equal lengths and equal role tokens, so no column mixes roles
+    twin = MinimalPair(pairs[0].id + "-twin", pairs[0].clean, pairs[0].corrupted, pairs[0].family, pairs[0].contrast)
+    roles1, mixed1 = role_columns([pairs[0], twin], tok, n_al)
+    assert not mixed1 and roles1 and all("@" in r for r in roles1.values())
+    # pairs of EQUAL length whose roles sit at different tokens: the old length check called them unmixed
+    lengths = {}
+    for p in pairs:
+        lengths.setdefault(len(tok(p.clean.text)["input_ids"]), []).append(p)
+    same_len = next((ps for ps in lengths.values() if len(ps) >= 2), None)
+    if same_len is not None:
+        n_same = len(tok(same_len[0].clean.text)["input_ids"])
+        cols = [role_columns([q], tok, n_same)[0] for q in same_len]
+        assert role_columns(same_len, tok, n_same)[1] == any(c != cols[0] for c in cols[1:])
+    fig = resid_heatmap(each, "resid", pairs=pairs, tokenizer=tok)
+    assert "mixes roles" in fig.layout.title.text and fig.data[0].x[-1] == "0 (final)"
+    roles_fig = role_aligned_heatmap(each, pairs, tok, "resid")
+    sels, _ = mention_selectors(pairs, tok)
+    assert list(roles_fig.data[0].x) == sels and "role-aligned" in roles_fig.layout.title.text
+    summary = {"positions": {"resid_pre": ["each"]}, "sites": ["resid_pre"], "directions": ["denoise"]}
+    run_result = PatchingRunResult(PatchingConfig(sites=("resid",), positions=("each",)), summary,
+                                   sweeps={("exact", "denoise"): each}, pairs=pairs, tokenizer=tok)
+    figures = write_patching_figures(run_result, tmp_path)
+    assert sorted(figures) == ["resid_pre_exact_denoise", "resid_pre_roles_exact_denoise"]
+    np.testing.assert_allclose(np.asarray(figures["resid_pre_roles_exact_denoise"].data[0].z, float),
+                               np.asarray(roles_fig.data[0].z, float))
+    bare = PatchingRunResult(run_result.config, summary, sweeps=run_result.sweeps)  # no pairs: no role view
+    assert sorted(write_patching_figures(bare, tmp_path / "bare")) == ["resid_pre_exact_denoise"]
+
+
 def test_role_aligned_heads_by_attribution_equal_heads_at_the_named_roles(order_pairs):
     model, pairs = order_pairs
     sels, _ = mention_selectors(pairs, model.tokenizer)

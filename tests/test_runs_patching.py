@@ -149,7 +149,8 @@ def test_a_random_models_gap_is_withheld_and_force_flags_every_output(load_tiny,
     base = held.tables["base"]
     assert len(base) == 6 and {"clean_logit_diff", "corrupted_logit_diff", "gap", "solved"} <= set(base.columns)
     gate = held.tables["gate"].iloc[0]
-    assert gate.contrast == "present" and gate["n"] == 6 and gate["mean"] == pytest.approx(base.gap.mean())
+    assert gate.contrast == "present" and gate["n"] == 3 and gate["n_pairs"] == 6  # 3 tasks are the unit
+    assert gate["mean"] == pytest.approx(base.gap.groupby(base.task_id).mean().mean())
     assert not gate.passed and gate.lower <= 0
     folder = held.save(tmp_path / "held")
     back = PatchingRunResult.load(folder)
@@ -174,7 +175,7 @@ def test_a_random_models_gap_is_withheld_and_force_flags_every_output(load_tiny,
     held_tasks = set(base.task_id) - {tasks[i] for i in sel_ids}
     assert held_tasks and len(held_tasks) == pairs["evaluation"]["tasks"]  # no task on both sides
     topk = forced.tables["topk"]
-    assert topk.k.tolist() == [1, 3] and topk.n_random.eq(30).all()
+    assert topk.k.tolist() == [1, 3] and (topk.n_random == topk.n_distinct.clip(upper=30)).all()
     assert ((topk.random_reach >= 0) & (topk.random_reach <= 1)).all()
     draws = forced.tables["topk_random"]
     for k, top in zip(topk.k, topk.heads):
@@ -185,9 +186,64 @@ def test_a_random_models_gap_is_withheld_and_force_flags_every_output(load_tiny,
     assert "FORCED" in forced.describe() and "held-out" in forced.describe()
 
     solved = run(replace(config, solved_only=True), model=model, progress=False)
+    assert solved.withheld and solved.summary["gate"]["n_gated"] == 6  # the gate still sees every pair
+    forced_solved = run(replace(config, solved_only=True, force=True), model=model, progress=False)
     n_solved = int(base.solved.sum())
-    assert solved.summary["pairs"]["n_kept"] == n_solved
-    assert f"kept {n_solved} of 6" in " ".join(solved.summary["notes"])
+    assert forced_solved.summary["pairs"]["n_kept"] == n_solved
+    assert f"of the 6 pairs it let through, kept {n_solved}" in " ".join(forced_solved.summary["notes"])
+
+
+def _fake_base(monkeypatch, gap_of):
+    """Stand-in unpatched logit differences: pair i of the aligned pairs gets (clean, corrupted) =
+    gap_of(i, pairs)."""
+    import tomlens.patching.gate as gate
+
+    def fake(model, prepared):
+        values = [gap_of(i, prepared.pairs) for i in range(len(prepared.pairs))]
+        return (torch.tensor([v[0] for v in values], dtype=torch.float64),
+                torch.tensor([v[1] for v in values], dtype=torch.float64))
+    monkeypatch.setattr(gate, "base_logit_diffs", fake)
+
+
+def test_a_wrong_sign_gap_fails_the_gate_with_and_without_solved_only(load_tiny, monkeypatch):
+    """Each task: one pair answered right both ways (gap +2), one wrong way round (gap -6). Filtering to
+    solved pairs first would leave gaps of +2 only and pass; the gate sees every pair and fails."""
+    def wrong_sign(i, pairs):
+        first = [p.clean.task_id for p in pairs].index(pairs[i].clean.task_id) == i
+        return (1.0, -1.0 + 0.1 * i) if first else (-3.0, 3.0 + 0.1 * i)
+    _fake_base(monkeypatch, wrong_sign)
+    model = load_tiny("tiny-llama")
+    config = PatchingConfig(model=TINY, pairs=UT, sites=("heads",), positions=("final",), top_k=1, n_random=2)
+    for solved_only in (False, True):
+        result = run(replace(config, solved_only=solved_only), model=model, progress=False)
+        gate = result.tables["gate"].iloc[0]
+        assert result.withheld and not gate.passed and gate.n_pairs == 6 and gate["mean"] < 0, solved_only
+        assert "--solved-only" not in result.withheld
+        assert result.tables["base"].solved.sum() == 3
+
+
+def test_a_half_with_a_non_positive_gap_withholds_the_ranking(load_tiny, monkeypatch):
+    """The pooled gate passes (stubbed) but the held-out pairs' own gap is negative: ranking and
+    validation (normalised by each half's gap) are withheld, naming the half; --force flags them."""
+    import tomlens.patching.gate as gate
+
+    real = gate.gate_pairs
+    monkeypatch.setattr(gate, "gate_pairs", lambda clean, corrupted, contrasts, **kw: real(
+        clean + 10 + torch.arange(len(clean)), corrupted, contrasts))
+    model = load_tiny("tiny-llama")
+    pairs = run_pairs(UT, model=model).pairs
+    select, _ = gate.split_selection(pairs, 0.5, 0)
+    _fake_base(monkeypatch, lambda i, ps: (2.0, -1.0) if i in select else (-1.0, 1.0))
+    config = PatchingConfig(model=TINY, sites=("heads",), positions=("final",), top_k=1, n_random=2, ablation="none")
+    result = run(config, model=model, pairs=pairs, progress=False)
+    assert result.summary["gate"]["passed"] == ["present"] and not result.sweeps
+    assert result.withheld and "evaluation pairs' mean gap is -2.000" in result.withheld
+    assert "selection" not in result.withheld.split("Reason:")[1].split("(")[0]
+    halves = result.summary["gate"]["half_gaps"]
+    assert halves["selection"] == pytest.approx(3.0) and halves["evaluation"] == pytest.approx(-2.0)
+    forced = run(replace(config, force=True), model=model, pairs=pairs, progress=False)
+    assert forced.forced and "evaluation pairs' mean gap" in forced.summary["forced_message"]
+    assert forced.tables["topk"]["forced"].all()
 
 
 def test_too_few_pairs_for_a_split_are_refused_unless_forced(load_tiny, monkeypatch):
@@ -197,8 +253,8 @@ def test_too_few_pairs_for_a_split_are_refused_unless_forced(load_tiny, monkeypa
     model = load_tiny("tiny-llama")
     real = gate.gate_pairs
 
-    def passing(clean, corrupted, contrasts, **kw):
-        return real(clean + 10 + torch.arange(len(clean)), corrupted, contrasts, **kw)
+    def passing(clean, corrupted, contrasts, **kw):  # every pair its own task: 2 pairs can pass
+        return real(clean + 10 + torch.arange(len(clean)), corrupted, contrasts)
     monkeypatch.setattr(gate, "gate_pairs", passing)
     config = PatchingConfig(model=TINY, pairs=PAIRS, sites=("heads",), positions=("final",), top_k=1, n_random=2)
     result = run(config, model=model, progress=False)

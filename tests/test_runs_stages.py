@@ -219,13 +219,13 @@ def test_probe_cli_selection_flags_reach_the_config(monkeypatch, tmp_path):
     monkeypatch.setattr(stage, "run", stop)
     stimuli = write_jsonl(generate("order-only", n=1, seed=1), tmp_path / "s.jsonl")
     base = ["probe", "--stimuli", str(stimuli), "--out", str(tmp_path / "o")]
-    for flags in ([], ["--no-selection", "--permutations", "7", "--random-twin", "--selection-fraction", "0.3"]):
+    for flags in ([], ["--no-selection", "--permutations", "7", "--no-random-twin", "--selection-fraction", "0.3"]):
         with pytest.raises(SystemExit):
             probe.run(build_parser().parse_args(base + flags))
     default, chosen = seen
-    assert (default.selection, default.n_permutations, default.random_twin) == (True, 100, False)
+    assert (default.selection, default.n_permutations, default.random_twin) == (True, 1000, True)
     assert (chosen.selection, chosen.n_permutations, chosen.random_twin, chosen.selection_fraction) == \
-        (False, 7, True, 0.3)
+        (False, 7, False, 0.3)
     with pytest.raises(TomlensError, match="selection_fraction"):
         probes.ProbesConfig(stimuli=StimuliSpec(path="s.jsonl"), selection_fraction=1.0)
 
@@ -234,7 +234,8 @@ def test_probe_cli_selection_flags_reach_the_config(monkeypatch, tmp_path):
 def test_probe_cli_end_to_end(tmp_path, capsys):
     from tomlens.cli import main
 
-    stimuli = write_jsonl(generate("unexpected-transfer", n=3, seed=1), tmp_path / "s.jsonl")
+    # 6 tasks: the selection half needs >= 3 (3 tasks would leave it 2: a clear error)
+    stimuli = write_jsonl(generate("unexpected-transfer", n=6, seed=1), tmp_path / "s.jsonl")
     args = ["probe", "--model", "tiny-llama", "--stimuli", str(stimuli), "--sites", "resid_post,head_out",
             "--positions", "final", "--store", str(tmp_path / "store"), "--out", str(tmp_path / "out"),
             "--folds", "3", "--inner-folds", "2", "--c-grid", "0.1", "1", "--n-boot", "20", "--no-progress"]

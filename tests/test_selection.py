@@ -136,3 +136,89 @@ def test_on_a_random_init_model_the_selected_unit_is_at_its_null(name, tmp_path,
     figures = write_probe_figures(result.table, out, selection=result.selection)
     title = figures["layers_resid_post"].layout.title.text
     assert ("withheld" in title) == (r.verdict == WITHHELD)
+
+
+@pytest.mark.unit
+def test_selection_needs_three_tasks_and_gates_on_a_control_that_can_fail():
+    st = _order_only(n=4)
+    X, _ = _planted(st, carrier=2)
+    few = select_and_evaluate(Planted(st, X), "protagonist_belief", sites=("resid_post",), position="final",
+                              n_permutations=0, config=FAST)
+    assert few.verdict == WITHHELD and "need >= 3 tasks in the selection half" in few.reason
+    assert "need >= 3 tasks" in few.line()
+    # features that name the cue x condition cells decode the target (fixed by condition) and the
+    # control alike: the control can fail here, and it does, so the unit is withheld
+    st = _order_only(spans=False)
+    from tomlens.probes.controls import type_cells
+
+    cells = type_cells(st, "cue_condition")
+    codes = {c: i for i, c in enumerate(dict.fromkeys(cells))}
+    X = torch.nn.functional.one_hot(torch.tensor([codes[c] for c in cells]), len(codes)).float() * 3
+    X = (X + 0.1 * torch.randn(X.shape, generator=torch.Generator().manual_seed(0))).unsqueeze(1).repeat(1, 2, 1)
+    r = select_and_evaluate(Planted(st, X), "protagonist_belief", sites=("resid_post",), position="final",
+                            n_permutations=19, config=FAST)
+    assert r.control is not None and r.control.score > 0.8 and r.control_reason == ""
+    assert r.verdict == WITHHELD and "type-level control" in r.reason
+    # without a cue id and with a template per task no evaluation cell recurs: the control is withheld
+    bare = [dataclasses.replace(s, meta={k: v for k, v in s.meta.items() if k != "cue_id"}) for s in st]
+    r = select_and_evaluate(Planted(bare, X), "protagonist_belief", sites=("resid_post",), position="final",
+                            n_permutations=0, config=FAST)
+    assert r.control is None and "cannot fail" in r.control_reason and "control withheld" in r.line()
+    assert r.condition_split is None  # two conditions: no split other than the label
+
+
+@pytest.mark.unit
+def test_selection_reports_a_condition_split_where_the_set_has_three_or_more_conditions():
+    st = generate("unexpected-transfer", n=8, seed=0)
+    y, _ = make_target(st, "protagonist_belief")
+    X = torch.randn(len(st), 2, 8, generator=torch.Generator().manual_seed(0))
+    r = select_and_evaluate(Planted(st, X), "protagonist_belief", sites=("resid_post",), position="final",
+                            n_permutations=0, config=FAST)
+    assert r.condition_split is not None and 0 <= r.condition_split.score <= 1
+    assert "condition split" in r.line()
+    back = SelectionResult.from_dict(json.loads(json.dumps(r.to_dict())))
+    assert back.condition_split == r.condition_split
+
+
+@pytest.mark.unit
+def test_too_few_permutations_say_that_no_unit_can_be_found():
+    st = _order_only(n=8)
+    X, _ = _planted(st, carrier=2, strength=4.0)
+    r = select_and_evaluate(Planted(st, X), "protagonist_belief", sites=("resid_post",), position="final",
+                            n_permutations=19, config=FAST)
+    assert any("no unit can be found: use at least 20 permutations" in n for n in r.notes)
+    assert r.verdict == WITHHELD and r.p_max >= 0.05
+    import argparse
+
+    from tomlens.cli.probe import register
+
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers()
+    register(sub)
+    text = " ".join(sub.choices["probe"].format_help().split())
+    assert "(default 1000;" in text and "one ridge fit per unit and fold whatever N is" in text
+    assert "with N <= 19 it can never be below 0.05" in text and "--no-random-twin" in text
+
+
+@pytest.mark.unit
+def test_layer_figure_draws_the_selected_unit_at_its_held_out_score():
+    from tomlens.probes.selection import Estimate
+    from tomlens.probes.sweep import run_probe_sweep
+    from tomlens.report.layers import layer_figure
+
+    st = _order_only(n=8)
+    X, _ = _planted(st, carrier=1, units=3, strength=4.0)
+    table = run_probe_sweep(Planted(st, X), "protagonist_belief", sites=("resid_post",), config=FAST,
+                            bow=False, length=False, position=False, conditions=False, directions=False).table
+    full = float(table[(table["layer"] == 1) & (table["metric"] == "accuracy")]["score"].iloc[0])
+    held = Estimate(0.61, 0.52, 0.70, 0.5)
+    assert abs(full - held.score) > 0.05  # the two places differ, so the test can tell them apart
+    sel = SelectionResult(target="protagonist_belief", unit={"kind": "resid_post", "layer": 1, "head": -1,
+                                                             "position": "final"},
+                          selection_score=full, evaluation=held)
+    fig = layer_figure(table, selection={"protagonist_belief": sel})
+    star = [tr for tr in fig.data if "selected unit" in (tr.name or "")]
+    assert len(star) == 1 and list(star[0].y) == [0.61] and "held-out evaluation 0.61 [0.52, 0.70]" in star[0].name
+    assert star[0].error_y.array[0] == pytest.approx(0.09) and star[0].error_y.arrayminus[0] == pytest.approx(0.09)
+    assert not [tr for tr in layer_figure(table, metric="auroc", selection={"protagonist_belief": sel}).data
+                if "selected unit" in (tr.name or "")]  # an accuracy estimate is not drawn on an AUROC axis

@@ -204,3 +204,51 @@ def test_statements_for_hand_made_story_with_its_events():
 def test_bad_options_raise(kwargs):
     with pytest.raises(TomlensError):
         belief_statements(1, 0, **kwargs)
+
+
+def test_a_third_agent_who_stays_hears_the_telling_in_text_and_labels():
+    """The reviewer's case: a third agent who stayed, in an informed story. The text says it saw and
+    heard everything after, and the tracker has it perceive the telling: it knows the protagonist
+    was told, so "C thinks that P believes <new place>" is true."""
+    for source in ("unexpected-transfer", "unexpected-contents"):
+        stories = [s for s in _belief_stories(source, 8, 0) if s.condition == "informed"]
+        stays = {t for t, third in third_agents(stories).items() if third.stays}
+        rows = statements_for(stories, orders=(2,), claim="contents" if source.endswith("contents") else "transfer",
+                              source=source)
+        checked = 0
+        for s in rows:
+            if s.task_id not in stays or s.meta["chain_roles"] != ["third_agent", "protagonist"]:
+                continue
+            assert "seeing and hearing everything after" in s.text
+            assert s.meta["chain_belief"] == s.meta["story_protagonist_belief"], s.id  # informed: knows
+            assert s.meta["statement_literal_true"] == (s.meta["statement_place"] == s.meta["story_world_state"])
+            checked += 1
+        assert checked, source
+
+
+def test_bystander_is_a_believer_only_where_the_story_names_them():
+    from tomlens.stimuli.false_belief import unexpected_contents
+    for gen in (unexpected_transfer, unexpected_contents):
+        plain = [s for s in gen(8, seed=1, decoys=False) if s.prompt_type == "belief"]
+        assert all(s.meta.get("bystander") for s in plain)
+        rows = statements_for(plain, orders=(1,), claim="contents" if gen is unexpected_contents else "transfer")
+        for s in rows:
+            story = s.text.split("\nStatement:")[0]
+            assert all(name in story for name in s.meta["chain"]), s.id  # nobody unnamed is asked about
+            assert "bystander" not in s.meta["chain_roles"]
+        thirds = third_agents(plain)
+        assert all(thirds[s.task_id].name != s.meta["bystander"] for s in plain)
+        decoy = [s for s in gen(4, seed=1) if s.prompt_type == "belief"]
+        assert any("bystander" in s.meta["chain_roles"]
+                   for s in statements_for(decoy, orders=(1,), claim="contents" if gen is unexpected_contents
+                                           else "transfer"))
+
+
+def test_contents_statements_record_their_place_mention():
+    stories = _belief_stories("unexpected-contents", 2, 0)
+    for s in statements_for(stories, orders=(0, 1), claim="contents"):
+        place = s.spans["statement_place"]
+        roles = [r for r in ("object", "location_1", "location_2") if place in s.mentions.get(r, ())]
+        assert roles, s.id
+        want = ("object", "location_2") if s.meta["statement_place"] == s.meta["story_world_state"] else ("location_1",)
+        assert tuple(roles) == want, (s.id, roles)

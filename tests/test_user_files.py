@@ -179,3 +179,22 @@ def test_unreadable_inputs(tmp_path):
     p = _jsonl(tmp_path, "[1, 2]")
     with pytest.raises(TomlensError, match="expected a JSON object"):
         load_user_file(p)
+
+
+def test_mentions_are_read_as_offsets_in_text_order(tmp_path):
+    from tomlens.stimuli.records import find_mentions
+
+    text = "Anna put the ball in the box. Anna left. Where will Anna look for the ball? Answer:"
+    mentions = find_mentions(text, {"protagonist": "Anna", "object": "the ball"})
+    row = {"id": "a", "text": text, "options": ["box", "basket"], "answer": "box",
+           "mentions": {k: [[m.start, m.end] for m in reversed(v)] for k, v in mentions.items()}}
+    path = tmp_path / "m.jsonl"
+    path.write_text(json.dumps(row) + "\n")
+    (s,) = load_user_file(path)
+    assert s.mentions == mentions and [m.of(text) for m in s.mentions["protagonist"]] == ["Anna"] * 3
+    for bad, why in (({"protagonist": ["Anna", "Anna"]}, "mentions.protagonist[0]"),
+                     ({"protagonist": [[0, 4], [0, 4]]}, "listed twice"),
+                     ({"protagonist": [[0, 400]]}, "outside the text")):
+        path.write_text(json.dumps({**row, "mentions": bad}) + "\n")
+        with pytest.raises(TomlensError, match=re.escape(why)):
+            load_user_file(path)

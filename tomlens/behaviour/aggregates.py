@@ -7,7 +7,8 @@ interval over prompts here is therefore a bootstrap that resamples whole tasks (
 
 - accuracy per family x condition x prompt type, with a task-bootstrap 95% interval and n_tasks;
 - belief accuracy gated on the reality prompt of the same story (Kosinski; Kosoy et al.);
-- the paired false- vs true-belief log-odds effect (Jones, Trott & Bergen's knowledge-state effect);
+- the paired false- vs true-belief log-odds effect (Jones, Trott & Bergen's knowledge-state effect),
+  only where belief answers are states or places, with label controls kept apart;
 - Kosinski's strict rule: a task counts only when every one of its prompts is right (tasks are
   independent units, so a Wilson interval over tasks is the right one there);
 - Ruis et al.'s object bias o_b = p(obj) / (p(obj) + p(loc)) per cell and their
@@ -191,47 +192,102 @@ def _log_odds(df: pd.DataFrame, word: pd.Series) -> pd.Series:
                      index=df.index, dtype=float)
 
 
+# Families whose belief answers are states or places (where the object is, what the container
+# holds), so "the start answer" means something. Other built-in families answer something else
+# ("true"/"false" statements, goal targets, tracking curves) and never get a knowledge-state row.
+STATE_FAMILIES: tuple[str, ...] = ("unexpected-transfer", "unexpected-contents", "order-only",
+                                   "false-belief-factorial")
+NON_STATE_FAMILIES: tuple[str, ...] = ("belief-statements", "goal-encoding", "belief-tracking")
+# Controls that change what the start answer is rather than what the protagonist knows: in the
+# contents family's correct-label control the label itself names the true contents.
+LABEL_CONTRASTS: dict[str, tuple[str, ...]] = {"unexpected-contents": ("correct_label",)}
+# Below this many tasks an effect has no interval (a bootstrap over one task is a point).
+MIN_EFFECT_TASKS = 2
+
+
+def _column(df: pd.DataFrame, name: str) -> pd.Series:
+    """`df[name]` as objects with missing values as None (a column that is absent is all None)."""
+    if name not in df:
+        return pd.Series([None] * len(df), index=df.index, dtype=object)
+    col = df[name].astype(object)
+    return col.where(col.notna() & (col.astype(str) != ""), None)
+
+
+def _among_options(df: pd.DataFrame, word: pd.Series) -> pd.Series:
+    return word.notna() & ((word == df["option_a"]) | (word == df["option_b"]))
+
+
+def _state_rows(d: pd.DataFrame) -> pd.DataFrame:
+    """Belief rows whose answers are states/places: the STATE_FAMILIES, and rows of other families
+    (user files, BigToM) whose belief, world state and reference state are all among the options."""
+    belief, world, ref = (_column(d, c) for c in ("protagonist_belief", "world_state", "reference_state"))
+    family = d["family"].astype(str)
+    other = ~family.isin(STATE_FAMILIES) & ~family.isin(NON_STATE_FAMILIES)
+    user_ok = other & _among_options(d, belief) & _among_options(d, world) & _among_options(d, ref)
+    return d[family.isin(STATE_FAMILIES) | user_ok]
+
+
 def knowledge_state_effect(df: pd.DataFrame, *, n_boot: int = 1000, seed: int = 0) -> pd.DataFrame:
     """Jones, Trott & Bergen's knowledge-state effect on belief prompts, paired story by story.
 
-    Each false-belief story is paired with each true-belief control of the same task and version
-    (`reversed`, and the factorial's first/recent mention and knowledge cue where present). In both,
-    log-odds = log p(start) - log p(other option), where `start` is the false-belief story's belief
-    answer (the object's starting place, the label word). The effect is the mean paired difference
-    FB - TB: positive when the model's answer follows what the protagonist knows. A control whose
-    belief answer is also `start` (no transfer) makes no knowledge-state contrast and is left out.
-    One row per family x control (`contrast`): n_pairs, n_tasks, the effect with a task-bootstrap
-    95% interval, the share of tasks whose mean paired difference is positive, and the mean
-    log-odds in each condition.
+    Only for families whose belief answers are states or places (STATE_FAMILIES, and user rows
+    whose belief, world and reference states are among the options): for true/false statements
+    there is no "start answer", and pairing them would compare unrelated statements.
+    Each false-belief story is paired with each true-belief control of the same task, version
+    (`reversed`, and the factorial's first/recent mention and knowledge cue where present) and
+    option pair. In both, log-odds = log p(start) - log p(other option), where `start` is the
+    false-belief row's `protagonist_belief` (its `reference_state`, the starting place or label
+    word). The effect is the mean paired difference FB - TB: positive when the model's answer
+    follows what the protagonist knows. A control whose belief is also `start` (no transfer)
+    makes no contrast and is left out. `contrast_kind` is "knowledge" when the control keeps the
+    start (its `reference_state`) and changes only what the protagonist knows, "label" when the
+    control changes the start itself (the contents family's correct label). One row per family x
+    control: n_pairs, n_tasks, the effect with a task-bootstrap 95% interval (nan with fewer than
+    MIN_EFFECT_TASKS tasks, and `few_tasks` True), the share of tasks whose mean paired difference
+    is positive, and the mean log-odds in each condition.
     """
-    cols = ["family", "contrast", "n_pairs", "n_tasks", "effect", "ci_low", "ci_high",
-            "share_tasks_positive", "logodds_false_belief", "logodds_true_belief"]
+    cols = ["family", "contrast", "contrast_kind", "n_pairs", "n_tasks", "effect", "ci_low", "ci_high",
+            "few_tasks", "share_tasks_positive", "logodds_false_belief", "logodds_true_belief"]
     d = _unprefixed(df)
-    need = {"option_a", "option_b", "logp_a", "logp_b", "answer", "condition", "family"}
+    need = {"option_a", "option_b", "logp_a", "logp_b", "answer", "condition", "family", "prompt_type"}
     if d.empty or not need <= set(d.columns):
         return pd.DataFrame(columns=cols)
-    d = d[d["prompt_type"] == "belief"]
-    d = d.assign(_fb=_is_false_belief(d), _task=_task_of(d))
-    keys = ["family", "_task"] + [c for c in ("reversed", *PAIR_FACTORS) if c in d]
+    d = _state_rows(d[d["prompt_type"] == "belief"])
+    if d.empty:
+        return pd.DataFrame(columns=cols)
+    belief = _column(d, "protagonist_belief").where(lambda x: x.notna(), d["answer"].astype(object))
+    ref = _column(d, "reference_state")
+    options = ["\x1f".join(sorted(map(str, ab))) for ab in zip(d["option_a"], d["option_b"])]
+    d = d.assign(_fb=_is_false_belief(d), _task=_task_of(d), _belief=belief, _ref=ref, _options=options)
+    keys = ["family", "_task", "_options"] + [c for c in ("reversed", *PAIR_FACTORS) if c in d]
     d[keys] = d[keys].astype(object).where(d[keys].notna(), "")
     fb, tb = d[d["_fb"]], d[~d["_fb"]]
     if fb.empty or tb.empty:
         return pd.DataFrame(columns=cols)
-    fb = fb.assign(_start=fb["answer"])
+    fb = fb.assign(_start=fb["_belief"])
     fb = fb.assign(_lo=_log_odds(fb, fb["_start"]))
     fb_one = fb.groupby(keys, sort=False).agg(_start=("_start", "first"), _lo_fb=("_lo", "mean"))
     m = tb.merge(fb_one.reset_index(), on=keys, how="inner")
-    m = m[m["answer"] != m["_start"]]  # the control must call for the other answer
+    m = m[m["_belief"] != m["_start"]]  # the control must call for the other answer
     m["_lo_tb"] = _log_odds(m, m["_start"])
     m = m[m["_lo_tb"].notna() & m["_lo_fb"].notna()]
     m["_diff"] = m["_lo_fb"] - m["_lo_tb"]
+    label = m["_ref"].notna() & (m["_ref"] != m["_start"])
+    label |= pd.Series([c in LABEL_CONTRASTS.get(f, ()) for f, c in zip(m["family"], m["condition"])],
+                       index=m.index, dtype=bool)
+    m["_kind"] = np.where(label, "label", "knowledge")
     rows = []
-    for (family, contrast), g in m.groupby(["family", "condition"], sort=True):
+    for (family, contrast, kind), g in m.groupby(["family", "condition", "_kind"], sort=True):
         total, count = _per_task(g["_diff"], g["_task"])
-        lo, hi = task_bootstrap(total, count, n_boot=n_boot, rng=_cell_rng(seed, ("ks", family, contrast)))
-        rows.append({"family": family, "contrast": contrast, "n_pairs": len(g), "n_tasks": len(total),
-                     "effect": float(g["_diff"].mean()), "ci_low": lo, "ci_high": hi,
-                     "share_tasks_positive": float(np.mean(total / count > 0)),
+        few = len(total) < MIN_EFFECT_TASKS
+        if few:
+            lo = hi = float("nan")
+        else:
+            lo, hi = task_bootstrap(total, count, n_boot=n_boot,
+                                    rng=_cell_rng(seed, ("ks", family, contrast)))
+        rows.append({"family": family, "contrast": contrast, "contrast_kind": kind, "n_pairs": len(g),
+                     "n_tasks": len(total), "effect": float(g["_diff"].mean()), "ci_low": lo, "ci_high": hi,
+                     "few_tasks": few, "share_tasks_positive": float(np.mean(total / count > 0)),
                      "logodds_false_belief": float(g["_lo_fb"].mean()),
                      "logodds_true_belief": float(g["_lo_tb"].mean())})
     return pd.DataFrame(rows, columns=cols)

@@ -52,7 +52,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--select-fraction", type=float, default=0.5,
                    help="share of tasks whose pairs select and rank heads; the rest validate them (held out)")
     p.add_argument("--solved-only", action="store_true",
-                   help="keep only pairs the model answers right both ways (clean: belief answer; corrupted: its own)")
+                   help="after the gate (which always sees every pair), patch only pairs the model answers right both "
+                   "ways (clean: belief answer; corrupted: its own)")
     p.add_argument("--force", action="store_true",
                    help="run the sweeps, ranking and validations even when the gate fails (or pairs are too few to "
                    "split); every output is flagged FORCED")

@@ -51,12 +51,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--selection-fraction", type=float, default=0.5,
                    help="fraction of the story groups used to choose the unit (default 0.5)")
     p.add_argument("--permutations", type=int, default=None, metavar="N",
-                   help="permutations of the max-statistic null for the best unit (default 100; 0 skips it, "
-                   "and the verdict is then withheld; its time grows with units x permutations: "
-                   "minutes for smollm2's 300 units on a CPU, printed in the notes)")
-    p.add_argument("--random-twin", action="store_true",
+                   help="permutations of the max-statistic null for the best unit (default 1000; 0 skips "
+                   "it, and the verdict is then withheld). Its cost is about one ridge fit per unit and "
+                   "fold whatever N is (one solve serves every permutation; the time is in the notes). "
+                   "The smallest p_max is 1 / (N + 1): with N <= 19 it can never be below 0.05, so no "
+                   "unit can be found (a note says so)")
+    p.add_argument("--random-twin", action=argparse.BooleanOptionalAction, default=True,
                    help="also cache and sweep random:MODEL (same architecture, fresh weights, same seed) "
-                   "and add its score as the baseline_random_init column")
+                   "and add its score as the baseline_random_init column (default on; --no-random-twin "
+                   "skips it)")
     p.add_argument("--format", default="parquet", choices=["parquet", "csv"], help="table format")
     p.add_argument("--batch-size", type=int, default=None, help="prompts per forward when caching")
     add_model_options(p)

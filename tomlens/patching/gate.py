@@ -3,15 +3,18 @@ in the expected direction at all?
 
 Per contrast, the paired gap of the metric (logit of the clean story's belief answer minus logit of
 the world answer, at the last token) between the false-belief story (clean) and its true-belief
-control (corrupted): gap_i = clean_i - corrupted_i, expected > 0. The one-sided 95% lower bound is
-t-based on the paired differences, mean - t(0.95, n-1) * SD / sqrt(n) (pairs are the unit; a
-bootstrap lower bound with 3 to 10 pairs is too narrow to trust, the t bound is exact under
-normality and conservative enough elsewhere). The gate passes only when that bound is above 0, so a
+control (corrupted): gap_i = clean_i - corrupted_i, expected > 0. Pairs of one task (its normal and
+reversed versions, several contrasts) share a story and are not independent, so the gaps are first
+averaged within each task (the clean story's task id; a pair without one is its own task) per
+contrast, and tasks are the unit: the one-sided 95% lower bound is t-based on the task means,
+mean - t(0.95, n-1) * SD / sqrt(n) with n = tasks (a bootstrap lower bound with 3 to 10 tasks is too
+narrow to trust; the t bound is exact under normality and conservative enough elsewhere). Counting
+pairs instead would narrow the bound by repeating a task. The gate passes only when that bound is above 0, so a
 gap that is significantly NEGATIVE (the false-belief story leans more to the world answer than its
 control) fails, as does one indistinguishable from 0. Heads ranked by effects normalised by a gap
 that failed would be ranked on noise or on the wrong sign.
 
-The power line: pairs needed to detect the observed mean with 80% power at one-sided alpha 0.05,
+The power line: tasks needed to detect the observed mean with 80% power at one-sided alpha 0.05,
 n ~ ((z_0.95 + z_0.8) * SD / mean)^2 (normal approximation).
 """
 
@@ -30,16 +33,17 @@ from torch import Tensor
 from tomlens.errors import TomlensError
 
 __all__ = ["ALPHA", "POWER", "GateResult", "base_logit_diffs", "gate_message", "gate_pairs", "gate_table",
-           "MIN_SPLIT_PAIRS", "pairs_needed", "run_gate", "solved_mask", "split_selection"]
+           "MIN_SPLIT_PAIRS", "pairs_needed", "run_gate", "solved_mask", "split_selection", "task_gaps"]
 
 ALPHA = 0.05  # one-sided: the lower bound is at level 1 - ALPHA
 POWER = 0.8
-METHOD = "one-sided t lower bound on the paired false-minus-true-belief gaps (level 0.95)"
+METHOD = ("one-sided t lower bound (level 0.95) over tasks on the false-minus-true-belief gaps averaged "
+          "within each task")
 
 
 def pairs_needed(mean: float, sd: float, *, alpha: float = ALPHA, power: float = POWER) -> int | None:
-    """Pairs needed to detect `mean` with `power` at one-sided `alpha`: ((z_{1-a} + z_power) SD / mean)^2,
-    rounded up. None when the mean is <= 0 (no number of pairs makes a wrong-sign gap positive) or
+    """Tasks (independent units) needed to detect `mean` with `power` at one-sided `alpha`:
+    ((z_{1-a} + z_power) SD / mean)^2, rounded up. None when the mean is <= 0 (no number of tasks makes a wrong-sign gap positive) or
     the spread is undefined."""
     from scipy.stats import norm
 
@@ -50,9 +54,9 @@ def pairs_needed(mean: float, sd: float, *, alpha: float = ALPHA, power: float =
 
 @dataclass(frozen=True)
 class GateResult:
-    """One contrast's gate: `n` pairs, mean and SD of the paired gaps, the one-sided lower bound,
-    whether it is above 0 (`passed`), the pairs 80% power needs (`power_n`, None: no number helps)
-    and a sentence for a reader (`message`)."""
+    """One contrast's gate: `n` tasks (the unit; `n_pairs` pairs behind them), mean and SD of the
+    per-task mean gaps, the one-sided lower bound, whether it is above 0 (`passed`), the tasks 80%
+    power needs (`power_n`, None: no number helps) and a sentence for a reader (`message`)."""
 
     contrast: str
     n: int
@@ -62,30 +66,32 @@ class GateResult:
     passed: bool
     power_n: int | None
     message: str
+    n_pairs: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     @property
     def power_line(self) -> str:
-        """How many pairs the observed spread needs (or why no number helps)."""
+        """How many tasks the observed spread needs (or why no number helps)."""
         return _power_line(self.mean, self.sd, self.n, self.power_n)
 
 
 def _power_line(mean: float, sd: float, n: int, power_n: int | None) -> str:
     if not math.isfinite(mean) or n < 2:
-        return "power: too few pairs to estimate the spread"
+        return "power: too few tasks to estimate the spread"
     if mean <= 0:
-        return "power: no number of pairs helps: the gap has the wrong sign"
+        return "power: no number of tasks helps: the gap has the wrong sign"
     if power_n is None:
         return "power: the spread is undefined"
-    return (f"power: about {power_n} pairs detect a gap of {mean:.3f} (SD {sd:.3f}) with 80% power at "
+    return (f"power: about {power_n} tasks detect a gap of {mean:.3f} (SD {sd:.3f}) with 80% power at "
             f"one-sided alpha 0.05 (have {n})")
 
 
-def run_gate(gap: Float[Tensor, "pair"] | Sequence[float], contrast: str = "all", *,
-             alpha: float = ALPHA) -> GateResult:
-    """The gate on one contrast's paired gaps (clean - corrupted metric per pair)."""
+def run_gate(gap: Float[Tensor, "task"] | Sequence[float], contrast: str = "all", *,
+             alpha: float = ALPHA, n_pairs: int | None = None) -> GateResult:
+    """The gate on one contrast's gaps, one per independent unit (a task's mean clean - corrupted
+    metric; `gate_pairs` averages pairs into tasks). `n_pairs`: the pairs behind them (reported)."""
     from scipy.stats import t as student_t
 
     g = np.asarray(gap.double().cpu().numpy() if isinstance(gap, Tensor) else gap, dtype=np.float64).reshape(-1)
@@ -103,39 +109,59 @@ def run_gate(gap: Float[Tensor, "pair"] | Sequence[float], contrast: str = "all"
         lower = mean - float(student_t.ppf(1 - alpha, n - 1)) * sd / math.sqrt(n)
     passed = bool(n >= 2 and lower > 0)
     power_n = pairs_needed(mean, sd, alpha=alpha)
-    what = f"contrast {contrast!r}: false-minus-true-belief gap {mean:.3f} (SD {sd:.3f}, n = {n})"
+    behind = f", {n_pairs} pairs" if n_pairs is not None else ""
+    what = (f"contrast {contrast!r}: false-minus-true-belief gap {mean:.3f} (SD {sd:.3f} over tasks, "
+            f"n = {n} tasks{behind})")
     if passed:
         verdict = f"one-sided 95% lower bound {lower:.3f} > 0: passes"
     elif n < 2:
-        verdict = "one pair or none: no interval; fails"
+        verdict = "one task or none: no interval; fails"
     elif mean <= 0:
         verdict = (f"lower bound {lower:.3f}; the false-belief story does not lean more to the belief answer "
                    "than its control (wrong sign or none): fails")
     else:
         verdict = f"lower bound {lower:.3f} does not exclude 0: fails"
     message = f"{what}; {verdict}. {_power_line(mean, sd, n, power_n)}"
-    return GateResult(contrast, n, mean, sd, lower, passed, power_n, message)
+    return GateResult(contrast, n, mean, sd, lower, passed, power_n, message, n if n_pairs is None else n_pairs)
+
+
+def task_gaps(gap: Float[Tensor, "pair"] | Sequence[float], task_ids: Sequence[str | None] | None
+              ) -> Float[Tensor, "task"]:
+    """Mean gap per task, tasks in first-seen order (a pair with no task id, or `task_ids=None`, is
+    its own task): the independent units of the gate."""
+    g = torch.as_tensor(gap).double().cpu().reshape(-1)
+    if task_ids is None:
+        return g
+    if len(task_ids) != len(g):
+        raise TomlensError(f"{len(g)} gaps and {len(task_ids)} task ids", "pass one task id per pair (or None)")
+    keys = [t if t else f"pair:{i}" for i, t in enumerate(task_ids)]
+    order = list(dict.fromkeys(keys))
+    return torch.stack([g[[i for i, k in enumerate(keys) if k == key]].mean() for key in order]) if order else g
 
 
 def gate_pairs(clean: Float[Tensor, "pair"], corrupted: Float[Tensor, "pair"], contrasts: Sequence[str], *,
-               alpha: float = ALPHA) -> dict[str, GateResult]:
-    """The gate per contrast (pairs carry `.contrast`), in sorted contrast order."""
+               task_ids: Sequence[str | None] | None = None, alpha: float = ALPHA) -> dict[str, GateResult]:
+    """The gate per contrast (pairs carry `.contrast`), in sorted contrast order, on the pairs' gaps
+    averaged within each task (`task_ids`, the clean stories' task ids; None: every pair its own task)."""
     clean, corrupted = torch.as_tensor(clean).double().cpu(), torch.as_tensor(corrupted).double().cpu()
     if not len(clean) == len(corrupted) == len(contrasts):
         raise TomlensError(f"{len(clean)} clean, {len(corrupted)} corrupted values and {len(contrasts)} contrasts",
                            "pass one value of each and one contrast per pair")
+    if task_ids is not None and len(task_ids) != len(clean):
+        raise TomlensError(f"{len(clean)} pairs and {len(task_ids)} task ids", "pass one task id per pair (or None)")
     gap = clean - corrupted
     out = {}
     for c in sorted(set(contrasts)):
-        idx = torch.tensor([i for i, x in enumerate(contrasts) if x == c])
-        out[c] = run_gate(gap[idx], c, alpha=alpha)
+        idx = [i for i, x in enumerate(contrasts) if x == c]
+        units = task_gaps(gap[torch.tensor(idx)], None if task_ids is None else [task_ids[i] for i in idx])
+        out[c] = run_gate(units, c, alpha=alpha, n_pairs=len(idx))
     return out
 
 
 def gate_table(results: dict[str, GateResult]) -> pd.DataFrame:
-    """One row per contrast: n, mean, sd, lower, passed, power_n, message."""
+    """One row per contrast: n (tasks), mean, sd, lower, passed, power_n (tasks), message, n_pairs."""
     return pd.DataFrame([r.to_dict() for r in results.values()],
-                        columns=["contrast", "n", "mean", "sd", "lower", "passed", "power_n", "message"])
+                        columns=["contrast", "n", "mean", "sd", "lower", "passed", "power_n", "message", "n_pairs"])
 
 
 def gate_message(results: dict[str, GateResult], *, forced: bool = False) -> str:
@@ -154,7 +180,7 @@ def gate_message(results: dict[str, GateResult], *, forced: bool = False) -> str
                 f"{', '.join(passed)} only")
     return ("withheld: head ranking, top-k recovery, mean ablation and the cell sweeps (their effects are "
             "normalised by this gap). Reason: " + why + ". The raw per-pair logit differences are kept; "
-            "use more pairs (see the power line), --solved-only, or a model that separates the stories; "
+            "use more tasks (see the power line) or a model that separates the stories; "
             "--force runs everything anyway, flagged")
 
 

@@ -19,6 +19,8 @@ All patched runs go through the batched engine of `tomlens.patching.engine`, lai
 from __future__ import annotations
 
 import hashlib
+import itertools
+import math
 from dataclasses import dataclass
 from typing import Any, Literal, Sequence
 
@@ -91,10 +93,63 @@ def layer_matched_draw(model, top: Sequence[Head], gen: np.random.Generator) -> 
     return out
 
 
+def _layer_options(model, top: Sequence[Head]) -> list[tuple[int, list[tuple[int, ...]]]]:
+    """Per layer of `top` (in its order), every head subset a layer-matched draw can take there."""
+    n_heads = model.cfg.n_heads
+    top = [tuple(map(int, h)) for h in top]
+    out = []
+    for layer in dict.fromkeys(l for l, _ in top):
+        mine = [h for l, h in top if l == layer]
+        others = [h for h in range(n_heads) if h not in mine]
+        m = len(mine)
+        if len(others) >= m:
+            options = list(itertools.combinations(others, m))
+        else:
+            options = [tuple(others) + fill for fill in itertools.combinations(mine, m - len(others))]
+        out.append((layer, options))
+    return out
+
+
+def n_layer_matched(model, top: Sequence[Head]) -> int:
+    """How many distinct layer-matched head sets `top` has (`layer_matched_draw`'s support)."""
+    n_heads = model.cfg.n_heads
+    top = [tuple(map(int, h)) for h in top]
+    total = 1
+    for layer in dict.fromkeys(l for l, _ in top):
+        m = sum(1 for l, _ in top if l == layer)
+        others = n_heads - m
+        total *= math.comb(others, m) if others >= m else math.comb(m, m - others)
+    return total
+
+
+def layer_matched_sets(model, top: Sequence[Head], n_random: int, gen: np.random.Generator) -> list[list[Head]]:
+    """Distinct layer-matched head sets for `top`: all of them (in a fixed order) when there are at most
+    `n_random`, so the null is exact; else `n_random` drawn without replacement. Draws with replacement
+    from a small support repeat the same few sets and make (1 + reaching) / (1 + draws) far too small
+    (9 heads a layer, k = 1: 8 sets, p at least 1/9, not 1/201)."""
+    n = n_layer_matched(model, top)
+    if n <= n_random or n <= 4 * n_random:
+        options = _layer_options(model, top)
+        every = [[(layer, h) for (layer, _), hs in zip(options, combo) for h in hs]
+                 for combo in itertools.product(*(o for _, o in options))]
+        if n <= n_random:
+            return every
+        return [every[i] for i in sorted(gen.choice(len(every), size=n_random, replace=False))]
+    seen: set[frozenset[Head]] = set()
+    out: list[list[Head]] = []
+    while len(out) < n_random:
+        draw = layer_matched_draw(model, top, gen)
+        key = frozenset(draw)
+        if key not in seen:
+            seen.add(key)
+            out.append(draw)
+    return out
+
+
 def _random_sets(model, top_sets: dict[int, Sequence[Head]], n_random: int, seed: int) -> dict[int, list[list[Head]]]:
-    """`n_random` layer-matched draws (`layer_matched_draw`) for each k's top set, fixed by `seed`."""
+    """Up to `n_random` distinct layer-matched sets (`layer_matched_sets`) for each k's top set, fixed by `seed`."""
     gen = np.random.default_rng(seed)
-    return {k: [layer_matched_draw(model, top, gen) for _ in range(n_random)] for k, top in top_sets.items()}
+    return {k: layer_matched_sets(model, top, n_random, gen) for k, top in top_sets.items()}
 
 
 def _prepared(model, pairs: Any, position: str, batch_pairs: int) -> PreparedPairs:
@@ -113,12 +168,12 @@ class Recovery:
 def topk_settings(
     model, ranking: Sequence[Head] | None, ks: Sequence[int], n_random: int, seed: int
 ) -> list[tuple[str, int, int, list[Head]]]:
-    """(selection, k, draw, heads) for the top-k sets of `ranking` (selection "top", draw -1) and
-    `n_random` random sets per k (selection "random", draw 0..n_random-1), each matched to its top
-    set's layers (`layer_matched_draw`).
+    """(selection, k, draw, heads) for the top-k sets of `ranking` (selection "top", draw -1) and up to
+    `n_random` distinct random sets per k (selection "random", draw 0, 1, ...), each matched to its top
+    set's layers (`layer_matched_sets`: every such set when there are at most `n_random`).
 
     `ranking=None` stands a uniform random draw in for each top set: same sizes, so a plan made
-    before the ranking exists counts the same runs."""
+    before the ranking exists counts about the same runs (at most `n_random` draws per k)."""
     if ranking is None:
         tops = _uniform_sets(model, ks, seed + 1)
     else:
@@ -188,7 +243,9 @@ def topk_recovery(
     """Patch the top-k heads of `ranking` together for each k of `ks` (default 1..k_max; those above
     k_max dropped), and k layer-matched random heads, at `position`. `random_reach` is the share of
     random draws whose effect reaches the top set's (for noising, whose effect falls as low), `p_random`
-    the empirical p (1 + reaching) / (1 + draws). `checkpoints`: finished chunks are saved there and
+    the empirical p (1 + reaching) / (1 + draws): exact when every distinct layer-matched set was
+    patched (`n_random` = `n_distinct`), and per k, uncorrected across the ks. `checkpoints`: finished
+    chunks are saved there and
     reused (see `exact_patching`)."""
     ranking = [tuple(map(int, h)) for h in ranking]
     k_max = min(k_max, len(ranking))
@@ -220,12 +277,21 @@ def topk_recovery(
             "random_high": [rnd.quantile(0.975).get(k, np.nan) for k in ks],
             "random_reach": [reach[k][0] for k in ks],
             "p_random": [reach[k][1] for k in ks],
-            "n_random": n_random,
+            **_draw_counts(model, settings, ks),
             "position": position,
             "direction": direction,
         }
     )
     return Recovery(table, long[long.selection == "random"].reset_index(drop=True))
+
+
+def _draw_counts(model, settings: Sequence[tuple[str, int, int, Sequence[Head]]], ks: Sequence[int]
+                 ) -> dict[str, list[int]]:
+    """Per k: the random sets patched (`n_random`) and the distinct layer-matched sets there are
+    (`n_distinct`; equal: the null is exact)."""
+    drawn = {k: sum(1 for s in settings if s[0] == "random" and s[1] == k) for k in ks}
+    tops = {s[1]: s[3] for s in settings if s[0] == "top"}
+    return {"n_random": [drawn[k] for k in ks], "n_distinct": [n_layer_matched(model, tops[k]) for k in ks]}
 
 
 def _reach(long: pd.DataFrame, column: str, *, higher: bool) -> dict[int, tuple[float, float]]:
@@ -415,8 +481,10 @@ def mean_ablation(
     `mode="all"`: every position is replaced by that head's mean at the same right-aligned position.
     False-belief accuracy is the share of clean stories whose logit difference favours the
     belief-consistent answer (> 0); true-belief accuracy the share of corrupted stories favouring
-    the world-consistent one (< 0). Random sets are layer-matched; `random_reach` is the share of
-    draws whose false-belief drop reaches the top set's, `p_random` the empirical p.
+    the world-consistent one (< 0). Random sets are layer-matched and distinct (all of them when there
+    are at most `n_random`: `n_distinct`); `random_reach` is the share of draws whose false-belief drop
+    reaches the top set's, `p_random` the empirical p (1 + reaching) / (1 + draws), per k, uncorrected
+    across the ks.
     `checkpoints`: see `exact_patching`.
     """
     if mode not in ("final", "all"):
@@ -456,7 +524,7 @@ def mean_ablation(
             "random_tb_accuracy_mean": [rnd.tb_accuracy.mean().get(k, np.nan) for k in ks],
             "random_reach": [reach[k][0] for k in ks],
             "p_random": [reach[k][1] for k in ks],
-            "n_random": n_random,
+            **_draw_counts(model, settings, ks),
             "mode": mode,
         }
     )

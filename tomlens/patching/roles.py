@@ -28,7 +28,7 @@ from tomlens.errors import TomlensError
 from tomlens.models.positions import FINAL, lacking, role_mentions, selector_span, split_selector, token_index
 from tomlens.patching.cells import MENTIONS
 
-__all__ = ["MENTIONS", "mention_selectors", "role_aligned"]
+__all__ = ["MENTIONS", "mention_selectors", "role_aligned", "role_columns"]
 
 
 def _offsets(tokenizer: Any, text: str) -> list[tuple[int, int]]:
@@ -112,6 +112,31 @@ def mention_selectors(pairs: Sequence[Any], tokenizer: Any = None) -> tuple[list
     first = pairs[0].clean
     keep.sort(key=lambda sel: (selector_span(first, sel)[0].start, sel))
     return [*keep, FINAL], notes
+
+
+def role_columns(pairs: Sequence[Any], tokenizer: Any, n_aligned: int) -> tuple[dict[int, str], bool]:
+    """Which right-aligned columns of an "each" sweep are a role: ({column: role mentions every pair has
+    at that token, e.g. "protagonist@1"}, mixed). `mixed` is True when some role mention sits at
+    different columns in different pairs (or only some pairs have it), so a column read across pairs
+    mixes roles; decided from each pair's own role token indices, not from the pairs' lengths."""
+    per_col: dict[int, list[set[str]]] = {}
+    pairs = list(pairs)
+    for p in pairs:
+        offsets = _offsets(tokenizer, p.clean.text)
+        shift = n_aligned - len(offsets)
+        here: dict[int, set[str]] = {}
+        for sel, _ in role_mentions(p.clean):
+            here.setdefault(token_index(p.clean, offsets, sel) + shift, set()).add(sel)
+        for col, names in here.items():
+            per_col.setdefault(col, []).append(names)
+    roles: dict[int, str] = {}
+    mixed = False
+    for col, sets in sorted(per_col.items()):
+        common = set.intersection(*sets) if len(sets) == len(pairs) else set()
+        mixed |= set.union(*sets) != common
+        if common:
+            roles[col] = "/".join(sorted(common))
+    return roles, mixed
 
 
 def role_aligned(

@@ -22,7 +22,7 @@ train_on, eval_set, metric, test_set) as `baseline_*` columns; `add_best_baselin
 from __future__ import annotations
 
 import re
-from bisect import bisect_left
+from bisect import bisect_right
 from collections.abc import Sequence
 
 import numpy as np
@@ -63,8 +63,9 @@ def length_features(stimuli: Sequence[Stimulus], reference: Sequence[Stimulus] |
 
 
 def word_index(text: str, char: int) -> int:
-    """How many words of `text` start before character offset `char`."""
-    return bisect_left([m.start() for m in _WORD.finditer(text)], char)
+    """The index of the word of `text` that holds character offset `char` (the last word starting at
+    or before it), so the first and the last character of a word give the same index."""
+    return max(bisect_right([m.start() for m in _WORD.finditer(text)], char) - 1, 0)
 
 
 def position_features(stimuli: Sequence[Stimulus], position: str = "final",

@@ -105,13 +105,17 @@ def bag_of_words(stimuli: Sequence[Stimulus], vocabulary: Sequence[str] | None =
 CELL_LEVELS: dict[str, str] = {
     "template_cue_condition": "template x cue x condition",
     "template_condition": "template x condition",
+    # for sets whose template is the task (order-only, the factorial): no template recurs across
+    # folds, but the cue phrasings do
+    "cue_condition": "cue x condition",
 }
 
 
 def type_cells(stimuli: Sequence[Stimulus], level: str = "template_cue_condition") -> list[tuple[Hashable, ...]]:
-    """The type cell of each row: (template_id, meta cue_id or "", condition), or at level
+    """The type cell of each row: (template_id, meta cue_id or "", condition); at level
     "template_condition" (template_id, condition), for sets whose cue phrasings do not recur across
-    folds; a list of cue ids (a story with several cues) counts as one cue phrasing."""
+    folds; at level "cue_condition" (cue_id, condition), for sets whose templates do not recur (one
+    template per task). A list of cue ids (a story with several cues) counts as one cue phrasing."""
     if level not in CELL_LEVELS:
         raise ValueError(f"unknown cell level {level!r}: use one of {', '.join(CELL_LEVELS)}")
     out: list[tuple[Hashable, ...]] = []
@@ -121,8 +125,50 @@ def type_cells(stimuli: Sequence[Stimulus], level: str = "template_cue_condition
             continue
         cue = s.meta.get("cue_id", "")
         cue = tuple(cue) if isinstance(cue, (list, tuple)) else ("" if cue is None else cue)
-        out.append((s.template_id, cue, s.condition))
+        out.append((cue, s.condition) if level == "cue_condition" else (s.template_id, cue, s.condition))
     return out
+
+
+def seen_share(cells_train: Sequence[Hashable], cells_test: Sequence[Hashable],
+               splits: Sequence[tuple[Sequence[int], Sequence[int]]]) -> float:
+    """The share of the splits' test rows (indices into `cells_test`) whose cell occurs among their
+    split's training rows (indices into `cells_train`); 0 when no split has test rows."""
+    seen = total = 0
+    for train, test in splits:
+        known = {cells_train[i] for i in train}
+        seen += sum(cells_test[i] in known for i in test)
+        total += len(test)
+    return seen / total if total else 0.0
+
+
+def choose_cell_level(train: Sequence[Stimulus], test: Sequence[Stimulus] | None = None,
+                      splits: Sequence[tuple[Sequence[int], Sequence[int]]] | None = None) -> tuple[str, float]:
+    """The finest type-cell level whose cells recur across `splits` (row indices into `train` and
+    into `test`, or into `train` again when `test` is None; default: one split of every training
+    row against every test row), and its seen share (`seen_share`).
+
+    A control whose test cells never occur in training is at chance by construction and cannot
+    fail, so the first level in `CELL_LEVELS` with at least half its test rows seen is chosen; the
+    level "cue_condition" only where some stimulus carries a cue_id (without one its cells are the
+    conditions). Where no level reaches half, the one with the largest share (the caller then
+    withholds the control: share < 0.5)."""
+    test_rows = train if test is None else test
+    if splits is None:
+        splits = [(range(len(train)), range(len(test_rows)))]
+    has_cue = any(s.meta.get("cue_id") not in (None, "") for s in [*train, *test_rows])
+    best: tuple[str, float] | None = None
+    for level in CELL_LEVELS:
+        if level == "cue_condition" and not has_cue:
+            continue
+        cells_tr = type_cells(train, level)
+        cells_te = cells_tr if test is None else type_cells(test, level)
+        share = seen_share(cells_tr, cells_te, splits)
+        if share >= 0.5:
+            return level, share
+        if best is None or share > best[1]:
+            best = (level, share)
+    assert best is not None
+    return best
 
 
 def _balance_cost(labels: np.ndarray, splits: Sequence[tuple[np.ndarray, np.ndarray]]) -> float:

@@ -17,9 +17,10 @@ evaluation half:
    every permutation shares one solve per unit and fold), for the observed labels and for every
    permutation alike, so the two are comparable.
 
-A unit is "found" only when its evaluation interval lies above chance and above the best
-baseline and the permutation p is below `alpha`; otherwise the result is "withheld", with the
-reason in words.
+A unit is "found" only when its evaluation interval lies above chance, above the best baseline
+and above the type-level control (where that control can fail) and the permutation p is below
+`alpha`; otherwise the result is "withheld", with the reason in words. The selection half needs at
+least 3 groups (tasks): cross-fitting chooses C inside each training split.
 
 Cost: one [n, n] solve per unit and fold serves all permutations, so the null costs about one
 ridge fit per unit and fold whatever `n_permutations` is (the smallest p is 1 / (1 + n)). The
@@ -43,7 +44,9 @@ from tomlens.errors import TomlensError
 from tomlens.probes import stats
 from tomlens.probes.base import Probe, scores_to_index
 from tomlens.probes.baselines import length_features, position_features
-from tomlens.probes.controls import bag_of_words, type_cells, type_control_labels
+from tomlens.probes.controls import (
+    CELL_LEVELS, bag_of_words, choose_cell_level, condition_split, split_labels, type_cells, type_control_labels,
+)
 from tomlens.probes.logistic import LogisticProbe
 from tomlens.probes.mass_mean import MassMeanProbe
 from tomlens.probes.splits import Split, group_codes, group_kfold
@@ -76,6 +79,8 @@ class SelectionResult:
     evaluation: Estimate | None
     baselines: dict[str, Estimate] = field(default_factory=dict)  # same split, same fitting
     control: Estimate | None = None  # type-level control, scored against its own labels
+    control_reason: str = ""  # why `control` is None (not run, or it could not fail)
+    condition_split: Estimate | None = None  # a balanced split of >= 3 conditions, on its own labels
     p_max: float = float("nan")
     n_perm: int = 0
     observed_max: float = float("nan")  # max over units of the cross-fitted ridge-classifier accuracy
@@ -106,8 +111,10 @@ class SelectionResult:
         e = self.evaluation
         best = self.best_baseline
         base = f"best baseline {best[0]} {best[1].score:.2f}" if best else "no baseline run"
-        ctrl = "" if self.control is None else \
+        ctrl = f", type-level control withheld ({self.control_reason})" if self.control is None else \
             f", type-level control {self.control.score:.2f} (chance {self.control.chance:.2f})"
+        if self.condition_split is not None:
+            ctrl += f", condition split {self.condition_split.score:.2f}"
         verdict = FOUND if self.verdict == FOUND else f"{WITHHELD}: {self.reason}"
         return (f"{self.target}: selected {self.site} (selection {self.selection_score:.2f} of {self.n_units} "
                 f"units), held-out evaluation {e.score:.2f} [{e.ci_low:.2f}, {e.ci_high:.2f}], chance "
@@ -124,6 +131,7 @@ class SelectionResult:
         d = dict(data)
         d["evaluation"] = est(d.get("evaluation"))
         d["control"] = est(d.get("control"))
+        d["condition_split"] = est(d.get("condition_split"))
         d["baselines"] = {k: est(v) for k, v in (d.get("baselines") or {}).items()}
         for k in ("selection_score", "p_max", "observed_max"):
             d[k] = nan(d.get(k))
@@ -322,6 +330,10 @@ def select_and_evaluate(
         raise TomlensError(f"n_permutations = {n_permutations}", "use 0 (no null) or more")
     t0 = time.time()
     notes: list[str] = []
+    if 0 < n_permutations and 1 / (1 + n_permutations) >= alpha:
+        notes.append(f"{n_permutations} permutations: the smallest possible p_max is 1 / {n_permutations + 1} = "
+                     f"{1 / (1 + n_permutations):.3f}, not below alpha {alpha}, so no unit can be found: use at "
+                     f"least {math.floor(1 / alpha)} permutations")
     if test_acts is None:
         split = selection_split(acts.stimuli, selection_fraction, seed, cfg.group_by)
         sel, ev = _Rows(acts, split.train), _Rows(acts, split.test)
@@ -345,9 +357,11 @@ def select_and_evaluate(
     if torch.unique(ys).numel() < 2 or torch.unique(ye).numel() < 2:
         return withhold("the selection or evaluation stories hold one class of the target only")
     n_sel_groups = int(torch.unique(gs).numel())
+    if n_sel_groups < 3:  # cross-fitting with C chosen inside each training split needs 3 groups
+        # withheld, not an error: the sweep's table is already computed and stays valid
+        return withhold(f"the selection half holds {n_sel_groups} {cfg.group_by} group(s) with the target: "
+                        "need >= 3 tasks in the selection half (give more stimuli, or a larger selection_fraction)")
     folds = min(cfg.folds, n_sel_groups)
-    if folds < 2:
-        return withhold(f"{n_sel_groups} selection group(s): too few to cross-fit")
     if folds < cfg.folds:
         notes.append(f"selection half has {n_sel_groups} groups: {folds} folds instead of {cfg.folds}")
     scfg = replace(_selection_sweep_config(cfg), folds=folds, inner_folds=min(cfg.inner_folds, max(2, folds - 1)))
@@ -357,9 +371,13 @@ def select_and_evaluate(
     rows = t[(t["features"] == "activations") & (t["train_on"] == "all") & (t["eval_set"] == "all")
              & (t["metric"] == "accuracy")]
     result.n_units = int(len(rows))
+    if rows.empty:
+        return withhold("the selection sweep scored no unit (no training split held both classes of the "
+                        "target)")
     rows = rows[rows["score"].notna()]
     if rows.empty:
-        return withhold("no unit could be fitted on the selection stories")
+        return withhold(f"none of the {result.n_units} units could be fitted on the selection stories "
+                        "(fit_status in the selection sweep)")
     best = rows.loc[rows["score"].idxmax()]
     result.unit = {"kind": str(best["kind"]), "layer": int(best["layer"]), "head": int(best["head"]),
                    "position": position}
@@ -393,15 +411,32 @@ def select_and_evaluate(
         result.baselines["random_init"] = _fit_and_score(probe, _one_unit(tw_sel, result.unit, rs), ys, gs,
                                                          _one_unit(tw_ev, result.unit, re_), ye, ge, cfg, seed)
 
-    # type-level control: the chosen unit's probe on one random label per template x cue x condition
-    # cell (`controls.type_control_labels`), scored on the evaluation stories against its own labels
-    labels = type_control_labels(type_cells(st_s), seed=seed, test_cells=type_cells(st_e))
-    if labels is not None and torch.unique(labels[0]).numel() > 1 and torch.unique(labels[1]).numel() > 1:
-        result.control = _fit_and_score(probe, Xs, labels[0], gs, Xe, labels[1], ge, cfg, seed)
-        if not set(type_cells(st_e)) & set(type_cells(st_s)):
-            notes.append("type-level control: no evaluation cell occurs in selection, so it is at chance by construction")
+    # type-level control: the chosen unit's probe on one random label per type cell, at the level the
+    # sweep would choose (`controls.choose_cell_level`), scored on the evaluation stories against its
+    # own labels; withheld where most evaluation cells never occur in selection (it could not fail)
+    level, share = choose_cell_level(st_s, st_e)
+    cells_s, cells_e = type_cells(st_s, level), type_cells(st_e, level)
+    labels = type_control_labels(cells_s, seed=seed, test_cells=cells_e)
+    if share < 0.5:
+        result.control_reason = (f"{1 - share:.0%} of the evaluation stories' {CELL_LEVELS[level]} cells never "
+                                 "occur in selection, so the control is at chance by construction (it cannot fail)")
+    elif labels is None or torch.unique(labels[0]).numel() < 2 or torch.unique(labels[1]).numel() < 2:
+        result.control_reason = f"not run (fewer than two {CELL_LEVELS[level]} cells, or one label on a side)"
     else:
-        notes.append("type-level control not run (fewer than two type cells, or one label on a side)")
+        result.control = _fit_and_score(probe, Xs, labels[0], gs, Xe, labels[1], ge, cfg, seed)
+        if level != "template_cue_condition":
+            notes.append(f"type-level control cells are {CELL_LEVELS[level]} (the finer cells do not recur)")
+    if result.control_reason:
+        notes.append(f"type-level control withheld: {result.control_reason}")
+
+    # condition split (>= 3 conditions): a balanced split of the conditions least correlated with the
+    # target; a unit that decodes it as well as the target may be reading the condition
+    found_split = condition_split([s.condition for s in st_s], ys, seed)
+    if found_split is not None:
+        half = found_split[0]
+        cs, ce = split_labels([s.condition for s in st_s], half), split_labels([s.condition for s in st_e], half)
+        if torch.unique(cs).numel() == 2 and torch.unique(ce).numel() == 2:
+            result.condition_split = _fit_and_score(probe, Xs, cs, gs, Xe, ce, ge, cfg, seed)
 
     # max-statistic permutation null over every unit, on the selection half
     if n_permutations > 0:
@@ -428,6 +463,10 @@ def select_and_evaluate(
         if bb is not None and not e.ci_low > bb[1].score:
             reasons.append(f"its evaluation interval low {e.ci_low:.2f} is not above the best baseline "
                            f"({bb[0]} {bb[1].score:.2f})")
+        c = result.control
+        if c is not None and math.isfinite(c.score) and not e.ci_low > c.score:
+            reasons.append(f"its evaluation interval low {e.ci_low:.2f} is not above the type-level control "
+                           f"({c.score:.2f}): the features may name the template, cue and condition cells")
     if result.n_perm == 0:
         reasons.append("no permutation null was run")
     elif not result.p_max < alpha:

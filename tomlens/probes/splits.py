@@ -99,7 +99,8 @@ def group_kfold(groups: Sequence[Any] | Tensor, n_splits: int = 5, seed: int = 0
             f"{uniq.numel()} groups cannot fill {n_splits} grouped folds (a group is a task, or with "
             "group_by='template' every task sharing a template, with group_by='cue' every task sharing a cue "
             "phrasing; generated families have 4 templates)",
-            f"use fewer folds (--folds {uniq.numel()} or less), group by task, or more stimuli",
+            (f"use fewer folds (--folds {uniq.numel()} or less), group by task, or more stimuli"
+             if uniq.numel() >= 2 else "group by task, or use more stimuli (at least 2 groups are needed)"),
         )
     rng = np.random.default_rng(seed)
     order = rng.permutation(uniq.numel())

@@ -10,7 +10,11 @@ on the test stories; see `controls`) and a condition split (an arbitrary balance
 set's conditions, least correlated with the target, scored on its own labels); the chance level
 of a guess with the training class frequencies; and 95% intervals from resampling test stories.
 Generalisation across conditions trains on true-belief stories and tests on false-belief stories
-of held-out tasks (and the reverse, when the target varies there).
+of held-out tasks (and the reverse, when the target varies there). An eval set whose test rows hold
+one class of the target (a target fixed by the condition) is dropped with a note: accuracy there is
+accuracy on one class, and a constant guess ties every baseline at 0 or 1. Where no cell level
+recurs across a plan's folds, its control and selectivity are NaN (that control could not fail);
+the metadata's `label_variation` says per target and condition whether the label varies.
 
 The result is one tidy table: one row per (features, kind, layer, head, position, target, train_on,
 eval_set, metric), head = -1 for whole-layer sites. `features` says what a row probed: "activations"
@@ -42,7 +46,8 @@ from tomlens.probes import stats
 from tomlens.probes.base import Probe, encode_labels
 from tomlens.probes.baselines import attach_baselines, length_features, position_features
 from tomlens.probes.controls import (
-    CELL_LEVELS, bag_of_words, condition_split, split_labels, type_cells, type_control_labels,
+    CELL_LEVELS, bag_of_words, choose_cell_level, condition_split, seen_share, split_labels, type_cells,
+    type_control_labels,
 )
 from tomlens.probes.directions import direction_name, save_directions, unit_norm
 from tomlens.devices import default_device
@@ -52,7 +57,9 @@ from tomlens.probes.logistic import (
 from tomlens.probes.mass_mean import MassMeanProbe
 from tomlens.probes.newton import FIT_STATUS, NON_FINITE_INPUT, NOT_CONVERGED, OK, SOLVER_FAILED
 from tomlens.probes.splits import GROUPINGS, Split, group_codes, group_kfold, holdout, restrict
-from tomlens.probes.targets import false_belief_mask, get_target, make_target, true_belief_mask
+from tomlens.probes.targets import (
+    false_belief_mask, get_target, label_variation, make_target, true_belief_mask,
+)
 from tomlens.provenance import versions
 from tomlens.stimuli.records import Stimulus, stimuli_hash
 
@@ -212,6 +219,27 @@ def _plans(train_st: Sequence[Stimulus], test_st: Sequence[Stimulus] | None, gro
                 splits = [restrict(s, tr_mask, te_mask) for s in outer]
                 plans.append(_Plan(train_on, {name: te_mask}, splits))
     return plans
+
+
+def _drop_one_class_sets(plans: list[_Plan], yte: Tensor, tname: str, notes: list[str]) -> list[_Plan]:
+    """The plans without eval sets whose test rows hold one class of the target: accuracy there is
+    accuracy on one class (a constant guess scores 0 or 1), so baselines and comparisons mean
+    nothing. A plan left with no eval set is dropped (its fits would report nothing)."""
+    out = []
+    for plan in plans:
+        keep = {}
+        for name, mask in plan.eval_sets.items():
+            if torch.unique(yte[mask]).numel() < 2 and (plan.train_on, name) == ("all", "all"):
+                notes.append(f"{tname}: the test rows hold one class of the target (accuracy is on that class)")
+                keep[name] = mask  # the main plan's folds are the sweep's folds: kept, with the note
+            elif torch.unique(yte[mask]).numel() < 2:
+                notes.append(f"{tname}: eval set {name} (train_on={plan.train_on}) dropped: the target has one "
+                             "class there (constant within that condition)")
+            else:
+                keep[name] = mask
+        if keep:
+            out.append(replace(plan, eval_sets=keep))
+    return out
 
 
 def _chance(y_train: Tensor, y_test: Tensor) -> Tensor:
@@ -403,6 +431,8 @@ def _rows_for(outcome: _Outcome, plan: _Plan, yte: Tensor, gte: Tensor, cfg: Swe
     return rows
 
 
+_CONTROL_VALUES = ("control", "control_ci_low", "control_ci_high", "selectivity", "selectivity_ci_low",
+                   "selectivity_ci_high")
 _FIT_VALUES = ("score", "ci_low", "ci_high", "control", "control_ci_low", "control_ci_high", "selectivity",
                "selectivity_ci_low", "selectivity_ci_high", "condition_split", "condition_split_ci_low",
                "condition_split_ci_high", "C")
@@ -527,6 +557,10 @@ def run_probe_sweep(
     rows: list[dict[str, Any]] = []
     directions: dict[str, Tensor] = {}
     notes: list[str] = []
+    variation: dict[str, pd.DataFrame] = {}
+    if cfg.group_by == "cue" and not any(s.meta.get("cue_id") not in (None, "")
+                                         for s in [*train_st, *(test_st or [])]):
+        notes.append("no stimulus has a cue_id: group_by=cue is group_by=task here")
     for tname in targets:
         y_all, keep = make_target(train_st, tname)
         ktr = keep.nonzero().squeeze(1)
@@ -542,9 +576,15 @@ def run_probe_sweep(
         else:
             kte, st_te, yte, gte = ktr, st_tr, ytr, gtr
         encode_labels(ytr)  # at least two classes, or a clear error
-        plans = _plans(st_tr, st_te if test_st is not None else None, gtr, cfg, seed)
+        plans = _drop_one_class_sets(_plans(st_tr, st_te if test_st is not None else None, gtr, cfg, seed),
+                                     yte, tname, notes)
+        if tname not in variation:
+            variation[tname] = label_variation(st_tr, tname)
+            if not bool(variation[tname]["varies"].any()):
+                notes.append(f"{tname} is fixed by the condition here: only a set whose words cannot decide it "
+                             "(order-only) separates belief from condition words")
         common = {"position": position, "target": tname, "probe": probe, "test_set": test_name}
-        extras = _extras(st_tr, st_te if test_st is not None else None, ytr, plans, cfg, seed, tname, notes)
+        extras, blind = _extras(st_tr, st_te if test_st is not None else None, ytr, plans, cfg, seed, tname, notes)
         extra_te = {k: te for k, (_, te) in extras.items()}
 
         # (features, site kind, chunks, keep directions): the activations at each site, then the baselines
@@ -575,8 +615,12 @@ def run_probe_sweep(
                             notes.append(f"{tname}/{kind or features}: train_on={plan.train_on} skipped "
                                          "(no training split with two classes)")
                             continue
-                        rows.extend(_rows_for(outcome, plan, yte, gte, cfg, seed, unit_keys,
-                                              {**common, "features": features, "kind": kind}, extra_te))
+                        new = _rows_for(outcome, plan, yte, gte, cfg, seed, unit_keys,
+                                        {**common, "features": features, "kind": kind}, extra_te)
+                        if plan.train_on in blind:  # a control that cannot fail gives no number
+                            for r in new:
+                                r.update({k: float("nan") for k in _CONTROL_VALUES})
+                        rows.extend(new)
                     if cfg.directions and keep_dirs:
                         bar.update()
                         _collect_directions(directions, probe, Xtr, ytr, gtr, cfg, seed, tname, kind,
@@ -595,6 +639,8 @@ def run_probe_sweep(
         "notes": sorted(set(notes)),
         "targets": {t: get_target(t).description for t in targets},
         "fit_status_codes": list(FIT_STATUS),  # the codes of the directions' fit_status tensors
+        # per target and condition of the training set: whether the label varies there (`targets.label_variation`)
+        "label_variation": {t: v.to_dict(orient="records") for t, v in variation.items()},
     }
     return ProbeSweepResult(table=table.reset_index(drop=True), directions=directions, metadata=meta)
 
@@ -666,46 +712,32 @@ def _position_chunks(st_tr: Sequence[Stimulus], st_te: Sequence[Stimulus], posit
     return gen
 
 
-def _seen_share(cells_tr: list[Any], cells_te: list[Any], plan: _Plan, ytr: Tensor) -> float:
-    """The share of a plan's test rows whose type cell occurs in their split's training rows."""
-    seen = shared = 0
-    for sp in plan.splits:
-        if sp.train.numel() == 0 or torch.unique(ytr[sp.train]).numel() < 2:
-            continue
-        train_cells = {cells_tr[i] for i in sp.train.tolist()}
-        seen += sum(cells_te[i] in train_cells for i in sp.test.tolist())
-        shared += sp.test.numel()
-    return seen / shared if shared else 0.0
-
-
-def _cell_level(st_tr: list[Stimulus], st_te: list[Stimulus] | None, ytr: Tensor, plans: list[_Plan]) -> str:
-    """The finest type-cell level whose cells recur across the main plan's folds (a control whose
-    test cells never occur in training is at chance by construction and cannot fail)."""
-    for level in CELL_LEVELS:
-        cells_tr = type_cells(st_tr, level)
-        cells_te = cells_tr if st_te is None else type_cells(st_te, level)
-        if _seen_share(cells_tr, cells_te, plans[0], ytr) >= 0.5:
-            return level
-    return next(iter(CELL_LEVELS))
+def _split_rows(plan: _Plan, ytr: Tensor) -> list[tuple[list[int], list[int]]]:
+    """A plan's (train, test) row lists, for the splits a probe is fitted on (two training classes)."""
+    return [(sp.train.tolist(), sp.test.tolist()) for sp in plan.splits
+            if sp.train.numel() and torch.unique(ytr[sp.train]).numel() >= 2]
 
 
 def _extras(st_tr: list[Stimulus], st_te: list[Stimulus] | None, ytr: Tensor, plans: list[_Plan],
-            cfg: SweepConfig, seed: int, tname: str, notes: list[str]) -> dict[str, tuple[Tensor, Tensor]]:
+            cfg: SweepConfig, seed: int, tname: str, notes: list[str]
+            ) -> tuple[dict[str, tuple[Tensor, Tensor]], set[str]]:
     """The control task's and the condition split's labels over the training rows and the test pool
-    (the same rows when `st_te` is None), with notes on what cannot be run or cannot fail."""
+    (the same rows when `st_te` is None), with notes on what cannot be run or cannot fail, and the
+    plans (`train_on`) where the control cannot fail (its values are withheld there)."""
     out: dict[str, tuple[Tensor, Tensor]] = {}
+    blind: set[str] = set()
     outer = plans[0].splits
     if cfg.controls:
-        level = _cell_level(st_tr, st_te, ytr, plans)
+        level, _ = choose_cell_level(st_tr, st_te, _split_rows(plans[0], ytr))
         if level != "template_cue_condition":
-            notes.append(f"{tname}: type-level control cells are {CELL_LEVELS[level]} (cue phrasings do not recur "
-                         "across folds)")
+            notes.append(f"{tname}: type-level control cells are {CELL_LEVELS[level]} (the finer cells do not "
+                         "recur across folds)")
         cells_tr = type_cells(st_tr, level)
         cells_te = None if st_te is None else type_cells(st_te, level)
         split_rows = [(sp.train.tolist(), sp.test.tolist() if st_te is None else []) for sp in outer]
         labels = type_control_labels(cells_tr, split_rows, seed + 1000, test_cells=cells_te)
         if labels is None:
-            notes.append(f"{tname}: type-level control not run (fewer than two template x cue x condition "
+            notes.append(f"{tname}: type-level control not run (fewer than two {CELL_LEVELS[level]} "
                          "cells, or none that puts both labels in every training split)")
         else:
             lab_tr = labels[0]
@@ -713,11 +745,13 @@ def _extras(st_tr: list[Stimulus], st_te: list[Stimulus] | None, ytr: Tensor, pl
             out["control"] = (lab_tr, lab_te)
             cells_te = cells_te if cells_te is not None else cells_tr
             for plan in plans:
-                share = _seen_share(cells_tr, cells_te, plan, ytr)
+                share = seen_share(cells_tr, cells_te, _split_rows(plan, ytr))
                 if share < 0.5:
+                    blind.add(plan.train_on)
                     notes.append(f"{tname}: train_on={plan.train_on}: {1 - share:.0%} of the test rows' "
                                  f"{CELL_LEVELS[level]} cells never occur in training, so the type-level "
-                                 "control is at chance there by construction (it cannot fail)")
+                                 "control is at chance there by construction (it cannot fail): control and "
+                                 "selectivity withheld (NaN)")
     if cfg.condition_split:
         conds_tr = [s.condition for s in st_tr]
         found = condition_split(conds_tr, ytr, seed)
@@ -732,7 +766,7 @@ def _extras(st_tr: list[Stimulus], st_te: list[Stimulus] | None, ytr: Tensor, pl
             out["condition_split"] = (lab_tr, lab_te)
             notes.append(f"{tname}: condition split {{{', '.join(sorted(half))}}} vs the rest "
                          f"(|r| with the target {r:.2f})")
-    return out
+    return out, blind
 
 
 def _bow_chunks(st_tr: Sequence[Stimulus], st_te: Sequence[Stimulus]):  # noqa: ANN202

@@ -58,8 +58,9 @@ def _joint(s: Stimulus) -> int | None:
     return 2 * int(w) + int(b)
 
 
-_CONSTANT = ("; constant within each condition of the transfer and order-only families (it marks "
-             "the condition there): check label_variation")
+_CONSTANT = ("; constant within each condition of the transfer, contents, order-only and factorial "
+             "families (it marks the condition there; world_state has one class in the order-only and "
+             "factorial sets): check label_variation")
 TARGETS: dict[str, Target] = {
     t.name: t
     for t in (

@@ -62,7 +62,10 @@ def _behaviour_sections(res: Any) -> list[Section]:
         sections.append(Section("Behaviour: the knowledge-state effect (Jones et al.)",
                                 "Paired false- minus true-belief difference of the log-odds of the start answer "
                                 "over matched stories, with a task-bootstrap 95% interval and the share of tasks "
-                                "where it is positive. A model that tracks belief shows a positive effect.",
+                                "where it is positive. A model that tracks belief shows a positive effect on the "
+                                "knowledge contrasts (contrast_kind); label contrasts change what the label says, "
+                                "not what the protagonist saw. Cells from too few tasks (few_tasks) have no "
+                                "interval and are no evidence either way.",
                                 tables=[effect]))
     if len(res.object_bias):
         sections.append(Section("Behaviour: object bias per cell (Ruis et al.)",

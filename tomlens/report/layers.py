@@ -12,6 +12,7 @@ network access.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from collections.abc import Mapping, Sequence
 
@@ -106,15 +107,18 @@ def layer_figure(table: pd.DataFrame, *, kind: str = "resid_post", metric: str =
                                      name=f"{name} · bag of words", legendgroup=name,
                                      line={"color": colour, "dash": "dashdot", "width": 1}))
         sel = _selected(selection, target, kind, per_head=False)
-        if sel is not None and train_on == "all" and eval_set == "all" and sel.evaluation is not None:
-            at = r[r["layer"] == sel.unit["layer"]]
-            if len(at):
-                e = sel.evaluation
-                fig.add_trace(go.Scatter(
-                    x=[sel.unit["layer"]], y=[float(at["score"].iloc[0])], mode="markers",
-                    marker={"symbol": "star", "size": 14, "color": colour, "line": {"color": "black", "width": 1}},
-                    name=f"{target} · selected unit (held out {e.score:.2f} [{e.ci_low:.2f}, {e.ci_high:.2f}], "
-                         f"{sel.verdict})", legendgroup=name))
+        # the selected unit at its held-out evaluation accuracy (not the cross-fitted full-data score,
+        # which the choice biases upwards), with the evaluation interval as its error bar
+        if sel is not None and train_on == "all" and eval_set == "all" and sel.evaluation is not None \
+                and metric == "accuracy" and math.isfinite(sel.evaluation.score):
+            e = sel.evaluation
+            fig.add_trace(go.Scatter(
+                x=[sel.unit["layer"]], y=[e.score], mode="markers",
+                error_y={"type": "data", "symmetric": False, "array": [e.ci_high - e.score],
+                         "arrayminus": [e.score - e.ci_low], "color": colour},
+                marker={"symbol": "star", "size": 14, "color": colour, "line": {"color": "black", "width": 1}},
+                name=f"{target} · selected unit, held-out evaluation {e.score:.2f} [{e.ci_low:.2f}, "
+                     f"{e.ci_high:.2f}] ({sel.verdict})", legendgroup=name))
         chance = round(float(r["chance"].mean()), 4) if "chance" in r and r["chance"].notna().any() else None
         if chance is not None and chance not in chance_seen and x:
             chance_seen.add(chance)

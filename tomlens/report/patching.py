@@ -68,9 +68,12 @@ def head_heatmap(result: PatchingResult, position: str = "all") -> Any:
     return fig
 
 
-def resid_heatmap(result: PatchingResult, kind: str = "resid_pre") -> Any:
+def resid_heatmap(result: PatchingResult, kind: str = "resid_pre", *, pairs: Any = None, tokenizer: Any = None) -> Any:
     """Layer x token grid for a per-position sweep, with the story's tokens on the x axis
-    (right-aligned across pairs; "clean|corrupted" where the two stories differ)."""
+    (right-aligned across pairs; "clean|corrupted" where the two stories differ). Given the sweep's
+    `pairs` and the `tokenizer`, whether a column mixes roles is read from each pair's role tokens
+    (`tomlens.patching.roles.role_columns`), and a column that is one role in every pair says so;
+    without them, pairs of different lengths are taken to mix roles."""
     go = _go()
     kind = canonical_kind(kind)
     df = result.select(kind, "each")
@@ -78,11 +81,19 @@ def resid_heatmap(result: PatchingResult, kind: str = "resid_pre") -> Any:
     layers = sorted(df.layer.unique())
     pos = sorted(df.pos.unique())
     longest = [result.token_labels[p] for p in pos]
-    # Pairs of different lengths leave early columns empty for the shorter ones: then a column is a
-    # distance from the final token, not a role, and is labelled so (the longest pair's token on hover).
-    mixed = bool((df.n_pairs < len(result.pair_ids)).any())
     n_al = len(result.token_labels)
+    roles: dict[int, str] = {}
+    if pairs is not None and tokenizer is not None:
+        from tomlens.patching.roles import role_columns
+
+        by_id = {p.id: p for p in pairs}
+        roles, mixed = role_columns([by_id[i] for i in result.pair_ids if i in by_id], tokenizer, n_al)
+    else:  # no role tokens to read: different lengths are taken to mean the columns mix roles
+        mixed = bool((df.n_pairs < len(result.pair_ids)).any())
+    # Mixed: a column is a distance from the final token, not a role, and is labelled so (the longest
+    # pair's token on hover), unless every pair has the same role mention there.
     labels = [f"{p - n_al + 1}" if p < n_al - 1 else "0 (final)" for p in pos] if mixed else longest
+    labels = [f"{lab} {roles[p]}" if p in roles and p < n_al - 1 else lab for lab, p in zip(labels, pos)]
     fig = go.Figure(
         go.Heatmap(
             z=grid, x=labels, y=[f"L{l}" for l in layers], customdata=[longest] * len(layers),
@@ -93,12 +104,42 @@ def resid_heatmap(result: PatchingResult, kind: str = "resid_pre") -> Any:
     title = _title(result, f"{kind} by layer and position")
     if mixed:
         title += ("<br><sup>columns are right-aligned tokens (0 = final); the pairs differ in length, so a column "
-                  "mixes roles across pairs: patch --positions mentions (or re-read with "
-                  "tomlens.patching.roles.role_aligned) for columns by role</sup>")
+                  "mixes roles across pairs: see the role-aligned figure (<kind>_roles_...), or patch "
+                  "--positions mentions, for columns by role</sup>")
     fig.update_layout(
         title=title, xaxis_title="tokens before the final one" if mixed else "token",
         yaxis_title="layer", yaxis={"autorange": "reversed"}, xaxis={"tickangle": -60, "type": "category"},
         width=max(800, 14 * len(labels)),
+    )
+    return fig
+
+
+def role_aligned_heatmap(result: PatchingResult, pairs: Any, tokenizer: Any, kind: str = "resid_pre") -> Any:
+    """Layer x role mention for a per-position ("each") sweep re-read by role
+    (`tomlens.patching.roles.role_aligned`): each column is one role mention at each pair's own token,
+    the effect averaged over pairs (equal to patching those roles by name)."""
+    from tomlens.patching.roles import role_aligned
+
+    go = _go()
+    kind = canonical_kind(kind)
+    by_id = {p.id: p for p in pairs}
+    table = role_aligned(result, [by_id[i] for i in result.pair_ids if i in by_id], tokenizer)
+    df = table[table.kind == kind]
+    if df.empty:
+        raise TomlensError(f"the result has no {kind} cells at every position", "run the sweep with --positions each")
+    grid = df.pivot_table(index="layer", columns="position", values="effect", sort=False, dropna=False)
+    grid = grid[list(dict.fromkeys(df.position))].sort_index()
+    z = grid.to_numpy(dtype=float)
+    fig = go.Figure(
+        go.Heatmap(
+            z=z, x=list(grid.columns), y=[f"L{l}" for l in grid.index],
+            hovertemplate="%{y} at %{x}<br>effect %{z:.3f}<extra></extra>",
+            colorbar={"title": "effect"}, **_effect_scale(z, result.direction),
+        )
+    )
+    fig.update_layout(
+        title=_title(result, f"{kind} by layer and role (role-aligned: each pair's own token)"),
+        xaxis_title="role mention", yaxis_title="layer", yaxis={"autorange": "reversed"}, xaxis={"type": "category"},
     )
     return fig
 
@@ -198,7 +239,8 @@ def _stem(position: str) -> str:
 def write_patching_figures(result: PatchingRunResult, out: str | Path) -> dict[str, Any]:
     """The run's figures as HTML under `out/figures/`: per-head heatmaps (`heads_<method>_<direction>`
     at the ranking position, `heads_<position>_...` at the others), per-layer heatmaps of the other
-    sites (`<site>_...` over every token, `<site>_positions_...` at named positions), attribution
+    sites (`<site>_...` over every token, `<site>_roles_...` the same re-read by role when the run's pairs
+    carry role spans, `<site>_positions_...` at named positions), attribution
     against exact (`attribution_vs_exact_<direction>`) and the top-k recovery curve. Returns them by
     file stem (for a report). Needs the sweeps of the run itself (`load` does not restore them)."""
     if result.dry_run:
@@ -213,6 +255,8 @@ def write_patching_figures(result: PatchingRunResult, out: str | Path) -> dict[s
     rank_position = summary.get("rank_position")
     folder = Path(out) / "figures"
     figures: dict[str, Any] = {}
+    pairs, tokenizer = getattr(result, "pairs", None), getattr(result, "tokenizer", None)
+    has_roles = bool(pairs) and tokenizer is not None and any(p.clean.spans or p.clean.mentions for p in pairs)
 
     def add(fig: Any, stem: str) -> None:
         if summary.get("forced"):  # a run past a failed gate (--force): every figure says so
@@ -228,7 +272,14 @@ def write_patching_figures(result: PatchingRunResult, out: str | Path) -> dict[s
             if kind == "head":
                 continue
             if "each" in spec[kind]:
-                add(resid_heatmap(res, kind), f"{kind}_{m}_{d}")
+                full = isinstance(res, PatchingResult)  # a search result has no full "each" grid per pair
+                add(resid_heatmap(res, kind, pairs=pairs if full else None, tokenizer=tokenizer),
+                    f"{kind}_{m}_{d}")
+                if has_roles and full:
+                    try:
+                        add(role_aligned_heatmap(res, pairs, tokenizer, kind), f"{kind}_roles_{m}_{d}")
+                    except TomlensError as e:  # e.g. a tokenizer without offsets: say so, draw the rest
+                        print(f"role-aligned {kind} figure ({m}, {d}) not drawn: {e}")
             if any(p not in ("all", "each") for p in spec[kind]):
                 add(position_heatmap(res, kind), f"{kind}_positions_{m}_{d}")
     for d in summary["directions"]:

@@ -154,13 +154,27 @@ def format_gated(gated: pd.DataFrame) -> str:
 
 
 def format_knowledge_state(effect: pd.DataFrame) -> str:
-    """The paired FB - TB log-odds effect per family and control."""
+    """The paired FB - TB log-odds effect per family and control. An effect from fewer than two
+    tasks has no interval and reads "n tasks too few"; one whose interval has zero width (every
+    task the same) or comes from fewer than FEW_TASKS tasks is marked *, never shown as a finding."""
     if effect.empty:
         return ""
     lines = ["knowledge-state effect, FB - TB log-odds of the start answer (> 0: follows belief):"]
+    few = False
     for r in effect.itertuples():
-        lines.append(f"  {r.family:<24}vs {r.contrast:<16}{r.effect:+.3g} {_iv(r.ci_low, r.ci_high, '+.3g')}"
+        kind = getattr(r, "contrast_kind", "knowledge")
+        kind = kind if isinstance(kind, str) else "knowledge"
+        if r.n_tasks < 2 or math.isnan(r.ci_low) or math.isnan(r.ci_high):
+            iv = "(n tasks too few: no interval)"
+        else:
+            iv = _iv(r.ci_low, r.ci_high, "+.3g")
+            if r.ci_high - r.ci_low <= 0 or r.n_tasks < FEW_TASKS:
+                iv += " *"
+                few = True
+        lines.append(f"  {r.family:<24}vs {r.contrast:<16}{kind + ' contrast':<19}{r.effect:+.3g} {iv}"
                      f"  pairs {r.n_pairs}, tasks {r.n_tasks}, positive in {r.share_tasks_positive:.0%} of tasks")
+    if few:
+        lines.append(f"* fewer than {FEW_TASKS} tasks or a zero-width interval: not evidence of an effect; use more tasks")
     return "\n".join(lines)
 
 

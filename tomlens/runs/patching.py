@@ -12,12 +12,16 @@ the pairs and the settings), so a stopped run resumes when the same run starts a
 the outputs once every stage is complete and then removes the checkpoints.
 
 Before any sweep, the gate (`tomlens.patching.gate`): one plain forward per story gives every pair's
-clean and corrupted logit differences, and per contrast the paired false-minus-true-belief gap must
-have a one-sided 95% lower bound above 0. When no contrast passes, the cell sweeps, the ranking,
+clean and corrupted logit differences, and per contrast the false-minus-true-belief gap, averaged
+within each task (tasks are the unit), must have a one-sided 95% lower bound above 0. The gate always
+sees every aligned pair. When no contrast passes, the cell sweeps, the ranking,
 top-k recovery and mean ablation are withheld (not run): the result holds the gate table, the
 per-pair logit differences and the message. When some pass, only their pairs go on. `force` runs
 everything anyway and flags every output (`summary["forced"]`, a `forced` column in every table,
-"FORCED" in figure titles). `solved_only` keeps the pairs the model answers right both ways.
+"FORCED" in figure titles). `solved_only` then keeps, of the pairs the gate let through, those the
+model answers right both ways (it never filters what the gate sees: solved pairs have a positive gap by
+construction). Each half of the split must also have a positive mean gap (ranking effects are
+normalised by the selection pairs' gap, validation by the held-out pairs'): else those are withheld.
 
 Selection is kept apart from evaluation: the pairs are split by task (`select_fraction` of the tasks)
 into selection pairs, on which cells are patched and heads ranked, and held-out evaluation pairs, on
@@ -67,9 +71,9 @@ class PatchingConfig:
     file `pairs_path` (written by `tomlens pairs`), unless `run` is handed them. `sites` and
     `positions` take the one list syntax (`split_items`); a position item may be `SITE=POSITION`.
     `search_*` and `graddrop` are `method = "search"`'s settings; `max_runs = None` sets no limit.
-    `force` runs past a failed gate (or a refused split), flagging every output; `solved_only` keeps
-    pairs answered right both ways; `select_fraction` of the tasks select and rank heads, the rest
-    validate them; `ks` are the k (up to `top_k`) of top-k recovery and ablation, each against
+    `force` runs past a failed gate (or a refused split), flagging every output; `solved_only` patches
+    only the pairs (of those the gate passed) answered right both ways; `select_fraction` of the tasks
+    select and rank heads, the rest validate them; `ks` are the k (up to `top_k`) of top-k recovery and ablation, each against
     `n_random` layer-matched random head sets."""
 
     model: ModelSpec = field(default_factory=ModelSpec)
@@ -183,6 +187,8 @@ class PatchingRunResult:
     manifest: dict[str, Any] = field(default_factory=dict)
     dry_run: bool = False
     checkpoints: Any = field(default=None, repr=False, compare=False)  # removed once saved
+    pairs: Any = field(default=None, repr=False, compare=False)  # the selection pairs (for role-aligned figures)
+    tokenizer: Any = field(default=None, repr=False, compare=False)  # the model's (not kept by `load`)
 
     @property
     def plan(self) -> dict[str, Any]:
@@ -253,7 +259,8 @@ class PatchingRunResult:
         for r in s.get("topk", []):
             lines.append(f"top-{r['k']} recovery {r['top_effect']:.3f} vs layer-matched random "
                          f"{r['random_mean']:.3f} [{r['random_low']:.3f}, {r['random_high']:.3f}], share of "
-                         f"draws reaching it {r['random_reach']:.3f}")
+                         f"draws reaching it {r['random_reach']:.3f} (p {r['p_random']:.3f}, "
+                         f"{r['n_random']} of {r.get('n_distinct', '?')} distinct sets)")
         return "\n".join(lines)
 
     def save(self, out: str | Path) -> Path:
@@ -359,6 +366,20 @@ def _base_table(aligned: Sequence[Any], clean: Any, corrupted: Any, kept: set[in
     })
 
 
+def _recount(plan: Any, planned_sets: int, sets: int) -> None:
+    """Top-k recovery and ablation patch every distinct layer-matched set where there are fewer than
+    `n_random`, which depends on the ranked heads' layers: once they are known, the plan's counts for
+    those stages are set to the head sets that will run (each set costs the same runs) and said."""
+    if sets == planned_sets or planned_sets == 0:
+        return
+    for st in plan.stages:
+        if st.name.startswith(("top-k recovery", "mean ablation")):
+            st.runs, st.units = st.runs * sets // planned_sets, st.units * sets // planned_sets
+            st.cost = st.cost * sets / planned_sets
+    print(f"plan recounted once heads were ranked ({sets} head sets, not {planned_sets}: some k have fewer "
+          f"distinct layer-matched sets than --n-random, and all of them run): {plan.total_runs:,} patched runs")
+
+
 def _flag(tables: dict[str, pd.DataFrame]) -> None:
     """A `forced` column (True) in every table of a run that went past a failed gate or split."""
     for df in tables.values():
@@ -420,21 +441,28 @@ def _run(config: PatchingConfig, *, model: Any, pairs: Sequence[Any] | None, out
     # The gate, before anything is planned: one plain forward per story.
     everything = prepare_pairs(model, aligned, selectors=pos.selectors, batch_pairs=batch_pairs)
     clean0, corrupted0 = base_logit_diffs(model, everything)
-    solved = ((clean0 > 0) & (corrupted0 < 0)).tolist()
-    kept = [i for i in range(len(aligned)) if solved[i] or not cfg.solved_only]
-    gates = gate_pairs(clean0[kept], corrupted0[kept], [aligned[i].contrast for i in kept]) if kept else {}
+    # The gate sees EVERY aligned pair: filtering to solved pairs first (clean > 0, corrupted < 0) would
+    # make every gap positive by construction. --solved-only only picks which pairs are patched after it.
+    gates = gate_pairs(clean0, corrupted0, [p.contrast for p in aligned],
+                       task_ids=[p.clean.task_id for p in aligned])
     passed = [c for c, g in gates.items() if g.passed]
     gate_failed = len(passed) < len(gates) or not gates
-    message = gate_message(gates, forced=cfg.force) if gates else (
-        f"withheld: no pair of {len(aligned)} is answered right both ways (--solved-only): nothing to patch")
+    message = gate_message(gates, forced=cfg.force)
+    solved = ((clean0 > 0) & (corrupted0 < 0)).tolist()
+    gated = [i for i in range(len(aligned)) if cfg.force or aligned[i].contrast in passed]
+    kept = [i for i in gated if solved[i] or not cfg.solved_only]
     notes: list[str] = []
     if cfg.solved_only:
-        notes.append(f"--solved-only: kept {len(kept)} of {len(aligned)} pairs the model answers right both ways")
-    use = kept if cfg.force else [i for i in kept if aligned[i].contrast in passed]
+        notes.append(f"--solved-only: the gate ran on all {len(aligned)} pairs; of the {len(gated)} pairs it let "
+                     f"through, kept {len(kept)} the model answers right both ways")
+    use = kept
     dropped_contrasts = sorted(c for c in gates if c not in passed) if (passed and not cfg.force) else []
     withheld = None
-    if not use:
+    if not gated:
         withheld = message
+    elif not use:
+        withheld = (f"withheld: of the {len(gated)} pairs that passed the gate, none is answered right both ways "
+                    "(--solved-only): nothing to patch; run without --solved-only")
     split = split_selection([aligned[i] for i in use], cfg.select_fraction, seed) if use else None
     forced = bool(cfg.force and gate_failed)
     if use and split is None:
@@ -449,9 +477,28 @@ def _run(config: PatchingConfig, *, model: Any, pairs: Sequence[Any] | None, out
             withheld = (f"withheld: head ranking, top-k recovery, mean ablation and the cell sweeps. Reason: {why}, "
                         "and heads validated on the pairs that ranked them recover their own noise; use more pairs "
                         "(--force runs everything anyway, flagged)")
+    # The pooled gate is not enough: ranking is normalised by the selection pairs' own gap and validation
+    # by the held-out pairs'. A half whose mean gap is not positive divides by noise or the wrong sign.
+    half_gaps: dict[str, float] = {}
+    if withheld is None and split is not None:
+        for half, idx in (("selection", split[0]), ("evaluation", split[1])):
+            ii = torch.tensor([use[i] for i in idx])
+            half_gaps[half] = float((clean0[ii] - corrupted0[ii]).mean())
+        bad = [f"the {h} pairs' mean gap is {g:.3f}" for h, g in half_gaps.items() if not g > 0]
+        if bad:
+            why = ("; ".join(bad) + " (not positive: heads ranked on the selection pairs and validated on the "
+                   "held-out pairs are normalised by that half's own gap)")
+            if cfg.force:
+                forced = True
+                notes.append(f"FORCED: {why}")
+            else:
+                withheld = ("withheld: head ranking, top-k recovery, mean ablation and the cell sweeps. Reason: "
+                            f"{why}; use more tasks or another --seed for the split (--force runs everything "
+                            "anyway, flagged)")
     gate_summary = {
         "method": METHOD, "contrasts": {c: g.to_dict() for c, g in gates.items()}, "passed": passed,
         "dropped_contrasts": dropped_contrasts, "message": message, "forced": forced,
+        "n_gated": len(aligned), "n_passed_pairs": len(gated), "n_patched": len(kept), "half_gaps": half_gaps,
         "power": {c: g.power_line for c, g in gates.items()},
     }
     base_df = _base_table(aligned, clean0, corrupted0, set(kept))
@@ -522,7 +569,7 @@ def _run(config: PatchingConfig, *, model: Any, pairs: Sequence[Any] | None, out
                           n_random=n_random)
         for st in out:  # the validations run on the held-out pairs, at the k of `ks` only
             if st.name == "top-k recovery":
-                st.what = f"{len(ks)} top + {len(ks) * n_random} layer-matched random head sets (k = {ks})"
+                st.what = f"{len(ks)} top + up to {len(ks) * n_random} layer-matched random head sets (k = {ks})"
             if st.name.startswith(("top-k recovery", "mean ablation")):
                 st.pairs = len(evaluation)
         return out
@@ -571,6 +618,7 @@ def _run(config: PatchingConfig, *, model: Any, pairs: Sequence[Any] | None, out
         if rank_position is not None and ranking_source is not None:
             ranking = list(zip(*[rank_heads(ranking_source, position=rank_position)[c] for c in ("layer", "head")]))
             if ks:
+                _recount(plan, len(stand_in), len(topk_settings(model, ranking, ks, n_random, seed)))
                 rec = topk_recovery(model, held, ranking, k_max=k_max, ks=ks, n_random=n_random, seed=seed,
                                     position=rank_position, direction=main_dir, memory_mb=memory_mb,
                                     progress=progress, checkpoints=checkpoints, chunk_runs=chunk_runs)
@@ -640,7 +688,9 @@ def _run(config: PatchingConfig, *, model: Any, pairs: Sequence[Any] | None, out
         tables["topk_random"] = rec.draws
         summary["topk"] = rec.table.to_dict(orient="records")
         summary["validated_on"] = f"{len(evaluation)} held-out evaluation pairs" + (" (the SAME pairs: forced)" if same else "")
-        summary["random_heads"] = f"{n_random} layer-matched draws per k (the top set's layers, its heads left out)"
+        summary["random_heads"] = (f"up to {n_random} distinct layer-matched sets per k (the top set's layers, its "
+                                   "heads left out; every such set where there are no more: an exact p); p_random "
+                                   "is per k, uncorrected across the ks")
     if ab is not None:
         tables["ablation"] = ab.table
         tables["ablation_random"] = ab.draws
@@ -664,4 +714,5 @@ def _run(config: PatchingConfig, *, model: Any, pairs: Sequence[Any] | None, out
     manifest = run_manifest(model, config, stimuli_hash=hashed,
                             extra={"pairs_hash": pairs_hash(aligned), "selection_hash": pairs_hash(selection),
                                    "evaluation_hash": pairs_hash(evaluation)})
-    return PatchingRunResult(config, summary, tables, dict(results), rec, ab, manifest, checkpoints=checkpoints)
+    return PatchingRunResult(config, summary, tables, dict(results), rec, ab, manifest, checkpoints=checkpoints,
+                             pairs=list(selection), tokenizer=model.tokenizer)

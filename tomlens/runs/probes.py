@@ -79,7 +79,9 @@ class ProbesConfig:
     selection: bool = True  # choose the unit on selection stories, report it on evaluation stories
     selection_fraction: float = 0.5  # of the story groups, for selection
     n_permutations: int = DEFAULT_PERMUTATIONS  # max-statistic permutation null of the best unit
-    random_twin: bool = False  # sweep random:<model> too (baseline_random_init)
+    # sweep random:<model> too (baseline_random_init): the issue lists the random-init model among
+    # every table's baselines, so it is on by default (a tiny model's twin is itself: said in a note)
+    random_twin: bool = True
 
     def __post_init__(self) -> None:
         if self.stimuli is None:

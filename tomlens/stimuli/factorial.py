@@ -12,15 +12,14 @@ How the factors are written, so that versions differ only where the design says:
 - first mention: the opening sentence names both locations; the two words trade places;
 - recent mention: the move sentence names both locations; each move phrasing is a pair of
   orderings made of the same words ("from the Start to the End" / "to the End from the Start");
-- knowledge state: one cue sentence, absence (false belief) or presence (true belief), drawn per
-  task from paired pools (10 each) whose members have the same slots, word count and character
-  count, and no location or agent mention;
+- knowledge state: two cue sentences, a paired absence and presence phrasing (pools of 10, dealt
+  to tasks in seeded shuffled blocks of 10), one about the protagonist and one about a bystander;
+  the protagonist's decides belief (absence = false belief, presence = true belief). Which of the
+  two comes first is balanced in blocks of 8 tasks;
 - knowledge cue: the final, incomplete sentence.
-So within a task every story version has the same length in words and characters, the same
-mentions of every role (Start 3 times, End twice) and, but for the cue sentence, the same words.
-The cue sentence's words still differ between the states (that is the knowledge manipulation):
-a bag of words decodes the state unless the cue phrasings are held out (`meta["cue_id"]`), and
-even then only partly; the `order-only` family is the one where words cannot decide belief.
+So within a task every story version has the same words (the two states swap the protagonist's and
+the bystander's names), the same length in words and characters, and the same mentions of every
+role (Start and End 3 times each in the story): a bag of words cannot decode belief.
 
 Labels are the transfer family's: `world_state` = End, `protagonist_belief` = Start (false
 belief) or End (true belief), `reference_state` = Start. Per task: 16 belief prompts (one per
@@ -131,17 +130,22 @@ TEMPLATES: tuple[Template, ...] = (
        "ticket wallet book umbrella", "bag backpack purse basket"),
 )
 
-# Placing the object at the start (names the start once).
+# Placing the object at the start; each phrasing names both locations once (the start as the
+# choice, the end as the one passed over), so that with the opening and the move every story names
+# Start and End three times each and the more-named location never gives the answer away.
 PLACE: tuple[str, ...] = (
-    "{P} puts the {obj} in the {L1}.",
-    "{P} places the {obj} inside the {L1}.",
-    "{P} puts the {obj} away in the {L1}.",
-    "{P} tucks the {obj} into the {L1}.",
+    "{P} puts the {obj} in the {L1}, not the {L2}.",
+    "{P} places the {obj} inside the {L1} instead of the {L2}.",
+    "{P} picks the {L1} over the {L2} for the {obj}.",
+    "{P} tucks the {obj} into the {L1} and not the {L2}.",
 )
 # Knowledge-setting sentences, paired by index: ABSENCE[i] and PRESENCE[i] have the same slots and
-# the same number of words and characters, and neither names a location or the other agent (so
-# every version of a task has the same length and the same role mentions). Slots: {P}, {Pp} possessive,
-# {room}, {place}. Many verbs on both sides, so no single word marks either kind.
+# the same number of words and characters, and neither names a location or the other agent. Every
+# story holds BOTH sentences of its pair, one about the protagonist and one about a bystander
+# ({P}/{Pp} below become the bystander's name and possessive in the bystander's sentence): false
+# belief = the protagonist gets the absence sentence, true belief = the presence sentence. The two
+# states of a task therefore have the same words (the names trade places), so a bag of words cannot
+# decode belief; which sentence comes first is balanced across tasks. Slots: {P}, {Pp}, {room}, {place}.
 ABSENCE: tuple[str, ...] = (
     "{P} wanders out on an errand.",
     "{P} steps outside to take a call.",
@@ -206,6 +210,8 @@ class FactorialTask:
     obj: str
     locations: tuple[str, str]  # (start, end)
     place: str
+    bystander: tuple[str, str, str, str]
+    absence_first: bool  # the absence sentence comes before the presence sentence
     phrasing: dict[str, int]  # part -> index into PLACE / ABSENCE+PRESENCE ("cue") / MOVE / LATER
     options_start_first: bool
 
@@ -221,6 +227,7 @@ class FactorialTask:
         start, end = self.locations
         la, lb = (start, end) if first_mention == "start" else (end, start)
         return {"P": self.protagonist[0], "Pp": self.protagonist[3], "A": self.agent[0],
+                "B": self.bystander[0], "Bp": self.bystander[3],
                 "obj": self.obj, "L1": start, "L2": end, "LA": la, "LB": lb,
                 "room": self.template.room, "place": self.place}
 
@@ -232,11 +239,20 @@ def _template_order(seed: int, cycle: int) -> list[int]:
     return order
 
 
-def _option_plan(seed: int, block: int) -> list[bool]:
-    rng = random.Random(f"{FAMILY}/options/{seed}/{block}")
+def _option_plan(seed: int, block: int, what: str = "options") -> list[bool]:
+    rng = random.Random(f"{FAMILY}/{what}/{seed}/{block}")
     flags = [True] * (BLOCK // 2) + [False] * (BLOCK - BLOCK // 2)
     rng.shuffle(flags)
     return flags
+
+
+def _cue_plan(seed: int, block: int) -> list[int]:
+    """Cue pair indices dealt in seeded shuffled blocks of the pool size, so every pair is used
+    equally often (an independent draw per task is lopsided)."""
+    rng = random.Random(f"{FAMILY}/cues/{seed}/{block}")
+    order = list(range(len(ABSENCE)))
+    rng.shuffle(order)
+    return order
 
 
 def make_factorial_tasks(n: int, seed: int) -> list[FactorialTask]:
@@ -256,12 +272,15 @@ def make_factorial_tasks(n: int, seed: int) -> list[FactorialTask]:
         agent = rng.choice(lexicon.names_by_pronoun(other))
         obj = rng.choice(template.objects)
         start, end = rng.sample(template.locations, 2)
-        phrasing = {"place": rng.randrange(len(PLACE)), "cue": rng.randrange(len(ABSENCE)),
+        phrasing = {"place": rng.randrange(len(PLACE)),
+                    "cue": _cue_plan(seed, i // len(ABSENCE))[i % len(ABSENCE)],
                     "move": rng.randrange(len(MOVE)), "later": rng.randrange(len(LATER))}
+        bystander = rng.choice([row for row in lexicon.NAMES if row[0] not in (protagonist[0], agent[0])])
         tasks.append(FactorialTask(
             index=i, seed=seed, task_id=f"{PREFIX}-s{seed}-{i:04d}", template=template,
             protagonist=protagonist, agent=agent, obj=obj, locations=(start, end),
-            place=rng.choice(lexicon.PLACES), phrasing=phrasing,
+            place=rng.choice(lexicon.PLACES), bystander=bystander,
+            absence_first=_option_plan(seed, i // BLOCK, "cue-order")[i % BLOCK], phrasing=phrasing,
             options_start_first=_option_plan(seed, i // BLOCK)[i % BLOCK],
         ))
     return tasks
@@ -291,12 +310,23 @@ class Version:
         return f"{CONDITION_CODES[self.knowledge_state]}-f{self.first_mention[0]}-r{self.recent_mention[0]}"
 
 
+def _about_bystander(template: str) -> str:
+    return template.replace("{Pp}", "{Bp}").replace("{P}", "{B}")
+
+
 def story_parts(task: FactorialTask, version: Version) -> list[tuple[str, str]]:
-    """The story's sentences as (part, template) in order: opening, place, cue, move, later."""
-    cue_pool = ABSENCE if version.knowledge_state == "false_belief" else PRESENCE
+    """The story's sentences as (part, template) in order: opening, place, the two cue sentences
+    ("cue" about the protagonist, "bystander_cue" about the bystander, in the task's order), move,
+    later."""
+    absence, presence = ABSENCE[task.phrasing["cue"]], PRESENCE[task.phrasing["cue"]]
+    if version.knowledge_state == "false_belief":
+        absence_part, presence_part = ("cue", absence), ("bystander_cue", _about_bystander(presence))
+    else:
+        absence_part, presence_part = ("bystander_cue", _about_bystander(absence)), ("cue", presence)
+    cues = [absence_part, presence_part] if task.absence_first else [presence_part, absence_part]
     move = MOVE[task.phrasing["move"]][0 if version.recent_mention == "end" else 1]
     return [("opening", task.template.opening), ("place", PLACE[task.phrasing["place"]]),
-            ("cue", cue_pool[task.phrasing["cue"]]), ("move", move), ("later", LATER[task.phrasing["later"]])]
+            *cues, ("move", move), ("later", LATER[task.phrasing["later"]])]
 
 
 def factorial_stimulus(task: FactorialTask, version: Version, query: str) -> Stimulus:
@@ -324,11 +354,18 @@ def factorial_stimulus(task: FactorialTask, version: Version, query: str) -> Sti
     world = end
     belief = start if version.knowledge_state == "false_belief" else end
     spans = dict(first)
-    spans.update(cue=sentences["cue"], contrast=sentences["cue"], query=sentences["query"], **query_spans)
+    # the contrast covers both cue sentences: the states swap the names between them
+    both = sorted((sentences["cue"], sentences["bystander_cue"]), key=lambda sp: sp.start)
+    contrast = Span(both[0].start, both[1].end)
+    spans.update(cue=sentences["cue"], contrast=contrast, query=sentences["query"], **query_spans)
     found_all = find_mentions(text, {"protagonist": slots["P"], "other_agent": slots["A"], "object": task.obj,
-                                     "location_1": start, "location_2": end})
-    mentions: dict[str, tuple[Span, ...]] = dict(found_all)
-    mentions.update({"cue": (sentences["cue"],), "contrast": (sentences["cue"],),
+                                     "location_1": start, "location_2": end, "bystander": slots["B"]})
+    query_start = sentences["query"].start  # story roles in the story; the query has its own roles
+    mentions: dict[str, tuple[Span, ...]] = {
+        role: kept for role, spans_ in found_all.items()
+        if (kept := tuple(m for m in spans_ if m.end <= query_start))}
+    spans["bystander"] = mentions["bystander"][0]
+    mentions.update({"cue": (sentences["cue"],), "contrast": (contrast,),
                      "query": (sentences["query"],)})
     mentions.update({role: (span,) for role, span in query_spans.items()})
     prompt_type = "reality" if query == "reality" else "belief"
@@ -340,7 +377,8 @@ def factorial_stimulus(task: FactorialTask, version: Version, query: str) -> Sti
         "location_1": start, "location_2": end, "room": task.template.room,
         "protagonist_access": ACCESS[version.knowledge_state],
         "cue_kind": CUE_KINDS[version.knowledge_state],
-        "cue_id": f"{CUE_KINDS[version.knowledge_state]}:{task.phrasing['cue']}",
+        "cue_id": f"pair:{task.phrasing['cue']}", "bystander": slots["B"],
+        "cue_order": "absence_first" if task.absence_first else "presence_first",
         "phrasing": dict(task.phrasing), "options_start_first": task.options_start_first,
         "task_index": task.index, "seed": task.seed,
     }

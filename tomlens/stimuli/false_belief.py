@@ -719,9 +719,10 @@ def story_stimulus(story: Story, prompt_type: str) -> Stimulus:
 
 def _cue_id(task: Task, kind: str, condition: str) -> str:
     """"kind:index" of the pooled phrasing that decides belief; a contents story without a decoy
-    whose protagonist leaves the container shut has the template's own sentence instead."""
+    whose protagonist leaves the container shut has the template's own sentence instead, named by
+    the task's cue group (a template id would join, under cue grouping, every task of a template)."""
     if task.family == CONTENTS and kind == "look" and condition != "open_container" and not task.decoy:
-        return f"closed:{task.template_id}"
+        return f"closed:{task.cue_group}"
     return f"{kind}:{task.cue_group}"
 
 

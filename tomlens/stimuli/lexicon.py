@@ -137,9 +137,12 @@ CUE_POOLS: dict[str, tuple[str, ...]] = {
     "presence": ("is watching", "looks on", "stands beside {Ao}", "watches closely",
                  "is sitting right there", "keeps an eye on {Ao}", "sees it all",
                  "is looking straight at {Ao}"),
-    # the other agent tells {H} (a name, "nobody", or "X, but not Y,")
-    "told": ("tells {H}", "lets {H} know", "explains to {H}", "mentions to {H}", "shows {H}",
-             "whispers to {H}", "makes sure {H} knows", "writes {H} a note saying"),
+    # the other agent tells {H} (a name, "nobody", or "X, but not Y,"); only ways of telling that
+    # reach someone who is elsewhere (an informed protagonist is away, e.g. "at the shops"), never
+    # a whisper or showing, and the same pool in every condition so no word marks "informed"
+    "told": ("phones {H} to say", "calls {H} to say", "texts {H} to say", "emails {H} to say",
+             "messages {H} to say", "writes to {H} to say", "leaves a note for {H} saying",
+             "sends a message to {H} saying"),
     # the protagonist looks into {tgt}
     "look": ("peeks inside {tgt}", "looks into {tgt}", "checks inside {tgt}", "glances into {tgt}",
              "peers into {tgt}", "takes a look inside {tgt}", "lifts the lid of {tgt}",

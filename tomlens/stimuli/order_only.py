@@ -243,6 +243,9 @@ def order_stimulus(task: OrderTask, condition: str, prompt_type: str) -> Stimulu
         "phrasing": dict(task.phrasing), "first_mentioned": named[0], "last_mentioned": named[-1],
         "options_ref_first": task.options_ref_first, "last_ref": task.last_ref,
         "task_index": task.index, "seed": task.seed, "cue_kind": "order",
+        # the leaving sentence's phrasing recurs across tasks (template ids do not), so the
+        # type-level control and group_by="cue" have cells that occur on both sides of a split
+        "cue_id": f"leave:{task.phrasing['leave']}",
     }
     return Stimulus(
         id=f"{task.task_id}-{CONDITION_CODES[condition]}-{prompt_type}",

@@ -55,14 +55,16 @@ _DETERMINERS = ("the ", "a ", "an ", "his ", "her ", "their ", "its ", "my ", "y
 THIRD_BLOCK = 8  # stays / leaves is balanced within every block of 8 tasks
 
 # The third agent's sentence, appended to the story: the same words in every condition of a task
-# (so order-only stories keep their bag of words), and it saw the object put away either way.
+# (so order-only stories keep their bag of words), and it saw the object put away either way. One
+# who stays says it saw and heard everything after, so the tracker lets it perceive every later
+# event, tellings included (`story_events`): the text and the labels agree.
 THIRD_SENTENCES: dict[str, dict[bool, str]] = {
     "transfer": {
-        True: "{C} saw {P} put the {obj} {prep} the {L1} and stayed in the {room} the whole time.",
+        True: "{C} saw {P} put the {obj} {prep} the {L1} and stayed, seeing and hearing everything after.",
         False: "{C} saw {P} put the {obj} {prep} the {L1} and then left the {room} for good.",
     },
     "contents": {
-        True: "{C} saw {A} fill the {container} and stayed to watch everything that happened after.",
+        True: "{C} saw {A} fill the {container} and stayed, seeing and hearing everything after.",
         False: "{C} saw {A} fill the {container} and then went away for good.",
     },
 }
@@ -188,6 +190,8 @@ def third_agents(stories: Sequence[Stimulus]) -> dict[str, ThirdAgent]:
         rng.shuffle(stays)
         for task_id, stay in zip(block, stays):
             words = {w.strip(".,;:!?") for s in tasks[task_id] for w in s.text.split()}
+            # nor the bystander, who may be a believer without being named in the text
+            words |= {s.meta["bystander"] for s in tasks[task_id] if isinstance(s.meta.get("bystander"), str)}
             names = [row[0] for row in lexicon.NAMES if row[0] not in words]
             if not names:  # pragma: no cover - the lexicon has far more names than a story uses
                 raise TomlensError(f"no unused name for a third agent in {task_id}",
@@ -231,9 +235,10 @@ def story_events(story: Stimulus, third: ThirdAgent | None = None) -> list[Event
                 raise TomlensError(f"order-only story {story.id!r} has an unknown sentence {role!r}",
                                    "extend story_events for it")
         return ev
-    # Transfer and contents: a telling (a note, a whisper) reaches the speaker and the hearer only:
-    # the protagonist when informed, else the story's bystander (if it has one).
-    hearer = p if cond == "informed" else m.get("bystander")
+    # Transfer and contents: a telling (a note, a whisper) reaches the speaker, the hearer and a third
+    # agent who stayed ("seeing and hearing everything after"): the hearer is the protagonist when
+    # informed, else the story's bystander where the story has one (told in the text).
+    hearer = p if cond == "informed" else story_bystander(story)
     if family == "unexpected-transfer":
         if cond not in ("false_belief", "present", "informed", "no_transfer"):
             raise _no_rule(story)
@@ -248,7 +253,7 @@ def story_events(story: Stimulus, third: ThirdAgent | None = None) -> list[Event
         now = l1 if cond == "no_transfer" else l2
         ev.append(Event("move", now, frozenset(watching)))
         if hearer:
-            ev.append(Event("tell", now, frozenset({a, hearer})))
+            ev.append(Event("tell", now, frozenset({a, hearer, *stays})))
         return ev
     if family == "unexpected-contents":
         if cond not in ("false_belief", "open_container", "correct_label", "informed"):
@@ -262,10 +267,22 @@ def story_events(story: Stimulus, third: ThirdAgent | None = None) -> list[Event
         if cond == "open_container":
             ev.append(Event("look", None, with_p, agent=p))
         if hearer:
-            ev.append(Event("tell", m["contents"], frozenset({a, hearer})))
+            ev.append(Event("tell", m["contents"], frozenset({a, hearer, *stays})))
         return ev
     raise TomlensError(f"no event rules for stories of family {family!r} ({story.id!r})",
                        f"use a source in {list(SOURCES)} or pass events= to statements_for")
+
+
+def story_bystander(story: Stimulus) -> str | None:
+    """The story's bystander where the story has one: meta names them and they occur in the story
+    (a decoy story tells them). Generators set meta "bystander" even without a decoy, when the
+    person never appears; statements about them would then get labels the text cannot support."""
+    name = story.meta.get("bystander")
+    if not isinstance(name, str) or not name:
+        return None
+    q = story.spans.get("query")
+    text = story.text[: q.start] if q is not None else story.text
+    return name if story.meta.get("decoy") is True or find_mentions(text, {"b": name}).get("b") else None
 
 
 def _no_rule(story: Stimulus) -> TomlensError:
@@ -288,8 +305,8 @@ def _check_orders(orders: Sequence[int] | int) -> list[int]:
 def _agents(story: Stimulus, third: ThirdAgent | None) -> list[tuple[str, str]]:
     """(name, role) of the believers a statement may name."""
     out = [(story.span_text(r), r) for r in ("protagonist", "other_agent") if r in story.spans]
-    bystander = story.meta.get("bystander")
-    if out and isinstance(bystander, str) and bystander and bystander not in dict(out):
+    bystander = story_bystander(story)
+    if out and bystander and bystander not in dict(out):
         out.append((bystander, "bystander"))
     if third is not None and out:
         out.append((third.name, "third_agent"))
@@ -370,6 +387,11 @@ def _prefix(story: Stimulus, claim: str, roles: dict[str, str],
     words: dict[str, str] = {r: n for n, r in roles.items()}
     words.update({k: story.meta[k] for k in ("object", "location_1", "location_2", "container")
                   if isinstance(story.meta.get(k), str)})
+    # contents stories name their roles differently (as the contents family's mentions do): the
+    # object and location_2 are the true contents, location_1 the other word
+    for role, key in (("object", "contents"), ("location_2", "contents"), ("location_1", "other_word")):
+        if role not in words and isinstance(story.meta.get(key), str):
+            words[role] = story.meta[key]
     mentions = {k: tuple(m for m in v if m.end <= len(story_text))
                 for k, v in story.mentions.items() if not k.startswith("query")}
     mentions.update(find_mentions(text, words))

@@ -362,14 +362,23 @@ def _json_object(value: Any, name: str, is_csv: bool) -> dict[str, Any]:
 
 
 def _mentions(value: Any, text: str, is_csv: bool) -> dict[str, tuple[Span, ...]]:
-    """Every mention of each role: {role: [[start, end], ...]} in text order."""
+    """Every mention of each role: {role: [[start, end], ...]}, as offsets (a substring would be
+    ambiguous: the same name occurs several times), distinct and put in text order."""
     raw = _json_object(value, "mentions", is_csv)
     out: dict[str, tuple[Span, ...]] = {}
     for role, spans in raw.items():
-        if not isinstance(spans, list):
-            raise _RowError(f"mentions.{role}", f"must be a list of [start, end] pairs, got {spans!r}")
-        parsed = _spans({f"{role}[{i}]": v for i, v in enumerate(spans)}, text, is_csv=False)
-        out[role] = tuple(sorted(parsed.values(), key=lambda m: m.start))
+        field = f"mentions.{role}"
+        if not isinstance(spans, list) or not spans:
+            raise _RowError(field, f"must be a non-empty list of [start, end] offsets, got {spans!r}")
+        found: list[Span] = []
+        for i, v in enumerate(spans):
+            if isinstance(v, str):
+                raise _RowError(f"{field}[{i}]", f"{v!r} is text; a mention needs its offsets",
+                                "give every mention as [start, end] character offsets into `text`")
+            found.append(_offset_span(v, f"{field}[{i}]", text))
+        if len(set(found)) != len(found):
+            raise _RowError(field, "the same mention is listed twice", "list each mention's offsets once")
+        out[role] = tuple(sorted(found, key=lambda m: m.start))
     return out
 
 
@@ -386,18 +395,23 @@ def _spans(value: Any, text: str, is_csv: bool) -> dict[str, Span]:
                                 "substring of the text")
             spans[role] = Span(start, start + len(v))
             continue
-        if isinstance(v, dict) and set(v) == {"start", "end"}:
-            v = [v["start"], v["end"]]
-        if (
-            not isinstance(v, (list, tuple))
-            or len(v) != 2
-            or not all(isinstance(x, int) and not isinstance(x, bool) for x in v)
-        ):
-            raise _RowError(field, f"must be [start, end] (two integers), got {v!r}")
-        start, end = v
-        if not (0 <= start < end <= len(text)):
-            raise _RowError(
-                field, f"[{start}, {end}) is outside the text (length {len(text)}) or empty"
-            )
-        spans[role] = Span(start, end)
+        spans[role] = _offset_span(v, field, text)
     return spans
+
+
+def _offset_span(v: Any, field: str, text: str) -> Span:
+    """A span given as [start, end] (or {"start", "end"}), checked against the text."""
+    if isinstance(v, dict) and set(v) == {"start", "end"}:
+        v = [v["start"], v["end"]]
+    if (
+        not isinstance(v, (list, tuple))
+        or len(v) != 2
+        or not all(isinstance(x, int) and not isinstance(x, bool) for x in v)
+    ):
+        raise _RowError(field, f"must be [start, end] (two integers), got {v!r}")
+    start, end = v
+    if not (0 <= start < end <= len(text)):
+        raise _RowError(
+            field, f"[{start}, {end}) is outside the text (length {len(text)}) or empty"
+        )
+    return Span(start, end)
