@@ -97,7 +97,7 @@ def test_bag_of_words_length_and_position_are_at_chance_on_order_only():
     assert not ((t["train_on"] == "all") & (t["eval_set"] == "false_belief")).any()
     assert any("eval set false_belief (train_on=all) dropped" in n for n in res.metadata["notes"])
     assert res.metadata["label_variation"]["protagonist_belief"][0]["varies"] is False
-    assert any("protagonist_belief is fixed by the condition here" in n for n in res.metadata["notes"])
+    assert any("protagonist_belief is fixed by the condition in every condition here" in n for n in res.metadata["notes"])
 
 
 def test_bag_of_words_is_high_where_words_give_the_condition_away():

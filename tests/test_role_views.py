@@ -170,3 +170,59 @@ def test_role_aligned_heads_by_attribution_equal_heads_at_the_named_roles(order_
     assert len(got) == model.cfg.n_layers * model.cfg.n_heads * len(sels)
     np.testing.assert_allclose(got.loc[want.index].to_numpy(float), want.to_numpy(float), atol=1e-4)
     assert torch.isfinite(torch.tensor(want.to_numpy(float))).all()
+
+
+def _roleless(s):
+    """The stimulus with no role mentions at all (no mentions, no word-role spans)."""
+    from tomlens.models.positions import MENTION_ROLES
+
+    return s.with_(mentions={}, spans={k: v for k, v in s.spans.items() if k not in MENTION_ROLES})
+
+
+class _NoOffsets:
+    """A tokenizer that gives no character offsets (a slow tokenizer): role tokens cannot be read."""
+
+    is_fast = False
+
+    def __init__(self, tok):
+        self._tok = tok
+
+    def __call__(self, *a, **k):
+        return self._tok(*a, **k)
+
+
+def test_each_view_falls_back_to_the_length_rule_without_role_tokens(order_pairs, tmp_path):
+    from tomlens.patching.roles import role_columns
+    from tomlens.report.patching import resid_heatmap, write_patching_figures
+    from tomlens.runs.patching import PatchingConfig, PatchingRunResult
+
+    model, pairs = order_pairs
+    tok = model.tokenizer
+    each = exact_patching(model, pairs, sites={"resid": ["each"]}, layers=[1], progress=False)
+    n_al = len(each.token_labels)
+    assert len({len(tok(p.clean.text)["input_ids"]) for p in pairs}) > 1  # the pairs differ in length
+    # no pair has a role mention: nothing says the columns line up, and the lengths say they do not
+    bare = [MinimalPair(p.id, _roleless(p.clean), _roleless(p.corrupted), p.family, p.contrast) for p in pairs]
+    roles, mixed = role_columns(bare, tok, n_al)
+    assert roles == {} and mixed
+    fig = resid_heatmap(each, "resid", pairs=bare, tokenizer=tok)
+    assert "mixes roles across pairs" in fig.layout.title.text and fig.data[0].x[-1] == "0 (final)"
+    # equal lengths and no role mentions: the columns are the pair's tokens, unmixed
+    assert role_columns(bare[:1], tok, len(tok(bare[0].clean.text)["input_ids"])) == ({}, False)
+
+
+def test_each_view_is_drawn_when_role_tokens_cannot_be_read(order_pairs, tmp_path):
+    from tomlens.report.patching import resid_heatmap, write_patching_figures
+    from tomlens.runs.patching import PatchingConfig, PatchingRunResult
+
+    model, pairs = order_pairs
+    each = exact_patching(model, pairs, sites={"resid": ["each"]}, layers=[1], progress=False)
+    # a tokenizer without offsets: the "each" figure is still drawn, by the length rule, and says so
+    slow = _NoOffsets(model.tokenizer)
+    fig = resid_heatmap(each, "resid", pairs=pairs, tokenizer=slow)
+    assert "mixes roles across pairs" in fig.layout.title.text and "could not be read" in fig.layout.title.text
+    summary = {"positions": {"resid_pre": ["each"]}, "sites": ["resid_pre"], "directions": ["denoise"]}
+    run_result = PatchingRunResult(PatchingConfig(sites=("resid",), positions=("each",)), summary,
+                                   sweeps={("exact", "denoise"): each}, pairs=pairs, tokenizer=slow)
+    figures = write_patching_figures(run_result, tmp_path)  # the role-aligned view is skipped, not fatal
+    assert sorted(figures) == ["resid_pre_exact_denoise"]

@@ -319,3 +319,78 @@ def test_positions_take_the_one_list_syntax():
     assert parse_positions("roles heads=contrast, resid=object:first", kinds).spec == commas
     assert parse_positions(["roles", "heads=contrast resid=object:first"], kinds).spec == commas
     assert PatchingConfig(pairs=PAIRS, positions=("roles heads=final",)).positions == ("roles", "heads=final")
+
+
+def _passing_gate(monkeypatch):
+    """The pooled gate passes (stubbed): what follows it is what is tested."""
+    import tomlens.patching.gate as gate
+
+    real = gate.gate_pairs
+    monkeypatch.setattr(gate, "gate_pairs", lambda clean, corrupted, contrasts, **kw: real(
+        clean + 10 + torch.arange(len(clean)), corrupted, contrasts))
+
+
+def test_solved_only_reads_each_halfs_gap_over_all_its_gated_pairs(load_tiny, monkeypatch):
+    """Held-out tasks: one pair solved (gap +2), one wrong way round (gap -6), so the half's gap is -2.
+    Read over the solved pairs only it would be +2 and pass; --solved-only must not hide it."""
+    import tomlens.patching.gate as gate
+
+    _passing_gate(monkeypatch)
+    model = load_tiny("tiny-llama")
+    pairs = run_pairs(UT, model=model).pairs
+    select, _ = gate.split_selection(pairs, 0.5, 0)
+
+    def gaps(i, ps):
+        if i in select:
+            return (2.0, -1.0)
+        first = [p.clean.task_id for p in ps].index(ps[i].clean.task_id) == i
+        return (1.0, -1.0) if first else (-3.0, 3.0)
+    _fake_base(monkeypatch, gaps)
+    config = PatchingConfig(model=TINY, sites=("heads",), positions=("final",), top_k=1, n_random=2,
+                            ablation="none", solved_only=True)
+    result = run(config, model=model, pairs=pairs, progress=False)
+    assert result.withheld and "evaluation pairs' mean gap is -2.000" in result.withheld and not result.sweeps
+    assert result.summary["gate"]["half_gaps"]["evaluation"] == pytest.approx(-2.0)
+    # the same pairs with the held-out half's wrong-way pairs put right: it runs, patching solved pairs only
+    _fake_base(monkeypatch, lambda i, ps: (2.0, -1.0) if i in select or
+               [p.clean.task_id for p in ps].index(ps[i].clean.task_id) == i else (-0.5, -1.0))
+    ok = run(config, model=model, pairs=pairs, progress=False)
+    assert not ok.withheld and ok.summary["pairs"]["evaluation"]["n"] == len(pairs) - len(select) - 1
+
+
+def test_the_plan_counts_n_random_head_sets_per_k_and_rechecks_max_runs_once_ranked(load_tiny, monkeypatch,
+                                                                                       tmp_path, capsys):
+    """tiny-llama has 4 heads per layer: a one-head stand-in has 3 layer-matched sets, fewer than
+    --n-random. The plan counts --n-random per k (the upper bound), so the recount can only shrink it;
+    a recount over --max-runs is refused as the plan is, with the finished chunks kept."""
+    import tomlens.patching as patching
+
+    _passing_gate(monkeypatch)
+    _fake_base(monkeypatch, lambda i, ps: (2.0, -1.0))
+    model = load_tiny("tiny-llama")
+    pairs = run_pairs(UT, model=model).pairs
+    base = PatchingConfig(model=TINY, sites=("heads",), positions=("final",), top_k=1, ks=(1,), ablation="none",
+                          dry_run=True)
+
+    def topk_runs(n_random):
+        plan = run(replace(base, n_random=n_random), model=model, pairs=pairs, progress=False).summary["plan"]
+        return next(s["runs"] for s in plan["stages"] if s["name"] == "top-k recovery")
+    r10, r20 = topk_runs(10), topk_runs(20)
+    assert r10 * 21 == r20 * 11  # 1 top + n_random random sets, whatever the stand-in's layers allow
+    # a ranking whose layer-matched sets outnumber the plan's (stubbed): refused after the recount
+    real = patching.topk_settings
+
+    def more(model, ranking, ks, n_random, seed):
+        out = real(model, ranking, ks, n_random, seed)
+        return out if ranking is None else out + [s for s in out if s[0] == "random"] * 3
+    monkeypatch.setattr(patching, "topk_settings", more)
+    full = run(replace(base, n_random=2, dry_run=False), model=model, pairs=pairs, progress=False,
+               out=tmp_path / "a").summary
+    planned = replace(base, n_random=2, dry_run=True)
+    total = run(planned, model=model, pairs=pairs, progress=False).summary["plan"]["total_runs"]
+    assert full["plan"]["total_runs"] > total  # the stub grew the recount
+    capsys.readouterr()
+    with pytest.raises(TomlensError, match=f"more than --max-runs {total:,}"):
+        run(replace(base, n_random=2, dry_run=False, max_runs=total), model=model, pairs=pairs, progress=False,
+            out=tmp_path / "b")
+    assert "kept under" in capsys.readouterr().err and any((tmp_path / "b").rglob("*.safetensors"))

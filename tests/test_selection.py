@@ -144,8 +144,8 @@ def test_selection_needs_three_tasks_and_gates_on_a_control_that_can_fail():
     X, _ = _planted(st, carrier=2)
     few = select_and_evaluate(Planted(st, X), "protagonist_belief", sites=("resid_post",), position="final",
                               n_permutations=0, config=FAST)
-    assert few.verdict == WITHHELD and "need >= 3 tasks in the selection half" in few.reason
-    assert "need >= 3 tasks" in few.line()
+    assert few.verdict == WITHHELD and "need >= 3 task groups in the selection half" in few.reason
+    assert "need >= 3 task groups" in few.line()
     # features that name the cue x condition cells decode the target (fixed by condition) and the
     # control alike: the control can fail here, and it does, so the unit is withheld
     st = _order_only(spans=False)

@@ -22,7 +22,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--stimuli", required=True, help="stimulus file (JSONL or CSV)")
     p.add_argument("--target", nargs="+", default=["protagonist_belief"],
-                   help="targets: protagonist_belief world_state joint statement_protagonist "
+                   help="targets: protagonist_belief world_state joint statement_literal statement_protagonist "
                    "statement_world (default: protagonist_belief)")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--test-stimuli", default=None,

@@ -118,11 +118,15 @@ def role_columns(pairs: Sequence[Any], tokenizer: Any, n_aligned: int) -> tuple[
     """Which right-aligned columns of an "each" sweep are a role: ({column: role mentions every pair has
     at that token, e.g. "protagonist@1"}, mixed). `mixed` is True when some role mention sits at
     different columns in different pairs (or only some pairs have it), so a column read across pairs
-    mixes roles; decided from each pair's own role token indices, not from the pairs' lengths."""
+    mixes roles; decided from each pair's own role token indices, not from the pairs' lengths. Where no
+    pair has a role mention there are no role tokens to read, so pairs of different lengths are taken to
+    mix roles (the length rule) rather than called unmixed."""
     per_col: dict[int, list[set[str]]] = {}
     pairs = list(pairs)
+    lengths: set[int] = set()
     for p in pairs:
         offsets = _offsets(tokenizer, p.clean.text)
+        lengths.add(len(offsets))
         shift = n_aligned - len(offsets)
         here: dict[int, set[str]] = {}
         for sel, _ in role_mentions(p.clean):
@@ -136,6 +140,8 @@ def role_columns(pairs: Sequence[Any], tokenizer: Any, n_aligned: int) -> tuple[
         mixed |= set.union(*sets) != common
         if common:
             roles[col] = "/".join(sorted(common))
+    if not per_col:  # no role mentions in any pair: only the lengths say whether columns line up
+        mixed = len(lengths) > 1
     return roles, mixed
 
 

@@ -360,7 +360,8 @@ def select_and_evaluate(
     if n_sel_groups < 3:  # cross-fitting with C chosen inside each training split needs 3 groups
         # withheld, not an error: the sweep's table is already computed and stays valid
         return withhold(f"the selection half holds {n_sel_groups} {cfg.group_by} group(s) with the target: "
-                        "need >= 3 tasks in the selection half (give more stimuli, or a larger selection_fraction)")
+                        f"need >= 3 {cfg.group_by} groups in the selection half (give more stimuli, or a larger "
+                        "selection_fraction)")
     folds = min(cfg.folds, n_sel_groups)
     if folds < cfg.folds:
         notes.append(f"selection half has {n_sel_groups} groups: {folds} folds instead of {cfg.folds}")

@@ -561,6 +561,10 @@ def run_probe_sweep(
     if cfg.group_by == "cue" and not any(s.meta.get("cue_id") not in (None, "")
                                          for s in [*train_st, *(test_st or [])]):
         notes.append("no stimulus has a cue_id: group_by=cue is group_by=task here")
+    elif cfg.group_by == "cue":
+        n_groups = int(torch.unique(group_codes(train_st, "cue")).numel())
+        notes.append(f"group_by=cue: {n_groups} cue group(s) (no cue phrasing and no story on both sides)"
+                     + ("; too few for a selection half of 3 groups" if n_groups < 6 else ""))
     for tname in targets:
         y_all, keep = make_target(train_st, tname)
         ktr = keep.nonzero().squeeze(1)
@@ -579,10 +583,12 @@ def run_probe_sweep(
         plans = _drop_one_class_sets(_plans(st_tr, st_te if test_st is not None else None, gtr, cfg, seed),
                                      yte, tname, notes)
         if tname not in variation:
-            variation[tname] = label_variation(st_tr, tname)
+            variation[tname] = label_variation(st_tr + (st_te if test_st is not None else []), tname)
             if not bool(variation[tname]["varies"].any()):
-                notes.append(f"{tname} is fixed by the condition here: only a set whose words cannot decide it "
-                             "(order-only) separates belief from condition words")
+                notes.append(f"{tname} is fixed by the condition in every condition here, so a probe for it is a "
+                             "probe for the condition: it reads belief rather than condition words only where the "
+                             "words cannot tell the conditions apart (bag-of-words baseline at chance, as on "
+                             "order-only and the factorial)")
         common = {"position": position, "target": tname, "probe": probe, "test_set": test_name}
         extras, blind = _extras(st_tr, st_te if test_st is not None else None, ytr, plans, cfg, seed, tname, notes)
         extra_te = {k: te for k, (_, te) in extras.items()}

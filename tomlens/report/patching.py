@@ -73,7 +73,8 @@ def resid_heatmap(result: PatchingResult, kind: str = "resid_pre", *, pairs: Any
     (right-aligned across pairs; "clean|corrupted" where the two stories differ). Given the sweep's
     `pairs` and the `tokenizer`, whether a column mixes roles is read from each pair's role tokens
     (`tomlens.patching.roles.role_columns`), and a column that is one role in every pair says so;
-    without them, pairs of different lengths are taken to mix roles."""
+    without them (or when no pair has a role mention, or the role tokens cannot be read, which the title
+    says), pairs of different lengths are taken to mix roles."""
     go = _go()
     kind = canonical_kind(kind)
     df = result.select(kind, "each")
@@ -83,13 +84,18 @@ def resid_heatmap(result: PatchingResult, kind: str = "resid_pre", *, pairs: Any
     longest = [result.token_labels[p] for p in pos]
     n_al = len(result.token_labels)
     roles: dict[int, str] = {}
+    unread = None  # why the role tokens could not be read, when they could not
+    by_length = bool((df.n_pairs < len(result.pair_ids)).any())  # the length rule: columns mix when lengths differ
     if pairs is not None and tokenizer is not None:
         from tomlens.patching.roles import role_columns
 
         by_id = {p.id: p for p in pairs}
-        roles, mixed = role_columns([by_id[i] for i in result.pair_ids if i in by_id], tokenizer, n_al)
+        try:
+            roles, mixed = role_columns([by_id[i] for i in result.pair_ids if i in by_id], tokenizer, n_al)
+        except TomlensError as e:  # e.g. a tokenizer without offsets, or a span no token covers
+            unread, mixed = e.problem, by_length
     else:  # no role tokens to read: different lengths are taken to mean the columns mix roles
-        mixed = bool((df.n_pairs < len(result.pair_ids)).any())
+        mixed = by_length
     # Mixed: a column is a distance from the final token, not a role, and is labelled so (the longest
     # pair's token on hover), unless every pair has the same role mention there.
     labels = [f"{p - n_al + 1}" if p < n_al - 1 else "0 (final)" for p in pos] if mixed else longest
@@ -106,6 +112,9 @@ def resid_heatmap(result: PatchingResult, kind: str = "resid_pre", *, pairs: Any
         title += ("<br><sup>columns are right-aligned tokens (0 = final); the pairs differ in length, so a column "
                   "mixes roles across pairs: see the role-aligned figure (<kind>_roles_...), or patch "
                   "--positions mentions, for columns by role</sup>")
+    if unread is not None:  # said on the figure: which columns are roles was not checked
+        title += (f"<br><sup>columns are right-aligned tokens: the role tokens could not be read ({unread}), "
+                  "so no column is labelled with a role</sup>")
     fig.update_layout(
         title=title, xaxis_title="tokens before the final one" if mixed else "token",
         yaxis_title="layer", yaxis={"autorange": "reversed"}, xaxis={"tickangle": -60, "type": "category"},

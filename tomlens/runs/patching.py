@@ -369,7 +369,8 @@ def _base_table(aligned: Sequence[Any], clean: Any, corrupted: Any, kept: set[in
 def _recount(plan: Any, planned_sets: int, sets: int) -> None:
     """Top-k recovery and ablation patch every distinct layer-matched set where there are fewer than
     `n_random`, which depends on the ranked heads' layers: once they are known, the plan's counts for
-    those stages are set to the head sets that will run (each set costs the same runs) and said."""
+    those stages are set to the head sets that will run (each set costs the same runs) and said. The
+    plan counts `n_random` per k, the upper bound, so this only shrinks it."""
     if sets == planned_sets or planned_sets == 0:
         return
     for st in plan.stages:
@@ -455,24 +456,26 @@ def _run(config: PatchingConfig, *, model: Any, pairs: Sequence[Any] | None, out
     if cfg.solved_only:
         notes.append(f"--solved-only: the gate ran on all {len(aligned)} pairs; of the {len(gated)} pairs it let "
                      f"through, kept {len(kept)} the model answers right both ways")
-    use = kept
     dropped_contrasts = sorted(c for c in gates if c not in passed) if (passed and not cfg.force) else []
     withheld = None
     if not gated:
         withheld = message
-    elif not use:
+    elif not kept:
         withheld = (f"withheld: of the {len(gated)} pairs that passed the gate, none is answered right both ways "
                     "(--solved-only): nothing to patch; run without --solved-only")
-    split = split_selection([aligned[i] for i in use], cfg.select_fraction, seed) if use else None
+    # The split is drawn over EVERY gated pair and each half's gap read over all of its pairs; only then
+    # does --solved-only pick, within each half, the pairs that are patched. Reading the gaps after the
+    # filter would read only pairs with clean > 0 > corrupted, whose gaps are positive by construction.
+    halves_g = split_selection([aligned[i] for i in gated], cfg.select_fraction, seed) if kept else None
     forced = bool(cfg.force and gate_failed)
-    if use and split is None:
-        n_tasks = len({aligned[i].clean.task_id or aligned[i].id for i in use})
-        why = (f"{len(use)} pairs from {n_tasks} task(s) cannot be split into selection and held-out evaluation "
+    if kept and halves_g is None:
+        n_tasks = len({aligned[i].clean.task_id or aligned[i].id for i in gated})
+        why = (f"{len(gated)} pairs from {n_tasks} task(s) cannot be split into selection and held-out evaluation "
                f"pairs (needs at least {MIN_SPLIT_PAIRS} pairs and 2 tasks)")
         if cfg.force:
             forced = True
             notes.append(f"FORCED: {why}; heads are ranked and validated on the SAME pairs")
-            split = (list(range(len(use))), list(range(len(use))))
+            halves_g = (list(range(len(gated))), list(range(len(gated))))
         else:
             withheld = (f"withheld: head ranking, top-k recovery, mean ablation and the cell sweeps. Reason: {why}, "
                         "and heads validated on the pairs that ranked them recover their own noise; use more pairs "
@@ -480,14 +483,15 @@ def _run(config: PatchingConfig, *, model: Any, pairs: Sequence[Any] | None, out
     # The pooled gate is not enough: ranking is normalised by the selection pairs' own gap and validation
     # by the held-out pairs'. A half whose mean gap is not positive divides by noise or the wrong sign.
     half_gaps: dict[str, float] = {}
-    if withheld is None and split is not None:
-        for half, idx in (("selection", split[0]), ("evaluation", split[1])):
-            ii = torch.tensor([use[i] for i in idx])
+    split: tuple[list[int], list[int]] | None = None  # indices into `aligned` of the pairs patched, per half
+    if withheld is None and halves_g is not None:
+        for half, idx in (("selection", halves_g[0]), ("evaluation", halves_g[1])):
+            ii = torch.tensor([gated[i] for i in idx])
             half_gaps[half] = float((clean0[ii] - corrupted0[ii]).mean())
         bad = [f"the {h} pairs' mean gap is {g:.3f}" for h, g in half_gaps.items() if not g > 0]
         if bad:
-            why = ("; ".join(bad) + " (not positive: heads ranked on the selection pairs and validated on the "
-                   "held-out pairs are normalised by that half's own gap)")
+            why = ("; ".join(bad) + " (not positive, read over all of the half's gated pairs: heads ranked on the "
+                   "selection pairs and validated on the held-out pairs are normalised by that half's own gap)")
             if cfg.force:
                 forced = True
                 notes.append(f"FORCED: {why}")
@@ -495,6 +499,13 @@ def _run(config: PatchingConfig, *, model: Any, pairs: Sequence[Any] | None, out
                 withheld = ("withheld: head ranking, top-k recovery, mean ablation and the cell sweeps. Reason: "
                             f"{why}; use more tasks or another --seed for the split (--force runs everything "
                             "anyway, flagged)")
+        split = ([gated[i] for i in halves_g[0] if solved[gated[i]] or not cfg.solved_only],
+                 [gated[i] for i in halves_g[1] if solved[gated[i]] or not cfg.solved_only])
+        empty = [h for h, idx in zip(("selection", "evaluation"), split) if not idx]
+        if withheld is None and empty:
+            withheld = (f"withheld: head ranking, top-k recovery, mean ablation and the cell sweeps. Reason: no "
+                        f"{' or '.join(empty)} pair is answered right both ways (--solved-only); run without "
+                        "--solved-only, or with another --seed for the split")
     gate_summary = {
         "method": METHOD, "contrasts": {c: g.to_dict() for c, g in gates.items()}, "passed": passed,
         "dropped_contrasts": dropped_contrasts, "message": message, "forced": forced,
@@ -526,8 +537,8 @@ def _run(config: PatchingConfig, *, model: Any, pairs: Sequence[Any] | None, out
         return PatchingRunResult(config, summary, tables, manifest=manifest)
 
     assert split is not None
-    selection = [aligned[use[i]] for i in split[0]]
-    evaluation = [aligned[use[i]] for i in split[1]]
+    selection = [aligned[i] for i in split[0]]
+    evaluation = [aligned[i] for i in split[1]]
     same = split[0] == split[1]
     prepared = (everything if len(selection) == len(aligned)
                 else prepare_pairs(model, selection, selectors=pos.selectors, batch_pairs=batch_pairs))
@@ -558,7 +569,14 @@ def _run(config: PatchingConfig, *, model: Any, pairs: Sequence[Any] | None, out
         sweep.load(checkpoints)
     topk_plan = ablation_plan = None
     if rank_position is not None and ks:
-        stand_in = [s[3] for s in topk_settings(model, None, ks, n_random, seed)]
+        # Planned at the upper bound, n_random draws per k: how many distinct layer-matched sets a k has
+        # depends on the ranked heads' layers (a uniform stand-in in one layer may have fewer than a real
+        # top set spread over two), so the recount once heads are ranked can only shrink the plan.
+        settings = topk_settings(model, None, ks, n_random, seed)
+        stand_in = [s[3] for s in settings if s[0] == "top"]
+        for k, top in zip(ks, list(stand_in)):
+            draws = [s[3] for s in settings if s[0] == "random" and s[1] == k]
+            stand_in += draws + [top] * (n_random - len(draws))  # same size, so the same runs per set
         topk_plan = HeadSetSweep(model, held, stand_in, position=rank_position, direction=main_dir,
                                  chunk_runs=chunk_runs)
         if ablation != "none":
@@ -619,6 +637,12 @@ def _run(config: PatchingConfig, *, model: Any, pairs: Sequence[Any] | None, out
             ranking = list(zip(*[rank_heads(ranking_source, position=rank_position)[c] for c in ("layer", "head")]))
             if ks:
                 _recount(plan, len(stand_in), len(topk_settings(model, ranking, ks, n_random, seed)))
+                if max_runs is not None and plan.total_runs > max_runs:  # refused as the plan check refuses
+                    print("\n".join(plan.lines()))
+                    if resumable:
+                        print(f"the sweeps run so far are kept under {checkpoints.folder}: run again (with a larger "
+                              "--max-runs) to resume", file=sys.stderr)
+                    plan.check_budget()
                 rec = topk_recovery(model, held, ranking, k_max=k_max, ks=ks, n_random=n_random, seed=seed,
                                     position=rank_position, direction=main_dir, memory_mb=memory_mb,
                                     progress=progress, checkpoints=checkpoints, chunk_runs=chunk_runs)

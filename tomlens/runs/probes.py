@@ -197,7 +197,7 @@ def summarise(table: pd.DataFrame, selection: dict[str, SelectionResult] | None 
                  "per-unit maxima (selection-biased: the best unit on the stories it is scored on; "
                  "no held-out selection was run):")
     lines.append(f"{'target':<22}{'train -> eval':<30}{'site':<22}{'accuracy [95% CI]':<24}"
-                 f"{'control':>8}{'bow':>7}{'best base':>16}{'chance':>8}")
+                 f"{'control':>8}{'bow':>7} {'best baseline':>17}{'chance':>8}")
     for (target, train_on, eval_set), g in acc.groupby(["target", "train_on", "eval_set"], sort=False):
         bow = g[g["features"] == "bag_of_words"]
         bow_s = f"{bow['score'].iloc[0]:.2f}" if len(bow) else "-"
@@ -213,7 +213,7 @@ def summarise(table: pd.DataFrame, selection: dict[str, SelectionResult] | None 
             base = "-" if bb != bb else f"{best.get('best_baseline_name', '')} {bb:.2f}"
             lines.append(f"{target:<22}{train_on + ' -> ' + eval_set:<30}{site:<22}"
                          f"{best['score']:.2f} [{best['ci_low']:.2f}, {best['ci_high']:.2f}]{'':<8}"
-                         f"{ctrl:>8}{bow_s:>7}{base:>16}{best['chance']:>8.2f}")
+                         f"{ctrl:>8}{bow_s:>7} {base:>17}{best['chance']:>8.2f}")
     return "\n".join(lines)
 
 

@@ -368,8 +368,10 @@ def _mentions(value: Any, text: str, is_csv: bool) -> dict[str, tuple[Span, ...]
     out: dict[str, tuple[Span, ...]] = {}
     for role, spans in raw.items():
         field = f"mentions.{role}"
-        if not isinstance(spans, list) or not spans:
-            raise _RowError(field, f"must be a non-empty list of [start, end] offsets, got {spans!r}")
+        if not isinstance(spans, list):
+            raise _RowError(field, f"must be a list of [start, end] offsets, got {spans!r}")
+        if not spans:
+            continue  # a role with no mention (the writer leaves it out)
         found: list[Span] = []
         for i, v in enumerate(spans):
             if isinstance(v, str):
