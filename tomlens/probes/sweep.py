@@ -586,9 +586,9 @@ def run_probe_sweep(
             variation[tname] = label_variation(st_tr + (st_te if test_st is not None else []), tname)
             if not bool(variation[tname]["varies"].any()):
                 notes.append(f"{tname} is fixed by the condition in every condition here, so a probe for it is a "
-                             "probe for the condition: it reads belief rather than condition words only where the "
-                             "words cannot tell the conditions apart (bag-of-words baseline at chance, as on "
-                             "order-only and the factorial)")
+                             f"probe for the condition: it reads {tname.replace('_', ' ')} rather than condition "
+                             "words only where the words cannot tell the conditions apart (bag-of-words baseline at "
+                             "chance, as on order-only and the factorial)")
         common = {"position": position, "target": tname, "probe": probe, "test_set": test_name}
         extras, blind = _extras(st_tr, st_te if test_st is not None else None, ytr, plans, cfg, seed, tname, notes)
         extra_te = {k: te for k, (_, te) in extras.items()}
