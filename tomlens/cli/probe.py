@@ -41,7 +41,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--c-grid", nargs="+", type=float, default=None,
                    help="inverse regularisation strengths to choose from (default 0.001 ... 10)")
     p.add_argument("--n-boot", type=int, default=1000, help="bootstrap replicates (default 1000)")
-    p.add_argument("--no-controls", action="store_true", help="skip the shuffled-label control")
+    p.add_argument("--no-controls", action="store_true", help="skip the type-level control task")
     p.add_argument("--no-bow", action="store_true", help="skip the bag-of-words baseline")
     p.add_argument("--no-conditions", action="store_true",
                    help="skip train-on-true-belief / test-on-false-belief generalisation")

@@ -14,7 +14,7 @@ from tomlens.probes.baselines import (
     BASELINE_COLUMNS, add_best_baseline, attach_baselines, length_features, position_features,
 )
 from tomlens.probes.controls import (
-    bag_of_words, condition_split, shuffle_labels, split_labels, type_cells, type_control_labels,
+    bag_of_words, condition_split, split_labels, type_cells, type_control_labels,
 )
 from tomlens.probes.directions import load_directions, save_directions
 from tomlens.probes.logistic import C_GRID, LogisticFit, LogisticProbe, fit_logistic
@@ -28,5 +28,5 @@ __all__ = [
     "TARGETS", "add_best_baseline", "attach_baselines", "bag_of_words", "bootstrap_auroc", "bootstrap_mean",
     "condition_split", "false_belief_mask", "fit_logistic", "group_codes", "group_kfold", "holdout",
     "leaked_groups", "length_features", "load_directions", "make_target", "position_features",
-    "save_directions", "shuffle_labels", "split_labels", "true_belief_mask", "type_cells", "type_control_labels",
+    "save_directions", "split_labels", "true_belief_mask", "type_cells", "type_control_labels",
 ]

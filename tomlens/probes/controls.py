@@ -24,9 +24,8 @@
 - Bag of words: a logistic probe on word counts of the stimulus text. If the words alone give the
   label away (they often do: "while Anna was away" marks a false-belief story), a layer's accuracy
   means little until it beats this line. Length and position baselines live in `baselines`.
-- `shuffle_labels` (a decorrelated permutation of labels) is no longer the sweep's control: a
-  row-shuffled control scored against the true labels is at chance by construction. It stays as a
-  tool for permutation nulls.
+- No row-shuffled control: scored against the true labels it is at chance by construction and
+  cannot fail (the permutation null of `selection` permutes labels for its own test).
 """
 
 from __future__ import annotations
@@ -44,38 +43,6 @@ from torch import Tensor
 from tomlens.stimuli.records import Stimulus
 
 _WORD = re.compile(r"[a-z0-9]+(?:'[a-z]+)?")
-
-
-def shuffle_labels(y: Int[Tensor, " n"], seed: int, *, decorrelate: bool = True) -> Int[Tensor, " n"]:
-    """A permutation of `y` (same class counts), deterministic given the seed.
-
-    A plain permutation keeps a chance correlation with the true labels (about 1/sqrt(n)); where a
-    feature carries the true label strongly, the control probe latches onto that correlation and
-    scores far above or below chance on the test rows, by luck of the draw. With `decorrelate`
-    (the default) the permutation is drawn so that every true class receives each control label in
-    proportion to its frequency (up to rounding): the control labels carry no information about
-    the true ones, and the control measures what it should, the probe's capacity to fit noise.
-    """
-    gen = torch.Generator().manual_seed(seed)
-    n = y.numel()
-    if not decorrelate or n == 0:
-        return y[torch.randperm(n, generator=gen)]
-    # Rows laid out class by class (random order inside each class) ...
-    rows = torch.randperm(n, generator=gen)
-    rows = rows[torch.argsort(y[rows], stable=True)]
-    # ... receive a label sequence in which each class is spread evenly (systematic sampling with
-    # a random offset per class), so every block of rows gets its proportional share of each label.
-    keys = torch.empty(n, dtype=torch.float64)
-    for c in torch.unique(y):
-        members = (y == c).nonzero().squeeze(1)
-        k = members.numel()
-        offset = torch.rand(1, generator=gen, dtype=torch.float64)
-        keys[members] = (torch.arange(k, dtype=torch.float64) + offset) / k
-    keys += 1e-9 * torch.rand(n, generator=gen, dtype=torch.float64)  # random tie order
-    labels = y[torch.argsort(keys)]
-    out = torch.empty_like(y)
-    out[rows] = labels
-    return out
 
 
 def words(text: str) -> list[str]:

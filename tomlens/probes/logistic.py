@@ -8,8 +8,8 @@ the last (`newton`), units batched by rank. Validation accuracy picks C per unit
 log-loss, then the smaller C); the final fit uses all rows with that C.
 
 Several label vectors can be fitted on the same features in one pass (`fit_logistic`'s `Y`): the
-shuffled-label control shares every Gram matrix and factorisation with the real labels, so it
-costs little more than the probe itself.
+type-level control's labels and a condition split share every Gram matrix and factorisation with
+the real labels, so they cost little more than the probe itself.
 
 A unit that cannot be fitted does not stop the others: its fit status (`FIT_STATUS`, the worst
 over its cross-validation and final fits) says why, and its coefficients and C are NaN when it
@@ -321,7 +321,7 @@ def fit_logistic(
     index = torch.searchsorted(classes, Y)  # [L, n]
     if not bool((classes[index.clamp_max(classes.numel() - 1)] == Y).all()):
         raise TomlensError("the label vectors do not share one set of classes",
-                           "pass label vectors over the same classes (e.g. true and shuffled)")
+                           "pass label vectors over the same classes (e.g. the target and a control task)")
     c_grid = tuple(float(c) for c in c_grid)
     if not c_grid or any(c <= 0 for c in c_grid):
         raise TomlensError(f"C grid {c_grid} is empty or not positive", "use positive C values")

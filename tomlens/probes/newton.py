@@ -1,6 +1,6 @@
 """Many small L2-penalised logistic regressions solved at once by Newton's method (IRLS).
 
-A probe sweep fits one probe per layer, head, label set (true and shuffled) and class; each is a
+A probe sweep fits one probe per layer, head, label set (the target, a control task, a condition split) and class; each is a
 small problem, and a loop over them spends its time in Python. Here they are one batch: every
 Newton step forms all Hessians with one batched matmul and factorises them with one batched
 Cholesky. Newton needs a handful of steps where first-order solvers need hundreds, and the
@@ -8,7 +8,7 @@ features are already reduced to at most min(n_train, d) columns (`tomlens.probes
 Hessians are small.
 
 Problems come as a grid: `u` feature matrices, each shared by `j` target vectors (a layer's true
-labels, its shuffled labels, each class of a one-vs-rest fit), so logits and gradients for all
+labels, its control-task labels, each class of a one-vs-rest fit), so logits and gradients for all
 `j` targets of a unit are one matmul against the shared features.
 
 The objective is scikit-learn's: sum_i logloss(y_i, z_i.w + b) + ||w||^2 / (2 C), intercept not
