@@ -157,3 +157,19 @@ def test_reality_gating_and_knowledge_state_effect_on_scored_stories(load_tiny, 
     pd.testing.assert_frame_equal(back.reality_gated, result.reality_gated, check_dtype=False)
     text = back.describe()
     assert text == result.describe() and "gated on the reality prompt" in text and "knowledge-state effect" in text
+
+
+def test_behave_cli_passes_n_boot_and_rejects_a_bad_one(tmp_path, capsys):
+    import json
+
+    from tomlens.cli import main
+    from tomlens.stimuli import generate
+    from tomlens.stimuli.records import write_jsonl
+
+    path = write_jsonl(generate("order-only", n=2, seed=0), tmp_path / "s.jsonl")
+    base = ["behave", "--model", "tiny-gpt2", "--stimuli", str(path), "--no-progress"]
+    assert main([*base, "--out", str(tmp_path / "out"), "--n-boot", "50"]) == 0
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["n_boot"] == 50
+    capsys.readouterr()
+    assert main([*base, "--out", str(tmp_path / "bad"), "--n-boot", "0"]) == 2
+    assert "n_boot = 0" in capsys.readouterr().err

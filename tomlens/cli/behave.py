@@ -12,6 +12,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--stimuli", required=True, help="stimulus file (JSONL or CSV)")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--n-boot", type=int, default=1000,
+                   help="bootstrap resamples of whole tasks for every interval (default 1000)")
     add_model_options(p)
     add_progress(p)
     p.set_defaults(func=run)
@@ -22,7 +24,7 @@ def run(args: argparse.Namespace) -> int:
     from tomlens.runs.base import StimuliSpec
 
     config = behaviour.BehaviourConfig(model=model_spec(args), stimuli=(StimuliSpec(path=args.stimuli),),
-                                       batch_size=args.batch_size, seed=args.seed)
+                                       batch_size=args.batch_size, seed=args.seed, n_boot=args.n_boot)
     result = behaviour.run(config, progress=not args.no_progress)
     out = result.save(args.out)
     print(result.describe())
