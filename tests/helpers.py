@@ -4,6 +4,7 @@ each other: a shared helper lives here, imported as `from helpers import ...`)."
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import pandas as pd
@@ -12,6 +13,7 @@ if TYPE_CHECKING:  # imported where used, so a module needing only the data impo
     import torch
 
     from tomlens.stimuli.pairs import MinimalPair
+    from tomlens.stimuli.records import Stimulus
 
 # Names of different token lengths, so a batch of pairs is left-padded.
 NAMES = ("Ann", "Maximilian", "Bo", "Kate")
@@ -97,3 +99,18 @@ BIGTOM_ROW = ";".join([
     "0",
 ])
 
+
+@dataclass
+class TensorActivations:
+    """In-memory activations with what the sweep needs of an ActivationSet: `get(kind, position)`
+    ([n, layer, d] or [n, layer, head, d]) and `layers(kind)`."""
+
+    stimuli: list[Stimulus]
+    tensors: dict[tuple[str, str], torch.Tensor]
+    manifest: dict[str, Any]
+
+    def get(self, kind: str, position: str) -> torch.Tensor:
+        return self.tensors[(kind, position)]
+
+    def layers(self, kind: str) -> list[int]:
+        return next(list(range(t.shape[1])) for (k, _), t in self.tensors.items() if k == kind)

@@ -3,13 +3,14 @@ the type-level control task (scored on its own labels), the condition split and 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import pandas as pd
 import pytest
 import torch
+
+from helpers import TensorActivations
 
 from tomlens.errors import TomlensError
 from tomlens.probes import (
@@ -23,27 +24,21 @@ from tomlens.stimuli import Span, Stimulus, generate
 FAST = dict(folds=3, inner_folds=2, c_grid=(0.1, 1.0), n_boot=200, progress=False, device="cpu")
 
 
-@dataclass
-class Acts:
-    """In-memory activations with what the sweep needs (`get`, `layers`)."""
-
-    stimuli: list[Stimulus]
-    tensors: dict[tuple[str, str], torch.Tensor]
-    manifest: dict[str, Any]
-
-    def get(self, kind: str, position: str) -> torch.Tensor:
-        return self.tensors[(kind, position)]
-
-    def layers(self, kind: str) -> list[int]:
-        return next(list(range(t.shape[1])) for (k, _), t in self.tensors.items() if k == kind)
+def cell_acts(stimuli, cells) -> TensorActivations:
+    """One layer whose features name each row's type cell (one-hot, scaled, plus a little noise)."""
+    codes = {c: i for i, c in enumerate(dict.fromkeys(cells))}
+    g = torch.Generator().manual_seed(0)
+    X = torch.nn.functional.one_hot(torch.tensor([codes[c] for c in cells]), len(codes)).float() * 3
+    X = X + 0.1 * torch.randn(X.shape, generator=g)
+    return TensorActivations(list(stimuli), {("resid_post", "final"): X.unsqueeze(1)}, {"model": {"model": "cells"}})
 
 
-def noise_acts(stimuli, seed=0, d=8, resid_pre=False) -> Acts:
+def noise_acts(stimuli, seed=0, d=8, resid_pre=False) -> TensorActivations:
     g = torch.Generator().manual_seed(seed)
     tensors = {("resid_post", "final"): torch.randn(len(stimuli), 2, d, generator=g)}
     if resid_pre:
         tensors[("resid_pre", "final")] = torch.randn(len(stimuli), 2, d, generator=g)
-    return Acts(list(stimuli), tensors, {"model": {"model": "noise"}})
+    return TensorActivations(list(stimuli), tensors, {"model": {"model": "noise"}})
 
 
 def stimulus(i: int, task: int, template: str, condition: str, belief_start: bool, cue: Any = None) -> Stimulus:
@@ -119,12 +114,7 @@ def test_bag_of_words_is_high_where_words_give_the_condition_away():
 
 def test_type_level_control_is_scored_on_its_own_labels_and_can_fail():
     st = cell_stimuli()
-    cells = type_cells(st)
-    codes = {c: i for i, c in enumerate(dict.fromkeys(cells))}
-    g = torch.Generator().manual_seed(0)
-    X = torch.nn.functional.one_hot(torch.tensor([codes[c] for c in cells]), len(codes)).float() * 3
-    X = X + 0.1 * torch.randn(X.shape, generator=g)
-    acts = Acts(st, {("resid_post", "final"): X.unsqueeze(1)}, {"model": {"model": "cells"}})
+    acts = cell_acts(st, type_cells(st))
     res = run_probe_sweep(acts, "protagonist_belief", sites=("resid_post",), bow=False, length=False,
                           position=False, conditions=False, **FAST)
     r = rows(res.table, features="activations", eval_set="all", metric="accuracy").iloc[0]
@@ -232,12 +222,7 @@ def test_type_control_runs_on_recurring_cells_and_can_fail_where_templates_are_t
     level, share = choose_cell_level(st, None, [(f.train.tolist(), f.test.tolist())
                                                 for f in group_kfold(group_codes(st), 3, seed=0)])
     assert level == "cue_condition" and share >= 0.5
-    cells = type_cells(st, level)
-    codes = {c: i for i, c in enumerate(dict.fromkeys(cells))}
-    g = torch.Generator().manual_seed(0)
-    X = torch.nn.functional.one_hot(torch.tensor([codes[c] for c in cells]), len(codes)).float() * 3
-    X = X + 0.1 * torch.randn(X.shape, generator=g)
-    acts = Acts(st, {("resid_post", "final"): X.unsqueeze(1)}, {"model": {"model": "cells"}})
+    acts = cell_acts(st, type_cells(st, level))
     res = run_probe_sweep(acts, "protagonist_belief", sites=("resid_post",), bow=False, length=False,
                           position=False, **FAST)
     r = rows(res.table, features="activations", train_on="all", eval_set="all", metric="accuracy").iloc[0]

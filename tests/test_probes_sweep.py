@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
-from typing import Any
 
 import pandas as pd
 import pytest
 import torch
+
+from helpers import TensorActivations
 
 from tomlens.errors import TomlensError
 from tomlens.probes import splits
@@ -20,22 +20,6 @@ from tomlens.probes.directions import load_directions
 from tomlens.stimuli import Stimulus, generate, write_jsonl
 
 FAST = dict(folds=3, inner_folds=2, c_grid=(0.1, 1.0), n_boot=200, progress=False, device="cpu")
-
-
-@dataclass
-class TensorActivations:
-    """In-memory activations with what the sweep needs of an ActivationSet: `get(kind, position)`
-    ([n, layer, d] or [n, layer, head, d]) and `layers(kind)`."""
-
-    stimuli: list[Stimulus]
-    tensors: dict[tuple[str, str], torch.Tensor]
-    manifest: dict[str, Any]
-
-    def get(self, kind: str, position: str) -> torch.Tensor:
-        return self.tensors[(kind, position)]
-
-    def layers(self, kind: str) -> list[int]:
-        return next(list(range(t.shape[1])) for (k, _), t in self.tensors.items() if k == kind)
 
 
 def probe_sweep(acts, target, **kwargs) -> pd.DataFrame:

@@ -31,6 +31,7 @@ from jaxtyping import Float
 from torch import Tensor
 
 from tomlens.errors import TomlensError
+from tomlens.probes.splits import fraction_split
 
 __all__ = ["ALPHA", "POWER", "GateResult", "base_logit_diffs", "gate_message", "gate_pairs", "gate_table",
            "MIN_SPLIT_PAIRS", "pairs_needed", "run_gate", "solved_mask", "split_selection", "task_gaps"]
@@ -216,11 +217,7 @@ def split_selection(pairs: Sequence[Any], fraction: float = 0.5, seed: int = 0) 
     if not 0 < fraction < 1:
         raise TomlensError(f"select_fraction {fraction} is not between 0 and 1", "pass e.g. 0.5")
     keys = [p.clean.task_id or f"pair:{p.id}" for p in pairs]
-    groups = sorted(set(keys))
-    if len(pairs) < MIN_SPLIT_PAIRS or len(groups) < 2:
+    if len(pairs) < MIN_SPLIT_PAIRS or len(set(keys)) < 2:
         return None
-    n_select = min(len(groups) - 1, max(1, round(fraction * len(groups))))
-    chosen = {groups[i] for i in np.random.default_rng(seed).permutation(len(groups))[:n_select]}
-    select = [i for i, k in enumerate(keys) if k in chosen]
-    held = [i for i, k in enumerate(keys) if k not in chosen]
-    return select, held
+    split = fraction_split(keys, fraction, seed)
+    return split.train.tolist(), split.test.tolist()

@@ -32,7 +32,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -49,7 +49,7 @@ from tomlens.probes.controls import (
 )
 from tomlens.probes.logistic import LogisticProbe
 from tomlens.probes.mass_mean import MassMeanProbe
-from tomlens.probes.splits import Split, group_codes, group_kfold
+from tomlens.probes.splits import Split, fraction_split, group_codes, group_kfold
 from tomlens.probes.sweep import PROBES, ActivationsLike, SweepConfig, run_probe_sweep
 from tomlens.probes.targets import make_target
 from tomlens.stimuli.records import Stimulus
@@ -164,11 +164,7 @@ def selection_split(stimuli: Sequence[Stimulus], fraction: float = 0.5, seed: in
     if uniq.numel() < 2:
         raise TomlensError(f"{uniq.numel()} story group(s) cannot be split into selection and evaluation",
                            "use more tasks (or turn selection off)")
-    order = uniq[torch.as_tensor(np.random.default_rng(seed).permutation(uniq.numel()))]
-    k = min(max(1, int(round(fraction * uniq.numel()))), uniq.numel() - 1)
-    chosen = torch.isin(codes, order[:k])
-    rows = torch.arange(codes.numel())
-    return Split(train=rows[chosen], test=rows[~chosen])
+    return fraction_split(codes, fraction, seed)
 
 
 def _unit_matrix(acts: ActivationsLike, kind: str, position: str) -> tuple[Float[Tensor, "n unit d"], list[tuple[int, int]]]:
@@ -295,10 +291,8 @@ def max_statistic_null(units: Sequence[Float[Tensor, "_unit n d"]], y: Int[Tenso
 def _selection_sweep_config(cfg: SweepConfig) -> SweepConfig:
     """The sweep on the selection half: activation rows only (the baselines and the control are
     refitted on the selection / evaluation split itself)."""
-    off = {"bow", "conditions", "directions", "controls", "progress", "length", "position", "embeddings",
-           "type_control", "condition_split", "baselines"}
-    names = {f.name for f in fields(SweepConfig)}
-    return replace(cfg, **{k: False for k in off if k in names and isinstance(getattr(cfg, k), bool)})
+    return replace(cfg, bow=False, conditions=False, directions=False, controls=False, progress=False, length=False,
+                   position=False, embeddings=False, condition_split=False)
 
 
 def select_and_evaluate(

@@ -124,6 +124,21 @@ def holdout(groups: Sequence[Any] | Tensor, test_size: float = 0.2, seed: int = 
     return group_kfold(groups, k, seed)[0]
 
 
+def fraction_split(groups: Sequence[Any] | Tensor, fraction: float, seed: int = 0) -> Split:
+    """Whole groups on one side: about `fraction` of the distinct groups (at least one, and at least
+    one left over) in `train`, the rest in `test`, drawn with `seed`. Needs two or more groups
+    (callers say what that means for them first)."""
+    keys = groups.tolist() if isinstance(groups, Tensor) else list(groups)
+    uniq = sorted(set(keys))
+    if len(uniq) < 2:
+        raise TomlensError(f"{len(uniq)} group(s) cannot be split in two", "use more groups")
+    k = min(len(uniq) - 1, max(1, round(fraction * len(uniq))))
+    chosen = {uniq[i] for i in np.random.default_rng(seed).permutation(len(uniq))[:k]}
+    inside = torch.tensor([key in chosen for key in keys], dtype=torch.bool)
+    rows = torch.arange(len(keys))
+    return Split(train=rows[inside], test=rows[~inside])
+
+
 def restrict(split: Split, train_mask: Tensor, test_mask: Tensor) -> Split:
     """Keep only training rows where `train_mask` holds and test rows where `test_mask` holds
     (e.g. train on true-belief stories, test on false-belief stories of held-out tasks)."""

@@ -100,7 +100,7 @@ class SweepConfig:
     condition_split: bool = True  # decode an arbitrary split of the conditions too
     bow: bool = True  # bag-of-words baseline
     length: bool = True  # prompt-length baseline
-    position: bool = True  # role-position baseline
+    position: bool = True  # the probed token's position baseline
     embeddings: bool = True  # the probe on resid_pre layer 0, when the activations hold it
     conditions: bool = True  # train on true-belief, test on false-belief (and the reverse)
     directions: bool = True  # fit on all rows and keep the directions

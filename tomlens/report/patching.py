@@ -129,40 +129,33 @@ def role_aligned_heatmap(result: PatchingResult, pairs: Any, tokenizer: Any, kin
     the effect averaged over pairs (equal to patching those roles by name)."""
     from tomlens.patching.roles import role_aligned
 
-    go = _go()
+    _go()  # plotly is there before the pairs are re-read
     kind = canonical_kind(kind)
     by_id = {p.id: p for p in pairs}
     table = role_aligned(result, [by_id[i] for i in result.pair_ids if i in by_id], tokenizer)
     df = table[table.kind == kind]
     if df.empty:
         raise TomlensError(f"the result has no {kind} cells at every position", "run the sweep with --positions each")
-    grid = df.pivot_table(index="layer", columns="position", values="effect", sort=False, dropna=False)
-    grid = grid[list(dict.fromkeys(df.position))].sort_index()
-    z = grid.to_numpy(dtype=float)
-    fig = go.Figure(
-        go.Heatmap(
-            z=z, x=list(grid.columns), y=[f"L{l}" for l in grid.index],
-            hovertemplate="%{y} at %{x}<br>effect %{z:.3f}<extra></extra>",
-            colorbar={"title": "effect"}, **_effect_scale(z, result.direction),
-        )
-    )
-    fig.update_layout(
-        title=_title(result, f"{kind} by layer and role (role-aligned: each pair's own token)"),
-        xaxis_title="role mention", yaxis_title="layer", yaxis={"autorange": "reversed"}, xaxis={"type": "category"},
-    )
-    return fig
+    return _layer_by_position(df, result, f"{kind} by layer and role (role-aligned: each pair's own token)",
+                              "role mention")
 
 
 def position_heatmap(result: PatchingResult, kind: str = "resid_pre") -> Any:
     """Layer x named position (final token, contrast, the question's mentions, role mentions such
     as "protagonist@2", ...) for a sweep at role positions rather than at every token: each column
     is one role, at each pair's own token."""
-    go = _go()
     kind = canonical_kind(kind)
     df = result.summary()
     df = df[(df.kind == kind) & ~df.position.isin(["all", "each"])]
     if df.empty:
         raise ValueError(f"the result has no {kind} cells at named positions")
+    return _layer_by_position(df, result, f"{kind} by layer and position", "position")
+
+
+def _layer_by_position(df: Any, result: PatchingResult, what: str, xaxis_title: str) -> Any:
+    """Layer x position heatmap of `df`'s effects (rows: layer, position, effect), columns in the
+    order the positions first occur."""
+    go = _go()
     grid = df.pivot_table(index="layer", columns="position", values="effect", sort=False, dropna=False)
     grid = grid[list(dict.fromkeys(df.position))].sort_index()
     z = grid.to_numpy(dtype=float)
@@ -173,10 +166,8 @@ def position_heatmap(result: PatchingResult, kind: str = "resid_pre") -> Any:
             colorbar={"title": "effect"}, **_effect_scale(z, result.direction),
         )
     )
-    fig.update_layout(
-        title=_title(result, f"{kind} by layer and position"), xaxis_title="position",
-        yaxis_title="layer", yaxis={"autorange": "reversed"}, xaxis={"type": "category"},
-    )
+    fig.update_layout(title=_title(result, what), xaxis_title=xaxis_title, yaxis_title="layer",
+                      yaxis={"autorange": "reversed"}, xaxis={"type": "category"})
     return fig
 
 

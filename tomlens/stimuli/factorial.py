@@ -39,6 +39,7 @@ from typing import Any, Sequence
 
 from tomlens.errors import TomlensError
 from tomlens.stimuli import lexicon
+from tomlens.stimuli.false_belief import balanced_flags
 from tomlens.stimuli.records import Span, Stimulus, find_mentions
 
 FAMILY = "false-belief-factorial"
@@ -240,10 +241,7 @@ def _template_order(seed: int, cycle: int) -> list[int]:
 
 
 def _option_plan(seed: int, block: int, what: str = "options") -> list[bool]:
-    rng = random.Random(f"{FAMILY}/{what}/{seed}/{block}")
-    flags = [True] * (BLOCK // 2) + [False] * (BLOCK - BLOCK // 2)
-    rng.shuffle(flags)
-    return flags
+    return balanced_flags(random.Random(f"{FAMILY}/{what}/{seed}/{block}"), BLOCK)
 
 
 def _cue_plan(seed: int, block: int) -> list[int]:

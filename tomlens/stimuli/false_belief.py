@@ -255,7 +255,8 @@ class Task:
         return self.words if self.options_ref_first else (self.words[1], self.words[0])
 
 
-def _balanced(rng: random.Random, size: int) -> list[bool]:
+def balanced_flags(rng: random.Random, size: int) -> list[bool]:
+    """`size` flags, half of them True, in an order shuffled by `rng` (counterbalancing blocks)."""
     flags = [True] * (size // 2) + [False] * (size - size // 2)
     rng.shuffle(flags)
     return flags
@@ -269,7 +270,7 @@ def _block_plan(family: str, seed: int, block: int, decoys: float = 1.0) -> list
     names = list(TEMPLATES[family])
     templates = [names[i % len(names)] for i in range(BLOCK)]
     rng.shuffle(templates)
-    opt, first, last = (_balanced(rng, BLOCK) for _ in range(3))
+    opt, first, last = (balanced_flags(rng, BLOCK) for _ in range(3))
     cue_rng = random.Random(f"{family}/cues/{seed}/{block}")
     groups = list(range(lexicon.CUE_GROUPS))
     cue_rng.shuffle(groups)

@@ -27,7 +27,7 @@ from typing import Any, Sequence
 
 from tomlens.errors import TomlensError
 from tomlens.stimuli import lexicon
-from tomlens.stimuli.false_belief import BLOCK, mentions
+from tomlens.stimuli.false_belief import BLOCK, balanced_flags, mentions
 from tomlens.stimuli.records import Span, Stimulus, find_mentions
 
 FAMILY = "order-only"
@@ -142,17 +142,11 @@ class OrderTask:
         return PHRASINGS[role][self.phrasing[role]]
 
 
-def _balanced(rng: random.Random, size: int) -> list[bool]:
-    flags = [True] * (size // 2) + [False] * (size - size // 2)
-    rng.shuffle(flags)
-    return flags
-
-
 def _block_plan(seed: int, block: int) -> list[tuple[bool, bool]]:
     """(options_ref_first, last_ref) for the tasks of one block; depends only on (seed, block),
     so the tasks of a smaller n are a prefix of a larger n."""
     rng = random.Random(f"{FAMILY}/plan/{seed}/{block}")
-    return list(zip(_balanced(rng, BLOCK), _balanced(rng, BLOCK)))
+    return list(zip(balanced_flags(rng, BLOCK), balanced_flags(rng, BLOCK)))
 
 
 def make_order_tasks(n: int, seed: int) -> list[OrderTask]:
