@@ -164,6 +164,70 @@ stimuli = [{family = "unexpected-contents", n = 1}]
     assert "<h2>Behaviour</h2>" in report and "Probes" not in report and "Patching" not in report
 
 
+def test_steering_and_validate_stages_run_reload_and_report(tmp_path, capsys, monkeypatch):
+    """[steering] and [validate] as experiment stages: each runs, saves, is reused on a rerun (no
+    model loaded), and the report has its section with the numbers the stage saved."""
+    from tomlens.runs.steering import SteeringResult
+    from tomlens.runs.validate import ValidationResult
+
+    store = tmp_path / "store"
+    text = f"""name = "steer-validate"
+[model]
+name = "tiny-llama"
+[steering]
+stimuli = {{family = "order-only", n = 4}}
+layers = [1]
+alphas = [-2, 0, 2]
+n_random = 3
+store = "{store}"
+[validate]
+n_tasks = 4
+n_permutations = 20
+n_random_heads = 5
+n_random_directions = 3
+steering_layers = [1]
+alphas = [-2, 0, 2]
+store = "{store}"
+[validate.thresholds]
+min_probe = 0.9
+"""
+    path = tmp_path / "sv.toml"
+    path.write_text(text)
+    out = tmp_path / "out"
+    assert main(["run", str(path), "--out", str(out), "--no-progress"]) == 0
+    printed = capsys.readouterr().out
+    assert "\n== steering ==" in printed and "\n== validate ==" in printed
+    steer, valid = SteeringResult.load(out / "steering"), ValidationResult.load(out / "validate")
+    assert steer.config.alphas == (-2.0, 0.0, 2.0) and [d["layer"] for d in steer.summary["layers"]] == [1]
+    assert valid.config.thresholds.min_probe == 0.9 and valid.config.thresholds.max_bow == 0.6
+    assert (out / "steering" / "steering_dose.html").is_file() and (out / "steering" / "steering_flips.html").is_file()
+    resolved = json.loads((out / "config.json").read_text())
+    assert ExperimentConfig.from_dict(resolved).to_dict() == resolved
+    assert resolved["validate"]["thresholds"]["min_probe"] == 0.9
+
+    def report_says(report: str) -> None:
+        assert "<h2>Steering along the belief direction</h2>" in report
+        assert "<h2>Validation of the methods</h2>" in report
+        layer = steer.summary["layers"][0]
+        assert f"<td>{layer['verdict']}</td>" in report
+        if layer["verdict"] == "withheld":
+            assert "No layer passed: every layer is withheld" in report
+        n_pass = int(valid.table["passed"].sum())
+        assert f"{n_pass} of 5 checks pass on tiny-llama" in report
+        assert report.count("<td>PASS</td>") == n_pass and report.count("<td>FAIL</td>") == 5 - n_pass
+
+    report_says((out / "report.html").read_text())
+
+    def no_model(self):  # noqa: ANN001, ANN202 - a stand-in that must not be called
+        raise AssertionError("a reused run loaded a model")
+
+    monkeypatch.setattr(ModelSpec, "load", no_model)
+    assert main(["run", str(path), "--out", str(out), "--no-progress"]) == 0
+    again = capsys.readouterr().out
+    assert "steering: reused" in again and "validate: reused" in again
+    report_says((out / "report.html").read_text())
+
+
 @pytest.mark.parametrize("text, key, near", [
     ('name = "x"\nseeed = 1\n[model]\nname = "tiny-llama"\n[pairs]\nn = 1\n', "seeed", "seed"),
     ('name = "x"\n[model]\nname = "tiny-llama"\n[probs]\nn_boot = 5\n', "probs", "probes"),
@@ -172,6 +236,12 @@ stimuli = [{family = "unexpected-contents", n = 1}]
      'n_boots = 5\n', "probes.n_boots", "n_boot"),
     ('name = "x"\n[model]\nname = "tiny-llama"\n[patching]\npairs = {famliy = "unexpected-transfer"}\n',
      "patching.pairs.famliy", "family"),
+    ('name = "x"\n[model]\nname = "tiny-llama"\n[steering]\nalphass = [-1, 0, 1]\n', "steering.alphass", "alphas"),
+    ('name = "x"\n[model]\nname = "tiny-llama"\n[steering]\nstimuli = {famly = "order-only"}\n',
+     "steering.stimuli.famly", "family"),
+    ('name = "x"\n[model]\nname = "tiny-llama"\n[validate]\nn_task = 8\n', "validate.n_task", "n_tasks"),
+    ('name = "x"\n[model]\nname = "tiny-llama"\n[validate.thresholds]\nmin_prob = 0.9\n',
+     "validate.thresholds.min_prob", "min_probe"),
 ])
 def test_a_misspelt_key_names_the_nearest_valid_one(tmp_path, capsys, text, key, near):
     path = tmp_path / "bad.toml"

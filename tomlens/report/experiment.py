@@ -33,6 +33,7 @@ def write_experiment_figures(result: Any) -> dict[tuple[int, str], Figures]:
     not saved, so they cannot be drawn again); only its recovery curve is redrawn from its table."""
     from tomlens.report.layers import write_probe_figures
     from tomlens.report.patching import recovery_curve, write_patching_figures
+    from tomlens.report.steering import dose_figure, flip_figure, write_steering_figures
 
     out: dict[tuple[int, str], Figures] = {}
     for i, run in enumerate(result.runs):
@@ -45,6 +46,12 @@ def write_experiment_figures(result: Any) -> dict[tuple[int, str], Figures]:
                 out[(i, "patching")] = write_patching_figures(patching, run.folders["patching"])
             elif patching.tables.get("topk") is not None:
                 out[(i, "patching")] = {"topk_recovery": recovery_curve(patching.tables["topk"])}
+        steering = run.results.get("steering")
+        if steering is not None and len(steering.dose):
+            # the files are the ones `tomlens steer` writes; the page draws the same figures again
+            # from the same result (a reused stage reloads its dose tables, so it is redrawn too)
+            write_steering_figures(steering, run.folders["steering"])
+            out[(i, "steering")] = {"steering_dose": dose_figure(steering), "steering_flips": flip_figure(steering)}
     return out
 
 
@@ -176,6 +183,69 @@ def _patching_sections(res: Any, figures: Figures) -> list[Section]:
     return sections
 
 
+STEERING_COLUMNS = {"layer": "layer", "alpha": "alpha (chosen on selection)", "flip_false_belief": "FB flip",
+                    "flip_true_belief": "TB flip", "flip_reality": "reality flip", "random_max": "random max",
+                    "random_p95": "random p95", "shuffled": "shuffled labels", "verdict": "verdict",
+                    "reason": "reason"}
+
+
+def steering_table(summary: dict[str, Any]) -> pd.DataFrame:
+    """The per-layer steering summary as shown: every layer with its verdict and reason, so a
+    withheld layer reads as withheld next to its numbers, never as a finding."""
+    rows = [{label: d.get(key) for key, label in STEERING_COLUMNS.items()} for d in summary.get("layers", [])]
+    return pd.DataFrame(rows, columns=list(STEERING_COLUMNS.values()))
+
+
+def _steering_sections(res: Any, figures: Figures) -> list[Section]:
+    s = res.summary
+    layers = s.get("layers", [])
+    found = [d["layer"] for d in layers if d.get("verdict") == "found"]
+    verdict = (f"A belief direction that steers was found at layer{'s' if len(found) > 1 else ''} "
+               f"{', '.join(map(str, found))}." if found else
+               "No layer passed: every layer is withheld (reasons in the table), so nothing here shows a "
+               "direction that steers belief.")
+    text = (f"Directions fitted on the selection half ({s.get('n_selection_prompts')} prompts, {s.get('method')}, "
+            f"{s.get('mode')} at the {s.get('positions')} position); each layer's alpha was chosen there, and the "
+            f"flip rates are on the held-out evaluation half ({s.get('n_evaluation_prompts')} prompts) against "
+            f"{s.get('n_random')} norm-matched random directions and a direction fitted on shuffled labels. "
+            "A layer is 'found' only when the belief direction flips enough false-belief answers and more than "
+            f"every control; otherwise it is withheld with the reason. {verdict}")
+    notes = s.get("notes") or []
+    if notes:
+        text += " Notes: " + "; ".join(notes) + "."
+    order = [f for f in ("steering_dose", "steering_flips") if f in figures]
+    return [Section("Steering along the belief direction", text, tables=[steering_table(s)],
+                    figures=[figures[f] for f in order])]
+
+
+def validation_table(table: pd.DataFrame) -> pd.DataFrame:
+    """The checks as shown: each number beside its threshold, the control (null) beside its own,
+    PASS or FAIL, and the detail that says what was measured or why the check failed."""
+    rows = []
+    for r in table.to_dict(orient="records"):
+        has_null = r.get("null_comparison") not in (None, "-")
+        rows.append({"check": r["check"], "value": r["value"],
+                     "threshold": f"{r['comparison']} {r['threshold']:g}",
+                     "null": r["null"] if has_null else None,
+                     "null threshold": f"{r['null_comparison']} {r['null_threshold']:g}" if has_null else "-",
+                     "result": "PASS" if bool(r["passed"]) else "FAIL", "detail": r["detail"]})
+    return pd.DataFrame(rows, columns=["check", "value", "threshold", "null", "null threshold", "result", "detail"])
+
+
+def _validation_sections(res: Any) -> list[Section]:
+    s = res.summary
+    n_pass = int(res.table["passed"].astype(bool).sum())
+    n = len(res.table)
+    text = (f"{n_pass} of {n} checks pass on {s.get('model', 'the model')} "
+            f"({'every check passes' if res.passed else 'the validation FAILED'}). "
+            f"The method checks on {s.get('n_tasks')} order-only tasks (k = {s.get('k')} of {s.get('heads')} heads): "
+            "each method's number against its threshold, and its control (bag of words, random heads, random "
+            "directions) against the control's own threshold; a check passes only when both hold. A stage that "
+            "was withheld or refused its input fails its checks, with the reason in the detail. On a model "
+            "trained to track belief every check should pass; on its random twin none should.")
+    return [Section("Validation of the methods", text, tables=[validation_table(res.table)])]
+
+
 def write_experiment_report(result: Any, out: str | Path,
                             figures: dict[tuple[int, str], Figures] | None = None) -> Path:
     """`<out>/report.html` over the stages that ran (`result`: a `tomlens.runs.experiment.
@@ -202,6 +272,10 @@ def write_experiment_report(result: Any, out: str | Path,
             stage_sections += _pairs_sections(r["pairs"])
         if "patching" in r:
             stage_sections += _patching_sections(r["patching"], figures.get((i, "patching"), {}))
+        if "steering" in r:
+            stage_sections += _steering_sections(r["steering"], figures.get((i, "steering"), {}))
+        if "validate" in r:
+            stage_sections += _validation_sections(r["validate"])
         if several:
             for s in stage_sections:
                 s.heading = f"{name}: {s.heading}"

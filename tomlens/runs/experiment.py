@@ -30,18 +30,20 @@ from tomlens.runs.base import ModelSpec, config_from_dict, config_hash, config_t
 from tomlens.runs.files import CONFIG, INPUTS, MANIFEST, RESULT, begin_save
 
 # Pipeline order; each stage is `tomlens.runs.<stage>` with these config and result classes.
-STAGES: tuple[str, ...] = ("behaviour", "cache", "probes", "pairs", "patching")
+STAGES: tuple[str, ...] = ("behaviour", "cache", "probes", "pairs", "patching", "steering", "validate")
 STAGE_CLASSES: dict[str, tuple[str, str]] = {
     "behaviour": ("BehaviourConfig", "BehaviourResult"),
     "cache": ("CacheConfig", "CacheResult"),
     "probes": ("ProbesConfig", "ProbesResult"),
     "pairs": ("PairsConfig", "PairsResult"),
     "patching": ("PatchingConfig", "PatchingRunResult"),
+    "steering": ("SteeringConfig", "SteeringResult"),
+    "validate": ("ValidateConfig", "ValidationResult"),
 }
 TOP_LEVEL_KEYS: tuple[str, ...] = ("name", "description", "seed", "model", "models", *STAGES)
 TOKENIZER_ONLY = frozenset({"pairs"})  # stages that need no weights when no model is loaded yet
 PROBES_TABLE = "probes"  # `patching.probe_table = "probes"`: the probes stage's table, same model
-PATH_KEYS = frozenset({"path", "pairs_path", "probe_table"})  # config keys that name an input file
+PATH_KEYS = frozenset({"path", "pairs_path", "probe_table", "directions_path"})  # config keys that name an input file
 
 
 def stage_module(stage: str) -> Any:

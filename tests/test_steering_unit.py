@@ -1,0 +1,142 @@
+"""Steering without a model: directions, controls, the hook arithmetic, dose choice and verdicts."""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+import torch
+
+from tomlens.errors import TomlensError
+from tomlens.runs.steering import FOUND, WITHHELD, SteeringConfig, choose_alpha, layer_summary
+from tomlens.steering import Direction, edit, mean_difference, random_directions, row_hooks, \
+    balanced_shuffle, shuffled_direction, steering_hooks
+
+
+def _acts(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    y = torch.tensor([0, 1] * 10)
+    x = torch.randn(20, 8, generator=gen)
+    x[y == 1, 0] += 3.0  # class 1 sits higher on axis 0
+    return x, y, torch.arange(20) // 2  # two rows per task
+
+
+def test_mean_difference_points_from_class_0_to_class_1() -> None:
+    x, y, _ = _acts()
+    md = mean_difference(x, y)
+    assert md[0] > 2.0 and torch.allclose(md, x[y == 1].mean(0) - x[y == 0].mean(0), atol=1e-5)
+    assert torch.allclose(mean_difference(x, 1 - y), -md, atol=1e-6)
+    with pytest.raises(TomlensError):
+        mean_difference(x, torch.zeros(20, dtype=torch.long))
+
+
+def test_controls_are_norm_matched_and_distinct() -> None:
+    x, y, g = _acts()
+    belief = Direction("belief", "mean_difference", 3, mean_difference(x, y))
+    rand = random_directions(belief, 20, seed=1)
+    assert [d.name for d in rand] == [f"random:{i}" for i in range(20)]
+    assert all(abs(d.norm - belief.norm) < 1e-4 and d.layer == 3 for d in rand)
+    assert len({tuple(d.vector.tolist()) for d in rand}) == 20
+    assert random_directions(belief, 3, seed=1)[0].vector.equal(rand[0].vector)  # deterministic
+    sh = shuffled_direction(x, y, belief, seed=0)
+    assert sh.name == "shuffled" and sh.source == "shuffled_labels" and abs(sh.norm - belief.norm) < 1e-4
+
+
+def test_shuffled_direction_is_not_the_belief_direction_in_a_paired_design() -> None:
+    """One false- and one true-belief row per task, a strong class difference: labels shuffled
+    within tasks would give back +-the belief direction; the balanced shuffle gives noise."""
+    gen = torch.Generator().manual_seed(0)
+    n_tasks, d = 40, 128
+    task = torch.randn(n_tasks, d, generator=gen) * 0.5
+    signal = torch.zeros(d)
+    signal[0] = 5.0
+    x = torch.cat([task + signal, task])  # rows 0..39 label 1, rows 40..79 label 0
+    y = torch.cat([torch.ones(n_tasks), torch.zeros(n_tasks)]).long()
+    belief = Direction("belief", "mean_difference", 0, mean_difference(x, y))
+    for seed in range(5):
+        sh = shuffled_direction(x, y, belief, seed=seed)
+        assert abs(float(sh.unit @ belief.unit)) < 0.35
+    swap = torch.rand(n_tasks, generator=gen) < 0.3  # labels shuffled within tasks: some tasks swapped
+    within = torch.cat([(~swap).long(), swap.long()])
+    assert abs(float(torch.nn.functional.cosine_similarity(mean_difference(x, within), belief.vector, dim=0))) > 0.9
+
+
+def test_balanced_shuffle_splits_each_class_evenly() -> None:
+    y = torch.tensor([0, 1, 1, 0, 0, 1, 1, 1, 0, 0])
+    seen = set()
+    for seed in range(10):
+        s = balanced_shuffle(y, seed)
+        assert int(s[y == 0].sum()) == 2 and int(s[y == 1].sum()) == 3  # 5 zeros round down, 5 ones up
+        seen.add(tuple(s.tolist()))
+    assert len(seen) > 1
+
+
+def test_add_hook_adds_alpha_v_at_the_final_column_only() -> None:
+    act = torch.randn(3, 5, 4)  # left padded: column -1 is every row's last real token
+    v = torch.tensor([1.0, -2.0, 0.5, 3.0])
+    d = Direction("belief", "mean_difference", 1, v)
+    (name, fn), = steering_hooks([d], 2.5, n_rows=3)
+    assert name == "blocks.1.hook_resid_post"
+    out = fn(act)
+    assert torch.equal(out[:, :-1], act[:, :-1])
+    assert torch.allclose(out[:, -1] - act[:, -1], 2.5 * v.expand(3, -1), atol=1e-6)
+    (_, fn_all), = steering_hooks([d], -1.0, n_rows=3, positions="all")
+    assert torch.allclose(fn_all(act) - act, -v.expand(3, 5, -1), atol=1e-6)
+    # per-row doses: row i gets its own alpha
+    (_, fn_rows), = row_hooks(1, v.expand(3, -1), torch.tensor([0.0, 1.0, -2.0]))
+    delta = fn_rows(act)[:, -1] - act[:, -1]
+    assert torch.allclose(delta, torch.tensor([0.0, 1.0, -2.0])[:, None] * v, atol=1e-6)
+
+
+def test_project_out_leaves_no_component_and_patch_swaps_exactly_the_component() -> None:
+    gen = torch.Generator().manual_seed(0)
+    h = torch.randn(4, 6, generator=gen)
+    src = torch.randn(4, 6, generator=gen)
+    v = torch.randn(6, generator=gen) * 7
+    u = v / v.norm()
+    vecs, one = v.expand(4, -1), torch.ones(4)
+    gone = edit(h, vecs, one, "project_out")
+    assert torch.allclose(gone @ u, torch.zeros(4), atol=1e-5)
+    assert torch.allclose(gone - (gone @ u)[:, None] * u, h - (h @ u)[:, None] * u, atol=1e-5)
+    assert torch.allclose(edit(h, vecs, 0 * one, "project_out"), h)
+    patched = edit(h, vecs, one, "patch", src)
+    assert torch.allclose(patched @ u, src @ u, atol=1e-5)  # the component is the source's
+    assert torch.allclose(patched - (patched @ u)[:, None] * u, h - (h @ u)[:, None] * u, atol=1e-5)
+    with pytest.raises(TomlensError):
+        edit(h, vecs, one, "patch")
+
+
+def _table(fb_belief: float, rand: list[float], shuffled: float) -> pd.DataFrame:
+    rows = [{"direction": "belief", "source": "mean_difference", "layer": 2, "alpha": -2.0,
+             "condition": c, "flip_rate": f} for c, f in [("false_belief", fb_belief), ("true_belief", 0.1),
+                                                         ("reality", 0.0)]]
+    rows += [{"direction": f"random:{i}", "source": "random", "layer": 2, "alpha": -2.0,
+              "condition": "false_belief", "flip_rate": r} for i, r in enumerate(rand)]
+    rows.append({"direction": "shuffled", "source": "shuffled_labels", "layer": 2, "alpha": -2.0,
+                 "condition": "false_belief", "flip_rate": shuffled})
+    return pd.DataFrame(rows)
+
+
+def test_verdict_needs_the_threshold_and_to_beat_every_control() -> None:
+    ok = layer_summary(_table(0.9, [0.0, 0.05, 0.1], 0.05), 2, -2.0)
+    assert ok["verdict"] == FOUND and ok["random_max"] == 0.1 and ok["shuffled"] == 0.05
+    assert set(ok) == {"layer", "alpha", "flip_false_belief", "flip_true_belief", "flip_reality", "random_max",
+                       "random_p95", "shuffled", "verdict", "reason"}
+    low = layer_summary(_table(0.7, [0.0], 0.0), 2, -2.0)
+    assert low["verdict"] == WITHHELD and "< 0.80" in low["reason"]
+    beaten = layer_summary(_table(0.9, [0.0, 0.95], 0.0), 2, -2.0)
+    assert beaten["verdict"] == WITHHELD and "random" in beaten["reason"]
+    assert layer_summary(_table(0.9, [0.0], 0.9), 2, -2.0)["verdict"] == WITHHELD
+    assert layer_summary(_table(0.9, [0.2], 0.0), 2, -2.0, max_random_flip=0.1)["verdict"] == WITHHELD
+
+
+def test_alpha_is_the_largest_false_belief_flip_with_ties_to_the_smallest_dose() -> None:
+    sel = pd.DataFrame([{"direction": "belief", "condition": "false_belief", "alpha": a, "flip_rate": f}
+                        for a, f in [(-4.0, 0.9), (-2.0, 0.9), (0.0, 0.0), (2.0, 0.9), (4.0, 0.5)]])
+    assert choose_alpha(sel) == -2.0
+
+
+def test_config_rejects_bad_settings() -> None:
+    for bad in ({"mode": "nudge"}, {"alphas": (0.0,)}, {"select_fraction": 1.0}, {"n_random": 0},
+                {"method": "pca"}, {"positions": "first"}):
+        with pytest.raises(TomlensError):
+            SteeringConfig(**bad)

@@ -1,0 +1,158 @@
+"""`tomlens validate`'s pass/fail logic on synthetic stage results (no model): each check, a
+withheld stage, values equal to their thresholds, thresholds from the config, exit codes."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from tomlens.cli import main
+from tomlens.errors import TomlensError
+from tomlens.probes.selection import Estimate, SelectionResult
+from tomlens.runs.base import config_from_dict, config_to_dict
+from tomlens.runs.validate import (
+    CHECKS, Thresholds, ValidateConfig, ValidationResult, check_ablation, check_attribution, check_probe,
+    check_recovery, check_steering, default_k, exit_code, meets, table_of,
+)
+
+T = Thresholds()
+
+
+def selection(score: float = 0.97, bow: float = 0.5, verdict: str = "found", reason: str = "") -> SelectionResult:
+    return SelectionResult(
+        target="protagonist_belief", unit={"kind": "resid_post", "layer": 2, "head": -1, "position": "final"},
+        selection_score=0.98, evaluation=Estimate(score, score - 0.02, min(1.0, score + 0.02), 0.5),
+        baselines={"bag_of_words": Estimate(bow, bow - 0.1, bow + 0.1, 0.5)}, p_max=0.001, n_perm=1000,
+        n_selection=96, n_evaluation=96, verdict=verdict, reason=reason)
+
+
+def patching_summary(top: float = 0.9, random_mean: float = 0.05, spearman: float = 0.9, fb: float = 0.4,
+                     random_drop: float = 0.02, base_fb: float = 1.0, k: int = 1, **extra) -> dict:
+    return {
+        "rank_position": "final", "validated_on": "24 held-out evaluation pairs", "ranked_by": "exact denoise",
+        "topk": [{"k": k, "heads": "L3H1", "top_effect": top, "random_mean": random_mean, "p_random": 0.01,
+                  "n_random": 200, "n_distinct": 300}],
+        "comparisons": [{"direction": "denoise", "kind": "head", "position": "final", "spearman": spearman,
+                         "k": 10, "n_cells": 32, "topk_overlap": 0.7},
+                        {"direction": "denoise", "kind": "head", "position": "query_object", "spearman": -1.0}],
+        "ablation": {"mode": "final", "baseline": {"fb_accuracy": base_fb},
+                     "table": [{"k": k, "heads": "L3H1", "fb_accuracy": fb, "random_fb_drop_mean": random_drop,
+                                "n_random": 200, "p_random": 0.01}]},
+        **extra,
+    }
+
+
+def steering_summary(*layers: tuple[float, float]) -> dict:
+    return {"layers": [{"layer": i, "alpha": 2.0, "flip_false_belief": f, "flip_true_belief": 0.1,
+                        "flip_reality": 0.0, "random_max": r, "random_p95": r, "shuffled": 0.0,
+                        "verdict": "found", "reason": ""} for i, (f, r) in enumerate(layers)]}
+
+
+def test_meets_passes_at_the_threshold_and_never_on_nan() -> None:
+    assert meets(0.8, 0.8, ">=") and meets(4 / 5, 0.8, ">=") and meets(19 / 20, 0.95, ">=")
+    assert meets(0.6, 0.6, "<=") and not meets(0.61, 0.6, "<=") and not meets(0.79, 0.8, ">=")
+    assert not meets(math.nan, 0.8, ">=") and not meets(math.nan, 0.8, "<=")
+
+
+def test_probe_check() -> None:
+    c = check_probe(selection(), T)
+    assert c.passed and c.value == pytest.approx(0.97) and c.null == pytest.approx(0.5)
+    assert check_probe(selection(score=0.95, bow=0.6), T).passed  # both exactly at their thresholds
+    low = check_probe(selection(score=0.94), T)
+    assert not low.passed and "not >= 0.95" in low.detail
+    bow = check_probe(selection(bow=0.75), T)
+    assert not bow.passed and "null 0.750 is not <= 0.6" in bow.detail
+    withheld = check_probe(selection(verdict="withheld", reason="p_max 0.2 >= 0.05"), T)
+    assert not withheld.passed and "p_max 0.2 >= 0.05" in withheld.detail
+    refused = check_probe(None, T, withheld="the probes stage refused: too few groups")
+    assert not refused.passed and "too few groups" in refused.detail and math.isnan(refused.value)
+
+
+def test_recovery_attribution_and_ablation_checks() -> None:
+    s = patching_summary()
+    rec = check_recovery(s, 1, T, n_heads_total=64)
+    assert rec.passed and rec.value == 0.9 and rec.null == 0.05
+    att = check_attribution(s, T, ranking=rec)
+    assert att.passed and att.value == 0.9  # the comparison at the ranking position, not the other
+    ab = check_ablation(s, 1, T, n_heads_total=64)
+    assert ab.passed and ab.value == 0.4 and ab.null == pytest.approx(0.98)  # 1.0 - mean drop 0.02
+    edge = patching_summary(top=0.8, random_mean=0.2, spearman=0.8, fb=0.6, random_drop=0.1)
+    assert all(c.passed for c in (check_recovery(edge, 1, T, n_heads_total=64), check_attribution(edge, T),
+                                  check_ablation(edge, 1, T, n_heads_total=64)))
+    assert not check_recovery(patching_summary(random_mean=0.25), 1, T, n_heads_total=64).passed
+    assert not check_ablation(patching_summary(random_drop=0.2), 1, T, n_heads_total=64).passed  # random 0.8
+    assert not check_ablation(patching_summary(fb=0.7), 1, T, n_heads_total=64).passed
+    missing = check_recovery(s, 2, T, n_heads_total=64)
+    assert not missing.passed and "k = 2" in missing.detail
+    bad_rank = check_recovery(patching_summary(top=0.3), 1, T, n_heads_total=64)
+    noise = check_attribution(s, T, ranking=bad_rank)
+    assert not noise.passed and noise.value == 0.9 and "agreement about noise" in noise.detail
+    big_k = check_recovery(patching_summary(k=5), 5, T, n_heads_total=64)
+    assert "above 5%" in big_k.detail
+
+
+def test_a_withheld_or_forced_patching_stage_fails_every_patching_check_with_its_reason() -> None:
+    withheld = {"withheld": "withheld: gap not above 0", "gate": {}}
+    for c in (check_recovery(withheld, 1, T, n_heads_total=8), check_attribution(withheld, T),
+              check_ablation(withheld, 1, T, n_heads_total=8)):
+        assert not c.passed and "gap not above 0" in c.detail
+    forced = patching_summary(forced=True)
+    for c in (check_recovery(forced, 1, T, n_heads_total=8), check_attribution(forced, T),
+              check_ablation(forced, 1, T, n_heads_total=8)):
+        assert not c.passed and "forced" in c.detail and math.isfinite(c.value)
+
+
+def test_steering_check() -> None:
+    assert check_steering(steering_summary((0.8, 0.1)), T).passed  # at both thresholds
+    best = check_steering(steering_summary((0.95, 0.3), (0.85, 0.05)), T)
+    assert best.passed and best.value == 0.85 and "layer 1" in best.detail  # the layer that passes
+    none = check_steering(steering_summary((0.95, 0.3), (0.5, 0.0)), T)
+    assert not none.passed and none.value == 0.95 and "null 0.300 is not <= 0.1" in none.detail
+    empty = check_steering({}, T, withheld="the steering stage is not available")
+    assert not empty.passed and "not available" in empty.detail
+
+
+def test_thresholds_come_from_the_config() -> None:
+    loose = Thresholds(min_probe=0.9, max_random_flip=0.35)
+    assert check_probe(selection(score=0.92), loose).passed and not check_probe(selection(score=0.92), T).passed
+    assert check_steering(steering_summary((0.95, 0.3)), loose).passed
+    cfg = config_from_dict(ValidateConfig, {"model": {"name": "tiny-llama"}, "n_tasks": 8,
+                                            "thresholds": {"min_probe": 0.9}})
+    assert cfg.thresholds.min_probe == 0.9 and cfg.thresholds.max_bow == 0.6
+    assert config_from_dict(ValidateConfig, config_to_dict(cfg)) == cfg
+    with pytest.raises(TomlensError, match="min_prob"):
+        config_from_dict(ValidateConfig, {"thresholds": {"min_prob": 0.9}})
+    with pytest.raises(TomlensError, match="between 0 and 1"):
+        Thresholds(max_bow=1.2)
+    with pytest.raises(TomlensError):
+        ValidateConfig(n_tasks=2)
+    with pytest.raises(TomlensError):
+        ValidateConfig(n_random_heads=0)
+
+
+def test_default_k_is_five_percent_of_heads_at_least_one() -> None:
+    assert default_k(8) == 1 and default_k(16) == 1 and default_k(40) == 2 and default_k(144) == 7
+
+
+def test_result_passes_only_when_every_check_does_and_round_trips(tmp_path) -> None:
+    good = [check_probe(selection(), T), *(check(patching_summary()) for check in (
+        lambda s: check_recovery(s, 1, T, n_heads_total=64), lambda s: check_attribution(s, T),
+        lambda s: check_ablation(s, 1, T, n_heads_total=64))), check_steering(steering_summary((0.9, 0.0)), T)]
+    assert [c.check for c in good] == list(CHECKS)
+    cfg = ValidateConfig(n_tasks=8)
+    ok = ValidationResult(cfg, table_of(good), {"model": "m", "n_tasks": 8, "k": 1})
+    assert ok.passed and ok.exit_code == 0 and "5 of 5 checks pass: PASSED" in ok.describe()
+    bad = ValidationResult(cfg, table_of([*good[:4], check_steering({}, T, withheld="no stage")]),
+                           {"model": "m", "n_tasks": 8, "k": 1})
+    assert not bad.passed and bad.exit_code == 1 and "FAIL  steering" in bad.describe()
+    back = ValidationResult.load(bad.save(tmp_path / "v"))
+    assert back.config == cfg and list(back.table["passed"]) == [True] * 4 + [False]
+    assert back.describe() == bad.describe() and (tmp_path / "v" / "checks.csv").is_file()
+    assert exit_code(True) == 0 and exit_code(False) == 1
+
+
+def test_cli_bad_input_exits_2_before_any_model_loads(capsys) -> None:
+    assert main(["validate", "--model", "tiny-llama", "--min-flip", "1.5", "--out", "unused"]) == 2
+    assert "min_flip" in capsys.readouterr().err
+    assert main(["validate", "--model", "tiny-llama", "--n-tasks", "1", "--out", "unused"]) == 2

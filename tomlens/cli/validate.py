@@ -1,0 +1,92 @@
+"""`tomlens validate`: the method checks on a model, each with its number, threshold and pass/fail.
+
+The flags make a `tomlens.runs.validate.ValidateConfig`; the run is `tomlens.runs.validate.run`.
+Exit codes: 0 when every check passes, 1 when one fails, 2 on bad input (a TomlensError).
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import fields
+
+from tomlens.cli.options import add_model_options, add_progress, model_spec
+
+# flag -> (Thresholds field, help)
+THRESHOLD_FLAGS: dict[str, tuple[str, str]] = {
+    "--min-probe": ("min_probe", "held-out probe accuracy needed (default 0.95)"),
+    "--max-bow": ("max_bow", "largest bag-of-words accuracy that counts as chance (default 0.6)"),
+    "--min-recovery": ("min_recovery", "share of the gap the top-k heads must recover (default 0.8)"),
+    "--max-random-recovery": ("max_random_recovery", "largest mean recovery of random head sets (default 0.2)"),
+    "--min-spearman": ("min_spearman", "attribution vs exact patching, Spearman over heads (default 0.8)"),
+    "--max-ablated-accuracy": ("max_ablated_accuracy",
+                               "false-belief accuracy allowed with the top-k heads ablated (default 0.6)"),
+    "--min-random-ablated-accuracy": ("min_random_ablated_accuracy",
+                                      "false-belief accuracy needed with k random heads ablated (default 0.9)"),
+    "--min-flip": ("min_flip", "share of false-belief answers the belief direction must flip (default 0.8)"),
+    "--max-random-flip": ("max_random_flip", "largest flip rate of any random direction (default 0.1)"),
+}
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    from tomlens.runs.base import split_items
+
+    return tuple(float(x) for x in split_items(text))
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    from tomlens.runs.base import split_items
+
+    return tuple(int(x) for x in split_items(text))
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "validate",
+        help="run the method checks (probe, top-k heads, attribution, ablation, steering) with thresholds",
+        description="Run the probe, patching and steering stages on order-only stories and judge five checks: "
+        "a held-out belief probe with the bag of words at chance; top-k head recovery against layer-matched "
+        "random heads; attribution vs exact patching; mean ablation of the top-k heads against random heads; "
+        "steering along the belief direction against random directions. Prints each check with its number, "
+        "threshold and PASS/FAIL, writes the table, and exits 0 only when every check passes (1 when one "
+        "fails, 2 on bad input). The plan (forward passes, rough time) is printed first.",
+    )
+    add_model_options(p)
+    p.add_argument("--out", default=None, help="output directory (default: validate-<model>)")
+    p.add_argument("--n-tasks", type=int, default=48, help="order-only tasks (default 48)")
+    p.add_argument("--k", type=int, default=None, help="heads in the top set (default: 5%% of all heads, at least 1)")
+    p.add_argument("--permutations", type=int, default=1000, help="probe permutation null (default 1000)")
+    p.add_argument("--n-random-heads", type=int, default=200, help="layer-matched random head sets (default 200)")
+    p.add_argument("--n-random-directions", type=int, default=20, help="random steering directions (default 20)")
+    p.add_argument("--select-fraction", type=float, default=0.5, help="share of tasks that select (default 0.5)")
+    p.add_argument("--head-position", default="final", help="where heads are patched and ranked (default final)")
+    p.add_argument("--ablation", choices=("final", "all"), default="final", help="mean ablation positions")
+    p.add_argument("--layers", type=_ints, default=None, help="steering layers, e.g. 2,3 (default: the stage's)")
+    p.add_argument("--alphas", type=_floats, default=None, help="steering alphas, written --alphas=-4,-2,0,2,4 (with \"=\": a leading minus would read as a flag)")
+    p.add_argument("--store", default=None, help="activation store root (default: the tomlens cache dir)")
+    p.add_argument("--batch-size", type=int, default=None, help="prompts per forward when caching")
+    p.add_argument("--format", choices=("csv", "parquet"), default="csv", help="table format (default csv)")
+    for flag, (_, text) in THRESHOLD_FLAGS.items():
+        p.add_argument(flag, type=float, default=None, help=text)
+    add_progress(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from tomlens.runs.validate import Thresholds, ValidateConfig
+    from tomlens.runs.validate import run as run_validate
+
+    defaults = {f.name: f.default for f in fields(Thresholds)}
+    given = {name: getattr(args, flag[2:].replace("-", "_")) for flag, (name, _) in THRESHOLD_FLAGS.items()}
+    thresholds = Thresholds(**{**defaults, **{k: v for k, v in given.items() if v is not None}})
+    config = ValidateConfig(
+        model=model_spec(args), n_tasks=args.n_tasks, thresholds=thresholds, k=args.k, seed=args.seed,
+        select_fraction=args.select_fraction, n_permutations=args.permutations,
+        n_random_heads=args.n_random_heads, n_random_directions=args.n_random_directions,
+        head_position=args.head_position, ablation=args.ablation, steering_layers=args.layers, alphas=args.alphas,
+        store=args.store, batch_size=args.batch_size, format=args.format)
+    out = args.out or "validate-" + "".join(c if c.isalnum() or c in "-_." else "-" for c in args.model)
+    result = run_validate(config, progress=not args.no_progress)
+    folder = result.save(out)
+    print(result.describe())
+    print(f"wrote checks.{config.format}, checks.json and the stages' folders under {folder}")
+    return result.exit_code

@@ -1,0 +1,86 @@
+"""The organism's folder: weights, config, tokenizer, training record and a model card.
+
+The card is written from the training record, so its numbers are the numbers of these weights.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from tomlens.organism.train import ACCURACY_TARGET
+
+RECORD = "training.json"
+CARD = "MODEL_CARD.md"
+
+
+def meets_target(record: dict[str, Any], target: float = ACCURACY_TARGET) -> bool:
+    """Held-out accuracy at least `target` in every family x condition x prompt type."""
+    acc = record["test_accuracy"]
+    return bool(acc) and min(acc.values()) >= target
+
+
+def model_card(record: dict[str, Any]) -> str:
+    """The model card text: what the organism is, its data and split, accuracy per condition, use."""
+    cfg, split = record["config"], record["split"]
+    rows = "\n".join(f"| {k} | {record['split']['test_counts'].get(k, 0)} | {v:.3f} |"
+                     for k, v in record["test_accuracy"].items())
+    met = "meets" if meets_target(record) else "does NOT meet"
+    return f"""# tom-organism
+
+A small causal language model trained by tomlens (`tomlens train-organism`) to answer belief and
+reality questions about short stories. It is the **positive control** of `tomlens validate`: a
+model known to track what a protagonist believes, on which every method (probes, patching,
+attribution, ablation, steering) must find belief. Its architecture with fresh weights
+(`random:tom-organism`) is the negative control. It is not a model of language: it knows only the
+words of tomlens's generators, and nothing else.
+
+## Model
+- Llama (rotary positions, RMSNorm, SwiGLU MLP), {cfg['n_layers']} layers, {cfg['n_heads']} heads per layer
+  (d_model {cfg['d_model']}, MLP {cfg['d_mlp']}), tied embeddings, {record['n_parameters']:,} parameters, fp32.
+- Word-level tokenizer (lower-cased; one token per word or punctuation mark, [BOS] first),
+  {record['vocab_size']} tokens: every location, object and name is one token.
+
+## Data and split
+- Stories from tomlens's generators: `order-only`, `false-belief-factorial` and
+  `unexpected-contents`, every condition, belief and reality prompts.
+- Loss: cross-entropy on the answer's token at the end of each prompt; nothing else is a target.
+- Held-out split by two hashed keys per task (share {cfg['held_out_share']} each): its template
+  (template, phrasings, cue phrasings) and its cast (people, object, places or container,
+  contents, label). Training tasks have neither key held out; test tasks have both, so no test
+  story's template or combination of names, objects and places was seen in training. Test tasks
+  with a word training never had are dropped ({split['test_tasks_dropped_for_unseen_words']} dropped).
+- {split['train_tasks']} training tasks ({split['train_prompts']} prompts), {split['test_tasks']} test tasks
+  ({split['test_prompts']} prompts).
+
+## Training
+AdamW (lr {cfg['lr']}, weight decay {cfg['weight_decay']}, {cfg['warmup']} warm-up steps, cosine decay),
+batch {cfg['batch_size']}, {cfg['steps']} steps, seed {cfg['seed']}, head-output group lasso {cfg['head_lasso']};
+{record['train_seconds']:.0f} s on {record['threads']} CPU threads. Same config, same machine: same weights.
+
+## Held-out accuracy (answer outscores the other option)
+It {met} the target of {ACCURACY_TARGET} in every condition.
+
+| family/condition/prompt | prompts | accuracy |
+|---|---|---|
+{rows}
+
+## Use
+`load_model("tom-organism")`; `tomlens validate --model tom-organism`. Reproduce with
+`tomlens train-organism --out DIR` (the config is in `{RECORD}`).
+"""
+
+
+def save_organism(model: Any, tokenizer: Any, record: dict[str, Any], out: str | Path) -> Path:
+    """Write the folder atomically (a killed run leaves no folder that loads as a model)."""
+    from tomlens.io import write_atomic, write_json
+    from tomlens.models.paths import atomic_dir
+    from tomlens.provenance import versions
+
+    final = Path(out).expanduser()
+    with atomic_dir(final) as tmp:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        write_json({**record, "versions": versions()}, tmp / RECORD)
+        write_atomic(model_card(record), tmp / CARD)
+    return final

@@ -1,0 +1,223 @@
+"""Train the model organism: a small Llama that answers belief and reality questions.
+
+The loss is cross-entropy on the answer's first token at the end of each prompt (the story and
+question are context, not targets). Everything is seeded (data, split, initialisation, batch
+order), so the same config on the same machine gives the same weights. `train` writes a model
+folder that `tomlens.models.load_model` boots like any local model: config.json,
+model.safetensors, the tokenizer files, `training.json` (config, split, accuracy per condition,
+versions) and `MODEL_CARD.md`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+from torch import Tensor
+from tqdm.auto import tqdm
+
+from tomlens.errors import TomlensError
+from tomlens.organism.data import FAMILIES, Split, make_split
+from tomlens.organism.vocab import build_tokenizer, vocabulary
+from tomlens.stimuli.records import Stimulus
+
+ACCURACY_TARGET = 0.97  # held-out accuracy the shipped organism must reach in every condition
+
+
+@dataclass(frozen=True)
+class OrganismConfig:
+    """Model shape, data sizes and optimiser settings of one organism."""
+
+    seed: int = 0
+    n_layers: int = 6
+    d_model: int = 128
+    n_heads: int = 8
+    d_mlp: int = 256
+    train_tasks: dict[str, int] = field(default_factory=lambda: {
+        "order-only": 6000, "false-belief-factorial": 1000, "unexpected-contents": 2000})
+    test_tasks: dict[str, int] = field(default_factory=lambda: {
+        "order-only": 2000, "false-belief-factorial": 400, "unexpected-contents": 800})
+    held_out_share: float = 0.3
+    steps: int = 3000
+    batch_size: int = 64
+    lr: float = 3e-3
+    warmup: int = 100
+    weight_decay: float = 0.01
+    head_lasso: float = 0.0  # group lasso on each head's output weights (sparser head use)
+    story_loss: float = 0.0  # weight of a next-word loss on the story itself (0: the answer only)
+    contents_decoys: bool = True  # unexpected-contents stories with their decoy sentences
+    threads: int | None = None  # torch threads while training (None: leave as is)
+
+    def __post_init__(self) -> None:
+        if self.d_model % self.n_heads:
+            raise TomlensError(f"d_model {self.d_model} is not a multiple of n_heads {self.n_heads}",
+                               "choose n_heads dividing d_model")
+        for name in ("n_layers", "d_model", "n_heads", "d_mlp", "steps", "batch_size"):
+            if int(getattr(self, name)) < 1:
+                raise TomlensError(f"{name} = {getattr(self, name)} must be at least 1", f"pass a positive {name}")
+        for sizes in (self.train_tasks, self.test_tasks):
+            missing = set(FAMILIES) - set(sizes)
+            if missing:
+                raise TomlensError(f"task counts lack {sorted(missing)}", f"give a count for each of {list(FAMILIES)}")
+
+
+def llama_config(cfg: OrganismConfig, vocab_size: int) -> Any:
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.d_mlp,
+        num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_heads,
+        max_position_embeddings=256, tie_word_embeddings=True, bos_token_id=2, eos_token_id=3, pad_token_id=0,
+        architectures=["LlamaForCausalLM"],
+    )
+
+
+@dataclass
+class Encoded:
+    """Prompts as right-padded ids with the answer's token id and the option that is not the answer."""
+
+    ids: Tensor      # [n, width]
+    lengths: Tensor  # [n]
+    answer: Tensor   # [n]
+    other: Tensor    # [n]
+
+
+def encode(tokenizer: Any, stimuli: Sequence[Stimulus]) -> Encoded:
+    rows = tokenizer([s.text for s in stimuli], add_special_tokens=True)["input_ids"]
+    width = max(len(r) for r in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)] = torch.tensor(r)
+
+    def first(word: str) -> int:
+        return tokenizer(word, add_special_tokens=False)["input_ids"][0]
+
+    answer = torch.tensor([first(s.answer) for s in stimuli])
+    other = torch.tensor([first(next(o for o in s.options if o != s.answer)) for s in stimuli])
+    return Encoded(ids, torch.tensor([len(r) for r in rows]), answer, other)
+
+
+def all_logits(model: Any, ids: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor]:
+    """Logits at every position ([n, width, vocab]) and the mask of real tokens; rows right-padded."""
+    mask = (torch.arange(ids.shape[1])[None] < lengths[:, None]).long()
+    return model(input_ids=ids, attention_mask=mask).logits, mask
+
+
+def final_logits(model: Any, ids: Tensor, lengths: Tensor) -> Tensor:
+    """Logits at each row's last real token ([n, vocab])."""
+    out, _ = all_logits(model, ids, lengths)
+    return out[torch.arange(len(ids)), lengths - 1]
+
+
+def story_loss(logits: Tensor, ids: Tensor, mask: Tensor) -> Tensor:
+    """Mean next-word cross-entropy inside the prompt (each real token predicting the next one)."""
+    pred, target, keep = logits[:, :-1], ids[:, 1:], mask[:, 1:].bool()
+    return torch.nn.functional.cross_entropy(pred[keep], target[keep])
+
+
+def head_group_norms(model: Any, n_heads: int) -> Tensor:
+    """Frobenius norm of each head's slice of each layer's output projection ([layer * head])."""
+    norms = []
+    for layer in model.model.layers:
+        w = layer.self_attn.o_proj.weight  # [d_model, n_heads * d_head]
+        norms.append(w.view(w.shape[0], n_heads, -1).pow(2).sum(dim=(0, 2)).add(1e-12).sqrt())
+    return torch.cat(norms)
+
+
+@torch.no_grad()
+def accuracy_by_condition(model: Any, enc: Encoded, stimuli: Sequence[Stimulus], batch: int = 256) -> dict[str, float]:
+    """Share of prompts whose answer outscores the other option, per family/condition/prompt type."""
+    model.eval()
+    right = []
+    for i in range(0, len(stimuli), batch):
+        sl = slice(i, i + batch)
+        width = int(enc.lengths[sl].max())
+        logits = final_logits(model, enc.ids[sl, :width], enc.lengths[sl])
+        rows = torch.arange(logits.shape[0])
+        right.append(logits[rows, enc.answer[sl]] > logits[rows, enc.other[sl]])
+    ok = torch.cat(right)
+    groups: dict[str, list[bool]] = {}
+    for s, r in zip(stimuli, ok.tolist()):
+        groups.setdefault(f"{s.family}/{s.condition}/{s.prompt_type}", []).append(r)
+    return {k: sum(v) / len(v) for k, v in sorted(groups.items())}
+
+
+def train(cfg: OrganismConfig, *, progress: bool = True, log_every: int = 250) -> tuple[Any, Any, dict[str, Any]]:
+    """Train one organism; returns (hf_model, tokenizer, record). Deterministic given `cfg`."""
+    from transformers import LlamaForCausalLM
+
+    started = time.time()
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    options = {"unexpected-contents": {"decoys": cfg.contents_decoys}}
+    split = make_split(cfg.train_tasks, cfg.test_tasks, share=cfg.held_out_share, seed=cfg.seed, options=options)
+    if not split.test:
+        raise TomlensError("the held-out split has no test tasks", "raise test_tasks or held_out_share")
+    tokenizer = build_tokenizer(vocabulary([s.text for s in split.train] + [o for s in split.train for o in s.options]))
+    train_enc, test_enc = encode(tokenizer, split.train), encode(tokenizer, split.test)
+    torch.manual_seed(cfg.seed)
+    model = LlamaForCausalLM(llama_config(cfg, len(tokenizer)))
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.98))
+
+    def lr_at(step: int) -> float:
+        if step < cfg.warmup:
+            return (step + 1) / cfg.warmup
+        return 0.5 * (1 + math.cos(math.pi * (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    n = len(split.train)
+    history: list[dict[str, float]] = []
+    bar = tqdm(range(cfg.steps), desc="training tom-organism", disable=not progress)
+    running = 0.0
+    for step in bar:
+        model.train()
+        idx = torch.randint(0, n, (cfg.batch_size,), generator=gen)
+        width = int(train_enc.lengths[idx].max())
+        ids, lengths = train_enc.ids[idx, :width], train_enc.lengths[idx]
+        out, mask = all_logits(model, ids, lengths)
+        loss = torch.nn.functional.cross_entropy(out[torch.arange(len(idx)), lengths - 1], train_enc.answer[idx])
+        total = loss
+        if cfg.story_loss:
+            total = total + cfg.story_loss * story_loss(out, ids, mask)
+        if cfg.head_lasso:
+            total = total + cfg.head_lasso * head_group_norms(model, cfg.n_heads).sum()
+        opt.zero_grad(set_to_none=True)
+        total.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        running = 0.98 * running + 0.02 * loss.item() if step else loss.item()
+        bar.set_postfix(loss=f"{running:.3f}")
+        if log_every and ((step + 1) % log_every == 0 or step + 1 == cfg.steps):
+            acc = accuracy_by_condition(model, test_enc, split.test)
+            history.append({"step": step + 1, "loss": running, "min_test_accuracy": min(acc.values())})
+            if progress:
+                worst = sorted(acc.items(), key=lambda kv: kv[1])[:3]
+                tqdm.write(f"step {step + 1}: loss {running:.4f}, lowest held-out accuracy "
+                           + ", ".join(f"{k} {v:.3f}" for k, v in worst))
+    model.eval()
+    record = {
+        "config": asdict(cfg),
+        "split": split.summary(),
+        "vocab_size": len(tokenizer),
+        "n_parameters": sum(p.numel() for p in model.parameters()),
+        "test_accuracy": accuracy_by_condition(model, test_enc, split.test),
+        "train_accuracy": accuracy_by_condition(model, train_enc, split.train),
+        "history": history,
+        "train_seconds": round(time.time() - started, 1),
+        "threads": torch.get_num_threads(),
+    }
+    return model, tokenizer, record
+
+
+def quick_config(seed: int = 0) -> OrganismConfig:
+    """A reduced run that exercises the whole script in seconds (tests; not the shipped organism)."""
+    return OrganismConfig(seed=seed, n_layers=2, d_model=32, n_heads=4, d_mlp=64, steps=20, batch_size=16, warmup=5,
+                          train_tasks={"order-only": 60, "false-belief-factorial": 20, "unexpected-contents": 40},
+                          test_tasks={"order-only": 300, "false-belief-factorial": 150, "unexpected-contents": 100})

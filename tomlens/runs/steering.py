@@ -1,0 +1,288 @@
+"""The steering stage: fit belief directions, pick a dose, and test the dose on held-out stories.
+
+Selection is kept apart from evaluation: the tasks are split (`fraction_split`) into a selection
+half, where the directions are fitted and the dose is chosen (the non-zero alpha with the largest
+false-belief flip rate along the belief direction, ties to the smallest |alpha|), and an
+evaluation half, where every direction (belief, shuffled labels, the random ones) is run at every
+alpha. A layer's verdict is "found" only when, at the chosen alpha on the evaluation half, the belief
+direction flips at least `min_flip` of the false-belief answers and more than every random
+direction and the shuffled one (and, with `max_random_flip`, no random direction flips more than
+that); otherwise "withheld", with the reason.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from tomlens.errors import TomlensError
+from tomlens.io import read_table, write_table
+from tomlens.probes.splits import fraction_split, group_codes
+from tomlens.probes.targets import get_target
+from tomlens.provenance import run_manifest
+from tomlens.runs.base import DEFAULT_N, ModelSpec, StimuliSpec
+from tomlens.runs.files import begin_save, finish_save, read_finished
+from tomlens.steering import METHODS, MODES, POSITIONS, Direction, count_passes, dose_response, fit_directions, \
+    paired_sources
+from tomlens.stimuli.records import stimuli_hash
+
+FORMATS = ("parquet", "csv")
+DEFAULT_ALPHAS: tuple[float, ...] = (-4.0, -2.0, -1.0, 0.0, 1.0, 2.0, 4.0)
+FOUND, WITHHELD = "found", "withheld"
+
+
+def _one_of(name: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise TomlensError(f"{name} = {value!r} is not one of {', '.join(allowed)}", f"use one of {', '.join(allowed)}")
+
+
+@dataclass(frozen=True)
+class SteeringConfig:
+    """Which model and stories, which layers, how directions are fitted and applied, the doses,
+    the controls and the thresholds of the verdict."""
+
+    model: ModelSpec = ModelSpec()
+    stimuli: StimuliSpec = StimuliSpec(family="order-only", n=DEFAULT_N)
+    layers: tuple[int, ...] | None = None  # None: every layer
+    target: str = "protagonist_belief"
+    method: str = "mean_difference"
+    mode: str = "add"
+    positions: str = "final"
+    alphas: tuple[float, ...] = DEFAULT_ALPHAS
+    n_random: int = 20
+    select_fraction: float = 0.5
+    seed: int = 0
+    directions_path: str | None = None  # a `tomlens probe` directions.safetensors
+    min_flip: float = 0.8  # the belief direction must flip at least this share of false-belief answers
+    max_random_flip: float | None = None  # and, when set, no random direction more than this
+    batch_size: int = 16
+    store: str | None = None  # activation store root
+    format: str = "parquet"
+
+    def __post_init__(self) -> None:
+        get_target(self.target)
+        _one_of("method", self.method, METHODS)
+        _one_of("mode", self.mode, MODES)
+        _one_of("positions", self.positions, POSITIONS)
+        _one_of("format", self.format, FORMATS)
+        alphas = tuple(float(a) for a in self.alphas)
+        object.__setattr__(self, "alphas", alphas)
+        if not any(a != 0 for a in alphas):
+            raise TomlensError(f"alphas {list(alphas)} hold no non-zero dose", "give e.g. alphas = [-4, -2, 0, 2, 4]")
+        if len(set(alphas)) != len(alphas):
+            raise TomlensError(f"alphas {list(alphas)} repeat a value", "list each dose once")
+        if self.layers is not None:
+            layers = tuple(int(x) for x in self.layers)
+            if not layers or min(layers) < 0:
+                raise TomlensError(f"layers {list(layers)}", "give layer indices from 0 (or leave layers out for all)")
+            object.__setattr__(self, "layers", tuple(sorted(set(layers))))
+        if self.n_random < 1:
+            raise TomlensError(f"n_random = {self.n_random}", "use at least 1 random direction (the issue asks for 20)")
+        if not 0 < float(self.select_fraction) < 1:
+            raise TomlensError(f"select_fraction = {self.select_fraction}", "use a fraction strictly between 0 and 1")
+        if not 0 < float(self.min_flip) <= 1:
+            raise TomlensError(f"min_flip = {self.min_flip}", "use a share in (0, 1], e.g. 0.8")
+        if self.batch_size < 1:
+            raise TomlensError(f"batch_size = {self.batch_size}", "use 1 or more prompts per forward")
+        if self.directions_path is not None and not Path(self.directions_path).is_file():
+            raise TomlensError(f"no direction file at {self.directions_path}",
+                               "run `tomlens probe --sites resid_post` and pass its directions.safetensors")
+
+
+def choose_alpha(selection: pd.DataFrame) -> float:
+    """The non-zero alpha whose belief direction flips the most false-belief answers on the
+    selection half; ties go to the smallest |alpha|, then to the negative one."""
+    fb = selection[(selection["direction"] == "belief") & (selection["condition"] == "false_belief")
+                   & (selection["alpha"] != 0)]
+    if fb.empty:
+        raise TomlensError("the selection half has no false-belief prompts to choose a dose on",
+                           "use stimuli with false-belief belief questions (e.g. order-only)")
+    best = fb["flip_rate"].max()
+    tied = fb[fb["flip_rate"] >= best - 1e-12]["alpha"].tolist()
+    return float(sorted(tied, key=lambda a: (abs(a), a))[0])
+
+
+def layer_summary(dose: pd.DataFrame, layer: int, alpha: float, *, min_flip: float = 0.8,
+                  max_random_flip: float | None = None) -> dict[str, Any]:
+    """The summary dict of one layer at `alpha` on the evaluation table (see the module text)."""
+    at = dose[(dose["layer"] == layer) & (dose["alpha"] == alpha)]
+
+    def flip(direction: str, condition: str) -> float:
+        row = at[(at["direction"] == direction) & (at["condition"] == condition)]
+        return float(row["flip_rate"].iloc[0]) if len(row) else float("nan")
+
+    rand = at[(at["source"] == "random") & (at["condition"] == "false_belief")]["flip_rate"].to_numpy(dtype=float)
+    out: dict[str, Any] = {
+        "layer": int(layer), "alpha": float(alpha),
+        "flip_false_belief": flip("belief", "false_belief"), "flip_true_belief": flip("belief", "true_belief"),
+        "flip_reality": flip("belief", "reality"),
+        "random_max": float(rand.max()) if rand.size else float("nan"),
+        "random_p95": float(np.percentile(rand, 95)) if rand.size else float("nan"),
+        "shuffled": flip("shuffled", "false_belief"),
+    }
+    fb, reasons = out["flip_false_belief"], []
+    if not fb == fb:
+        reasons.append("no false-belief prompts in the evaluation half")
+    else:
+        if fb < min_flip:
+            reasons.append(f"the belief direction flips {fb:.2f} of false-belief answers (< {min_flip:.2f})")
+        if not rand.size:
+            reasons.append("no random directions to compare with")
+        elif not fb > out["random_max"]:
+            reasons.append(f"a random direction flips {out['random_max']:.2f} >= the belief direction's {fb:.2f}")
+        if not fb > out["shuffled"]:
+            reasons.append(f"the shuffled-label direction flips {out['shuffled']:.2f} >= the belief direction's {fb:.2f}")
+        if max_random_flip is not None and rand.size and out["random_max"] > max_random_flip:
+            reasons.append(f"a random direction flips {out['random_max']:.2f} (> {max_random_flip:.2f})")
+    out["verdict"] = WITHHELD if reasons else FOUND
+    out["reason"] = "; ".join(reasons) if reasons else (
+        f"belief flips {fb:.2f} of false-belief answers (>= {min_flip:.2f}); random max {out['random_max']:.2f}, "
+        f"shuffled {out['shuffled']:.2f}")
+    return out
+
+
+@dataclass
+class SteeringResult:
+    """The evaluation-half dose-response table, the selection-half one (belief direction only),
+    the directions, and the per-layer summary."""
+
+    dose: pd.DataFrame
+    selection: pd.DataFrame
+    summary: dict[str, Any]
+    directions: dict[int, list[Direction]] = field(default_factory=dict)
+    config: SteeringConfig | None = None
+    manifest: dict[str, Any] = field(default_factory=dict)
+
+    def best(self) -> dict[str, Any]:
+        """The layer dict with the highest evaluation flip rate on false-belief answers."""
+        layers = self.summary.get("layers", [])
+        if not layers:
+            raise TomlensError("this steering result has no layers", "run the stage with at least one layer")
+        return max(layers, key=lambda d: (d["flip_false_belief"] if d["flip_false_belief"] == d["flip_false_belief"]
+                                          else -1.0, -d["layer"]))
+
+    def files(self, out: str | Path) -> list[Path]:
+        out = Path(out)
+        fmt = self.config.format if self.config is not None else "parquet"
+        return [out / f"dose.{fmt}", out / f"dose_selection.{fmt}", out / "directions.safetensors"]
+
+    def save(self, out: str | Path) -> Path:
+        from tomlens.probes.directions import save_directions
+
+        out = begin_save(out)
+        dose_f, sel_f, dir_f = self.files(out)
+        write_table(self.dose, dose_f)
+        write_table(self.selection, sel_f)
+        tensors = {f"layer{layer}/{d.name}": d.vector for layer, ds in self.directions.items() for d in ds}
+        meta = {"directions": [{"name": d.name, "source": d.source, "layer": d.layer, "site": d.site,
+                                "tensor": f"layer{layer}/{d.name}", "norm": d.norm}
+                               for layer, ds in self.directions.items() for d in ds]}
+        if tensors:
+            save_directions(dir_f, tensors, meta)
+        return finish_save(out, self.config, self.manifest, self.summary)
+
+    @classmethod
+    def load(cls, out: str | Path) -> SteeringResult:
+        from tomlens.probes.directions import load_directions
+
+        out, config, manifest, summary = read_finished(out, SteeringConfig)
+        fmt = config.format if config is not None else "parquet"
+        directions: dict[int, list[Direction]] = {}
+        if (out / "directions.safetensors").is_file():
+            tensors, meta = load_directions(out / "directions.safetensors")
+            for m in meta.get("directions", []):
+                directions.setdefault(int(m["layer"]), []).append(
+                    Direction(m["name"], m["source"], int(m["layer"]), tensors[m["tensor"]], m.get("site", "resid_post")))
+        return cls(dose=read_table(out / f"dose.{fmt}"), selection=read_table(out / f"dose_selection.{fmt}"),
+                   summary=summary, directions=directions, config=config, manifest=manifest)
+
+    def describe(self) -> str:
+        s = self.summary
+        lines = [f"steering ({s.get('mode')}, {s.get('positions')} position, {s.get('method')} directions): "
+                 f"{s.get('n_selection_prompts')} selection / {s.get('n_evaluation_prompts')} evaluation prompts, "
+                 f"{s.get('n_random')} random directions + shuffled labels, {s.get('forward_passes')} forward passes",
+                 "alpha chosen on the selection half; flip rates on the evaluation half at that alpha:",
+                 f"{'layer':>5} {'alpha':>6} {'FB flip':>8} {'TB flip':>8} {'reality':>8} {'rand max':>9} "
+                 f"{'rand p95':>9} {'shuffled':>9}  verdict"]
+        for d in s.get("layers", []):
+            lines.append(f"{d['layer']:>5} {d['alpha']:>6.2f} {d['flip_false_belief']:>8.2f} {d['flip_true_belief']:>8.2f} "
+                         f"{d['flip_reality']:>8.2f} {d['random_max']:>9.2f} {d['random_p95']:>9.2f} "
+                         f"{d['shuffled']:>9.2f}  {d['verdict']}: {d['reason']}")
+        lines.extend(f"note: {n}" for n in s.get("notes", []))
+        return "\n".join(lines)
+
+
+def run(config: SteeringConfig, *, model: Any = None, progress: bool = True) -> SteeringResult:
+    """Split the tasks, fit the directions and choose the dose on the selection half, then run
+    every direction at every alpha on the evaluation half and judge each layer."""
+    stimuli = config.stimuli.load()
+    if model is None:
+        model = config.model.load()
+    n_layers = int(model.cfg.n_layers)
+    layers = list(config.layers) if config.layers is not None else list(range(n_layers))
+    if max(layers) >= n_layers:
+        raise TomlensError(f"layer {max(layers)} does not exist (the model has {n_layers} layers)",
+                           f"use layers 0-{n_layers - 1}")
+    groups = group_codes(stimuli, "task")
+    if len(set(groups.tolist())) < 2:
+        raise TomlensError("the stimuli hold one task, which cannot be split into selection and evaluation halves",
+                           "use n = 2 or more tasks (8 or more for stable flip rates)")
+    split = fraction_split(groups, config.select_fraction, seed=config.seed)
+    sel = [stimuli[i] for i in split.train.tolist()]
+    ev = [stimuli[i] for i in split.test.tolist()]
+    n_dirs = 2 + config.n_random
+    passes = count_passes(len(sel), len(layers), config.alphas) + count_passes(len(ev), n_dirs * len(layers),
+                                                                               config.alphas)
+    if progress:
+        print(f"steering plan: selection {len(layers)} belief directions x {len(config.alphas)} alphas x {len(sel)} "
+              f"prompts, evaluation {n_dirs * len(layers)} directions x {len(config.alphas)} alphas x {len(ev)} "
+              f"prompts: {passes} forward passes (alpha 0 is the unsteered run)", file=sys.stderr)
+    dirs = fit_directions(model, sel, layers=layers, target=config.target, method=config.method,
+                          n_random=config.n_random, seed=config.seed, directions_path=config.directions_path,
+                          store=config.store, batch_size=config.batch_size, progress=progress)
+
+    def dose(st: list[Any], directions: list[Direction]) -> pd.DataFrame:
+        sources = paired_sources(model, st, layers, store=config.store, batch_size=config.batch_size,
+                                 progress=progress) if config.mode == "patch" else None
+        return dose_response(model, st, directions, config.alphas, mode=config.mode, positions=config.positions,
+                             batch_size=config.batch_size, progress=progress, sources=sources)
+
+    selection = dose(sel, [dirs[layer][0] for layer in layers])
+    evaluation = dose(ev, [d for layer in layers for d in dirs[layer]])
+    per_layer = []
+    for layer in layers:
+        alpha = choose_alpha(selection[selection["layer"] == layer])
+        per_layer.append(layer_summary(evaluation, layer, alpha, min_flip=config.min_flip,
+                                       max_random_flip=config.max_random_flip))
+    notes = []
+    if config.directions_path is not None:
+        notes.append(f"belief directions from {config.directions_path}: fitted by `tomlens probe` on its own "
+                     "stimuli; if those include this run's evaluation stories, selection is not kept apart")
+    if len({s.task_id for s in ev}) < 8:
+        notes.append(f"the evaluation half holds {len({s.task_id for s in ev})} tasks: flip rates move in large steps")
+    summary = {
+        "layers": per_layer, "mode": config.mode, "positions": config.positions, "method": config.method,
+        "target": config.target, "alphas": list(config.alphas), "n_random": config.n_random,
+        "n_selection_prompts": len(sel), "n_evaluation_prompts": len(ev),
+        "selection_tasks": sorted({s.task_id for s in sel}), "forward_passes": passes,
+        "norms": {str(layer): dirs[layer][0].norm for layer in layers},
+        "verdict": FOUND if any(d["verdict"] == FOUND for d in per_layer) else WITHHELD,
+        "notes": notes,
+    }
+    manifest = run_manifest(model, config, stimuli_hash=stimuli_hash(stimuli))
+    return SteeringResult(dose=evaluation, selection=selection, summary=summary,
+                          directions={layer: dirs[layer] for layer in layers}, config=config, manifest=manifest)
+
+
+def summary_frame(result: SteeringResult) -> pd.DataFrame:
+    """The per-layer summary as a table."""
+    return pd.DataFrame(result.summary.get("layers", []))
+
+
+__all__ = ["DEFAULT_ALPHAS", "FOUND", "SteeringConfig", "SteeringResult", "WITHHELD", "choose_alpha", "layer_summary",
+           "run", "summary_frame"]
