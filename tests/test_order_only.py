@@ -51,6 +51,10 @@ def test_size_ids_and_registration():
     assert {s.condition for s in only_fb} == {"false_belief"} and len(only_fb) == 6
     with pytest.raises(TomlensError):
         order_only(2, conditions=["present"])
+    belief = order_only(3, seed=0, prompt_types=["belief"])
+    assert [s.id for s in belief] == [s.id for s in order_only(3, seed=0) if s.prompt_type == "belief"]
+    with pytest.raises(TomlensError):
+        order_only(2, prompt_types=["story"])
     with pytest.raises(TomlensError):
         order_only(0)
 

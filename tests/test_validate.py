@@ -49,7 +49,8 @@ def test_tiny_llama_fails_every_check_and_writes_the_table(tmp_path: Path, capsy
     sel = json.loads((out / "probes" / "selection.json").read_text())["protagonist_belief"]
     assert rows.loc["probe", "value"] == sel["evaluation"]["score"]
     steer = json.loads((out / "steering" / "result.json").read_text())["layers"]
-    assert rows.loc["steering", "value"] == max(d["flip_false_belief"] for d in steer)
+    chosen = max(steer, key=lambda d: (d["selection_flip"], -d["layer"]))  # picked on the selection half
+    assert rows.loc["steering", "value"] == chosen["flip_false_belief"]
     patch = json.loads((out / "patching" / "result.json").read_text())
     if patch.get("withheld"):  # the gate may stop a random model: then the checks say so
         assert patch["withheld"].removeprefix("withheld: ") in rows.loc["topk_recovery", "detail"]
@@ -65,3 +66,9 @@ def test_bad_input_exits_2(tmp_path: Path, capsys) -> None:
     assert "more than the model's 8 heads" in capsys.readouterr().err
     assert main(["validate", "--model", "no-such-model", "--out", str(tmp_path / "v")]) == 2
     assert not (tmp_path / "v").exists()
+    # the steering stage's settings are checked before the probes run: exit 2, not a failed check
+    for bad, says in (("--alphas=0", "no non-zero dose"), ("--layers=9", "does not exist")):
+        assert main(["validate", "--model", "tiny-llama", "--n-tasks", "8", bad, "--out", str(tmp_path / "v"),
+                     "--no-progress"]) == 2
+        err = capsys.readouterr()
+        assert says in err.err and "stage 1 of 3" not in err.out

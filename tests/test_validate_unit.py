@@ -43,10 +43,17 @@ def patching_summary(top: float = 0.9, random_mean: float = 0.05, spearman: floa
     }
 
 
-def steering_summary(*layers: tuple[float, float]) -> dict:
-    return {"layers": [{"layer": i, "alpha": 2.0, "flip_false_belief": f, "flip_true_belief": 0.1,
-                        "flip_reality": 0.0, "random_max": r, "random_p95": r, "shuffled": 0.0,
-                        "verdict": "found", "reason": ""} for i, (f, r) in enumerate(layers)]}
+def steering_summary(*layers: tuple[float, ...]) -> dict:
+    """Per layer (evaluation flip, random max[, selection flip[, shuffled]]); the selection flip
+    defaults to the evaluation one."""
+    rows = []
+    for i, (f, r, *rest) in enumerate(layers):
+        sel = rest[0] if rest else f
+        shuffled = rest[1] if len(rest) > 1 else 0.0
+        rows.append({"layer": i, "alpha": 2.0, "flip_false_belief": f, "flip_true_belief": 0.1, "flip_reality": 0.0,
+                     "random_max": r, "random_p95": r, "shuffled": shuffled, "selection_flip": sel,
+                     "verdict": "found", "reason": ""})
+    return {"layers": rows}
 
 
 def test_meets_passes_at_the_threshold_and_never_on_nan() -> None:
@@ -105,10 +112,13 @@ def test_a_withheld_or_forced_patching_stage_fails_every_patching_check_with_its
 
 def test_steering_check() -> None:
     assert check_steering(steering_summary((0.8, 0.1)), T).passed  # at both thresholds
-    best = check_steering(steering_summary((0.95, 0.3), (0.85, 0.05)), T)
-    assert best.passed and best.value == 0.85 and "layer 1" in best.detail  # the layer that passes
-    none = check_steering(steering_summary((0.95, 0.3), (0.5, 0.0)), T)
-    assert not none.passed and none.value == 0.95 and "null 0.300 is not <= 0.1" in none.detail
+    # the layer is the selection half's best, never the evaluation half's
+    picked = check_steering(steering_summary((0.95, 0.3, 0.7), (0.85, 0.05, 0.9)), T)
+    assert picked.passed and picked.value == 0.85 and "layer 1" in picked.detail
+    fails = check_steering(steering_summary((0.95, 0.3, 0.9), (0.85, 0.05, 0.7)), T)
+    assert not fails.passed and fails.value == 0.95 and "null 0.300 is not <= 0.1" in fails.detail
+    shuffled = check_steering(steering_summary((0.9, 0.0, 0.9, 0.9)), T)
+    assert not shuffled.passed and "shuffled-label direction flips 0.900" in shuffled.detail
     empty = check_steering({}, T, withheld="the steering stage is not available")
     assert not empty.passed and "not available" in empty.detail
 

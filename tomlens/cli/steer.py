@@ -36,8 +36,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Split the tasks into a selection and an evaluation half. On the selection half, fit "
         "a belief direction per layer (difference of class means or a logistic probe, on the belief "
         "questions' final token) and choose the dose alpha that flips the most false-belief answers. On "
-        "the evaluation half, run the belief direction, a direction fitted on labels shuffled within "
-        "tasks and N norm-matched random directions at every alpha, and report the flip rates at the "
+        "the evaluation half, run the belief direction, a direction fitted on shuffled labels (each "
+        "true class split evenly between the shuffled classes) and N norm-matched random directions at every alpha, and report the flip rates at the "
         "chosen alpha with a verdict (found, or withheld with the reason). Writes dose-response tables, "
         "the directions and two figures (logit difference and flip rate against alpha) into --out.",
     )

@@ -26,6 +26,11 @@ def model_card(record: dict[str, Any]) -> str:
     rows = "\n".join(f"| {k} | {record['split']['test_counts'].get(k, 0)} | {v:.3f} |"
                      for k, v in record["test_accuracy"].items())
     met = "meets" if meets_target(record) else "does NOT meet"
+    loss = ("cross-entropy on the answer's token at the end of each prompt; nothing else is a target."
+            if not cfg.get("story_loss") else
+            f"cross-entropy on the answer's token at the end of each prompt, plus {cfg['story_loss']:g} x the "
+            "next-word loss on the story and question (it learns the stories' language; the answers are the "
+            "answer loss's alone).")
     return f"""# tom-organism
 
 A small causal language model trained by tomlens (`tomlens train-organism`) to answer belief and
@@ -44,11 +49,12 @@ words of tomlens's generators, and nothing else.
 ## Data and split
 - Stories from tomlens's generators: `order-only`, `false-belief-factorial` and
   `unexpected-contents`, every condition, belief and reality prompts.
-- Loss: cross-entropy on the answer's token at the end of each prompt; nothing else is a target.
+- Loss: {loss}
 - Held-out split by two hashed keys per task (share {cfg['held_out_share']} each): its template
-  (template, phrasings, cue phrasings) and its cast (people, object, places or container,
-  contents, label). Training tasks have neither key held out; test tasks have both, so no test
-  story's template or combination of names, objects and places was seen in training. Test tasks
+  combination (the template with its phrasings and cue phrasings; each of them alone occurs in
+  training) and its cast (people, object, places or container, contents, label). Training tasks
+  have neither key held out; test tasks have both, so no test story's combination of template and
+  phrasings, nor of names, objects and places, was seen in training. Test tasks
   with a word training never had are dropped ({split['test_tasks_dropped_for_unseen_words']} dropped).
 - {split['train_tasks']} training tasks ({split['train_prompts']} prompts), {split['test_tasks']} test tasks
   ({split['test_prompts']} prompts).
@@ -64,6 +70,11 @@ It {met} the target of {ACCURACY_TARGET} in every condition.
 | family/condition/prompt | prompts | accuracy |
 |---|---|---|
 {rows}
+
+## What it has learnt, and what not
+Where a cell above is under the target, the organism does not know that belief: do not read its
+internals there as belief tracking. `tomlens validate --model tom-organism` reports, per method,
+whether belief is found where the checks look (the final token of the belief question).
 
 ## Use
 `load_model("tom-organism")`; `tomlens validate --model tom-organism`. Reproduce with

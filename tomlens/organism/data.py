@@ -2,10 +2,11 @@
 
 Training and test stories come from the project's own generators (order-only, the false-belief
 factorial, unexpected contents), belief and reality prompts, every condition. A task is held out
-by two keys, each hashed into a held-out share: its *template* (the generator's template and
-phrasings, and its cue phrasings) and its *cast* (people, object, places or container, contents,
-label). Training tasks have neither key held out; test tasks have both, so no test story's
-template or combination of names, objects and places was seen in training. A test task with a
+by two keys, each hashed into a held-out share: its *template* (the combination of the generator's
+template, phrasings and cue phrasings: every phrasing and template is seen in training, never in
+this combination) and its *cast* (people, object, places or container, contents, label).
+Training tasks have neither key held out; test tasks have both, so no test story's combination
+of template and phrasings, nor its combination of names, objects and places, was seen in training. A test task with a
 word that training never had is dropped (and counted), so every test word was seen.
 """
 

@@ -34,24 +34,24 @@ class OrganismConfig:
     """Model shape, data sizes and optimiser settings of one organism."""
 
     seed: int = 0
-    n_layers: int = 6
-    d_model: int = 128
-    n_heads: int = 8
+    n_layers: int = 5
+    d_model: int = 64
+    n_heads: int = 8  # 40 heads: k = 5% of heads is 2
     d_mlp: int = 256
     train_tasks: dict[str, int] = field(default_factory=lambda: {
         "order-only": 6000, "false-belief-factorial": 1000, "unexpected-contents": 2000})
     test_tasks: dict[str, int] = field(default_factory=lambda: {
         "order-only": 2000, "false-belief-factorial": 400, "unexpected-contents": 800})
     held_out_share: float = 0.3
-    steps: int = 3000
+    steps: int = 2000
     batch_size: int = 64
     lr: float = 3e-3
     warmup: int = 100
     weight_decay: float = 0.01
     head_lasso: float = 0.0  # group lasso on each head's output weights (sparser head use)
-    story_loss: float = 0.0  # weight of a next-word loss on the story itself (0: the answer only)
+    story_loss: float = 1.0  # weight of a next-word loss on the story itself (0: the answer only)
     contents_decoys: bool = True  # unexpected-contents stories with their decoy sentences
-    threads: int | None = None  # torch threads while training (None: leave as is)
+    threads: int | None = 1  # torch threads while training: one, so the weights do not depend on the core count
 
     def __post_init__(self) -> None:
         if self.d_model % self.n_heads:
@@ -148,12 +148,21 @@ def accuracy_by_condition(model: Any, enc: Encoded, stimuli: Sequence[Stimulus],
 
 
 def train(cfg: OrganismConfig, *, progress: bool = True, log_every: int = 250) -> tuple[Any, Any, dict[str, Any]]:
-    """Train one organism; returns (hf_model, tokenizer, record). Deterministic given `cfg`."""
+    """Train one organism; returns (hf_model, tokenizer, record). Deterministic given `cfg` (on one
+    machine: `cfg.threads` torch threads, restored afterwards)."""
+    before = torch.get_num_threads()
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    try:
+        return _train(cfg, progress=progress, log_every=log_every)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _train(cfg: OrganismConfig, *, progress: bool, log_every: int) -> tuple[Any, Any, dict[str, Any]]:
     from transformers import LlamaForCausalLM
 
     started = time.time()
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
     options = {"unexpected-contents": {"decoys": cfg.contents_decoys}}
     split = make_split(cfg.train_tasks, cfg.test_tasks, share=cfg.held_out_share, seed=cfg.seed, options=options)
     if not split.test:

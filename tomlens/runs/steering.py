@@ -159,12 +159,13 @@ class SteeringResult:
     manifest: dict[str, Any] = field(default_factory=dict)
 
     def best(self) -> dict[str, Any]:
-        """The layer dict with the highest evaluation flip rate on false-belief answers."""
+        """The layer dict whose belief direction flips the most false-belief answers on the selection
+        half (at its chosen alpha; ties to the lower layer): the layer is chosen, like the dose, without
+        looking at the evaluation half."""
         layers = self.summary.get("layers", [])
         if not layers:
             raise TomlensError("this steering result has no layers", "run the stage with at least one layer")
-        return max(layers, key=lambda d: (d["flip_false_belief"] if d["flip_false_belief"] == d["flip_false_belief"]
-                                          else -1.0, -d["layer"]))
+        return chosen_layer(layers)
 
     def files(self, out: str | Path) -> list[Path]:
         out = Path(out)
@@ -256,9 +257,12 @@ def run(config: SteeringConfig, *, model: Any = None, progress: bool = True) -> 
     evaluation = dose(ev, [d for layer in layers for d in dirs[layer]])
     per_layer = []
     for layer in layers:
-        alpha = choose_alpha(selection[selection["layer"] == layer])
-        per_layer.append(layer_summary(evaluation, layer, alpha, min_flip=config.min_flip,
-                                       max_random_flip=config.max_random_flip))
+        mine = selection[selection["layer"] == layer]
+        alpha = choose_alpha(mine)
+        row = layer_summary(evaluation, layer, alpha, min_flip=config.min_flip, max_random_flip=config.max_random_flip)
+        picked = mine[(mine["direction"] == "belief") & (mine["condition"] == "false_belief") & (mine["alpha"] == alpha)]
+        row["selection_flip"] = float(picked["flip_rate"].iloc[0])  # what picks the layer: never an evaluation number
+        per_layer.append(row)
     notes = []
     if config.directions_path is not None:
         notes.append(f"belief directions from {config.directions_path}: fitted by `tomlens probe` on its own "
@@ -279,10 +283,21 @@ def run(config: SteeringConfig, *, model: Any = None, progress: bool = True) -> 
                           directions={layer: dirs[layer] for layer in layers}, config=config, manifest=manifest)
 
 
+def chosen_layer(layers: list[dict[str, Any]]) -> dict[str, Any]:
+    """Of the per-layer summaries, the one with the highest selection-half flip rate (ties to the lower
+    layer). Summaries written before `selection_flip` existed fall back to the evaluation flip rate."""
+    def key(d: dict[str, Any]) -> tuple[float, int]:
+        v = float(d.get("selection_flip", d["flip_false_belief"]))
+        return (v if v == v else -1.0, -int(d["layer"]))
+
+    return max(layers, key=key)
+
+
 def summary_frame(result: SteeringResult) -> pd.DataFrame:
     """The per-layer summary as a table."""
     return pd.DataFrame(result.summary.get("layers", []))
 
 
-__all__ = ["DEFAULT_ALPHAS", "FOUND", "SteeringConfig", "SteeringResult", "WITHHELD", "choose_alpha", "layer_summary",
+__all__ = ["DEFAULT_ALPHAS", "FOUND", "SteeringConfig", "SteeringResult", "WITHHELD", "choose_alpha", "chosen_layer",
+           "layer_summary",
            "run", "summary_frame"]

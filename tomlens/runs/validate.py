@@ -5,8 +5,8 @@ where belief is known to be (a model trained to track it, `tom-organism`) and do
 where it is not (its random twin). One run of three stages on order-only stories (the words are the
 same in both conditions, so a bag of words is at chance by construction) answers five questions:
 
-1. probe: the unit chosen on the selection half (`runs.probes`, resid_post every layer, final
-   token) scores >= `min_probe` on held-out stories, its verdict is "found", and the bag-of-words
+1. probe: the unit chosen on the selection half (`runs.probes`, resid_post every layer, the belief
+   question's final token) scores >= `min_probe` on held-out stories, its verdict is "found", and the bag-of-words
    baseline on the same split stays at chance (<= `max_bow`);
 2. top-k recovery: the k heads ranked on selection pairs (`runs.patching`, exact, heads at
    `head_position`) recover >= `min_recovery` of the false-minus-true-belief gap on held-out pairs,
@@ -126,6 +126,11 @@ class ValidateConfig:
 
     def stimuli(self) -> StimuliSpec:
         return StimuliSpec(family=FAMILY, n=self.n_tasks, seed=self.seed)
+
+    def belief_questions(self) -> StimuliSpec:
+        """The same tasks' belief questions only: where a belief probe is read (at a reality question's
+        final token the protagonist's belief plays no part in the answer)."""
+        return StimuliSpec(family=FAMILY, n=self.n_tasks, seed=self.seed, options={"prompt_types": ["belief"]})
 
 
 def fast_config(model: str, **overrides: Any) -> ValidateConfig:
@@ -308,25 +313,32 @@ def check_ablation(summary: Mapping[str, Any], k: int, t: Thresholds, *, n_heads
 
 
 def check_steering(summary: Mapping[str, Any], t: Thresholds, *, withheld: str = "") -> Check:
-    """Check 5 from a steering summary (`SteeringResult.summary`, its "layers" list): a layer whose
-    belief direction flips >= min_flip of false-belief answers at its chosen alpha while the
-    most-flipping random direction at that alpha stays <= max_random_flip; among the layers that
-    pass, the one flipping most is reported, else the layer flipping most."""
+    """Check 5 from a steering summary (`SteeringResult.summary`, its "layers" list). The layer is the
+    one whose belief direction flipped most on the selection half (`runs.steering.chosen_layer`: like
+    the dose, never chosen on held-out numbers); on the evaluation half its belief direction must flip
+    >= min_flip of false-belief answers at that dose, more than the shuffled-label direction, while
+    the most-flipping random direction stays <= max_random_flip."""
+    from tomlens.runs.steering import chosen_layer
+
     layers = list(summary.get("layers") or [])
     if withheld or not layers:
         return _withheld_check("steering", t, withheld or summary.get("withheld")
                                or "the steering stage reported no layer")
-    ok = [d for d in layers if meets(_float(d.get("flip_false_belief")), t.min_flip, ">=")
-          and meets(_float(d.get("random_max")), t.max_random_flip, "<=")]
-    best = max(ok or layers, key=lambda d: (_float(d.get("flip_false_belief")) if math.isfinite(
-        _float(d.get("flip_false_belief"))) else -1.0))
-    desc = (f"layer {best.get('layer')} (the best of {len(layers)} layers steered), alpha {best.get('alpha')} chosen on the "
+    best = chosen_layer(layers)
+    fb, shuffled = _float(best.get("flip_false_belief")), _float(best.get("shuffled"))
+    desc = (f"layer {best.get('layer')} (of {len(layers)} steered) and alpha {best.get('alpha')}, both chosen on the "
             f"selection half; held-out flips: true belief {_num(_float(best.get('flip_true_belief')))}, reality "
             f"{_num(_float(best.get('flip_reality')))}; null = the most-flipping random direction (p95 "
-            f"{_num(_float(best.get('random_p95')))}), shuffled-label direction {_num(_float(best.get('shuffled')))}; "
+            f"{_num(_float(best.get('random_p95')))}), shuffled-label direction {_num(shuffled)}; "
             f"stage verdict {best.get('verdict')}" + (f" ({best.get('reason')})" if best.get("reason") else ""))
-    return _judge("steering", _float(best.get("flip_false_belief")), t.min_flip, ">=", _float(best.get("random_max")),
-                  t.max_random_flip, "<=", described=desc)
+    beaten = "" if not (math.isfinite(fb) and math.isfinite(shuffled) and shuffled >= fb) else \
+        f"the shuffled-label direction flips {shuffled:.3f} >= the belief direction's {fb:.3f}"
+    check = _judge("steering", fb, t.min_flip, ">=", _float(best.get("random_max")), t.max_random_flip, "<=",
+                   described=desc)
+    if beaten:
+        check = Check(check.check, check.value, check.threshold, check.comparison, False, check.null,
+                      check.null_threshold, check.null_comparison, f"{check.detail}; {beaten}")
+    return check
 
 
 def table_of(checks: Sequence[Check]) -> pd.DataFrame:
@@ -498,26 +510,34 @@ def run(config: ValidateConfig, *, model: Any = None, progress: bool = True) -> 
     k = config.k if config.k is not None else default_k(heads)
     if k > heads:
         raise TomlensError(f"k = {k} is more than the model's {heads} heads", f"pass k of 1 to {heads}")
-    print("\n".join(_plan(config, model, k, len(stimuli), _time_forward(model, stimuli))), flush=True)
-    t = config.thresholds
-    stages: dict[str, Any] = {}
+    # every stage's settings are checked before any stage runs: bad input is exit 2 with nothing spent
+    from tomlens.runs import steering
 
-    print("validate: stage 1 of 3, probes", flush=True)
-    pcfg = probes.ProbesConfig(model=config.model, stimuli=config.stimuli(), targets=(TARGET,),
-                               sites=("resid_post",), positions=("final",), store=config.store, seed=config.seed,
-                               selection=True, selection_fraction=config.select_fraction,
-                               n_permutations=config.n_permutations, random_twin=False, format=config.format,
-                               batch_size=config.batch_size)
-    stages["probes"], why = _stage("probes", lambda: probes.run(pcfg, model=model, progress=progress))
-    selection = stages["probes"].selection.get(TARGET) if stages["probes"] is not None else None
-    probe = check_probe(selection, t, withheld=why)
-
-    print("validate: stage 2 of 3, patching", flush=True)
+    scfg = _steering_config(config)
+    n_layers = int(model.cfg.n_layers)
+    if scfg.layers is not None and max(scfg.layers) >= n_layers:
+        raise TomlensError(f"steering layer {max(scfg.layers)} does not exist (the model has {n_layers} layers)",
+                           f"pass --layers from 0 to {n_layers - 1}")
     pairs = PairsConfig(model=config.model, family=FAMILY, n=config.n_tasks, seed=config.seed)
     xcfg = patching.PatchingConfig(model=config.model, pairs=pairs, method="both", sites=("heads",),
                                    positions=(config.head_position,), direction="denoise", top_k=k, ks=(k,),
                                    n_random=config.n_random_heads, select_fraction=config.select_fraction,
                                    ablation=config.ablation, seed=config.seed, max_runs=None, format=config.format)
+    pcfg = probes.ProbesConfig(model=config.model, stimuli=config.belief_questions(), targets=(TARGET,),
+                               sites=("resid_post",), positions=("final",), store=config.store, seed=config.seed,
+                               selection=True, selection_fraction=config.select_fraction,
+                               n_permutations=config.n_permutations, random_twin=False, format=config.format,
+                               batch_size=config.batch_size)
+    print("\n".join(_plan(config, model, k, len(stimuli), _time_forward(model, stimuli))), flush=True)
+    t = config.thresholds
+    stages: dict[str, Any] = {}
+
+    print("validate: stage 1 of 3, probes", flush=True)
+    stages["probes"], why = _stage("probes", lambda: probes.run(pcfg, model=model, progress=progress))
+    selection = stages["probes"].selection.get(TARGET) if stages["probes"] is not None else None
+    probe = check_probe(selection, t, withheld=why)
+
+    print("validate: stage 2 of 3, patching", flush=True)
     stages["patching"], why = _stage("patching", lambda: patching.run(xcfg, model=model, progress=progress))
     if stages["patching"] is None:
         rest = [_withheld_check(n, t, why) for n in ("topk_recovery", "attribution", "mean_ablation")]
@@ -527,10 +547,7 @@ def run(config: ValidateConfig, *, model: Any = None, progress: bool = True) -> 
         rest = [recovery, check_attribution(s, t, ranking=recovery), check_ablation(s, k, t, n_heads_total=heads)]
 
     print("validate: stage 3 of 3, steering", flush=True)
-    from tomlens.runs import steering
-
-    stages["steering"], why = _stage(
-        "steering", lambda: steering.run(_steering_config(config), model=model, progress=progress))
+    stages["steering"], why = _stage("steering", lambda: steering.run(scfg, model=model, progress=progress))
     steer = check_steering(stages["steering"].summary if stages["steering"] is not None else {}, t, withheld=why)
 
     table = table_of([probe, *rest, steer])

@@ -160,7 +160,7 @@ def _broadcast_hooks(directions: Sequence[Direction], alpha: float, mode: str, p
     hooks: list[Hook] = []
     for layer, ds in sorted(by_layer.items()):
 
-        def fn(act: Tensor, hook: Any = None, ds: list[Direction] = ds) -> Tensor:
+        def fn(act: Tensor, hook: Any = None, ds: list[Direction] = ds, layer: int = layer) -> Tensor:
             n = act.shape[0]
             for d in ds:
                 act = row_hooks(layer, d.vector.expand(n, -1), torch.full((n,), float(alpha)), mode=mode,

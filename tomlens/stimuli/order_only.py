@@ -290,12 +290,19 @@ def _check_same_words(task: OrderTask, stimuli: Sequence[Stimulus]) -> None:
             raise RuntimeError(f"{task.task_id} {pt}: the conditions' texts differ in words: {texts}")
 
 
-def order_only(n: int = 20, seed: int = 0, conditions: Sequence[str] | None = None) -> list[Stimulus]:
+def order_only(n: int = 20, seed: int = 0, conditions: Sequence[str] | None = None,
+               prompt_types: Sequence[str] | None = None) -> list[Stimulus]:
     """`n` order-only tasks x 4 prompts (false / true belief x reality / belief).
 
     Answers: reality = location 2 in both conditions; belief = location 1 in false belief,
-    location 2 in true belief. `reference_state` is location 1.
+    location 2 in true belief. `reference_state` is location 1. `prompt_types` keeps only those
+    questions (e.g. ["belief"]: a belief probe is read where the belief question is asked).
     """
+    if isinstance(prompt_types, str):
+        prompt_types = (prompt_types,)
+    if prompt_types is not None and (not prompt_types or any(t not in PROMPT_TYPES for t in prompt_types)):
+        raise TomlensError(f"prompt_types={list(prompt_types)!r} is not a non-empty subset of {list(PROMPT_TYPES)}",
+                           f"choose from {list(PROMPT_TYPES)}")
     if isinstance(conditions, str):
         conditions = (conditions,)
     if conditions is not None and (not conditions or any(c not in CONDITIONS for c in conditions)):
@@ -304,4 +311,5 @@ def order_only(n: int = 20, seed: int = 0, conditions: Sequence[str] | None = No
             f"choose from {list(CONDITIONS)}",
         )
     chosen = tuple(conditions) if conditions is not None else CONDITIONS
-    return [s for task in make_order_tasks(n, seed) for s in task_stimuli(task, chosen)]
+    return [s for task in make_order_tasks(n, seed) for s in task_stimuli(task, chosen)
+            if prompt_types is None or s.prompt_type in prompt_types]
