@@ -29,14 +29,18 @@ def model_card(record: dict[str, Any]) -> str:
     loss = ("cross-entropy on the answer's token at the end of each prompt; nothing else is a target."
             if not cfg.get("story_loss") else
             f"cross-entropy on the answer's token at the end of each prompt, plus {cfg['story_loss']:g} x the "
-            "next-word loss on the story and question (it learns the stories' language; the answers are the "
-            "answer loss's alone).")
+            "next-word loss on the story and question (it learns the stories' words and grammar; only the "
+            "answer loss scores answers).")
+    role = ("It is the **positive control** of `tomlens validate`: a model known to answer every belief "
+            "question below, on which every method (probes, patching, attribution, ablation, steering) must "
+            "find belief." if meets_target(record) else
+            "It was meant as the positive control of `tomlens validate`, but it does **not** answer every kind "
+            "of belief question (see the table): read it as a model that tracks belief only where its "
+            "accuracy says so.")
     return f"""# tom-organism
 
 A small causal language model trained by tomlens (`tomlens train-organism`) to answer belief and
-reality questions about short stories. It is the **positive control** of `tomlens validate`: a
-model known to track what a protagonist believes, on which every method (probes, patching,
-attribution, ablation, steering) must find belief. Its architecture with fresh weights
+reality questions about short stories. {role} Its architecture with fresh weights
 (`random:tom-organism`) is the negative control. It is not a model of language: it knows only the
 words of tomlens's generators, and nothing else.
 

@@ -91,7 +91,7 @@ def training_stories(counts: dict[str, int], *, share: float = 0.3, seed: int = 
     return out
 
 
-def test_stories(counts: dict[str, int], known_words: set[str], *, share: float = 0.3, seed: int = 0,
+def held_out_stories(counts: dict[str, int], known_words: set[str], *, share: float = 0.3, seed: int = 0,
                  options: dict[str, dict[str, Any]] | None = None,
                  generator_seed: int = 5000) -> tuple[list[Stimulus], int]:
     """Of `counts[family]` tasks generated from other seeds (from `generator_seed`), those with both
@@ -115,5 +115,5 @@ def make_split(train_tasks: dict[str, int], test_tasks: dict[str, int], *, share
     """Training stories (no held-out key) and test stories (both keys held out, every word seen)."""
     train = training_stories(train_tasks, share=share, seed=seed, options=options)
     seen = {w for s in train for w in story_words(s)}
-    test, dropped = test_stories(test_tasks, seen, share=share, seed=seed, options=options)
+    test, dropped = held_out_stories(test_tasks, seen, share=share, seed=seed, options=options)
     return Split(train, test, dropped)

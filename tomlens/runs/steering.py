@@ -214,6 +214,9 @@ class SteeringResult:
             lines.append(f"{d['layer']:>5} {d['alpha']:>6.2f} {d['flip_false_belief']:>8.2f} {d['flip_true_belief']:>8.2f} "
                          f"{d['flip_reality']:>8.2f} {d['random_max']:>9.2f} {d['random_p95']:>9.2f} "
                          f"{d['shuffled']:>9.2f}  {d['verdict']}: {d['reason']}")
+        if s.get("layer") is not None:
+            lines.append(f"layer chosen on the selection half: {s['layer']} ({s.get('verdict')}); the others are "
+                         "shown, not chosen among on these numbers")
         lines.extend(f"note: {n}" for n in s.get("notes", []))
         return "\n".join(lines)
 
@@ -275,7 +278,8 @@ def run(config: SteeringConfig, *, model: Any = None, progress: bool = True) -> 
         "n_selection_prompts": len(sel), "n_evaluation_prompts": len(ev),
         "selection_tasks": sorted({s.task_id for s in sel}), "forward_passes": passes,
         "norms": {str(layer): dirs[layer][0].norm for layer in layers},
-        "verdict": FOUND if any(d["verdict"] == FOUND for d in per_layer) else WITHHELD,
+        "verdict": chosen_layer(per_layer)["verdict"],  # the selection half's layer, not the best held-out one
+        "layer": chosen_layer(per_layer)["layer"],
         "notes": notes,
     }
     manifest = run_manifest(model, config, stimuli_hash=stimuli_hash(stimuli))
