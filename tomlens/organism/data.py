@@ -60,6 +60,7 @@ class Split:
     train: list[Stimulus]
     test: list[Stimulus]
     dropped_unseen_words: int  # test tasks with a word training never had
+    words: list[str]  # every word of the training prompts and options, sorted: the vocabulary
 
     def summary(self) -> dict[str, Any]:
         def counts(rows: Sequence[Stimulus]) -> dict[str, int]:
@@ -116,4 +117,4 @@ def make_split(train_tasks: dict[str, int], test_tasks: dict[str, int], *, share
     train = training_stories(train_tasks, share=share, seed=seed, options=options)
     seen = {w for s in train for w in story_words(s)}
     test, dropped = held_out_stories(test_tasks, seen, share=share, seed=seed, options=options)
-    return Split(train, test, dropped)
+    return Split(train, test, dropped, sorted(seen))

@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 
 from tomlens.errors import TomlensError
 from tomlens.organism.data import FAMILIES, Split, make_split
-from tomlens.organism.vocab import build_tokenizer, vocabulary
+from tomlens.organism.vocab import build_tokenizer
 from tomlens.stimuli.records import Stimulus
 
 ACCURACY_TARGET = 0.97  # held-out accuracy the shipped organism must reach in every condition
@@ -167,7 +167,7 @@ def _train(cfg: OrganismConfig, *, progress: bool, log_every: int) -> tuple[Any,
     split = make_split(cfg.train_tasks, cfg.test_tasks, share=cfg.held_out_share, seed=cfg.seed, options=options)
     if not split.test:
         raise TomlensError("the held-out split has no test tasks", "raise test_tasks or held_out_share")
-    tokenizer = build_tokenizer(vocabulary([s.text for s in split.train] + [o for s in split.train for o in s.options]))
+    tokenizer = build_tokenizer(split.words)
     train_enc, test_enc = encode(tokenizer, split.train), encode(tokenizer, split.test)
     torch.manual_seed(cfg.seed)
     model = LlamaForCausalLM(llama_config(cfg, len(tokenizer)))

@@ -272,14 +272,15 @@ def run(config: SteeringConfig, *, model: Any = None, progress: bool = True) -> 
                      "stimuli; if those include this run's evaluation stories, selection is not kept apart")
     if len({s.task_id for s in ev}) < 8:
         notes.append(f"the evaluation half holds {len({s.task_id for s in ev})} tasks: flip rates move in large steps")
+    chosen = chosen_layer(per_layer)
     summary = {
         "layers": per_layer, "mode": config.mode, "positions": config.positions, "method": config.method,
         "target": config.target, "alphas": list(config.alphas), "n_random": config.n_random,
         "n_selection_prompts": len(sel), "n_evaluation_prompts": len(ev),
         "selection_tasks": sorted({s.task_id for s in sel}), "forward_passes": passes,
         "norms": {str(layer): dirs[layer][0].norm for layer in layers},
-        "verdict": chosen_layer(per_layer)["verdict"],  # the selection half's layer, not the best held-out one
-        "layer": chosen_layer(per_layer)["layer"],
+        "verdict": chosen["verdict"],  # the selection half's layer, not the best held-out one
+        "layer": chosen["layer"],
         "notes": notes,
     }
     manifest = run_manifest(model, config, stimuli_hash=stimuli_hash(stimuli))
