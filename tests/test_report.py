@@ -90,7 +90,8 @@ def test_steering_section_shows_withheld_layers_as_withheld(tmp_path):
     assert text.count("<td>withheld</td>") == 2 and "<td>found</td>" not in text
     assert "No layer passed: every layer is withheld" in text and "was found at" not in text
     text = _steering_and_validation(tmp_path, [_layer(0, "withheld", 0.3), _layer(1, "found", 0.9)], [False] * 5)
-    assert "A belief direction that steers was found at layer 1." in text and text.count("<td>withheld</td>") == 1
+    assert "The layer chosen on the selection half is layer 1 (0-based) of ?, at alpha 2: found held out" in text
+    assert "was found at" not in text and text.count("<td>withheld</td>") == 1
 
 
 def test_validation_section_counts_the_checks_that_pass(tmp_path):

@@ -29,6 +29,10 @@ META_COLUMNS: tuple[str, ...] = (
     "k", "test_case", "target_type", "anim_denotation", "object_target", "location_target",
     "prefix_index", "n_sentences", "story_family", "world_state_t", "belief_t", "order",
     "knowledge_state", "first_mention", "recent_mention", "knowledge_cue",
+    "level", "mental", "story_format", "question_format", "speaker_aware", "experiment", "timing", "access",
+    "said",  # EPITOME's recursive mindreading, indirect request and scalar implicature
+    "stmt_type", "order_or_level", "prompt_style", "options_order", "last_1_true", "last_2_true",  # MoToMQA (Street et al.)
+    "question",  # Kosoy et al.'s battery: "test" or "control" (the gate)
 )
 
 
@@ -186,4 +190,20 @@ def score(
             if key in s.meta:
                 row[key] = s.meta[key]
         rows.append(row)
-    return pd.DataFrame(rows)
+    return _one_type_per_column(pd.DataFrame(rows))
+
+
+def _one_type_per_column(df: pd.DataFrame) -> pd.DataFrame:
+    """A meta label that two families give different types (order-only's event `order` is a list,
+    a statement's `order` a number) becomes text in every row, so the table stays one Parquet type
+    per column; a column of one type is left as it is."""
+    for key in META_COLUMNS:
+        if key not in df:
+            continue
+        present = df[key].dropna()
+        kinds = {"list" if isinstance(v, (list, tuple)) else "number" if isinstance(v, (int, float)) and
+                 not isinstance(v, bool) else type(v).__name__ for v in present}
+        if len(kinds) > 1:
+            df[key] = [None if v is None or (isinstance(v, float) and math.isnan(v)) else
+                       " ".join(map(str, v)) if isinstance(v, (list, tuple)) else str(v) for v in df[key]]
+    return df

@@ -48,8 +48,10 @@ def demo_config(args: argparse.Namespace) -> Any:
         data["model"]["prepend_bos"] = args.prepend_bos
     for spec in data["behaviour"]["stimuli"]:
         spec["seed"] = seed
-        spec["n"] = {"goal-encoding": max(2, args.n // 2),
-                     "false-belief-factorial": max(2, args.n // 4)}.get(spec["family"], args.n)
+        spec["n"] = {"goal-encoding": max(2, args.n // 2), "indirect-request": max(2, args.n // 2),
+                     "false-belief-factorial": max(2, args.n // 4),
+                     **dict.fromkeys(("motomqa", "recursive-mindreading", "scalar-implicature", "kosoy"),
+                                     max(1, args.n // 8))}.get(spec["family"], args.n)
     data["probes"]["stimuli"] = {**data["probes"]["stimuli"], "n": args.probe_tasks, "seed": seed + 1}
     data["probes"]["store"] = str(Path(args.out) / "activations")  # the demo's activations stay in its folder
     if args.pairs < 1:

@@ -65,6 +65,16 @@ def run(args: argparse.Namespace) -> int:
     config = ExperimentConfig.load(args.file, args.overrides)
     out = Path(args.out) if args.out else Path("runs") / config.name
     print(f"experiment {config.name!r}: {', '.join(config.stages)} on {', '.join(m.name for m in config.models)} -> {out}/")
-    run_file(config, out, progress=not args.no_progress)
+    result = run_file(config, out, progress=not args.no_progress)
     print(f"\ndone in {time.time() - t0:.0f} s; results under {out}/")
+    return validation_exit_code(result)
+
+
+def validation_exit_code(result: Any) -> int:
+    """1 when a [validate] stage ran and one of its checks failed (as `tomlens validate` exits), else 0."""
+    failed = [run.model.name for run in result.runs
+              if run.results.get("validate") is not None and not run.results["validate"].passed]
+    if failed:
+        print(f"validation FAILED for {', '.join(failed)}: see the validate section of the report", flush=True)
+        return 1
     return 0

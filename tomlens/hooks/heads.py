@@ -4,7 +4,10 @@
 `z_h @ W_O[h]`. Slicing the projected attention output would mix heads, because the output
 projection sums over them. `TransformerBridge` reports `z` per query head even under grouped-query
 attention, and `W_O` as `[n_heads, d_head, d_model]`, so GQA needs no special case here.
-The heads' contributions plus the output bias `b_O` add up to `attn_out`.
+The heads' contributions plus the output bias `b_O` add up to `attn_out`. Gemma 2/3 normalise
+the attention output before adding it to the residual stream (`ln1_post`, a "sandwich" norm):
+there the heads add up to the projection output (`blocks.L.attn.hook_out`), and `attn_out` is
+that sum normalised, so `head_out` is each head's share before the norm, not after it.
 """
 
 from __future__ import annotations

@@ -19,8 +19,10 @@ from tomlens.errors import TomlensError
 KINDS: dict[str, str] = {
     "resid_pre": "residual stream entering the block",
     "z": "each query head's attention-weighted values, d_head (GQA: per query head)",
-    "head_out": "each head's own write to the residual stream, z_h @ W_O[h] (d_model, no bias)",
-    "attn_out": "attention output (sum of head_out plus the output bias b_O)",
+    "head_out": "each head's own write to the residual stream, z_h @ W_O[h] (d_model, no bias; "
+                "Gemma 2/3: its share before the post-attention norm)",
+    "attn_out": "attention output as added to the residual stream (sum of head_out plus b_O; "
+                "Gemma 2/3 then apply their post-attention norm)",
     "resid_mid": "residual stream between attention and MLP (sequential blocks only)",
     "mlp_out": "MLP output",
     "resid_post": "residual stream leaving the block",

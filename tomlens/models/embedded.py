@@ -2,7 +2,9 @@
 
 transformers de-quantizes GGUF on every load (~30 s); converting once into a local safetensors
 folder (model + tokenizer) makes every later load take seconds. The package is located without
-importing it: its `__init__` imports `llm`, which tomlens does not install.
+importing it: its `__init__` imports `llm`, which tomlens does not install. The marker records the
+transformers version that converted the folder, for provenance only: a folder converted under
+another version is still used (no reconversion after every upgrade).
 """
 
 from __future__ import annotations
@@ -64,7 +66,10 @@ def _is_current(folder: Path, source: Path) -> bool:
 
 
 def _write_marker(folder: Path, source: Path, what: str) -> None:
-    record = {**_source_record(source), "gguf_sha256": file_sha256(source), "contents": what}
+    from importlib.metadata import version
+
+    record = {**_source_record(source), "gguf_sha256": file_sha256(source), "contents": what,
+              "transformers": version("transformers")}  # recorded, never compared
     (folder / MARKER).write_text(json.dumps(record, indent=2))
 
 

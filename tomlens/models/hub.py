@@ -57,8 +57,9 @@ def load_hub_tokenizer(name: str, revision: str | None) -> Any:
         raise _hub_error(name, revision, offline, e) from e
 
 
-def load_local(name: str, dtype: Any) -> tuple[Any, Any, str]:
-    """(hf_model, tokenizer, revision) from a folder written by `save_pretrained`."""
+def load_local(name: str, dtype: Any, device_map: Any = None) -> tuple[Any, Any, str]:
+    """(hf_model, tokenizer, revision) from a folder written by `save_pretrained`; `device_map`
+    (accelerate) places its layers across devices as it loads."""
     folder = Path(name).expanduser()
     if not folder.is_dir():
         raise TomlensError(
@@ -74,7 +75,8 @@ def load_local(name: str, dtype: Any) -> tuple[Any, Any, str]:
 
     tokenizer = load_local_tokenizer(name)
     try:
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, trust_remote_code=False)
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, trust_remote_code=False,
+                                                     **_placement(device_map))
     except (OSError, ValueError) as e:
         raise TomlensError(
             f"could not load model weights from {str(folder)!r} ({type(e).__name__}: {_first_line(e)})",
@@ -92,7 +94,11 @@ def _files_digest(folder: Path) -> str:
     return sha256_hex("".join(f"{f.relative_to(folder)}:{f.stat().st_size}:{f.stat().st_mtime_ns};" for f in files), 16)
 
 
-def load_hub(name: str, dtype: Any, revision: str | None) -> tuple[Any, Any, str]:
+def _placement(device_map: Any) -> dict[str, Any]:
+    return {} if device_map is None else {"device_map": device_map}
+
+
+def load_hub(name: str, dtype: Any, revision: str | None, device_map: Any = None) -> tuple[Any, Any, str]:
     """(hf_model, tokenizer, resolved commit) for a Hugging Face id, from the local cache if offline."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -105,7 +111,8 @@ def load_hub(name: str, dtype: Any, revision: str | None) -> tuple[Any, Any, str
             name, revision=revision, trust_remote_code=False, **local_only
         )
         model = AutoModelForCausalLM.from_pretrained(
-            name, revision=revision, dtype=dtype, trust_remote_code=False, **local_only
+            name, revision=revision, dtype=dtype, trust_remote_code=False, **local_only,
+            **_placement(device_map),
         )
     except (OSError, ValueError) as e:
         raise _hub_error(name, revision, offline, e) from e

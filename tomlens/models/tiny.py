@@ -80,6 +80,28 @@ def _neox_config() -> Any:
     )
 
 
+def _gemma3_config() -> Any:
+    from transformers import Gemma3TextConfig
+
+    # Gemma 3's shape in small: one KV head for all query heads, a short sliding window (4 tokens,
+    # so it binds on every test story) on two layers and one global layer, as its 5:1 pattern does.
+    return Gemma3TextConfig(
+        vocab_size=VOCAB_SIZE,
+        num_hidden_layers=3,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=16,
+        query_pre_attn_scalar=32,  # not head_dim: a bridge that scaled by 1/sqrt(d_head) would differ
+        intermediate_size=128,
+        max_position_embeddings=512,
+        sliding_window=4,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        architectures=["Gemma3ForCausalLM"],
+        **_TINY_TOKENS,
+    )
+
+
 def _llama_shape(layers: int, width: int, heads: int, kv_heads: int, mlp: int, tied: bool) -> Callable[[], Any]:
     def build() -> Any:
         from transformers import LlamaConfig
@@ -107,6 +129,11 @@ TINY: dict[str, TinySpec] = {
     ),
     "tiny-neox": TinySpec(
         "tiny-neox", "gpt_neox", "random GPT-NeoX, 2 layers, d_model 64, 4 heads (partial rotary)", _neox_config
+    ),
+    "tiny-gemma3": TinySpec(
+        "tiny-gemma3", "gemma3",
+        "random Gemma 3, 3 layers (2 sliding-window + 1 global), d_model 64, 4 query heads / 1 KV head",
+        _gemma3_config,
     ),
     "random-llama-1b": TinySpec(
         "random-llama-1b", "llama",

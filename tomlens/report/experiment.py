@@ -13,18 +13,49 @@ from typing import Any
 
 import pandas as pd
 
+from tomlens.report.findings import HEAD_NOTE, Finding, experiment_findings, layer_words, model_names
 from tomlens.report.html import Section, write_report
 
 Figures = dict[str, Any]  # file stem -> plotly Figure
 
+# One line per kind of figure (by file stem): what each mark means, so a figure reads without the code.
+_GUIDES: list[tuple[str, str]] = [
+    (r"layers_.+", "Each solid line is a target's held-out probe accuracy per layer, with its 95% band; the "
+                   "dash-dot line is that layer's best baseline (bag of words, length, position, embeddings or the "
+                   "random-init twin), the dotted line the control task on its own labels, the grey dashed line "
+                   "chance; the star is the unit chosen on selection stories, at its held-out score."),
+    (r"heads_(exact|attribution|search)_.+", "Each cell is one head (layer down, head across): its patching "
+                                             "effect on the false- minus true-belief gap, 0 = the corrupted "
+                                             "(true-belief) run, 1 = the clean (false-belief) run; white is the "
+                                             "unpatched run, red cells move toward the clean run, blue away."),
+    (r"attribution_vs_exact_.+", "Each point is one head: its exact patching effect (x) against the gradient "
+                                 "attribution estimate (y); points on the grey dashed y = x line agree."),
+    (r"topk_recovery", "The blue line is the effect of patching the top-k heads together, with its 95% band; the "
+                       "grey line and band are the mean and 95% range of layer-matched random head sets of the "
+                       "same size: the top heads matter only where blue clears the grey band."),
+    (r"steering_dose", "One panel per layer: the logit difference (start minus now) against the steering "
+                       "strength alpha, one line per condition for the belief direction; the grey band spans the "
+                       "random directions, the black dashed line is the shuffled-label direction, the green dotted "
+                       "line the alpha chosen on the selection half."),
+    (r"steering_flips", "One panel per layer: the share of answers flipped against alpha, one line per condition "
+                        "for the belief direction; the grey band spans the random directions on false-belief "
+                        "prompts, the black dashed line is the shuffled-label direction, the green dotted line the "
+                        "alpha chosen on the selection half."),
+]
+_PROBE_HEADS = ("Each cell is one head's held-out probe accuracy (layer down, head across), brighter is higher; "
+                "the star marks the head chosen on selection stories. The brightest cell is a maximum over many "
+                "heads: read the findings for the held-out verdict.")
 
-def _model_names(result: Any) -> list[str]:
-    """The models as their provenance records them (what was loaded, not what the file asked for)."""
-    names = []
-    for run in result.runs:
-        prov = run.provenance or {}
-        names.append(str(prov.get("model") or run.model.name))
-    return names
+
+def guide_for(stem: str, stage: str) -> str:
+    """The one-line reading guide of a figure by its file stem ("" where none is written: the page
+    then reads one off the figure's axes)."""
+    if stage == "probes" and stem.startswith("heads_"):
+        return _PROBE_HEADS
+    for pattern, guide in _GUIDES:
+        if guide and re.fullmatch(pattern, stem):
+            return guide
+    return ""
 
 
 def write_experiment_figures(result: Any) -> dict[tuple[int, str], Figures]:
@@ -79,7 +110,28 @@ def _behaviour_sections(res: Any) -> list[Section]:
                                 "o_b per cell with its 95% interval, and the selective-encoding criterion "
                                 "(inanimate equal to control by a TOST equivalence test).",
                                 tables=[res.object_bias] + ([res.selective] if len(res.selective) else [])))
+    batteries = getattr(res, "batteries", None) or {}
+    if batteries:
+        overview = pd.DataFrame([{"family": family, "source": BATTERY_SOURCES.get(family, ""), "rows": len(df)}
+                                 for family, df in batteries.items()])
+        sections.append(Section("Behaviour: the seed papers' batteries",
+                                "Each battery summarised the way its paper reports it: one row per reported cell, "
+                                "with intervals from resampling whole tasks and, where the paper gives one, its "
+                                "number (`paper`) for context. A paper's number comes from other models and, for "
+                                "some tasks, another scoring rule: it is a reference, not a target.",
+                                tables=[overview, *batteries.values()]))
     return sections
+
+
+# Where each battery's design comes from (the summaries' `paper` columns cite the same).
+BATTERY_SOURCES = {
+    "false-belief-factorial": "Jones, Trott & Bergen (EPITOME): false belief",
+    "recursive-mindreading": "Jones, Trott & Bergen (EPITOME): recursive mindreading",
+    "indirect-request": "Jones, Trott & Bergen (EPITOME): indirect request",
+    "scalar-implicature": "Jones, Trott & Bergen (EPITOME): scalar implicature",
+    "motomqa": "Street et al. (MoToMQA): higher-order statements",
+    "kosoy": "Kosoy et al.: the developmental battery",
+}
 
 
 def _cache_sections(res: Any) -> list[Section]:
@@ -129,7 +181,8 @@ def _probe_sections(res: Any, figures: Figures) -> list[Section]:
                     "scored on held-out stories; bands are bootstrap 95% intervals over test stories. The best "
                     "layer or head per target, training set, evaluation set and site is a maximum over many units "
                     "and is not a finding by itself; read it against its best baseline and control:",
-                    tables=[best], figures=[figures[f] for f in order])]
+                    tables=[best], figures=[figures[f] for f in order],
+                    guides=[guide_for(f, "probes") for f in order])]
 
 
 def _pairs_sections(res: Any) -> list[Section]:
@@ -145,7 +198,11 @@ def _patching_sections(res: Any, figures: Figures) -> list[Section]:
 
     summary = res.summary
     if summary.get("withheld"):  # the gate failed: no sweep ran; say why, with the raw numbers
-        return [Section("Patching: withheld by the gate", summary["withheld"],
+        why = _short(summary["withheld"])
+        # figures a reused or partial run still holds are shown flagged, never under a result's heading
+        picked = [f for f in figures if f.startswith(("heads_", "attribution_vs_exact", "topk_recovery"))]
+        return [Section(f"Patching (withheld: {why})", summary["withheld"], figures=[figures[f] for f in picked],
+                        guides=[f"WITHHELD ({why}), not a result: " + guide_for(f, "patching") for f in picked],
                         tables=[t for t in (res.tables.get("gate"), res.tables.get("base")) if t is not None])]
     baselines = summary.get("baselines", {})
     main = next(iter(baselines.values()), {})
@@ -160,16 +217,20 @@ def _patching_sections(res: Any, figures: Figures) -> list[Section]:
     text = ("Exact and attribution patching of every head from the false-belief story into its matched "
             "true-belief story (effect 0 = true-belief run, 1 = false-belief run), then the top-k heads "
             "patched together against random heads." + (f" Note: {note}." if note else ""))
+    text += f" {HEAD_NOTE}"
+    heading, flag = "Patching: heads that carry belief", ""
     if summary.get("forced"):
         text = f"{summary['forced_message']}. {text}"
+        heading, flag = "Patching (forced past its gate: not a result)", "FORCED past a failed gate, not a result: "
     if not res.sweeps:
         text += " (Reused from an earlier run: the per-head figures are the files under patching/figures/.)"
-    sections = [Section("Patching: heads that carry belief", text, tables=tables,
-                        figures=[figures[f] for f in dict.fromkeys(picked)])]
+    picked = list(dict.fromkeys(picked))
+    sections = [Section(heading, text, tables=tables, figures=[figures[f] for f in picked],
+                        guides=[flag + guide_for(f, "patching") for f in picked])]
     if ablation is not None and len(ablation):
         sections.append(Section(
             "Mean ablation of the top heads",
-            "Each of the top-k heads' outputs replaced by its mean over all stories at the final token: "
+            f"Each of the top-k heads' outputs replaced by its mean over all stories {_ablation_where(summary)}: "
             "false-belief accuracy and its drop, against the same number of random heads.",
             tables=[ablation]))
     comparisons = [c for c in summary.get("comparisons", [])
@@ -181,6 +242,19 @@ def _patching_sections(res: Any, figures: Figures) -> list[Section]:
         row[f"top-{comparisons[0]['k']} overlap"] = comparisons[0]["topk_overlap"]
     sections.append(Section("Patching summary", tables=[pd.DataFrame([row])]))
     return sections
+
+
+def _short(text: str, n: int = 80) -> str:
+    """A gate message cut to a heading's length, without its leading 'withheld: '."""
+    text = text[len("withheld: "):] if text.lower().startswith("withheld: ") else text
+    return text if len(text) <= n else text[: n - 1].rstrip() + "…"
+
+
+def _ablation_where(summary: dict[str, Any]) -> str:
+    """Where the mean ablation replaced the heads' outputs, by the run's mode."""
+    mode = (summary.get("ablation") or {}).get("mode")
+    return {"final": "at the final token", "all": "at every position (the mean at the same right-aligned "
+            "position)"}.get(mode, f"(mode {mode or 'not recorded'})")
 
 
 STEERING_COLUMNS = {"layer": "layer", "alpha": "alpha (chosen on selection)", "flip_false_belief": "FB flip",
@@ -196,14 +270,19 @@ def steering_table(summary: dict[str, Any]) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=list(STEERING_COLUMNS.values()))
 
 
-def _steering_sections(res: Any, figures: Figures) -> list[Section]:
+def _steering_sections(res: Any, figures: Figures, n_layers: int | None = None) -> list[Section]:
     s = res.summary
     layers = s.get("layers", [])
-    found = [d["layer"] for d in layers if d.get("verdict") == "found"]
-    verdict = (f"A belief direction that steers was found at layer{'s' if len(found) > 1 else ''} "
-               f"{', '.join(map(str, found))}." if found else
-               "No layer passed: every layer is withheld (reasons in the table), so nothing here shows a "
-               "direction that steers belief.")
+    from tomlens.runs.steering import chosen_layer
+
+    d = next((x for x in layers if x.get("layer") == s.get("layer")), None) or (chosen_layer(layers) if layers else None)
+    verdict = "No layer was run." if d is None else (
+        f"The layer chosen on the selection half is {layer_words(d['layer'], n_layers)}, at alpha {d['alpha']:g}: "
+        f"{d.get('verdict')} held out ({d.get('reason', '')}); the verdict of the findings above also needs the "
+        "reality answers left alone. The other rows are per-layer held-out verdicts, not chosen: no claim.")
+    if layers and not any(x.get("verdict") == "found" for x in layers):
+        verdict = ("No layer passed: every layer is withheld (reasons in the table), so nothing here shows a "
+                   f"direction that steers belief. {verdict}")
     text = (f"Directions fitted on the selection half ({s.get('n_selection_prompts')} prompts, {s.get('method')}, "
             f"{s.get('mode')} at the {s.get('positions')} position); each layer's alpha was chosen there, and the "
             f"flip rates are on the held-out evaluation half ({s.get('n_evaluation_prompts')} prompts) against "
@@ -215,7 +294,7 @@ def _steering_sections(res: Any, figures: Figures) -> list[Section]:
         text += " Notes: " + "; ".join(notes) + "."
     order = [f for f in ("steering_dose", "steering_flips") if f in figures]
     return [Section("Steering along the belief direction", text, tables=[steering_table(s)],
-                    figures=[figures[f] for f in order])]
+                    figures=[figures[f] for f in order], guides=[guide_for(f, "steering") for f in order])]
 
 
 def validation_table(table: pd.DataFrame) -> pd.DataFrame:
@@ -249,11 +328,12 @@ def _validation_sections(res: Any) -> list[Section]:
 def write_experiment_report(result: Any, out: str | Path,
                             figures: dict[tuple[int, str], Figures] | None = None) -> Path:
     """`<out>/report.html` over the stages that ran (`result`: a `tomlens.runs.experiment.
-    ExperimentResult`); `figures` from `write_experiment_figures` (built here when not given)."""
+    ExperimentResult`); `figures` from `write_experiment_figures` (built here when not given). The
+    page opens with `experiment_findings(result)`, then the figures, the tables and provenance."""
     if figures is None:
         figures = write_experiment_figures(result)
     config = result.config
-    names = _model_names(result)
+    names = model_names(result)
     several = len(result.runs) > 1
     overview = pd.DataFrame([{"model": name, "stage": stage, "folder": str(run.folders[stage]),
                               "reused": run.reused.get(stage, False)}
@@ -273,7 +353,8 @@ def write_experiment_report(result: Any, out: str | Path,
         if "patching" in r:
             stage_sections += _patching_sections(r["patching"], figures.get((i, "patching"), {}))
         if "steering" in r:
-            stage_sections += _steering_sections(r["steering"], figures.get((i, "steering"), {}))
+            stage_sections += _steering_sections(r["steering"], figures.get((i, "steering"), {}),
+                                                 (run.provenance or {}).get("n_layers"))
         if "validate" in r:
             stage_sections += _validation_sections(r["validate"])
         if several:
@@ -283,4 +364,10 @@ def write_experiment_report(result: Any, out: str | Path,
     provenance = {"experiment": config.name, "models": [run.provenance for run in result.runs],
                   "argv": result.manifest.get("argv")}
     title = f"tomlens {config.name}: {', '.join(names)}"
-    return write_report(Path(out) / "report.html", title, sections, provenance)
+    findings = experiment_findings(result)
+    if not findings:
+        stages = ", ".join(dict.fromkeys(s for run in result.runs for s in run.results))
+        findings = [Finding("a finding: no stage of this run makes a claim", "not run",
+                            f"the stages that ran ({stages}) hold data, not claims: add behaviour, probes, "
+                            "patching, steering or validate")]
+    return write_report(Path(out) / "report.html", title, sections, provenance, findings=findings)

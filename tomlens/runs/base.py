@@ -42,12 +42,15 @@ class ModelSpec:
     device: str | None = None
     prepend_bos: bool | None = None  # None: the tokenizer's own rule
     seed: int = 0  # weights of random-init models ("tiny-*", "random:*")
+    # accelerate placement ("auto", ...) for a hub or folder model; not with device. A string here:
+    # a dict module -> device only through load_model.
+    device_map: str | None = None
 
     def load(self) -> Any:
         from tomlens.models import load_model
 
         return load_model(self.name, revision=self.revision, device=self.device, dtype=self.dtype,
-                          seed=self.seed, prepend_bos=self.prepend_bos)
+                          seed=self.seed, prepend_bos=self.prepend_bos, device_map=self.device_map)
 
     def load_tokenizer(self) -> Any:
         from tomlens.models import load_tokenizer
@@ -237,11 +240,15 @@ def config_to_dict(config: Any) -> dict[str, Any]:
     return plain_values(config)
 
 
+UNSET_NOT_HASHED = frozenset({"device_map"})  # fields that enter a config's hash only when not None
+
+
 def config_hash(config: Any, *, ignore: frozenset[str] = PRESENTATION_FIELDS) -> str:
     """Content hash of the settings that change a run's numbers (16 hex digits)."""
     def strip(v: Any) -> Any:
-        if isinstance(v, dict):
-            return {k: strip(x) for k, x in v.items() if k not in ignore}
+        if isinstance(v, dict):  # a field added later hashes only when set, so earlier runs stay reused
+            return {k: strip(x) for k, x in v.items()
+                    if k not in ignore and not (k in UNSET_NOT_HASHED and x is None)}
         if isinstance(v, list):
             return [strip(x) for x in v]
         return v

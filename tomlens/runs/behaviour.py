@@ -13,6 +13,7 @@ from typing import Any
 import pandas as pd
 
 from tomlens.behaviour import aggregates
+from tomlens.behaviour.batteries import battery_summaries, enrich_table
 from tomlens.behaviour.scoring import score
 from tomlens.errors import TomlensError
 from tomlens.io import read_table, write_json, write_table
@@ -79,14 +80,20 @@ class BehaviourResult:
     manifest: dict = field(default_factory=dict)
     reality_gated: pd.DataFrame = field(default_factory=pd.DataFrame)  # belief accuracy on reality-right stories
     knowledge_state: pd.DataFrame = field(default_factory=pd.DataFrame)  # paired FB - TB log-odds effect
+    batteries: dict[str, pd.DataFrame] = field(default_factory=dict)  # family -> its paper's summary table
 
     def save(self, out: str | Path) -> Path:
         """prompts.parquet, accuracy.csv, the non-empty optional tables (reality_gated.csv and
-        knowledge_state_effect.csv among them), summary.json, config.json, manifest.json and, last,
-        result.json."""
+        knowledge_state_effect.csv among them), battery_<family>.csv per battery, summary.json,
+        config.json, manifest.json and, last, result.json."""
         out = begin_save(out)
         write_table(self.table, out / "prompts.parquet")
         write_table(self.accuracy, out / "accuracy.csv")
+        for stale in out.glob("battery_*.csv"):
+            if stale.stem.removeprefix("battery_") not in self.batteries:
+                stale.unlink()  # from an earlier run into the same folder
+        for family, df in self.batteries.items():
+            write_table(df, out / f"battery_{family}.csv")
         for name in _OPTIONAL:
             df, path = getattr(self, name), out / f"{_FILES.get(name, name)}.csv"
             if len(df):
@@ -100,8 +107,9 @@ class BehaviourResult:
     def load(cls, out: str | Path) -> BehaviourResult:
         out, config, manifest, summary = read_finished(out, BehaviourConfig)
         optional = {name: _read_optional(out / f"{_FILES.get(name, name)}.csv") for name in _OPTIONAL}
+        batteries = {family: _read_optional(out / f"battery_{family}.csv") for family in summary.get("batteries", [])}
         return cls(table=read_table(out / "prompts.parquet"), accuracy=_read_optional(out / "accuracy.csv"),
-                   summary=summary, config=config, manifest=manifest, **optional)
+                   summary=summary, config=config, manifest=manifest, batteries=batteries, **optional)
 
     def describe(self) -> str:
         """Accuracy with task-bootstrap intervals, Kosinski's strict table, reality-gated belief
@@ -113,6 +121,9 @@ class BehaviourResult:
                       format_selective(self.selective)):
             if block:
                 text += "\n" + block
+        for family, df in self.batteries.items():
+            shown = df.astype(object).where(df.notna(), "")  # blank, not NaN: the same text after a reload
+            text += f"\n{family} (the paper's summary):\n" + shown.to_string(index=False, max_rows=40)
         return text
 
 
@@ -218,6 +229,8 @@ def run_behaviour(model: Any, stimuli: Sequence[Stimulus], *, batch_size: int = 
         raise TomlensError("no stimuli to score", "check the stimulus file: it has no rows")
     t0 = time.time()
     table = score(model, stimuli, batch_size=batch_size, progress=progress)
+    table = enrich_table(model, stimuli, table, batch_size=batch_size, progress=progress)
+    batteries = battery_summaries(table, n_boot=n_boot, seed=seed)
     acc = aggregates.accuracy_table(table, n_boot=n_boot, seed=seed)
     gated = aggregates.reality_gated_accuracy(table, n_boot=n_boot, seed=seed)
     effect = aggregates.knowledge_state_effect(table, n_boot=n_boot, seed=seed)
@@ -243,6 +256,7 @@ def run_behaviour(model: Any, stimuli: Sequence[Stimulus], *, batch_size: int = 
         "strict_task_pass": strict.to_dict(orient="records"),
         "object_bias": ob.to_dict(orient="records"),
         "selective_encoding": sel.to_dict(orient="records"),
+        "batteries": sorted(batteries),  # battery_<family>.csv: each paper's own summary
     }
     return BehaviourResult(table, acc, strict, ob, sel, curves, summary, reality_gated=gated,
-                           knowledge_state=effect)
+                           knowledge_state=effect, batteries=batteries)

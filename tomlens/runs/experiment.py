@@ -79,6 +79,40 @@ def model_slug(spec: ModelSpec) -> str:
     return re.sub(r"[^A-Za-z0-9._@-]+", "-", "-".join(parts)).strip("-.") or "model"
 
 
+def expand_model_entry(entry: Any, where: str) -> list[tuple[Any, str]]:
+    """A model entry with `revisions = [...]` and/or `seeds = [...]` as one plain entry per value
+    (revisions x seeds), each with where it came from: a sweep over training checkpoints or weight
+    seeds is written once and runs as one model per value (`tomlens sweep`, `tomlens run`)."""
+    if not isinstance(entry, Mapping) or not ({"revisions", "seeds"} & set(entry)):
+        return [(entry, where)]
+    lists: dict[str, list[Any]] = {}
+    for plural, singular in (("revisions", "revision"), ("seeds", "seed")):
+        if plural not in entry:
+            continue
+        values = entry[plural]
+        if singular in entry:
+            raise TomlensError(f"{where} sets both `{singular}` and `{plural}`",
+                               f"keep one: `{plural} = [...]` runs one model per value")
+        if not isinstance(values, list) or not values:
+            raise TomlensError(f"{where}.{plural} = {values!r} is not a non-empty list",
+                               f"write e.g. {plural} = {['step1000', 'step2000'] if plural == 'revisions' else [0, 1]}")
+        if len(set(map(str, values))) < len(values):
+            raise TomlensError(f"{where}.{plural} lists a value twice ({values!r})", "list each value once")
+        lists[singular] = values
+    if "seed" in lists:
+        from tomlens.models.tiny import TINY
+
+        name = str(entry.get("name", ModelSpec.name))
+        if not (name.startswith("random:") or name in TINY):
+            raise TomlensError(f"{where}.seeds: {name!r} has trained weights, so every seed would give the same run",
+                               'seeds are for random-init models: use name = "random:' + name + '" or a tiny-* model')
+    base = {k: v for k, v in entry.items() if k not in ("revisions", "seeds")}
+    out = [(base, where)]
+    for key, values in lists.items():
+        out = [({**e, key: v}, f"{w}.{key}s[{i}]") for e, w in out for i, v in enumerate(values)]
+    return out
+
+
 @dataclass(frozen=True)
 class ExperimentConfig:
     """A whole experiment: which models, which stages, each stage's settings as written."""
@@ -143,7 +177,8 @@ class ExperimentConfig:
             where = [f"models[{i}]" for i in range(len(entries))]
         else:
             raise TomlensError("the experiment names no model", 'add [model] with name = "smollm2-135m" (or [[models]])')
-        models = tuple(config_from_dict(ModelSpec, m, where=w) for m, w in zip(entries, where))
+        models = tuple(config_from_dict(ModelSpec, m, where=w)
+                       for e, w0 in zip(entries, where) for m, w in expand_model_entry(e, w0))
         seed = data.get("seed", 0)
         if not isinstance(seed, int) or isinstance(seed, bool):
             raise TomlensError(f"seed = {seed!r} is not an integer", "use e.g. seed = 0")

@@ -257,9 +257,15 @@ def merge_twin(table: pd.DataFrame, twin: pd.DataFrame) -> pd.DataFrame:
 
 
 def twin_spec(config: ProbesConfig) -> ModelSpec:
-    """random:<model>, seeded as the model is (a tiny model is random already: its twin is itself)."""
+    """random:<model>, seeded as the model is (a tiny model is random already: its twin is itself).
+    A random model loads on one device (load_model refuses a device map for it): the model's map is
+    dropped, and a map onto the CPU alone keeps the twin on the CPU."""
     name = config.model.name
-    return replace(config.model, name=name if name.startswith("random:") else f"random:{name}")
+    spec = config.model
+    if spec.device_map is not None:
+        on_cpu = isinstance(spec.device_map, str) and spec.device_map.strip().lower() == "cpu"
+        spec = replace(spec, device_map=None, device="cpu" if on_cpu else spec.device)
+    return replace(spec, name=name if name.startswith("random:") else f"random:{name}")
 
 
 def run(config: ProbesConfig, *, model: Any = None, progress: bool = True) -> ProbesResult:

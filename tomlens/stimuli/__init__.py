@@ -23,6 +23,11 @@ FAMILIES: dict[str, tuple[str, str]] = {
     "belief-statements": ("tomlens.stimuli.statements", "belief_statements"),
     "order-only": ("tomlens.stimuli.order_only", "order_only"),
     "false-belief-factorial": ("tomlens.stimuli.factorial", "false_belief_factorial"),
+    "recursive-mindreading": ("tomlens.stimuli.epitome", "recursive_mindreading"),
+    "indirect-request": ("tomlens.stimuli.epitome", "indirect_request"),
+    "scalar-implicature": ("tomlens.stimuli.epitome", "scalar_implicature"),
+    "motomqa": ("tomlens.stimuli.motomqa", "motomqa"),
+    "kosoy": ("tomlens.stimuli.kosoy", "kosoy"),
 }
 
 

@@ -36,7 +36,7 @@ from tomlens.errors import TomlensError
 from tomlens.stimuli.records import Span, Stimulus
 
 PAIR_FAMILIES: tuple[str, ...] = ("unexpected-transfer", "unexpected-contents", "order-only",
-                                  "goal-encoding", "bigtom")
+                                  "goal-encoding", "bigtom", "motomqa")
 # family -> contrast name -> the span role the pair's `contrast` is narrowed to (None: keep).
 CONTRASTS: dict[str, dict[str, str | None]] = {
     "unexpected-transfer": {"present": "contrast_seen", "informed": "contrast_told",
@@ -46,6 +46,7 @@ CONTRASTS: dict[str, dict[str, str | None]] = {
     "order-only": {"true_belief": None},
     "goal-encoding": {"control": None, "inanimate": None},
     "bigtom": {"true_belief": None},
+    "motomqa": {"one_believer": None},  # true vs false ToM statement, one embedded believer swapped
 }
 # What "differs only in what the protagonist witnessed or was told" means per family.
 DEFAULT_CONTRASTS: dict[str, tuple[str, ...]] = {
@@ -54,6 +55,7 @@ DEFAULT_CONTRASTS: dict[str, tuple[str, ...]] = {
     "order-only": ("true_belief",),
     "goal-encoding": ("control",),
     "bigtom": ("true_belief",),
+    "motomqa": ("one_believer",),
 }
 
 
@@ -181,6 +183,10 @@ def make_pairs(
         candidates = _order_pairs(n, seed, options)
     elif family == "goal-encoding":
         candidates = _goal_pairs(n, seed, contrasts, options)
+    elif family == "motomqa":
+        from tomlens.stimuli.motomqa import minimal_pairs
+
+        candidates = minimal_pairs(20 if n is None else n, seed, **options)
     else:
         candidates = _bigtom_pairs(path, n, options)
     return check_pairs(candidates, tokenizer, family=family)

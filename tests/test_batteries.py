@@ -1,0 +1,48 @@
+"""The behaviour stage computes each seed paper's battery summary (with the scoring the paper needs
+beyond two options' log-probs), saves and reloads it, and the report shows it."""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from tomlens.behaviour.batteries import BATTERIES, ENRICHERS, battery_summaries
+from tomlens.runs.base import ModelSpec, StimuliSpec
+from tomlens.runs.behaviour import BehaviourConfig, BehaviourResult, run
+
+
+def test_every_battery_family_is_a_generator_with_a_summary():
+    from tomlens.stimuli import FAMILIES
+
+    assert {"kosoy", "motomqa", "recursive-mindreading", "indirect-request", "scalar-implicature",
+            "false-belief-factorial"} <= set(BATTERIES)
+    assert set(BATTERIES) <= set(FAMILIES)
+    assert set(ENRICHERS) <= set(BATTERIES)
+    assert battery_summaries(pd.DataFrame({"x": [1]})) == {}
+
+
+def test_behaviour_stage_scores_saves_and_reports_the_batteries(tmp_path):
+    from tomlens.report.experiment import _behaviour_sections
+
+    stimuli = (StimuliSpec(family="scalar-implicature", n=1), StimuliSpec(family="kosoy", n=1),
+               StimuliSpec(family="indirect-request", n=2),
+               StimuliSpec(family="motomqa", n=1, options={"conditions": ["simplified/true-first", "simplified/false-first"]}))
+    config = BehaviourConfig(model=ModelSpec(name="tiny-llama"), stimuli=stimuli, n_boot=50)
+    result = run(config, progress=False)
+    assert set(result.batteries) == {"scalar-implicature", "kosoy", "indirect-request", "motomqa"}
+    mq = result.table[result.table["family"] == "motomqa"]
+    assert mq["p_true_pooled"].between(0, 1).all()  # pooled over True/true/TRUE vs False/false/FALSE
+    assert (result.batteries["motomqa"]["scoring"].astype(str).str.contains("pool")).all()
+    assert all(len(df) for df in result.batteries.values())
+    # scalar implicature needs the bets over "0".."3", which only the enricher computes
+    si = result.table[result.table["family"] == "scalar-implicature"]
+    assert si[["p_0", "p_1", "p_2", "p_3"]].notna().all().all()
+    assert abs(si[["p_0", "p_1", "p_2", "p_3"]].sum(axis=1) - 1).max() < 1e-6
+    result.save(tmp_path / "b")
+    back = BehaviourResult.load(tmp_path / "b")
+    assert set(back.batteries) == set(result.batteries)
+    for family, df in result.batteries.items():
+        assert list(back.batteries[family].columns) == list(df.columns) and len(back.batteries[family]) == len(df)
+    assert family in back.describe()
+    sections = _behaviour_sections(back)
+    battery = [s for s in sections if "batteries" in s.heading]
+    assert battery and len(battery[0].tables) == 1 + len(result.batteries)

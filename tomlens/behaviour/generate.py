@@ -1,0 +1,127 @@
+"""Free-text answers by greedy decoding on the hooked model, for tasks scored by a human rubric
+(EPITOME's Short Story and Strange Stories).
+
+Why greedy and one prompt at a time: the papers ran GPT-3 at temperature 0, and a human codes each
+answer, so the answer must be reproducible: the same model, prompt and settings give the same text.
+Decoding re-runs the whole sequence each step (no cache: the hooked model's forward is the one the
+rest of tomlens uses, so hooks and patches apply unchanged); answers are short, so this is cheap.
+No hub model and no judge model is involved.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any, Sequence
+
+import pandas as pd
+import torch
+from jaxtyping import Int
+from torch import Tensor
+from tqdm.auto import tqdm
+
+from tomlens.errors import TomlensError
+from tomlens.models.tokens import encode
+
+# Stop at the first line break: every prompt asks for a one-line answer ("Answer:").
+STOP_AT = "\n"
+
+
+def _stop_ids(tokenizer: Any) -> set[int]:
+    ids = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return ids
+
+
+def _prompt_tokens(model: Any, prompt: str) -> int:
+    """The prompt's length in tokens, or a number past any window when `encode` refuses it as too long."""
+    try:
+        return int(encode(model, [prompt]).input_ids.shape[1])
+    except TomlensError:
+        return 1 << 62
+
+
+def greedy_continuation(model: Any, prompt: str, *, max_new_tokens: int = 48,
+                        stop: str | None = STOP_AT) -> tuple[str, Int[Tensor, " new"]]:
+    """The greedy continuation of `prompt` (argmax token each step) until EOS, `stop` in the text
+    or `max_new_tokens`; returns (text, token ids). The text is decoded from the new tokens."""
+    text, toks, _ = greedy_with_reason(model, prompt, max_new_tokens=max_new_tokens, stop=stop)
+    return text, toks
+
+
+def greedy_with_reason(model: Any, prompt: str, *, max_new_tokens: int = 48,
+                       stop: str | None = STOP_AT) -> tuple[str, Int[Tensor, " new"], str]:
+    """`greedy_continuation` plus why it stopped: "eos", "stop", "max_new_tokens" or "context" (the
+    context window filled mid-answer: the answer is cut short). A prompt that already fills the
+    window is a TomlensError, never a silent empty answer."""
+    if max_new_tokens < 1:
+        raise TomlensError(f"max_new_tokens = {max_new_tokens} must be at least 1", "use e.g. 48")
+    batch = encode(model, [prompt])
+    ids = batch.input_ids
+    n_ctx = getattr(getattr(model, "cfg", None), "n_ctx", None)
+    if n_ctx is not None and ids.shape[1] >= n_ctx:
+        raise TomlensError(f"the prompt is {ids.shape[1]} tokens and fills the model's context window "
+                           f"({n_ctx}); no answer can be generated",
+                           "use a model with a longer context or a shorter prompt")
+    stops = _stop_ids(model.tokenizer)
+    new: list[int] = []
+    reason = "max_new_tokens"
+    with torch.inference_mode():
+        for _ in range(max_new_tokens):
+            if n_ctx is not None and ids.shape[1] >= n_ctx:
+                reason = "context"
+                break
+            kwargs: dict[str, Tensor] = {"attention_mask": torch.ones_like(ids)}
+            if batch.pass_position_ids:
+                kwargs["position_ids"] = torch.arange(ids.shape[1], device=ids.device)[None, :]
+            logits = model(ids, **kwargs)
+            nxt = int(logits[0, -1].float().argmax())
+            if nxt in stops:
+                reason = "eos"
+                break
+            new.append(nxt)
+            ids = torch.cat([ids, torch.tensor([[nxt]], device=ids.device, dtype=ids.dtype)], dim=1)
+            if stop is not None and stop in model.tokenizer.decode(new).lstrip():
+                reason = "stop"
+                break
+    text = model.tokenizer.decode(new)
+    if stop is not None and stop in text.lstrip():
+        head = text.lstrip()
+        text = head[: head.index(stop)]
+    return text.strip(), torch.tensor(new, dtype=torch.long), reason
+
+
+def generate_answers(model: Any, items: Sequence[Any], *, max_new_tokens: int = 48, seed: int = 0,
+                     progress: bool = True) -> pd.DataFrame:
+    """One row per free-text item (`tomlens.stimuli.epitome.FreeTextItem`): its labels, rubric,
+    the model's greedy answer, `stop_reason` and `cut_by_context` (the window filled mid-answer: a
+    coder should know the answer is cut). A prompt that fills the window raises, before any
+    decoding. `seed` seeds torch first (greedy decoding uses no randomness; the seed is recorded so
+    that a sampled variant would be reproducible too)."""
+    items = list(items)
+    if not items:
+        raise TomlensError("no free-text items to answer", "pass short_story_items() or strange_stories_items()")
+    n_ctx = getattr(getattr(model, "cfg", None), "n_ctx", None)
+    if n_ctx is not None:  # checked before any decoding, so no answer is computed and then lost
+        long = [it.id for it in items if _prompt_tokens(model, it.prompt) >= n_ctx]
+        if long:
+            raise TomlensError(f"{len(long)} prompts fill the model's context window of {n_ctx} tokens "
+                               f"(first {long[0]!r}); their answers would be empty",
+                               "use a model with a longer context, or leave those items out")
+    torch.manual_seed(int(seed))
+    print(f"generating {len(items)} answers of at most {max_new_tokens} tokens "
+          f"(one forward per token; roughly {len(items) * max_new_tokens} forwards)", file=sys.stderr)
+    rows = []
+    t0 = time.time()
+    for item in tqdm(items, desc="generating", unit="answer", disable=not progress):
+        text, toks, reason = greedy_with_reason(model, item.prompt, max_new_tokens=max_new_tokens)
+        rows.append({"id": item.id, "family": item.family, "story_id": item.story_id,
+                     "kind": item.meta.get("kind", ""), "question_type": item.question_type,
+                     "question": item.question, "answer": text, "n_new_tokens": int(toks.numel()),
+                     "stop_reason": reason, "cut_by_context": reason == "context",
+                     "rubric": item.rubric_text(), "max_score": item.max_score,
+                     "decoding": "greedy", "max_new_tokens": max_new_tokens, "seed": int(seed)})
+    out = pd.DataFrame(rows)
+    out.attrs["seconds"] = round(time.time() - t0, 2)
+    return out

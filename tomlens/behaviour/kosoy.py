@@ -1,0 +1,214 @@
+"""Kosoy et al.'s developmental battery (family `kosoy`): the gating rule and the paper's table.
+
+The rule (their scoring, as for children): a story scores only when every control question of the
+story (reality, memory) is answered right; failing a control scores 0, whatever the test answer.
+Their score is a 0-10 rubric (LRS) over free-text answers averaged over 10 runs, which a
+forced-choice battery cannot reproduce; the summary therefore reports our gated score (the share
+of stories passed, 0-1, and x10 in `score_10` for reading beside theirs) next to the paper's LRS
+in `paper`, and the chance level of the gated rule (0.5 ** (1 + controls)), which a two-option
+test passes by guessing, and which always choosing the first option (or always "yes") also scores,
+since the generator crosses the test's and controls' option orders and balances every answer word.
+
+Intervals resample items (`task_id`) and keep the cells of one task together (Ullman's four
+alterations, or gears' two conditions, are renderings of the same items), so a domain mean's
+interval reflects the items it rests on.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+import pandas as pd
+
+from tomlens.errors import TomlensError
+from tomlens.stimuli.kosoy import CELLS, COMPARISON_CELLS, DOMAINS, TASKS
+
+FAMILY = "kosoy"
+# cell -> (the paper's condition label, LaMDA's LRS 0-10), from seeds-notes.md section 5.3.
+PAPER: dict[str, tuple[str, float]] = {
+    "object-permanence": ("Object permanence: original", 8.0),
+    "addition": ("Addition/subtraction: original", 2.0),
+    "rational-action": ("Rational action: rational", 7.3),
+    "woodward": ("Woodward: standard", 3.0),
+    "sally-anne": ("Sally-Anne: original", 4.7),
+    "ullman-transparent": ("Ullman 1: transparent", 5.7),
+    "ullman-relationship-change": ("Ullman 2: relationship change", 5.5),
+    "ullman-trusted-communication": ("Ullman 3: trusted communication", 3.5),
+    "ullman-additional-actor": ("Ullman 4: additional actor", 4.0),
+    "smarties": ("False belief: Smarties/pencils", 7.3),
+    "helper-hinderer": ("Helper/hinderer: successful", 10.0),
+    "gears-a-pushes-b": ("Gears 1: A pushes B", 6.4),
+    "gears-symbiotic": ("Gears 2: A and B symbiotic", 2.6),
+    "blicket-categorisation": ("Blicket 1: categorisation", 0.8),
+    "blicket-induction": ("Blicket 2: induction", 1.3),
+    "lucas-given-conjunctive": ("Lucas 1: given hypothesis, conjunctive", 1.0),
+    "lucas-given-disjunctive": ("Lucas 2: given hypothesis, disjunctive", 1.2),
+    "lucas-open-conjunctive": ("Lucas 3: not given, conjunctive", 1.0),
+    "lucas-open-disjunctive": ("Lucas 4: not given, disjunctive", 0.0),
+}
+# Table 2's domain averages, and how many of the paper's cells each holds (the social domain also
+# holds Exp. 9, altruism, which has no forced-choice form here).
+PAPER_DOMAINS: dict[str, tuple[float, int]] = {
+    "object": (5.08, 4), "tom": (5.12, 6), "social": (8.47, 3), "causal": (1.79, 8)}
+NOTES: dict[str, str] = {
+    "woodward-nonhuman": "object bias with a non-human mover (the paper's comparison): not a right answer",
+    "social": "the paper's social domain also holds Exp. 9 (altruism: 8.8, 6.6), not built here",
+    "rational-action": "the paper's 'Rational' condition: the same jump with and without a wall between, crossed "
+                       "with the question's polarity",
+}
+COLUMNS: tuple[str, ...] = (
+    "level", "domain", "task", "condition", "paper_condition", "n_stories", "n_tasks", "n_unmatched",
+    "control_pass", "test_accuracy", "gated_accuracy", "score", "ci_low", "ci_high", "chance",
+    "score_10", "paper", "n_cells", "n_cells_paper", "note")
+REQUIRED: tuple[str, ...] = ("condition", "task_id", "story_id", "question", "correct")
+
+
+def gate(df: pd.DataFrame) -> pd.DataFrame:
+    """One row per story: was the test answered right, were all its controls, and did it pass.
+
+    Stories are keyed by `story_id` (the text before the question, which a story's test and control
+    prompts share). A story without a control cannot be gated: `n_controls` is 0 and `passed` is
+    missing (NA), so it is counted apart rather than scored.
+    """
+    d = df[df["family"] == FAMILY] if "family" in df else df
+    missing = [c for c in REQUIRED if c not in d.columns]
+    if missing:
+        raise TomlensError(f"the behaviour table lacks {missing} for the kosoy gate",
+                           "score kosoy stimuli with `tomlens behaviour` (it writes story_id and question)")
+    unknown = sorted(set(d["condition"].astype(str)) - set(CELLS))
+    if unknown:
+        raise TomlensError(f"kosoy rows with unknown conditions {unknown}", f"conditions are {list(CELLS)}")
+    bad_q = sorted(set(d["question"].astype(str)) - {"test", "control"})
+    if bad_q:
+        raise TomlensError(f"kosoy rows with question {bad_q}", "question is 'test' or 'control'")
+    rows = []
+    for sid, g in d.groupby("story_id", sort=True):
+        tests, controls = g[g["question"] == "test"], g[g["question"] == "control"]
+        if len(tests) != 1 or g["condition"].nunique() != 1 or g["task_id"].nunique() != 1:
+            raise TomlensError(f"story {sid}: {len(tests)} test rows over conditions {sorted(set(g['condition']))}",
+                               "a kosoy story has one test prompt and its controls, in one condition")
+        test_ok = bool(tests["correct"].iloc[0])
+        ctrl_ok = bool(controls["correct"].astype(bool).all()) if len(controls) else None
+        rows.append({"story_id": sid, "condition": tests["condition"].iloc[0],
+                     "task": CELLS[tests["condition"].iloc[0]], "task_id": tests["task_id"].iloc[0],
+                     "test_correct": test_ok, "n_controls": len(controls), "controls_correct": ctrl_ok,
+                     "passed": (test_ok and ctrl_ok) if ctrl_ok is not None else None})
+    return pd.DataFrame(rows, columns=["story_id", "condition", "task", "task_id", "test_correct", "n_controls",
+                                       "controls_correct", "passed"])
+
+
+def _rng(seed: int, key: str) -> np.random.Generator:
+    return np.random.default_rng([int(seed), zlib.crc32(key.encode())])
+
+
+def _cell_boots(stories: pd.DataFrame, n_boot: int, seed: int) -> dict[str, np.ndarray]:
+    """Bootstrap draws of each cell's gated score, resampling item ids once per task so that the
+    cells of one task move together."""
+    out: dict[str, np.ndarray] = {}
+    for task, g in stories.groupby("task", sort=True):
+        ids = sorted(g["task_id"].astype(str).unique())
+        if len(ids) < 2:
+            for cell in g["condition"].unique():
+                out[cell] = np.full(n_boot, np.nan)
+            continue
+        pos = {t: k for k, t in enumerate(ids)}
+        idx = _rng(seed, task).integers(0, len(ids), (n_boot, len(ids)))
+        for cell, c in g.groupby("condition"):
+            tot, cnt = np.zeros(len(ids)), np.zeros(len(ids))
+            for tid, passed in zip(c["task_id"].astype(str), c["passed"].astype(float)):
+                tot[pos[tid]] += passed
+                cnt[pos[tid]] += 1
+            with np.errstate(invalid="ignore", divide="ignore"):
+                out[cell] = tot[idx].sum(1) / cnt[idx].sum(1)
+    return out
+
+
+def _ci(boots: np.ndarray) -> tuple[float, float]:
+    b = boots[~np.isnan(boots)]
+    if len(b) < len(boots) * 0.5 or len(b) == 0:
+        return (float("nan"), float("nan"))
+    return (float(np.quantile(b, 0.025)), float(np.quantile(b, 0.975)))
+
+
+def cell_summary(df: pd.DataFrame, *, n_boot: int = 1000, seed: int = 0) -> pd.DataFrame:
+    """One row per cell present (the paper's table rows): control pass rate, ungated test accuracy,
+    test accuracy among stories whose controls passed, and the gated score with its interval."""
+    stories = gate(df)
+    gated = stories[stories["passed"].notna()]
+    boots = _cell_boots(gated, n_boot, seed)
+    rows = []
+    for cell in CELLS:
+        s = stories[stories["condition"] == cell]
+        if s.empty:
+            continue
+        g = s[s["passed"].notna()]
+        task = CELLS[cell]
+        domain = TASKS[task][0]
+        controls = int(g["n_controls"].median()) if len(g) else 0
+        ok = g[g["controls_correct"].astype(bool)] if len(g) else g
+        score = float(g["passed"].astype(float).mean()) if len(g) else float("nan")
+        lo, hi = _ci(boots[cell]) if cell in boots else (float("nan"), float("nan"))
+        label, lrs = PAPER.get(cell, ("", float("nan")))
+        rows.append({
+            "level": "cell", "domain": domain, "task": task, "condition": cell, "paper_condition": label,
+            "n_stories": len(g), "n_tasks": int(g["task_id"].nunique()), "n_unmatched": len(s) - len(g),
+            "control_pass": float(g["controls_correct"].astype(float).mean()) if len(g) else float("nan"),
+            "test_accuracy": float(g["test_correct"].astype(float).mean()) if len(g) else float("nan"),
+            "gated_accuracy": float(ok["test_correct"].astype(float).mean()) if len(ok) else float("nan"),
+            "score": score, "ci_low": lo, "ci_high": hi,
+            "chance": 0.5 ** (1 + controls) if len(g) else float("nan"), "score_10": 10 * score,
+            "paper": lrs, "n_cells": 1, "n_cells_paper": 1 if cell in PAPER else 0,
+            "note": NOTES.get(cell, "")})
+    return pd.DataFrame(rows, columns=list(COLUMNS))
+
+
+def domain_summary(df: pd.DataFrame, *, n_boot: int = 1000, seed: int = 0,
+                   cells: pd.DataFrame | None = None) -> pd.DataFrame:
+    """Per domain, the unweighted mean of its cells' gated scores (as Table 2 averages its cells),
+    then ToM beside the non-ToM domains and their difference; comparison cells are left out."""
+    cells = cell_summary(df, n_boot=n_boot, seed=seed) if cells is None else cells
+    stories = gate(df)
+    boots = _cell_boots(stories[stories["passed"].notna()], n_boot, seed)
+    scored = cells[~cells["condition"].isin(COMPARISON_CELLS) & cells["score"].notna()]
+    rows, draws = [], {}
+    groups = [(d, [d]) for d in DOMAINS] + [("non-tom", [d for d in DOMAINS if d != "tom"])]
+    for name, members in groups:
+        c = scored[scored["domain"].isin(members)]
+        if c.empty:
+            continue
+        stack = np.vstack([boots[x] for x in c["condition"]])
+        with np.errstate(invalid="ignore"):
+            draws[name] = stack.mean(0)
+        lo, hi = _ci(draws[name])
+        paper, n_paper = PAPER_DOMAINS.get(name, (float("nan"), sum(PAPER_DOMAINS[m][1] for m in members)))
+        score = float(c["score"].mean())
+        rows.append({
+            "level": "domain", "domain": name, "task": "", "condition": "", "paper_condition": "",
+            "n_stories": int(c["n_stories"].sum()),
+            "n_tasks": int(stories.loc[stories["condition"].isin(c["condition"]), "task_id"].nunique()),
+            "n_unmatched": int(c["n_unmatched"].sum()),
+            "control_pass": float(c["control_pass"].mean()), "test_accuracy": float(c["test_accuracy"].mean()),
+            "gated_accuracy": float(c["gated_accuracy"].mean()), "score": score, "ci_low": lo, "ci_high": hi,
+            "chance": float(c["chance"].mean()), "score_10": 10 * score, "paper": paper,
+            "n_cells": len(c), "n_cells_paper": n_paper, "note": NOTES.get(name, "")})
+    if "tom" in draws and "non-tom" in draws:
+        tom = next(r for r in rows if r["domain"] == "tom")
+        non = next(r for r in rows if r["domain"] == "non-tom")
+        lo, hi = _ci(draws["tom"] - draws["non-tom"])
+        diff = tom["score"] - non["score"]
+        rows.append({**{k: float("nan") for k in COLUMNS}, "level": "contrast", "domain": "tom-minus-non-tom",
+                     "task": "", "condition": "", "paper_condition": "", "score": diff, "ci_low": lo, "ci_high": hi,
+                     "score_10": 10 * diff, "n_cells": tom["n_cells"] + non["n_cells"],
+                     "n_stories": tom["n_stories"] + non["n_stories"], "n_tasks": tom["n_tasks"] + non["n_tasks"],
+                     "n_cells_paper": 0, "note": "gated score, ToM cells' mean minus the non-ToM cells' mean"})
+    return pd.DataFrame(rows, columns=list(COLUMNS))
+
+
+def summary(df: pd.DataFrame, *, n_boot: int = 1000, seed: int = 0) -> pd.DataFrame:
+    """The battery's table: one row per cell present, then per domain, ToM vs non-ToM and their
+    difference; `paper` holds LaMDA's LRS (0-10) where the paper reports one."""
+    cells = cell_summary(df, n_boot=n_boot, seed=seed)
+    if cells.empty:
+        return cells
+    return pd.concat([cells, domain_summary(df, n_boot=n_boot, seed=seed, cells=cells)], ignore_index=True)

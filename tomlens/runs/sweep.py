@@ -1,0 +1,522 @@
+"""Sweeps: one experiment over many models, training checkpoints (`revisions = [...]`) or weight
+seeds (`seeds = [...]`), run as one independent job per model entry through submitit.
+
+submitit is the engine (its `LocalExecutor` runs each job as a subprocess on this machine, its
+`SlurmExecutor` on a cluster), so there is no scheduler here: this module turns an experiment into
+one-model experiments, submits those that have not finished, and collects what they left. Each job
+runs `run_experiment` into `<out>/<model_slug>/`, the layout a multi-model `tomlens run` writes, and
+marks its folder finished with `sweep-done.json` (job hash, time, provenance) or failed with
+`sweep-failed.json` (the traceback's tail). A job's hash covers its resolved settings and the sha256
+of every input file they name, so a job whose folder holds a finished record of the same hash is
+reused, never resubmitted, and an edited stimulus file makes it run again. `<out>/sweep.json` lists
+every job (state, hash, the executor options it was submitted with), so a `--no-wait` SLURM sweep
+is collected by running the command again; the comparison is built from the folders that
+finished, naming the ones that did not.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Mapping
+
+from tomlens.errors import TomlensError
+from tomlens.io import file_sha256, read_json, write_json
+from tomlens.runs.base import ModelSpec, config_hash
+from tomlens.runs.experiment import PROBES_TABLE, ExperimentConfig, input_files, model_slug, run_experiment
+
+DONE = "sweep-done.json"  # in a job's model folder: it finished (config hash, time, provenance)
+FAILED = "sweep-failed.json"  # in a job's model folder: it failed (error, traceback tail)
+SWEEP = "sweep.json"  # in the sweep folder: every job, its state, hash, id, folder, executor and seconds
+SWEEP_VERSION = 1  # of sweep.json's layout
+LOGS = "sweep-logs"  # submitit's folder: each job's pickled call, stdout and stderr
+STATES = ("done", "reused", "failed", "missing", "submitted")
+EXECUTORS = ("local", "slurm")
+TRACEBACK_LINES = 30  # lines of a failed job's traceback kept in sweep-failed.json
+LOCAL_TIMEOUT_MIN = 24 * 60  # submitit's local default (2 minutes) would kill a real job
+
+
+@dataclass(frozen=True)
+class ExecutorOptions:
+    """Where and how the jobs run. `parallel`: jobs at once (local: default 1; SLURM: the job array's
+    `array_parallelism`, default submitit's cap of 256). The SLURM-only options (partition, memory,
+    CPUs, sbatch options) are refused for the local executor, which cannot honour them, rather than
+    ignored. `gpus_per_job = 0` locally means "no request": a job sees the GPUs this process sees."""
+
+    executor: str = "local"
+    parallel: int | None = None
+    partition: str | None = None
+    gpus_per_job: int = 0
+    time_min: int | None = None  # minutes a job may run (local: 24 h unless given)
+    mem_gb: float | None = None
+    cpus_per_job: int | None = None
+    slurm_args: Mapping[str, str | bool] = field(default_factory=dict)  # sbatch options, e.g. {"constraint": "a100"}
+
+    def __post_init__(self) -> None:
+        if self.executor not in EXECUTORS:
+            raise TomlensError(f"executor {self.executor!r} is not known", f"use one of {', '.join(EXECUTORS)}")
+        for name, value, least in (("parallel", self.parallel, 1), ("gpus_per_job", self.gpus_per_job, 0),
+                                   ("time_min", self.time_min, 1), ("cpus_per_job", self.cpus_per_job, 1)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < least):
+                raise TomlensError(f"{name} = {value!r} must be a whole number of at least {least}",
+                                   f"e.g. --{name.replace('_min', '').replace('_', '-')} {max(least, 1)}")
+        if self.mem_gb is not None and not self.mem_gb > 0:
+            raise TomlensError(f"mem = {self.mem_gb!r} GB must be positive", "e.g. --mem 16")
+        if self.executor == "local":
+            given = [n for n, v in (("--slurm-partition", self.partition), ("--mem", self.mem_gb),
+                                    ("--cpus-per-job", self.cpus_per_job), ("--slurm-arg", self.slurm_args)) if v]
+            if given:
+                raise TomlensError(f"{', '.join(given)} applies to SLURM jobs, not the local executor",
+                                   "add --executor slurm, or drop those options")
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain values for `sweep.json` (each job records the options it was submitted with)."""
+        return {"executor": self.executor, "parallel": self.parallel, "partition": self.partition,
+                "gpus_per_job": self.gpus_per_job, "time_min": self.time_min, "mem_gb": self.mem_gb,
+                "cpus_per_job": self.cpus_per_job, "slurm_args": dict(self.slurm_args)}
+
+
+def parse_slurm_args(items: list[str]) -> dict[str, str | bool]:
+    """`KEY=VALUE` strings (`--slurm-arg constraint=a100`) as sbatch options (keys without `--`); a
+    bare `KEY` is a flag (`--slurm-arg exclusive` -> `#SBATCH --exclusive`)."""
+    out: dict[str, str | bool] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        key = key.strip().lstrip("-")
+        if not key or (sep and not value):
+            raise TomlensError(f"--slurm-arg {item!r} is neither KEY=VALUE nor a bare KEY",
+                               "write e.g. --slurm-arg constraint=a100 or --slurm-arg exclusive")
+        out[key] = value if sep else True
+    return out
+
+
+def slurm_parameters(options: ExecutorOptions, name: str) -> dict[str, Any]:
+    """The `SlurmExecutor.update_parameters` keywords for `options`: one task on one node per job."""
+    params: dict[str, Any] = {"job_name": name, "nodes": 1, "ntasks_per_node": 1, "stderr_to_stdout": True,
+                              "time": options.time_min or 60}
+    if options.gpus_per_job > 0:  # `--gpus-per-node=0` is refused by some clusters' job-submit plugins
+        params["gpus_per_node"] = options.gpus_per_job
+    if options.partition:
+        params["partition"] = options.partition
+    if options.mem_gb is not None:  # whole megabytes: sbatch reads no fractions ("1.5GB" is refused)
+        params["mem"] = f"{int(options.mem_gb * 1024)}M"
+    if options.cpus_per_job is not None:
+        params["cpus_per_task"] = options.cpus_per_job
+    if options.slurm_args:
+        params["additional_parameters"] = dict(options.slurm_args)
+    if options.parallel is not None:
+        params["array_parallelism"] = options.parallel
+    return params
+
+
+def local_parameters(options: ExecutorOptions, environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The `LocalExecutor.update_parameters` keywords for `options`. GPUs asked for are taken from
+    those `environ` (this process's environment) makes visible, when it lists them by index."""
+    environ = os.environ if environ is None else environ
+    params: dict[str, Any] = {"timeout_min": options.time_min or LOCAL_TIMEOUT_MIN, "nodes": 1, "tasks_per_node": 1,
+                              "stderr_to_stdout": True}
+    if options.gpus_per_job > 0:
+        params["gpus_per_node"] = options.gpus_per_job
+        visible = [v.strip() for v in environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+        if visible and all(v.isdigit() for v in visible):
+            if len(visible) < options.gpus_per_job:
+                raise TomlensError(f"--gpus-per-job {options.gpus_per_job} but CUDA_VISIBLE_DEVICES makes "
+                                   f"{len(visible)} GPU(s) visible", "ask for fewer GPUs per job")
+            params["visible_gpus"] = tuple(int(v) for v in visible)
+    return params
+
+
+def job_environment(options: ExecutorOptions, environ: Mapping[str, str] | None = None) -> dict[str, str | None]:
+    """Variables a job must get back from this process's environment (None: unset). submitit's
+    LocalExecutor sets CUDA_VISIBLE_DEVICES to the GPUs it hands out, "" (none) when none are asked
+    for, which would hide every GPU from a job that asked for no particular number."""
+    environ = os.environ if environ is None else environ
+    if options.executor != "local" or options.gpus_per_job > 0:
+        return {}
+    return {"CUDA_VISIBLE_DEVICES": environ.get("CUDA_VISIBLE_DEVICES")}
+
+
+def in_environment(environment: Mapping[str, str | None], fn: Any, *args: Any) -> Any:
+    """Call `fn(*args)` in a job after setting `environment` (None unsets a variable): the job body
+    the executor runs, before anything in the job has initialised CUDA."""
+    for key, value in environment.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+    return fn(*args)
+
+
+def make_executor(options: ExecutorOptions, folder: Path, name: str) -> Any:
+    """A submitit executor writing its logs to `folder`."""
+    import submitit
+
+    if options.executor == "local":
+        executor = submitit.LocalExecutor(folder=folder)
+        executor.update_parameters(**local_parameters(options))
+        return executor
+    try:
+        executor = submitit.SlurmExecutor(folder=folder)
+    except RuntimeError as e:
+        raise TomlensError(f"--executor slurm: {e}", "run the sweep on a SLURM login node, or use --executor local") from None
+    executor.update_parameters(**slurm_parameters(options, name))
+    return executor
+
+
+@dataclass(frozen=True)
+class SweepJob:
+    """One model entry of a sweep: the one-model experiment it runs and where it goes."""
+
+    slug: str
+    model: ModelSpec
+    config: ExperimentConfig
+    folder: Path
+    hash: str
+
+
+@dataclass
+class JobRecord:
+    """What a sweep knows of one job (a row of `sweep.json`). `hash`: the job's settings and input
+    files; `executor`: the `ExecutorOptions.to_dict()` it was submitted with (None: never submitted
+    by a sweep that recorded them)."""
+
+    slug: str
+    state: str
+    folder: str
+    job_id: str | None = None
+    seconds: float | None = None
+    log: str | None = None
+    error: str | None = None
+    hash: str | None = None
+    executor: dict[str, Any] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(vars(self))
+
+
+@dataclass
+class SweepResult:
+    """Every job's record, and the comparison of those that finished (or why there is none)."""
+
+    out: Path
+    jobs: list[JobRecord]
+    waited: bool = True
+    comparison: Any = None  # tomlens.runs.compare.compare_runs of the finished folders
+    comparison_note: str = ""
+
+    @property
+    def finished(self) -> list[JobRecord]:
+        return [j for j in self.jobs if j.state in ("done", "reused")]
+
+    @property
+    def unfinished(self) -> list[JobRecord]:
+        return [j for j in self.jobs if j.state not in ("done", "reused")]
+
+    def describe(self) -> str:
+        rows = [("job", "state", "id", "seconds", "folder")]
+        rows += [(j.slug, j.state, j.job_id or "-", f"{j.seconds:.0f}" if j.seconds is not None else "-", j.folder)
+                 for j in self.jobs]
+        widths = [max(len(r[i]) for r in rows) for i in range(4)]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(r[:4], widths)) + "  " + r[4] for r in rows]
+        for j in self.jobs:
+            if j.state == "failed":
+                lines.append(f"failed: {j.slug}: {j.error or 'no error recorded'}; log {j.log or '(none)'}")
+            elif j.state == "missing":
+                lines.append(f"missing: {j.slug}: {j.error or 'no result'}; log {j.log or '(none)'}")
+        return "\n".join(lines)
+
+
+def job_inputs(config: ExperimentConfig) -> dict[str, str | None]:
+    """The sha256 of every file the experiment's stages name (stimulus files, a BigToM csv, a pairs
+    file, a probe table; None: missing), so that editing one makes a finished job stale. The
+    probes stage's own table (`probe_table = "probes"`) is the job's output, not an input."""
+    files: set[str] = set()
+    for stage in config.stages:
+        stage_cfg = config.stage_config(stage, config.models[0])
+        files.update(p for p in input_files(stage_cfg) if not (stage == "patching" and p == PROBES_TABLE))
+    return {p: file_sha256(p) if Path(p).is_file() else None for p in sorted(files)}
+
+
+def plan_jobs(config: ExperimentConfig, out: str | Path) -> list[SweepJob]:
+    """One job per model entry (revisions and seeds already expanded): its one-model experiment,
+    folder `<out>/<slug>/` and the hash (settings and input files) a finished record must match to
+    be reused."""
+    out = Path(out)
+    jobs = []
+    for spec in config.models:
+        one = ExperimentConfig(name=config.name, models=(spec,), seed=config.seed,
+                               description=config.description, stages=config.stages)
+        slug = model_slug(spec)
+        hash_ = config_hash({"experiment": one.to_dict(), "inputs": job_inputs(one)})
+        jobs.append(SweepJob(slug, spec, one, out / slug, hash_))
+    return jobs
+
+
+def finished_record(folder: Path, hash_: str) -> dict[str, Any] | None:
+    """The folder's `sweep-done.json` if it records a finished run of config `hash_`."""
+    path = folder / DONE
+    if not path.is_file():
+        return None
+    try:
+        record = read_json(path)
+    except ValueError:
+        return None
+    return record if isinstance(record, dict) and record.get("config_hash") == hash_ else None
+
+
+def run_job(config: dict[str, Any], folder: str, hash_: str) -> dict[str, Any]:
+    """The body of one job, in the job's own process: run the one-model experiment into `folder`,
+    then write `sweep-done.json`; on any error write `sweep-failed.json` and raise, so submitit
+    marks the job failed too."""
+    from tomlens.provenance import versions
+
+    t0 = time.time()
+    out = Path(folder)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / DONE).unlink(missing_ok=True)
+    (out / FAILED).unlink(missing_ok=True)
+    job_id = _job_id()
+    try:
+        result = run_experiment(ExperimentConfig.from_dict(config), out, progress=False)
+    except BaseException as e:
+        write_json({"config_hash": hash_, "error": f"{type(e).__name__}: {e}", "job_id": job_id,
+                    "traceback": traceback.format_exc().splitlines()[-TRACEBACK_LINES:],
+                    "failed": _now(), "seconds": round(time.time() - t0, 2)}, out / FAILED)
+        raise
+    record = {"config_hash": hash_, "finished": _now(), "seconds": round(time.time() - t0, 2), "job_id": job_id,
+              "provenance": {"model": result.manifest["models"][0]["model"], "versions": versions(),
+                             "host": os.uname().nodename, "reused": result.runs[0].reused,
+                             "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}}
+    write_json(record, out / DONE)
+    return record
+
+
+def _job_id() -> str | None:
+    try:
+        import submitit
+
+        return str(submitit.JobEnvironment().job_id)
+    except RuntimeError:  # not inside a submitit job (called directly)
+        return None
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def _failure(folder: Path) -> dict[str, Any]:
+    try:
+        return read_json(folder / FAILED) if (folder / FAILED).is_file() else {}
+    except ValueError:
+        return {}
+
+
+def _previous(out: Path) -> dict[str, dict[str, Any]]:
+    """The last `sweep.json`'s rows by slug (a `--no-wait` sweep's submitted job ids and hashes)."""
+    path = out / SWEEP
+    try:
+        data = read_json(path) if path.is_file() else {}
+    except ValueError:
+        data = {}
+    rows = data.get("jobs", []) if isinstance(data, dict) else []
+    return {r["slug"]: r for r in rows if isinstance(r, dict) and "slug" in r}
+
+
+def _submitted_with(row: Mapping[str, Any]) -> str | None:
+    """The executor a `sweep.json` row's job was submitted to ("local", "slurm"; None: unknown)."""
+    options = row.get("executor")
+    return options.get("executor") if isinstance(options, Mapping) else None
+
+
+def _slurm_job(logs: Path, job_id: str) -> Any:
+    """A handle on a SLURM job an earlier sweep submitted (whatever executor this sweep uses)."""
+    import submitit
+
+    return submitit.SlurmJob(folder=logs, job_id=job_id)
+
+
+def run_sweep(config: ExperimentConfig, out: str | Path, options: ExecutorOptions | None = None, *,
+              wait: bool = True, progress: bool = True, command: list[str] | None = None) -> SweepResult:
+    """Submit every job of `config` that has not finished into `out` and (with `wait`) collect
+    them all; write `<out>/sweep.json` and build the comparison of what finished.
+
+    Jobs an earlier `--no-wait` sweep submitted to SLURM are reattached (whatever executor this call
+    uses) when their recorded hash is the job's current one, else cancelled and submitted again; a
+    failure one of them recorded meanwhile is reported as failed, not resubmitted (the next run
+    retries it). `command`: the arguments that collect a `--no-wait` sweep, kept in `sweep.json`."""
+    import submitit  # noqa: F401 - fail here, before any folder is written, if it is missing
+    from tqdm.auto import tqdm
+
+    options = options or ExecutorOptions()
+    if not wait and options.executor == "local":
+        raise TomlensError("--no-wait needs --executor slurm: local jobs are this command's subprocesses "
+                           "and stop with it", "drop --no-wait, or submit to SLURM with --executor slurm")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    logs = out / LOGS
+    write_json(config.to_dict(), out / "config.json")
+    jobs = plan_jobs(config, out)
+    previous = _previous(out)
+    records: dict[str, JobRecord] = {}
+    running: dict[str, Any] = {}  # slug -> submitit job
+    todo: list[SweepJob] = []
+    failed_meanwhile = 0
+    for job in jobs:
+        done = finished_record(job.folder, job.hash)
+        before = previous.get(job.slug, {})
+        submitted_with = before.get("executor") if isinstance(before.get("executor"), dict) else None
+        if done is not None:
+            collected = before.get("state") == "submitted" and before.get("job_id") == done.get("job_id")
+            records[job.slug] = JobRecord(job.slug, "done" if collected else "reused", str(job.folder),
+                                          done.get("job_id"), done.get("seconds"), before.get("log"),
+                                          hash=job.hash, executor=submitted_with)
+            continue
+        if before.get("state") == "submitted" and before.get("job_id"):
+            job_id = str(before["job_id"])
+            current = before.get("hash") == job.hash
+            failure = _failure(job.folder)
+            if current and failure.get("config_hash") == job.hash:  # it failed while no sweep watched
+                records[job.slug] = JobRecord(job.slug, "failed", str(job.folder), job_id, failure.get("seconds"),
+                                              before.get("log"), failure.get("error") or "failed",
+                                              hash=job.hash, executor=submitted_with)
+                failed_meanwhile += 1
+                continue
+            if _submitted_with(before) == "slurm":
+                handle = _slurm_job(logs, job_id)
+                if current:
+                    running[job.slug] = handle
+                    records[job.slug] = JobRecord(job.slug, "submitted", str(job.folder), job_id,
+                                                  log=before.get("log") or str(handle.paths.stdout),
+                                                  hash=job.hash, executor=submitted_with)
+                    continue
+                handle.cancel(check=False)  # its settings or inputs changed: its result would be stale
+                print(f"{job.slug}: cancelled SLURM job {job_id} (its settings or input files changed since "
+                      "it was submitted); submitting it again", flush=True)
+        todo.append(job)
+    reused = [r for r in records.values() if r.state in ("reused", "done")]
+    print(f"sweep {config.name!r}: {len(jobs)} jobs, {len(reused)} finished before (not rerun), "
+          + (f"{failed_meanwhile} failed while unattended (run again to retry), " if failed_meanwhile else "")
+          + f"{len(running)} submitted earlier (reattached), {len(todo)} to submit ({options.executor} executor"
+          + (f", {options.parallel or 1} at a time)" if options.executor == "local" else ")"), flush=True)
+    took = [r.seconds for r in reused if r.seconds]
+    if todo and took:
+        each = sorted(took)[len(took) // 2]
+        print(f"about {each:.0f} s per job (the median of the finished ones)", flush=True)
+    elif todo:
+        print("no finished job to time yet: the progress bar estimates the rest after the first", flush=True)
+    by_slug = {j.slug: j for j in jobs}
+    for job in todo:  # an earlier run's markers would make a queued job look finished or failed
+        for marker in (DONE, FAILED):
+            (job.folder / marker).unlink(missing_ok=True)
+    executor = make_executor(options, logs, config.name) if todo else None
+    environment = job_environment(options)
+    started: dict[str, float] = {}
+
+    def record(job: SweepJob, submitted: Any) -> None:
+        running[job.slug] = submitted
+        started[job.slug] = time.time()
+        records[job.slug] = JobRecord(job.slug, "submitted", str(job.folder), str(submitted.job_id),
+                                      log=str(submitted.paths.stdout), hash=job.hash, executor=options.to_dict())
+
+    def call(job: SweepJob) -> tuple[Any, ...]:
+        return (in_environment, environment, run_job, job.config.to_dict(), str(job.folder), job.hash)
+
+    if options.executor == "slurm" and todo:
+        with executor.batch():  # one job array: the cluster's scheduler runs it
+            futures = [(job, executor.submit(*call(job))) for job in todo]
+        for job, submitted in futures:
+            record(job, submitted)
+        todo = []
+        print(f"submitted {len(futures)} SLURM jobs: {', '.join(str(j.job_id) for _, j in futures)}", flush=True)
+    if not wait:
+        return _finish(out, config, jobs, records, waited=False, command=command)
+    cap = options.parallel or 1
+    bar = tqdm(total=len(todo) + len(running), desc="sweep jobs", unit="job", disable=not progress)
+    queue = list(todo)
+    local_running = 0
+    while queue or running:
+        while queue and (options.executor == "slurm" or local_running < cap):
+            record(queue[0], executor.submit(*call(queue[0])))
+            queue.pop(0)
+            local_running += 1
+        finished = [slug for slug, j in running.items() if j.done()]
+        if not finished:
+            time.sleep(0.5)
+            continue
+        for slug in finished:
+            handle = running.pop(slug)
+            if slug in started:
+                local_running -= 1
+            records[slug] = _collect(by_slug[slug], handle, time.time() - started.get(slug, time.time()),
+                                     records[slug].executor)
+            bar.update(1)
+            print(f"{slug}: {records[slug].state}", flush=True)
+    bar.close()
+    return _finish(out, config, jobs, records, waited=True, command=command)
+
+
+def _collect(job: SweepJob, submitted: Any, seconds: float, executor: dict[str, Any] | None) -> JobRecord:
+    """The record of a job that has stopped: done if it left a finished record, else failed with
+    the error it recorded (or submitit's, when it died before it could write one)."""
+    log = str(submitted.paths.stdout)
+    error = None
+    try:
+        submitted.result()
+    except Exception as e:  # noqa: BLE001 - the job's own failure, recorded, not raised
+        error = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+    done = finished_record(job.folder, job.hash)
+    if done is not None and error is None:
+        return JobRecord(job.slug, "done", str(job.folder), str(submitted.job_id), done.get("seconds", seconds), log,
+                         hash=job.hash, executor=executor)
+    failure = _failure(job.folder)
+    if not failure:  # killed (timeout, memory) before the job could say why
+        failure = {"config_hash": job.hash, "error": error or "the job stopped without a result",
+                   "job_id": str(submitted.job_id), "traceback": [], "failed": _now(), "seconds": round(seconds, 2)}
+        write_json(failure, job.folder / FAILED)
+    return JobRecord(job.slug, "failed", str(job.folder), str(submitted.job_id),
+                     failure.get("seconds", seconds), log, failure.get("error") or error, job.hash, executor)
+
+
+def _finish(out: Path, config: ExperimentConfig, jobs: list[SweepJob], records: dict[str, JobRecord],
+            waited: bool, command: list[str] | None = None) -> SweepResult:
+    """Write `sweep.json` (every job, finished or not) and the top-level manifest (the finished
+    jobs' model entries, and the unfinished ones by folder and state), and compare what finished."""
+    rows = []
+    for job in jobs:
+        record = records.get(job.slug) or JobRecord(job.slug, "missing", str(job.folder), error="never submitted",
+                                                    hash=job.hash)
+        if waited and record.state == "submitted":
+            record.state = "missing"
+        rows.append(record)
+    result = SweepResult(out, rows, waited=waited)
+    manifests = [read_json(Path(r.folder) / "manifest.json")["models"][0] for r in result.finished
+                 if (Path(r.folder) / "manifest.json").is_file()]
+    unfinished = [{"slug": r.slug, "state": r.state, "folder": r.folder} for r in result.unfinished]
+    write_json({"name": config.name, "argv": list(sys.argv), "models": manifests, "unfinished": unfinished,
+                "sweep": SWEEP}, out / "manifest.json")
+    write_json({"version": SWEEP_VERSION, "name": config.name, "time": _now(), "waited": waited,
+                "collect": command, "jobs": [r.to_dict() for r in rows]}, out / SWEEP)
+    if waited:
+        result.comparison, result.comparison_note = compare_finished(result)
+    return result
+
+
+def compare_finished(result: SweepResult) -> tuple[Any, str]:
+    """`compare_runs` over the finished folders, naming the jobs that did not finish as missing;
+    (None, why) when there is nothing to compare or the comparison module is not installed."""
+    folders = [Path(j.folder) for j in result.finished]
+    missing = [j.slug for j in result.unfinished]
+    if not folders:
+        return None, "no job finished: nothing to compare"
+    try:
+        from tomlens.runs.compare import compare_runs
+    except ModuleNotFoundError as e:
+        if e.name != "tomlens.runs.compare":
+            raise
+        return None, "comparison not built: tomlens.runs.compare is not available in this install"
+    return compare_runs(folders, missing=missing), ""

@@ -1,0 +1,679 @@
+"""EPITOME's tasks after Jones, Trott & Bergen (2023), with stories written for tomlens.
+
+The false-belief factorial (EPITOME's first task) lives in `tomlens.stimuli.factorial`. Here:
+
+* `recursive-mindreading`: a story in which a hope is passed along a chain of people (each tells
+  the next what they know, including who told them), the same people are linked by a chain of
+  distinct relations (neighbour, cousin, ...), and one outsider has met none of them, is told
+  nothing and hopes no such thing. A level-k mental statement has k mental verbs ("Gus knows that
+  Fay knows that ... Dana hopes ..."), a level-k non-mental statement k relations ("Hana is the
+  coach of the cousin of ... Dana"). The two continuations differ only in the outer verb's
+  polarity (mental and non-mental alike: the foil is a negation that contradicts the story). In
+  half the items (per story x kind x level: one continuation format) the statement is about the
+  outsider and the negated option ("Iris does not know that ...", "Iris is not the coach of ...")
+  is the consistent one, so neither "not" nor length gives the answer away. Story format x
+  continuation format (narrative / script) are crossed: per story 7 levels x 2 kinds x 4 formats
+  = 56 prompts. Labels: `world_state` = `protagonist_belief` = the consistent continuation (there
+  is no belief/world contrast here; the belief-like labels are meta `level`, `mental` and
+  `consistent_negated`). The prompt's story-free tail is meta `story_free_text`, for PMI_DC.
+* `indirect-request`: a speaker says something that could be a request ("I'm so thirsty") after
+  an obstacle (a fountain switched off); the speaker is aware / unaware of it, by an explicit or an
+  implicit cue. "Is X making a request?" Yes/No; answer Yes when unaware, No when aware. Labels:
+  `world_state` = "blocked" (the request cannot be met), `protagonist_belief` = the speaker's view
+  ("blocked" when aware, "open" when unaware), `reference_state` = "open".
+* `scalar-implicature`: three things that almost always have a property; the speaker has looked at
+  a of 3 and says n have it ("Some" in E1, 1 <= n <= a in E2). The question "How many ... (0, 1, 2,
+  or 3)" is asked before the utterance (one prompt per story) and after it (one per condition).
+  The four bets "0".."3" are in meta `bets` and are scored by `tomlens.behaviour.epitome`; the two
+  options are a coarse view only: the count a rational listener bets most on, against "3" (or,
+  when that count is 3, "2" or "1", three each per story). "3" is the answer in 6 of a story's 10
+  prompts, so a model that always prefers "3" scores 0.6 on this view (no choice of foils avoids
+  it; these foils keep every fixed ranking of the counts at or below 0.6); the summary prints that
+  chance beside the view's accuracy and uses the change-in-bets criteria as the SI numbers.
+  Labels: `world_state` = "complete" (the world fixes all three), `protagonist_belief` = the
+  speaker's access ("complete" when a = 3, else "partial").
+
+Short Story and Strange Stories items (free-text answers coded by a human with a rubric) are
+`FreeTextItem`s from `short_story_items()` and `strange_stories_items()`: the stories and rubrics
+are the project's own, not the paper's (which uses Hemingway's text and Happé's items).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+from tomlens.errors import TomlensError
+from tomlens.stimuli import lexicon
+from tomlens.stimuli.false_belief import balanced_flags
+from tomlens.stimuli.records import Span, Stimulus, find_mentions
+
+RM_FAMILY = "recursive-mindreading"
+IR_FAMILY = "indirect-request"
+SI_FAMILY = "scalar-implicature"
+SHORT_STORY_FAMILY = "short-story"
+STRANGE_STORIES_FAMILY = "strange-stories"
+BLOCK = 8  # option order balanced within blocks of 8 prompts of a cell
+LEVELS: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7)
+FORMATS: tuple[str, str] = ("narrative", "script")
+
+
+def _check_n_seed(n: Any, seed: Any, family: str) -> None:
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise TomlensError(f"{family} needs n >= 1 stories, got {n!r}", "pass n=1 or more")
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise TomlensError(f"{family} needs an integer seed, got {seed!r}", "pass seed=0 (or another integer)")
+
+
+def _people(rng: random.Random, k: int) -> list[tuple[str, str, str, str]]:
+    return rng.sample(list(lexicon.NAMES), k)
+
+
+def _option_flags(family: str, seed: int, cell: str, count: int) -> list[bool]:
+    """`count` option-order flags for one cell, exactly balanced within each block of BLOCK."""
+    out: list[bool] = []
+    block = 0
+    while len(out) < count:
+        out.extend(balanced_flags(random.Random(f"{family}/options/{seed}/{cell}/{block}"), BLOCK))
+        block += 1
+    return out[:count]
+
+
+# ---- recursive mindreading ----------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class RMSetting:
+    """A story setting: what the first person hopes (as a clause), and the scene's opening."""
+
+    id: str
+    hope: str  # clause after "hopes that"
+    opening: str  # slot {P1}
+
+
+RM_SETTINGS: tuple[RMSetting, ...] = (
+    RMSetting("trip", "the school trip to the lake goes ahead",
+              "It is the week before the school trip, and {P1} cannot stop thinking about it."),
+    RMSetting("cafe", "the little cafe on the corner stays open",
+              "Rumours are going round the street that the corner cafe might close, and {P1} is worried."),
+    RMSetting("match", "the football match on Sunday is moved indoors",
+              "Rain is forecast for the weekend, and {P1} keeps checking the sky."),
+    RMSetting("choir", "the choir gets a place at the town festival",
+              "The town festival is choosing its acts, and {P1} sings in the choir."),
+    RMSetting("garden", "the old garden behind the library is kept",
+              "The council is deciding what to do with the land behind the library, and {P1} walks there every day."),
+    RMSetting("play", "the drama club puts on a comedy this year",
+              "The drama club is picking its next play, and {P1} has strong views."),
+    RMSetting("market", "the night market returns in the spring",
+              "The night market closed last autumn, and {P1} misses it."),
+    RMSetting("band", "the band plays one more concert before the summer",
+              "The local band has been quiet for months, and {P1} is their biggest fan."),
+)
+# Relations between consecutive people (the non-mental recursion): P_{i+1} is the REL of P_i.
+RELATIONS: tuple[str, ...] = ("neighbour", "cousin", "coach", "landlord", "tutor", "dentist", "boss",
+                              "flatmate", "classmate", "godparent")
+
+
+@dataclass(frozen=True)
+class RMStory:
+    index: int
+    seed: int
+    task_id: str
+    setting: RMSetting
+    people: tuple[tuple[str, str, str, str], ...]  # 8 people in the chain, then the outsider
+    relations: tuple[str, ...]  # 7 distinct relations: people[i+1] is the relations[i] of people[i]
+    # (kind, level) -> the continuation format whose consistent option is the negated one (the
+    # other format's is affirmative), so each story x kind x level is half negated, half affirmative
+    negated_format: dict[tuple[str, int], str]
+    # (kind, level, continuation format) -> the answer comes first in the narrative story's prompt
+    first_flags: dict[tuple[str, int, str], bool]
+
+
+def _rm_story(index: int, seed: int) -> RMStory:
+    rng = random.Random(f"{RM_FAMILY}/story/{seed}/{index}")
+    order = list(range(len(RM_SETTINGS)))
+    random.Random(f"{RM_FAMILY}/settings/{seed}/{index // len(RM_SETTINGS)}").shuffle(order)
+    setting = RM_SETTINGS[order[index % len(RM_SETTINGS)]]
+    people = tuple(_people(rng, 9))
+    relations = tuple(rng.sample(list(RELATIONS), 7))
+    negated = {(kind, level): rng.choice(FORMATS) for kind in ("mental", "non_mental") for level in LEVELS}
+    first = {(kind, level, q): rng.random() < 0.5 for kind in ("mental", "non_mental") for level in LEVELS
+             for q in FORMATS}
+    return RMStory(index, seed, f"rm-{seed}-{index}", setting, people, relations, negated, first)
+
+
+def _rm_story_text(story: RMStory, fmt: str) -> str:
+    p = [x[0] for x in story.people]
+    pro = [x[1] for x in story.people]
+    obj = [x[2] for x in story.people]
+    hope = story.setting.hope
+    rel = story.relations
+    # the outsider (people[8]) is in neither chain: the negated continuations are true of them
+    outsider = (f"{p[8]} has never met any of them and is away all month, so nobody tells {obj[8]} "
+                f"anything; {pro[8]} has never hoped for any such thing.")
+    if fmt == "narrative":
+        lines = [story.setting.opening.format(P1=p[0]), outsider]
+        lines += [f"{p[i + 1]} is the {rel[i]} of {p[i]}." for i in range(7)]
+        lines.append(f"{p[0]} hopes that {hope}, and {pro[0]} tells {p[1]} so.")
+        for i in range(1, 7):
+            lines.append(f"{p[i]} then tells {p[i + 1]} everything {pro[i]} knows about it, "
+                         f"including who told {obj[i]}.")
+        return " ".join(lines)
+    lines = [story.setting.opening.format(P1=p[0]), outsider]
+    for i in range(7):
+        lines.append(f'{p[i].upper()}: "{p[i + 1]}, you are my {rel[i]}."')
+    lines.append(f'{p[0].upper()} (to {p[1]}): "I hope that {hope}."')
+    for i in range(1, 7):
+        lines.append(f'{p[i].upper()} (to {p[i + 1]}): "Here is everything I know about it, '
+                     f'and who told me."')
+    return "\n".join(lines)
+
+
+def _mental_clause(story: RMStory, level: int, outsider: bool, negate: bool) -> str:
+    """"X knows that P_{level-1} knows that ... P_1 hopes that H" with `level` verbs; X = P_level
+    (told by the chain) or the outsider (told nothing, hopes no such thing); the outer verb negated
+    when `negate`."""
+    p = [x[0] for x in story.people]
+    outer = p[8] if outsider else p[level - 1]
+    if level == 1:
+        return f"{outer} {'does not hope' if negate else 'hopes'} that {story.setting.hope}"
+    clause = f"{p[0]} hopes that {story.setting.hope}"
+    for j in range(1, level - 1):
+        clause = f"{p[j]} knows that {clause}"
+    return f"{outer} {'does not know' if negate else 'knows'} that {clause}"
+
+
+def _relation_clause(story: RMStory, level: int, outsider: bool, negate: bool) -> str:
+    """"X is [not] the R_level of the ... of the R_1 of P_1" with `level` distinct relations; X =
+    P_{level+1} (the story's chain) or the outsider (who has never met any of them)."""
+    p = [x[0] for x in story.people]
+    chain = " of the ".join(reversed(story.relations[:level]))
+    outer = p[8] if outsider else p[level]
+    return f"{outer} {'is not' if negate else 'is'} the {chain} of {p[0]}"
+
+
+def _continuation(story: RMStory, kind: str, level: int, fmt: str, negated: bool, consistent: bool) -> str:
+    """The two options differ only in the outer verb's polarity (the same foil type for mental and
+    non-mental: a negation that contradicts the story). In a `negated` item the statement is about
+    the outsider and the consistent option is the negative one."""
+    negate = negated == consistent
+    make = _mental_clause if kind == "mental" else _relation_clause
+    clause = make(story, level, negated, negate)
+    if fmt == "narrative":
+        return f"Later that week, it is clear that {clause}."
+    return f'NARRATOR: "As it turns out, {clause}."'
+
+
+RM_TAIL = "\n\nWhat happens in the next scene?\n"
+
+
+def rm_story_stimuli(story: RMStory) -> list[Stimulus]:
+    """The 56 prompts of one story: 7 levels x (mental, non-mental) x story format x continuation
+    format. Within each story x kind x level, the consistent option is negated in one continuation
+    format and affirmative in the other, and comes first in one story format of each."""
+    out: list[Stimulus] = []
+    texts = {fmt: _rm_story_text(story, fmt) for fmt in FORMATS}
+    names = {f"person_{i + 1}": x[0] for i, x in enumerate(story.people[:8])}
+    for kind in ("mental", "non_mental"):
+        for qfmt in FORMATS:
+            for level in LEVELS:
+                negated = story.negated_format[(kind, level)] == qfmt
+                good = _continuation(story, kind, level, qfmt, negated, True)
+                bad = _continuation(story, kind, level, qfmt, negated, False)
+                for sfmt in FORMATS:
+                    tail = RM_TAIL + ("Scene:" if qfmt == "narrative" else "Script:")
+                    text = texts[sfmt] + tail
+                    first = story.first_flags[(kind, level, qfmt)] == (sfmt == "narrative")
+                    options = (good, bad) if first else (bad, good)
+                    story_end = len(texts[sfmt])
+                    found = find_mentions(texts[sfmt], {"protagonist": story.people[0][0],
+                                                        "other_agent": story.people[1][0]})
+                    spans = {role: ms[0] for role, ms in found.items()}
+                    spans["query"] = Span(story_end, len(text))
+                    meta = {"level": level, "mental": kind == "mental", "story_format": sfmt,
+                            "question_format": qfmt, "consistent_option": good, "consistent_negated": negated,
+                            "story_free_text": tail.strip(), "setting": story.setting.id,
+                            "foil": "the outer verb's polarity flipped",
+                            "outsider": story.people[8][0],
+                            "people": list(names.values()), "story_index": story.index, "seed": story.seed}
+                    out.append(Stimulus(
+                        id=f"{story.task_id}-{kind}-l{level}-{sfmt[0]}{qfmt[0]}", text=text, options=options,
+                        answer=good, family=RM_FAMILY, task_id=story.task_id,
+                        template_id=f"rm-{story.setting.id}", condition=kind, prompt_type="belief",
+                        world_state=good, protagonist_belief=good, reference_state=None,
+                        spans=spans, meta=meta, mentions={**found, "query": (spans["query"],)}))
+    return out
+
+
+def recursive_mindreading(n: int = 4, seed: int = 0) -> list[Stimulus]:
+    """`n` stories x 56 prompts (7 levels x mental / non-mental x story format x continuation
+    format). Settings come in seeded rounds without repeats; story i depends only on (seed, i)."""
+    _check_n_seed(n, seed, RM_FAMILY)
+    return [s for i in range(n) for s in rm_story_stimuli(_rm_story(i, seed))]
+
+
+# ---- indirect request ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class IRTemplate:
+    """A scene: where it happens, the obstacle (as an event and as a noun phrase), the utterance."""
+
+    id: str
+    scene: str  # slots {S} {H}
+    breaks: str  # "the printer runs out of ink"
+    noun: str  # "the empty printer"
+    utterance: str
+
+
+IR_TEMPLATES: tuple[IRTemplate, ...] = (
+    IRTemplate("printer", "{S} and {H} are finishing a report in the study.", "the printer runs out of ink",
+               "the empty printer", "I really need a paper copy of this."),
+    IRTemplate("window", "{S} and {H} are working in a small office on a hot afternoon.",
+               "the only window is painted shut", "the stuck window", "It's so stuffy in here."),
+    IRTemplate("lamp", "{S} and {H} are reading in the living room after dinner.",
+               "the bulb in the reading lamp burns out", "the dead bulb", "It's hard to read in this light."),
+    IRTemplate("radio", "{S} and {H} are cleaning the kitchen together on Saturday.",
+               "the batteries in the radio run flat", "the flat batteries", "It's very quiet in here."),
+    IRTemplate("fan", "{S} and {H} are sitting in the flat during a heatwave.", "the electric fan breaks",
+               "the broken fan", "I'm boiling today."),
+    IRTemplate("charger", "{S} and {H} are staying at a cabin for the weekend.",
+               "the only phone charger has been left behind", "the missing charger", "My phone is nearly dead."),
+    IRTemplate("kettle", "{S} and {H} are at home on a cold, grey morning.", "the kettle stops working",
+               "the broken kettle", "I could really do with a cup of tea."),
+    IRTemplate("shop", "{S} and {H} are making pancakes on a Sunday morning.",
+               "the corner shop is closed all day", "the closed shop", "We're out of milk."),
+    IRTemplate("umbrella", "{S} and {H} are about to walk to the station.",
+               "the only umbrella in the house is torn", "the torn umbrella", "It's pouring out there."),
+    IRTemplate("remote", "{S} and {H} are watching television on the sofa.",
+               "the remote control has stopped working", "the useless remote", "This show is so boring."),
+    IRTemplate("oven", "{S} and {H} have just come back from a long walk.", "the oven stops heating",
+               "the broken oven", "I'm absolutely starving."),
+    IRTemplate("speaker", "{S} and {H} are having friends round for the evening.",
+               "the speaker for the music breaks", "the broken speaker", "This party needs some music."),
+    IRTemplate("tap", "{S} and {H} are finishing a long run in the park.",
+               "the drinking fountain is switched off", "the dry fountain", "I'm so thirsty."),
+    IRTemplate("blind", "{S} and {H} are trying to watch a film in the sunny front room.",
+               "the blind gets stuck open", "the stuck blind", "I can hardly see the screen."),
+    IRTemplate("torch", "{S} and {H} are walking back to the tent after dark.", "the torch's battery dies",
+               "the dead torch", "I can't see where I'm going."),
+    IRTemplate("chair", "{S} and {H} are waiting for a long meeting to start.", "the spare chair has a broken leg",
+               "the broken chair", "My feet are killing me."),
+)
+IR_CELLS: tuple[tuple[bool, str], ...] = ((True, "explicit"), (True, "implicit"), (False, "explicit"),
+                                          (False, "implicit"))
+
+
+def _ir_text(t: IRTemplate, s: tuple[str, str, str, str], h: tuple[str, str, str, str], aware: bool,
+             cue: str) -> tuple[str, dict[str, str]]:
+    S, H = s[0], h[0]
+    parts = {"scene": t.scene.format(S=S, H=H)}
+    if cue == "implicit":
+        parts["cue"] = (f"{S} and {H} both notice that {t.breaks}." if aware else
+                        f"While {S} is away for a few minutes, {H} notices that {t.breaks}.")
+    else:
+        parts["cue"] = (f"{H} notices that {t.breaks}. {S} knows all about {t.noun}." if aware else
+                        f"{H} notices that {t.breaks}. {S} does not know about {t.noun}.")
+    parts["utterance"] = f'A little later, {S} turns to {H} and says, "{t.utterance}"'
+    parts["query"] = f"Question: Is {S} making a request?\nAnswer:"
+    return "\n".join([parts["scene"] + " " + parts["cue"] + " " + parts["utterance"], parts["query"]]), parts
+
+
+def indirect_request(n: int = 16, seed: int = 0) -> list[Stimulus]:
+    """`n` passages x 4 versions (speaker aware / unaware x explicit / implicit cue). Answer "Yes"
+    (a request) when the speaker does not know of the obstacle, "No" when they do."""
+    _check_n_seed(n, seed, IR_FAMILY)
+    out: list[Stimulus] = []
+    flags = {cell: _option_flags(IR_FAMILY, seed, f"{cell}", n) for cell in IR_CELLS}
+    for i in range(n):
+        order = list(range(len(IR_TEMPLATES)))
+        random.Random(f"{IR_FAMILY}/templates/{seed}/{i // len(IR_TEMPLATES)}").shuffle(order)
+        t = IR_TEMPLATES[order[i % len(IR_TEMPLATES)]]
+        s, h = _people(random.Random(f"{IR_FAMILY}/people/{seed}/{i}"), 2)
+        task_id = f"ir-{seed}-{i}"
+        for aware, cue in IR_CELLS:
+            text, parts = _ir_text(t, s, h, aware, cue)
+            spans: dict[str, Span] = {}
+            pos = 0
+            for role, key in (("scene", "scene"), ("contrast", "cue"), ("utterance", "utterance"), ("query", "query")):
+                start = text.index(parts[key], pos)
+                spans[role] = Span(start, start + len(parts[key]))
+                pos = spans[role].end
+            found = find_mentions(text[: spans["query"].start], {"protagonist": s[0], "other_agent": h[0]})
+            spans.update({role: ms[0] for role, ms in found.items()})
+            options = ("Yes", "No") if flags[(aware, cue)][i] else ("No", "Yes")
+            belief = "blocked" if aware else "open"
+            out.append(Stimulus(
+                id=f"{task_id}-{'aware' if aware else 'unaware'}-{cue[:3]}", text=text, options=options,
+                answer="No" if aware else "Yes", family=IR_FAMILY, task_id=task_id, template_id=f"ir-{t.id}",
+                condition="aware" if aware else "unaware", prompt_type="belief", world_state="blocked",
+                protagonist_belief=belief, reference_state="open", spans=spans,
+                meta={"speaker_aware": aware, "knowledge_cue": cue, "template": t.id, "speaker": s[0],
+                      "hearer": h[0], "obstacle": t.noun, "seed": seed, "task_index": i},
+                mentions={**found, **{r: (spans[r],) for r in ("scene", "contrast", "utterance", "query")}}))
+    return out
+
+
+# ---- scalar implicature -------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class SITemplate:
+    """Three things that almost always have a property: plural noun, where from, the property as a
+    predicate ("have cheese in the crust") and how the speaker got them."""
+
+    id: str
+    things: str
+    source: str
+    prop: str
+    got: str
+
+
+SI_TEMPLATES: tuple[SITemplate, ...] = (
+    SITemplate("apples", "apples", "the orchard on Mill Lane", "are sweet", "picked"),
+    SITemplate("eggs", "eggs", "the farm up the hill", "have double yolks", "bought"),
+    SITemplate("tomatoes", "tomatoes", "the greenhouse at the school", "are ripe", "picked"),
+    SITemplate("letters", "letters", "the lawyer's office", "have a stamp on them", "received"),
+    SITemplate("shirts", "shirts", "the shop on the high street", "have a spare button", "bought"),
+    SITemplate("cakes", "cakes", "the bakery by the station", "have a cherry on top", "ordered"),
+    SITemplate("plants", "plants", "the garden centre", "have flowers", "bought"),
+    SITemplate("books", "books", "the library sale", "have a signature inside", "bought"),
+    SITemplate("kittens", "kittens", "the shelter's latest litter", "have white paws", "adopted"),
+    SITemplate("lamps", "lamps", "the factory outlet", "come with a bulb", "ordered"),
+    SITemplate("oranges", "oranges", "the stall at the market", "are seedless", "bought"),
+    SITemplate("jars", "jars of jam", "the village fair", "have a cloth lid", "won"),
+)
+E1_CELLS: tuple[tuple[int, str], ...] = ((1, "Some"), (2, "Some"), (3, "Some"))
+E2_CELLS: tuple[tuple[int, str], ...] = ((3, "3"), (3, "2"), (3, "1"), (2, "2"), (2, "1"), (1, "1"))
+BETS: tuple[str, ...] = ("0", "1", "2", "3")
+WORDS = {"1": "One", "2": "Two", "3": "All three", "Some": "Some"}
+
+
+def _singular(prop: str) -> str:
+    """The predicate after "One of the ...": "are sweet" -> "is sweet", "have a stamp on them" ->
+    "has a stamp on it", "come with a bulb" -> "comes with a bulb"."""
+    verb, _, rest = prop.partition(" ")
+    verb = {"are": "is", "have": "has"}.get(verb, verb + "s")
+    return f"{verb} {rest.replace(' on them', ' on it').replace('double yolks', 'a double yolk')}"
+
+
+def expected_count(access: int | None, said: str | None) -> str:
+    """The count a rational listener bets most on (Goodman & Stuhlmüller's reading): before the
+    utterance the prior ("almost always": 3); at full access the literal count ("Some" = 2, the
+    implicature "not all"); at partial access the seen count plus the unseen, which almost always
+    have the property ("Some" cancels the implicature: 3)."""
+    if access is None:
+        return "3"
+    if said == "Some":
+        return "2" if access == 3 else "3"
+    return str(int(said) + (3 - access))
+
+
+def _si_foils(seed: int, index: int, cells: list[tuple[str | None, int | None, str | None]]) -> dict[Any, str]:
+    """The coarse view's foil per cell of one story: "3" when the answer is not 3; when it is (6
+    cells), "2" in three and "1" in three, shuffled. Then no fixed ranking of the counts beats 0.6
+    (always "3"); with "2" as the only foil, ranking "1" over "3" over "2" would score 0.7."""
+    threes = [c for c in cells if expected_count(c[1], c[2]) == "3"]
+    foils = ["2", "1"] * (len(threes) // 2) + ["2"] * (len(threes) % 2)
+    random.Random(f"{SI_FAMILY}/foils/{seed}/{index}").shuffle(foils)
+    out: dict[Any, str] = {c: "3" for c in cells}
+    out.update(zip(threes, foils))
+    return out
+
+
+def _si_options(answer: str, foil: str, first: bool) -> tuple[str, str]:
+    return (answer, foil) if first else (foil, answer)
+
+
+def scalar_implicature(n: int = 12, seed: int = 0) -> list[Stimulus]:
+    """`n` stories x (1 before-utterance prompt + 3 E1 and 6 E2 after-utterance prompts).
+
+    meta: `experiment` (None for the before prompt, "E1" / "E2"), `timing` ("before" / "after"),
+    `access` (a), `said` (n: "Some" or a digit), `speaker_knows` (a == 3), `bets` ("0".."3"),
+    `story` (pairs an after prompt with its story's before prompt)."""
+    _check_n_seed(n, seed, SI_FAMILY)
+    out: list[Stimulus] = []
+    cells: list[tuple[str | None, int | None, str | None]] = [(None, None, None)]
+    cells += [("E1", a, s) for a, s in E1_CELLS] + [("E2", a, s) for a, s in E2_CELLS]
+    flags = {c: _option_flags(SI_FAMILY, seed, str(c), n) for c in cells}
+    for i in range(n):
+        order = list(range(len(SI_TEMPLATES)))
+        random.Random(f"{SI_FAMILY}/templates/{seed}/{i // len(SI_TEMPLATES)}").shuffle(order)
+        t = SI_TEMPLATES[order[i % len(SI_TEMPLATES)]]
+        (sp,) = _people(random.Random(f"{SI_FAMILY}/people/{seed}/{i}"), 1)
+        task_id = f"si-{seed}-{i}"
+        foils = _si_foils(seed, i, cells)
+        usually = f"are almost always {t.prop[4:]}" if t.prop.startswith("are ") else f"almost always {t.prop}"
+        intro = (f"The {t.things} from {t.source} {usually}. "
+                 f"{sp[0]} {t.got} 3 {t.things} from {t.source}.")
+        question = f"Q: How many of the 3 {t.things} do you think {t.prop}? (0, 1, 2, or 3)\nA:"
+        for exp, a, said in cells:
+            if exp is None:
+                text = f"{intro}\n{question}"
+                utter = ""
+            else:
+                utter = (f'{sp[0]} tells you: "I have looked at {a} of the 3 {t.things}. '
+                         f'{WORDS[said]} of the {t.things} {_singular(t.prop) if said == "1" else t.prop}."')
+                text = f"{intro}\n{utter}\n{question}"
+            answer = expected_count(a, said)
+            options = _si_options(answer, foils[(exp, a, said)], flags[(exp, a, said)][i])
+            spans = {"scene": Span(0, len(intro)), "query": Span(text.index(question), len(text))}
+            if utter:
+                u0 = text.index(utter)
+                spans["utterance"] = Span(u0, u0 + len(utter))
+            found = find_mentions(text[: spans["query"].start], {"protagonist": sp[0], "object": t.things})
+            spans.update({role: ms[0] for role, ms in found.items()})
+            suffix = "before" if exp is None else f"{exp.lower()}-a{a}-n{said.lower()}"
+            out.append(Stimulus(
+                id=f"{task_id}-{suffix}", text=text, options=options, answer=answer, family=SI_FAMILY,
+                task_id=task_id, template_id=f"si-{t.id}", condition="before" if exp is None else f"{exp}-a{a}-n{said}",
+                prompt_type="belief", world_state="complete",
+                protagonist_belief=None if a is None else ("complete" if a == 3 else "partial"),
+                reference_state="complete", spans=spans,
+                meta={"experiment": exp, "timing": "before" if exp is None else "after", "access": a,
+                      "said": said, "speaker_knows": None if a is None else a == 3, "bets": list(BETS),
+                      "story": task_id, "template": t.id, "speaker": sp[0], "seed": seed, "task_index": i},
+                mentions={**found, **{r: (spans[r],) for r in ("scene", "query", "utterance") if r in spans}}))
+    return out
+
+
+# ---- free-text tasks: Short Story and Strange Stories -------------------------------------------
+
+@dataclass(frozen=True)
+class FreeTextItem:
+    """A free-text question for human coding: the prompt the model continues, the question's kind
+    (RC / EMSR / SMSI for the short story; mental / control, comprehension / justification for the
+    strange stories), the rubric (score -> what earns it) and the highest score."""
+
+    id: str
+    family: str
+    prompt: str
+    question: str
+    question_type: str
+    rubric: dict[int, str]
+    story_id: str = ""
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def max_score(self) -> int:
+        return max(self.rubric)
+
+    def rubric_text(self) -> str:
+        return "; ".join(f"{k} = {v}" for k, v in sorted(self.rubric.items(), reverse=True))
+
+
+SHORT_STORY = (
+    "The Lighthouse Road\n\n"
+    "Ines and Tomas had walked the lighthouse road every Sunday for three years. This Sunday Ines "
+    "walked a little ahead. The wind came off the sea and she pulled her coat tight, and when Tomas "
+    "caught up and asked if she was cold, she said she was fine.\n"
+    "At the top they sat on the wall where they always sat. Tomas unwrapped the sandwiches he had "
+    "made and held one out. Ines looked at it for a moment and said she wasn't hungry. He put it "
+    "back in the paper and folded the paper very carefully, corner to corner.\n"
+    "\"The boat's late,\" he said, nodding at the ferry.\n"
+    "\"It's always late,\" Ines said. \"Everything here is always the same.\"\n"
+    "Tomas laughed, but she did not. He picked up a stone and turned it over in his hand. \"My "
+    "brother says there's work in the city,\" she said. \"He says I could stay with him.\"\n"
+    "\"That's good,\" Tomas said. \"That's really good news.\" He threw the stone a long way out, "
+    "further than he needed to.\n"
+    "They watched the ferry come in. When it was time to go, Tomas said he would stay a bit longer. "
+    "Ines waited, then started down the road alone. Halfway down she turned round. He was still on "
+    "the wall, with the sandwiches beside him, looking at the sea."
+)
+
+_SS_QUESTIONS: tuple[tuple[str, str, dict[int, str]], ...] = (
+    ("RC", "How long had Ines and Tomas been walking the lighthouse road?",
+     {1: "three years (or every Sunday for three years)", 0: "any other answer"}),
+    ("RC", "What did Tomas bring to eat?", {1: "sandwiches", 0: "any other answer"}),
+    ("RC", "Who offered Ines a place to stay in the city?", {1: "her brother", 0: "any other answer"}),
+    ("RC", "What did Tomas do when it was time to go?",
+     {1: "stayed behind on the wall / let Ines go alone", 0: "any other answer"}),
+    ("EMSR", "Why does Ines say she is fine when Tomas asks if she is cold?",
+     {2: "she does not want his care or closeness now AND is preoccupied with something she has not said "
+         "(the move / ending things)",
+      1: "she is distant, upset or distracted, with no link to what she is holding back",
+      0: "she really is not cold; she is just polite; irrelevant facts"}),
+    ("EMSR", "Why does Tomas fold the sandwich paper so carefully?",
+     {2: "he is hurt or anxious at her refusal AND is keeping his feelings in / steadying himself",
+      1: "he is upset, nervous or disappointed (feeling only, no link to hiding it)",
+      0: "he is tidy; he wants to save the sandwich; irrelevant facts"}),
+    ("EMSR", 'What does Ines mean when she says, "Everything here is always the same"?',
+     {2: "she is tired of this life, including the relationship, AND is preparing him for her leaving",
+      1: "she is bored or unhappy with the place or routine (no link to him or to leaving)",
+      0: "a literal reading about the ferry; irrelevant facts"}),
+    ("EMSR", 'How does Tomas feel when he says, "That\'s really good news"?',
+     {2: "he is hurt or sad that she may leave AND hides it / pretends to be glad for her sake",
+      1: "he is sad or hurt, OR he is pretending (one without the other)",
+      0: "he is happy for her; irrelevant feelings"}),
+    ("EMSR", "Why does Tomas throw the stone further than he needs to?",
+     {2: "he is frustrated or upset by her news AND lets it out in the throw rather than in words",
+      1: "he is frustrated, angry or upset (feeling only)",
+      0: "he is playing; showing off; irrelevant facts"}),
+    ("EMSR", "Why does Tomas say he will stay a bit longer?",
+     {2: "he wants to be alone with his feelings AND understands (or fears) the relationship is ending",
+      1: "he is sad or wants to be alone (no link to the relationship)",
+      0: "he wants to watch the sea or the ferry; irrelevant facts"}),
+    ("EMSR", "Why does Ines turn round halfway down the road?",
+     {2: "she feels regret, guilt or sadness about leaving him AND wonders how he is / still cares",
+      1: "she feels sad or guilty (feeling only)",
+      0: "she forgot something; to check the weather; irrelevant facts"}),
+    ("EMSR", "What does Tomas think Ines is going to do?",
+     {2: "he thinks she will move to the city AND that it means the end of their relationship",
+      1: "he thinks she will move to the city (no inference about them)",
+      0: "wrong or irrelevant"}),
+    ("SMSI", "Describe what happened in the story in two or three sentences.",
+     {1: "the summary mentions a mental state (feelings, wants, thoughts) of either character",
+      0: "events only"}),
+)
+
+
+def short_story_items() -> list[FreeTextItem]:
+    """The project's own short story with 4 RC, 8 EMSR and 1 SMSI questions and their rubric (the
+    Dodell-Feder structure; scores 0/1 for RC and SMSI, 0/1/2 for EMSR). The paper's task has 5 RC
+    questions (14 in all); this story has 4 (13 in all), so the RC share moves in steps of 1/4."""
+    out = []
+    for i, (kind, q, rubric) in enumerate(_SS_QUESTIONS):
+        prompt = f"{SHORT_STORY}\n\nQuestion: {q}\nAnswer:"
+        out.append(FreeTextItem(f"shs-{i + 1:02d}", SHORT_STORY_FAMILY, prompt, q, kind, dict(rubric),
+                                story_id="lighthouse-road"))
+    return out
+
+
+# (kind, story, speaker, the comprehension answer, justification rubric)
+_STRANGE: tuple[tuple[str, str, str, str, dict[int, str]], ...] = (
+    ("white_lie", 'Noor\'s friend Caleb has spent all week knitting her a scarf. It is lumpy and the colours '
+     'clash, and Noor knows she will never wear it. When Caleb asks if she likes it, Noor says, "I love it!"',
+     "Noor", "No", {2: "to spare Caleb's feelings / not hurt him after his effort (his feelings named)",
+                    1: "she is being nice or polite; she is lying (no reference to his feelings)",
+                    0: "she really likes it; irrelevant or wrong reasons"}),
+    ("sarcasm", 'Viktor spends an hour washing his car. As soon as he finishes, a lorry drives through a '
+     'puddle and splashes mud all over it. Viktor says to his neighbour, "Well, that went perfectly."',
+     "Viktor", "No", {2: "he is being sarcastic: he means the opposite because he is annoyed or frustrated",
+                      1: "he is annoyed; or it is a joke (no reference to meaning the opposite)",
+                      0: "he thinks it went well; irrelevant or wrong reasons"}),
+    ("pretend", 'Ayla and her little brother are playing in the garden. Ayla holds up a long stick and says, '
+     '"Stand back, I have a magic sword!"', "Ayla", "No",
+     {2: "they are playing a pretend game / she is pretending for fun with her brother",
+      1: "she is playing (no reference to pretence)", 0: "she thinks it is a sword; irrelevant reasons"}),
+    ("joke", 'Rafael is six foot six. When he ducks through the door of the tiny cafe, the waiter grins '
+     'and says, "Ah, our shortest customer!"', "the waiter", "No",
+     {2: "he is joking / teasing in a friendly way, saying the opposite of the obvious",
+      1: "he is being funny or friendly (no reference to saying the opposite)",
+      0: "he thinks Rafael is short; irrelevant reasons"}),
+    ("persuasion", 'Mila wants her father to take her to the fair. She says, "Everyone in my class is going, '
+     'every single person." In fact only three of her classmates are going.', "Mila", "No",
+     {2: "to persuade her father / make him feel she would be left out, so he says yes",
+      1: "she wants to go (no reference to changing her father's mind)",
+      0: "she thinks everyone is going; irrelevant reasons"}),
+    ("double_bluff", 'During a card game, Hugo has a very weak hand. He smiles, taps his cards and tells the '
+     'table, "You should all fold now, this hand is unbeatable."', "Hugo", "No",
+     {2: "to make the others believe he has a strong hand so they give up (their beliefs named)",
+      1: "he is bluffing or lying (no reference to what the others will think)",
+      0: "he thinks his hand is strong; irrelevant reasons"}),
+    ("misunderstanding", 'Greta\'s grandfather asks her to fetch "the glasses from the table". Greta brings '
+     'two drinking glasses, but he meant his reading glasses. He laughs and says, "Those will help me read '
+     'the paper nicely!"', "her grandfather", "No",
+     {2: "he is gently joking about her misunderstanding what he meant",
+      1: "he is joking or being kind (no reference to her misunderstanding)",
+      0: "he thinks the drinking glasses help him read; irrelevant reasons"}),
+    ("figure_of_speech", 'Jonah has been revising for exams every evening for a month. When his aunt asks how '
+     'he is, he says, "My brain is completely full."', "Jonah", "No",
+     {2: "it is a figure of speech: he means he is tired / has learnt so much he feels overloaded",
+      1: "he is tired or stressed (no reference to not meaning it literally)",
+      0: "his brain really is full; irrelevant reasons"}),
+    ("control", 'A storm blew down the old oak tree by the road overnight. In the morning workers came with '
+     'saws and cut it into logs, and a truck took the logs to the sawmill.', "", "",
+     {2: "because the tree had fallen / was blocking the road and had to be cleared",
+      1: "to use the wood (no reference to the fallen tree)", 0: "irrelevant or wrong reasons"}),
+    ("control", 'The river by the village rose after a week of rain. The farmers moved their sheep up to the '
+     'high field, where the grass was dry.', "", "",
+     {2: "because the low fields would flood / the river was rising",
+      1: "because of the rain (no reference to the flood risk)", 0: "irrelevant or wrong reasons"}),
+    ("control", 'The bakery\'s oven broke on Friday night. On Saturday morning the shelves were empty and a '
+     'sign on the door said the shop would open late.', "", "",
+     {2: "because the oven was broken so no bread could be baked",
+      1: "because something went wrong (no reference to the oven)", 0: "irrelevant or wrong reasons"}),
+)
+_CONTROL_QUESTIONS: tuple[tuple[str, str], ...] = (
+    ("Was the tree cut up by the workers?", "Why did the workers cut up the tree?"),
+    ("Did the farmers move the sheep?", "Why did the farmers move the sheep?"),
+    ("Were the bakery's shelves full on Saturday morning?", "Why were the shelves empty?"),
+)
+_CONTROL_ANSWERS: tuple[str, ...] = ("Yes", "Yes", "No")
+STRANGE_INSTRUCTIONS = ("Read each story and answer the questions in a sentence.\n\n"
+                        "Example story: Pia puts on a raincoat before going out, because the sky is dark.\n"
+                        "Question: Why does Pia put on a raincoat?\n"
+                        "Answer: Because it looks as if it is going to rain and she wants to stay dry.\n\n")
+
+
+def strange_stories_items() -> list[FreeTextItem]:
+    """The project's own strange stories: 8 non-literal (mental) stories and 3 physical controls,
+    each with a comprehension question (scored 1/0 against the expected Yes/No) and a
+    justification question (0/1/2 rubric). As in EPITOME the justification prompt carries the
+    comprehension question with its correct answer."""
+    out: list[FreeTextItem] = []
+    ci = 0
+    for i, (kind, story, speaker, answer, rubric) in enumerate(_STRANGE):
+        sid = f"sts-{i + 1:02d}"
+        mental = kind != "control"
+        if mental:
+            q1, q2, a1 = f"Was it true, what {speaker} said?", f"Why did {speaker} say that?", answer
+        else:
+            (q1, q2), a1 = _CONTROL_QUESTIONS[ci], _CONTROL_ANSWERS[ci]
+            ci += 1
+        base = f"{STRANGE_INSTRUCTIONS}Story: {story}\n"
+        meta = {"kind": kind, "mental": mental, "expected": a1}
+        out.append(FreeTextItem(f"{sid}-comp", STRANGE_STORIES_FAMILY, f"{base}Question: {q1}\nAnswer:", q1,
+                                "comprehension", {1: f"{a1}", 0: f"not {a1}"}, sid, dict(meta)))
+        out.append(FreeTextItem(f"{sid}-just", STRANGE_STORIES_FAMILY,
+                                f"{base}Question: {q1}\nAnswer: {a1}\nQuestion: {q2}\nAnswer:", q2,
+                                "justification", dict(rubric), sid, dict(meta)))
+    return out
+
+
+def free_text_items(family: str) -> list[FreeTextItem]:
+    """The free-text items of `family` ("short-story" or "strange-stories")."""
+    if family == SHORT_STORY_FAMILY:
+        return short_story_items()
+    if family == STRANGE_STORIES_FAMILY:
+        return strange_stories_items()
+    raise TomlensError(f"no free-text family {family!r}",
+                       f"use {SHORT_STORY_FAMILY!r} or {STRANGE_STORIES_FAMILY!r}")
