@@ -72,7 +72,7 @@ def task_bootstrap(total: np.ndarray, count: np.ndarray, *, n_boot: int = 1000,
     return (float(np.quantile(boots, a)), float(np.quantile(boots, 1 - a)))
 
 
-def _task_of(df: pd.DataFrame) -> pd.Series:
+def task_of(df: pd.DataFrame) -> pd.Series:
     """The resampling unit of each row: its `task_id`; a row without one is its own unit."""
     ids = df["id"].astype(str) if "id" in df else pd.Series(df.index.astype(str), index=df.index)
     if "task_id" not in df:
@@ -82,7 +82,8 @@ def _task_of(df: pd.DataFrame) -> pd.Series:
     return task.astype(str).where(~missing, "row:" + ids)
 
 
-def _per_task(values: pd.Series, tasks: pd.Series) -> tuple[np.ndarray, np.ndarray]:
+def per_task(values: pd.Series, tasks: pd.Series) -> tuple[np.ndarray, np.ndarray]:
+    """Sum and count of `values` per task (sorted by task): the inputs of `task_bootstrap`."""
     g = values.astype(float).groupby(tasks.to_numpy(), sort=True)
     return g.sum().to_numpy(), g.size().to_numpy().astype(float)
 
@@ -98,11 +99,11 @@ def accuracy_table(df: pd.DataFrame, by: tuple[str, ...] = ("family", "condition
     cols = [*by, "n", "n_tasks", "accuracy", "ci_low", "ci_high", "mean_p_answer"]
     if df.empty:
         return pd.DataFrame(columns=cols)
-    tasks = _task_of(df)
+    tasks = task_of(df)
     rows = []
     for key, g in df.groupby(list(by), sort=True, dropna=False):
         key = key if isinstance(key, tuple) else (key,)
-        total, count = _per_task(g[column], tasks.loc[g.index])
+        total, count = per_task(g[column], tasks.loc[g.index])
         lo, hi = task_bootstrap(total, count, n_boot=n_boot, rng=_cell_rng(seed, key))
         rows.append({**dict(zip(by, key)), "n": len(g), "n_tasks": len(total),
                      "accuracy": float(g[column].astype(float).mean()), "ci_low": lo, "ci_high": hi,
@@ -143,7 +144,7 @@ def reality_gated_accuracy(df: pd.DataFrame, *, by: tuple[str, ...] = ("family",
     d = d[d["prompt_type"].isin(["reality", "belief"])]
     if d.empty:
         return pd.DataFrame(columns=cols)
-    d = d.assign(_story=_story_keys(d), _task=_task_of(d))
+    d = d.assign(_story=_story_keys(d), _task=task_of(d))
     reality_ok = d[d["prompt_type"] == "reality"].groupby("_story")["correct"].agg(
         lambda x: bool(np.all(x.astype(bool))))
     belief = d[d["prompt_type"] == "belief"].copy()
@@ -161,11 +162,11 @@ def reality_gated_accuracy(df: pd.DataFrame, *, by: tuple[str, ...] = ("family",
         correct = matched["correct"].astype(bool)
         rng = _cell_rng(seed, ("gated", *key))
         if len(kept):
-            lo, hi = task_bootstrap(*_per_task(kept["correct"], kept["_task"]), n_boot=n_boot, rng=rng)
+            lo, hi = task_bootstrap(*per_task(kept["correct"], kept["_task"]), n_boot=n_boot, rng=rng)
         else:
             lo = hi = float("nan")
         joint = correct & ok
-        jlo, jhi = task_bootstrap(*_per_task(joint, matched["_task"]), n_boot=n_boot, rng=rng)
+        jlo, jhi = task_bootstrap(*per_task(joint, matched["_task"]), n_boot=n_boot, rng=rng)
         rows.append({**dict(zip(by, key)), "n_belief": len(matched), "n_kept": len(kept),
                      "n_dropped": len(matched) - len(kept), "n_unmatched": len(g) - len(matched),
                      "n_tasks": int(kept["_task"].nunique()),
@@ -258,7 +259,7 @@ def knowledge_state_effect(df: pd.DataFrame, *, n_boot: int = 1000, seed: int = 
     belief = _column(d, "protagonist_belief").where(lambda x: x.notna(), d["answer"].astype(object))
     ref = _column(d, "reference_state")
     options = ["\x1f".join(sorted(map(str, ab))) for ab in zip(d["option_a"], d["option_b"])]
-    d = d.assign(_fb=_is_false_belief(d), _task=_task_of(d), _belief=belief, _ref=ref, _options=options)
+    d = d.assign(_fb=_is_false_belief(d), _task=task_of(d), _belief=belief, _ref=ref, _options=options)
     keys = ["family", "_task", "_options"] + [c for c in ("reversed", *PAIR_FACTORS) if c in d]
     d[keys] = d[keys].astype(object).where(d[keys].notna(), "")
     fb, tb = d[d["_fb"]], d[~d["_fb"]]
@@ -278,7 +279,7 @@ def knowledge_state_effect(df: pd.DataFrame, *, n_boot: int = 1000, seed: int = 
     m["_kind"] = np.where(label, "label", "knowledge")
     rows = []
     for (family, contrast, kind), g in m.groupby(["family", "condition", "_kind"], sort=True):
-        total, count = _per_task(g["_diff"], g["_task"])
+        total, count = per_task(g["_diff"], g["_task"])
         few = len(total) < MIN_EFFECT_TASKS
         if few:
             lo = hi = float("nan")

@@ -158,24 +158,13 @@ def _row(family: str, cell: str, metric: str, g: pd.DataFrame, column: str, *, n
         return {"family": family, "cell": cell, "metric": metric, "n": 0, "n_tasks": 0, "value": np.nan,
                 "ci_low": np.nan, "ci_high": np.nan, "paper": paper[0] if paper else np.nan,
                 "paper_human": paper[1] if paper else np.nan, "note": note or "withheld: no scores"}
-    tasks = _tasks(g[keep])
-    total = vals[keep].groupby(tasks.to_numpy()).sum().to_numpy()
-    count = vals[keep].groupby(tasks.to_numpy()).size().to_numpy().astype(float)
+    tasks = aggregates.task_of(g[keep])
+    total, count = aggregates.per_task(vals[keep], tasks)
     rng = np.random.default_rng([int(seed), zlib.crc32(f"{family}|{cell}|{metric}".encode())])
     lo, hi = aggregates.task_bootstrap(total, count, n_boot=n_boot, rng=rng)
     return {"family": family, "cell": cell, "metric": metric, "n": int(keep.sum()), "n_tasks": len(total),
             "value": float(vals[keep].mean()), "ci_low": lo, "ci_high": hi,
             "paper": paper[0] if paper else np.nan, "paper_human": paper[1] if paper else np.nan, "note": note}
-
-
-def _tasks(df: pd.DataFrame) -> pd.Series:
-    """The resampling unit: `task_id`, or the row's own id when it has none."""
-    ids = df["id"].astype(str) if "id" in df else pd.Series(df.index.astype(str), index=df.index)
-    if "task_id" not in df:
-        return ids
-    task = df["task_id"]
-    missing = task.isna() | (task.astype(str) == "")
-    return task.astype(str).where(~missing, "row:" + ids)
 
 
 def rm_summary(df: pd.DataFrame, *, n_boot: int = 1000, seed: int = 0) -> pd.DataFrame:
@@ -326,7 +315,8 @@ def si_two_option_rows(d: pd.DataFrame, *, n_boot: int, seed: int) -> list[dict[
                n_boot=n_boot, seed=seed, note=f"chance = {chance:.2f}: a constant preference (always '3') "
                "scores this without reading the prompt")
     return [row, {"family": SI_FAMILY, "cell": "two-option view", "metric": "chance: best constant preference",
-                  "n": int(len(d)), "n_tasks": int(_tasks(d).nunique()), "value": chance, "ci_low": np.nan,
+                  "n": int(len(d)), "n_tasks": int(aggregates.task_of(d).nunique()), "value": chance,
+                  "ci_low": np.nan,
                   "ci_high": np.nan, "paper": np.nan, "paper_human": np.nan,
                   "note": "max over the 24 fixed orders of 0..3"}]
 

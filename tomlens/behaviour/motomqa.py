@@ -29,7 +29,7 @@ import numpy as np
 import pandas as pd
 from scipy import stats
 
-from tomlens.behaviour.aggregates import task_bootstrap
+from tomlens.behaviour.aggregates import per_task, task_bootstrap
 from tomlens.behaviour.scoring import score_options
 from tomlens.errors import TomlensError
 from tomlens.stimuli.records import Stimulus
@@ -129,8 +129,8 @@ def _rng(key: object) -> np.random.Generator:
 
 
 def _boot_ratio(values: pd.Series, tasks: pd.Series, key: object, n_boot: int) -> tuple[float, float]:
-    g = values.astype(float).groupby(tasks.to_numpy(), sort=True)
-    return task_bootstrap(g.sum().to_numpy(), g.size().to_numpy().astype(float), n_boot=n_boot, rng=_rng(key))
+    total, count = per_task(values, tasks)
+    return task_bootstrap(total, count, n_boot=n_boot, rng=_rng(key))
 
 
 def _boot_difference(a: pd.Series, ta: pd.Series, b: pd.Series, tb: pd.Series, key: object,
