@@ -117,6 +117,8 @@ TIER_TABLE: dict[str, str] = {
     "test_false_belief.py": "unit",
     "test_factorial.py": "unit",
     "test_epitome.py": "unit",  # its tiny-llama tests are integration through load_tiny
+    "test_freetext_cli.py": "integration",
+    "test_timing.py": "unit",
     "test_factorial.py::test_location_words_are_single_distinct_smollm2_tokens": "integration",
     "test_gate.py": "unit",
     "test_goal_encoding.py": "unit",
@@ -144,6 +146,7 @@ TIER_TABLE: dict[str, str] = {
     "test_validate_unit.py": "unit",
     "test_validate.py": "integration",
     "test_batteries.py": "integration",
+    "test_battery_pairs.py": "integration",
     "test_compare.py": "integration",
     "test_activations.py": "integration",
     "test_attribution.py": "integration",

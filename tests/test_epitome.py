@@ -513,3 +513,33 @@ def test_a_prompt_filling_the_context_window_is_an_error_not_an_empty_answer(loa
                 if encode(model, [("w " * k).strip()]).input_ids.shape[1] == n_ctx)
     with pytest.raises(TomlensError, match="fills the model's context window"):
         greedy_continuation(model, full, max_new_tokens=2)
+
+
+def test_matched_cue_rows_are_left_out_of_the_battery_summary_with_a_note():
+    """The minimal-pair wording (`matched_cue=True`, ids ending "-matched") is not the battery's
+    text: with or without those rows the summary is the same, plus a note saying how many."""
+    battery = indirect_request(4, 0)
+    matched = indirect_request(4, 0, matched_cue=True)
+    assert all(s.id.endswith("-matched") for s in matched)
+    assert not {s.id for s in battery} & {s.id for s in matched}
+    rng = np.random.default_rng(0)
+
+    def table(stimuli, flag_column=True):
+        return pd.DataFrame([{"id": s.id, "family": E.IR_FAMILY, "task_id": s.task_id, "condition": s.condition,
+                              "speaker_aware": s.meta["speaker_aware"], "knowledge_cue": s.meta["knowledge_cue"],
+                              "option_a": s.options[0], "option_b": s.options[1], "answer": s.answer,
+                              "logp_a": float(rng.normal()), "logp_b": float(rng.normal()),
+                              **({"matched_cue": "true" if s.meta.get("matched_cue") else np.nan}
+                                 if flag_column else {})} for s in stimuli])
+
+    plain = table(battery)
+    for with_flag in (True, False):  # the meta flag ("true" after a CSV round trip), else the id suffix
+        mixed = pd.concat([plain, table(matched, with_flag)], ignore_index=True)
+        if with_flag:
+            mixed.loc[: len(plain) - 1, "matched_cue"] = "false"  # a "false" string must not count as matched
+        want = E.ir_summary(plain, n_boot=50)
+        got = E.ir_summary(mixed, n_boot=50)
+        note = f"{len(matched)} matched-cue rows"
+        pd.testing.assert_frame_equal(got.drop(columns="note"), want.drop(columns="note"))
+        assert all(note in n for n in got["note"]) and not any(note in str(n) for n in want["note"])
+        assert [re.sub(rf"(; )?{note}.*$", "", n) for n in got["note"]] == want["note"].fillna("").tolist()

@@ -385,6 +385,9 @@ def test_gate_names_missing_columns_and_unknown_cells():
         kb.gate(df.assign(condition="sally"))
     with pytest.raises(TomlensError, match="test rows"):
         kb.gate(pd.DataFrame(_story("sally-anne", 0, True, [True]) + _story("sally-anne", 0, True, [True])))
+    # the pairs-only twins (kosoy(..., witnessed=True)) are not the paper's battery: left out, not refused
+    twins = df.assign(condition="sally-anne-witnessed", story_id="twin")
+    assert list(kb.gate(pd.concat([df, twins]))["story_id"]) == list(kb.gate(df)["story_id"])
 
 
 def test_domain_means_are_unweighted_cell_means_and_tom_minus_non_tom():
@@ -431,3 +434,22 @@ def test_end_to_end_on_tiny_llama_the_summary_is_the_gate_of_the_scored_table():
         passed = [bool(s.loc[s.question == "test", "correct"].iloc[0]) and bool(s.loc[s.question == "control",
                   "correct"].all()) for _, s in g.groupby("story_id")]
         assert out.loc[cell, "score"] == pytest.approx(np.mean(passed))
+
+
+def test_the_summary_with_pairs_only_twins_is_the_summary_without_them_plus_a_note():
+    """Twin rows (`witnessed=True`, for patching) are left out of the paper's table, visibly."""
+    rng = np.random.default_rng(3)
+    rows = [{"family": "kosoy", "id": s.id, "condition": s.condition, "task_id": s.task_id,
+             "story_id": s.meta["story"], "question": s.meta["question"], "correct": bool(rng.random() < 0.7),
+             "prompt_type": s.prompt_type} for s in kosoy(8, 0, tasks=["sally-anne", "smarties", "gears"], witnessed=True)]
+    both = pd.DataFrame(rows)
+    twins = both["condition"].isin(["sally-anne-witnessed", "smarties-looked"])
+    assert twins.sum() == 2 * 8 * 3 and kb.twin_rows(both) == twins.sum()
+    plain = kb.summary(both[~twins], n_boot=100)
+    mixed = kb.summary(both, n_boot=100)
+    assert not plain["note"].fillna("").str.contains("twin").any()
+    note = f"{twins.sum()} pairs-only twin rows (sally-anne-witnessed, smarties-looked) left out: not the paper's cells"
+    assert all(n.endswith(note) for n in mixed["note"])
+    pd.testing.assert_frame_equal(mixed.drop(columns="note"), plain.drop(columns="note"))
+    assert [n.removesuffix(note).removesuffix("; ") for n in mixed["note"]] == plain["note"].fillna("").tolist()
+    assert battery_summaries(both, n_boot=100)["kosoy"]["note"].str.endswith(note).all()

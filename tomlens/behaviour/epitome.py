@@ -38,6 +38,7 @@ import numpy as np
 import pandas as pd
 
 from tomlens.behaviour import aggregates
+from tomlens.behaviour.generate import CUT_OFF_REASONS, allowed_codes
 from tomlens.behaviour.scoring import score_options
 from tomlens.errors import TomlensError
 from tomlens.stimuli.epitome import free_text_items
@@ -217,6 +218,8 @@ def ir_summary(df: pd.DataFrame, *, n_boot: int = 1000, seed: int = 0) -> pd.Dat
     """Accuracy overall (the paper's IR number) and per awareness x cue, the share of "Yes", and the
     awareness effect on the log-odds (unaware - aware; GPT-3 showed none)."""
     d = df[df["family"] == IR_FAMILY] if "family" in df else df
+    matched = _matched_cue(d)
+    d = d[~matched]
     if d.empty:
         return pd.DataFrame(columns=SUMMARY_COLUMNS)
     d = ir_scores(d)
@@ -234,7 +237,28 @@ def ir_summary(df: pd.DataFrame, *, n_boot: int = 1000, seed: int = 0) -> pd.Dat
         diff["id"] = diff["task_id"].astype(str) + "/" + diff["knowledge_cue"].astype(str)
         rows.append(_row(IR_FAMILY, "unaware - aware", "mean log-odds difference", diff, "effect",
                          n_boot=n_boot, seed=seed, note="positive: the speaker's knowledge moves the answer"))
-    return pd.DataFrame(rows, columns=SUMMARY_COLUMNS)
+    out = pd.DataFrame(rows, columns=SUMMARY_COLUMNS)
+    if matched.any():
+        left = (f"{int(matched.sum())} matched-cue rows (minimal-pair wording, "
+                "indirect_request(matched_cue=True)) left out: not the battery's text")
+        out["note"] = [f"{n}; {left}" if n else left for n in out["note"].fillna("").astype(str)]
+    return out
+
+
+def _flags(values: pd.Series) -> pd.Series:
+    """True/False from a column that may hold booleans, "true"/"false" strings (a CSV round trip) or
+    blanks; anything but an explicit true is False (`.astype(bool)` would make "false" and NaN True)."""
+    return values.map(lambda v: v is True or (isinstance(v, (bool, np.bool_)) and bool(v))
+                      or (isinstance(v, str) and v.strip().lower() == "true")).astype(bool)
+
+
+def _matched_cue(d: pd.DataFrame) -> pd.Series:
+    """Rows worded for minimal pairs (`indirect_request(matched_cue=True)`): the meta flag, or the
+    "-matched" id suffix where the table lost the flag."""
+    flag = _flags(d["matched_cue"]) if "matched_cue" in d else pd.Series(False, index=d.index)
+    if "id" in d:
+        flag = flag | d["id"].astype(str).str.endswith("-matched")
+    return flag
 
 
 # ---- scalar implicature -------------------------------------------------------------------------
@@ -374,20 +398,48 @@ def fb_summary(df: pd.DataFrame, *, n_boot: int = 1000, seed: int = 0) -> pd.Dat
 # ---- free-text tasks: export for human coding, import, score ------------------------------------
 
 CODING_COLUMNS: list[str] = ["id", "family", "story_id", "kind", "question_type", "question", "answer",
-                             "rubric", "max_score", "code"]
+                             "cut_off", "rubric", "max_score", "allowed", "code"]
+# The columns a coded sheet must keep to be imported (sheets exported before `cut_off` and `allowed`
+# existed still import: neither changes a score).
+REQUIRED_CODING_COLUMNS: list[str] = ["id", "family", "story_id", "kind", "question_type", "question", "answer",
+                                      "rubric", "max_score", "code"]
+CUT_OFF_NOTE = ("[cut off: decoding stopped at the token limit, not at the answer's end, so the answer may be "
+                "incomplete; code the text as written]")
+
+
+def _yes_no(v: Any) -> str:
+    """"true"/"false" from a bool or its CSV spelling; a blank or anything else is "unknown"."""
+    if isinstance(v, (bool, np.bool_)):
+        return "true" if v else "false"
+    text = str(v).strip().lower() if isinstance(v, str) else ""
+    return text if text in ("true", "false") else "unknown"
 
 
 def export_for_coding(answers: pd.DataFrame, path: str | Path) -> Path:
     """Write the generated answers with their rubric as CSV for a human coder, who fills `code`
-    (an integer from 0 to `max_score`). `answers` is `generate.generate_answers`'s table."""
-    need = set(CODING_COLUMNS) - {"code"}
+    (an integer from 0 to `max_score`, the values listed in `allowed`). `answers` is
+    `generate.generate_answers`'s table. `cut_off` is true where decoding stopped at the token limit
+    (or the context window) rather than at the answer's end, and such rows' rubric starts with a
+    note saying so; a table without `cut_off` or `stop_reason` writes "unknown"."""
+    need = set(REQUIRED_CODING_COLUMNS) - {"code"}
     if not need <= set(answers.columns):
         raise TomlensError(f"the answers table lacks {sorted(need - set(answers.columns))}",
                            "pass the table from tomlens.behaviour.generate.generate_answers")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    out = answers[[c for c in CODING_COLUMNS if c != "code"]].copy()
+    out = answers[[c for c in REQUIRED_CODING_COLUMNS if c != "code"]].copy()
+    if "cut_off" in answers:
+        cut = answers["cut_off"].map(_yes_no)
+    elif "stop_reason" in answers:
+        cut = answers["stop_reason"].map(lambda r: "unknown" if not isinstance(r, str) or not r
+                                         else "true" if r in CUT_OFF_REASONS else "false")
+    else:
+        cut = pd.Series("unknown", index=answers.index)
+    out["cut_off"] = cut
+    out["rubric"] = [f"{CUT_OFF_NOTE} {r}" if c == "true" else str(r) for c, r in zip(out["cut_off"], out["rubric"])]
+    out["allowed"] = out["max_score"].map(allowed_codes)
     out["code"] = ""
+    out = out[CODING_COLUMNS]
     tmp = path.with_suffix(path.suffix + ".tmp")
     out.to_csv(tmp, index=False, quoting=csv.QUOTE_NONNUMERIC)
     tmp.replace(path)
@@ -402,10 +454,12 @@ def import_codes(path: str | Path, items: Sequence[Any] | None = None) -> pd.Dat
     count as 0)."""
     path = Path(path)
     if not path.exists():
-        raise TomlensError(f"no coded file at {path}", "pass the CSV written by export_for_coding, with codes filled")
+        raise TomlensError(f"no coded file at {path}",
+                           "pass the coding.csv that `tomlens freetext answer --out DIR` wrote (DIR/coding.csv; "
+                           "in Python, export_for_coding's CSV), with `code` filled on every row")
     d = pd.read_csv(path, dtype={"code": str, "id": str})
-    if not set(CODING_COLUMNS) <= set(d.columns):
-        raise TomlensError(f"{path} lacks columns {sorted(set(CODING_COLUMNS) - set(d.columns))}",
+    if not set(REQUIRED_CODING_COLUMNS) <= set(d.columns):
+        raise TomlensError(f"{path} lacks columns {sorted(set(REQUIRED_CODING_COLUMNS) - set(d.columns))}",
                            "keep the columns export_for_coding wrote")
     if items is None:
         items = [it for fam in sorted(set(d["family"].astype(str))) for it in free_text_items(fam)]
@@ -418,14 +472,21 @@ def import_codes(path: str | Path, items: Sequence[Any] | None = None) -> pd.Dat
         found = (("repeated", dup), ("unknown", unknown), ("missing", missing))
         what = "; ".join(f"{k} {v[:3]}" for k, v in found if v)
         raise TomlensError(f"{path}: each exported id must appear exactly once ({what})",
-                           "code the CSV export_for_coding wrote without adding, copying or deleting rows "
-                           "(or pass the exported items as `items`)")
+                           "code the coding.csv `tomlens freetext answer` wrote without adding, copying or "
+                           "deleting rows, and keep its config.json beside it (it names the exported items; "
+                           "in Python, pass them as `items`)")
     d["max_score"] = [expected[i].max_score for i in d["id"]]
     codes = pd.to_numeric(d["code"].fillna("").str.strip(), errors="coerce")
-    bad = d["id"][codes.isna() | (codes != codes.round()) | (codes < 0) | (codes > d["max_score"])]
+    bad = d[codes.isna() | (codes != codes.round()) | (codes < 0) | (codes > d["max_score"])]
     if len(bad):
-        raise TomlensError(f"{len(bad)} rows of {path} have no valid code (first {bad.iloc[0]!r})",
-                           "fill `code` with an integer from 0 to max_score on every row")
+        # sheet lines as a spreadsheet numbers them: the header is line 1
+        shown = [f"line {i + 2} ({r['id']}: " + (f"{r['code'].strip()!r}" if isinstance(r["code"], str)
+                 and r["code"].strip() else "blank") + f", allowed {allowed_codes(r['max_score'])})"
+                 for i, r in bad.head(8).iterrows()]
+        more = f" and {len(bad) - 8} more" if len(bad) > 8 else ""
+        raise TomlensError(f"{len(bad)} rows of {path} have no valid code: " + "; ".join(shown) + more,
+                           "fill `code` with one of the row's allowed values (an integer from 0 to max_score) "
+                           "on every row; a blank is not 0")
     return d.assign(code=codes.astype(int))
 
 
@@ -474,7 +535,8 @@ def summaries(df: pd.DataFrame, *, n_boot: int = 1000, seed: int = 0) -> dict[st
     return {f: fn(df, n_boot=n_boot, seed=seed) for f, fn in fns.items() if f in fams}
 
 
-__all__ = ["BETS", "PAPER", "SUMMARY_COLUMNS", "bet_scores", "constant_preference_chance", "enrich",
+__all__ = ["BETS", "CODING_COLUMNS", "CUT_OFF_NOTE", "PAPER", "REQUIRED_CODING_COLUMNS", "SUMMARY_COLUMNS",
+           "bet_scores", "constant_preference_chance", "enrich",
            "export_for_coding", "fb_summary", "free_text_summary", "import_codes", "ir_scores", "ir_summary",
            "rm_scores", "rm_summary", "si_criterion", "si_deltas", "si_summary", "si_two_option_rows",
            "story_free_scores", "story_free_stimuli", "summaries"]

@@ -22,9 +22,27 @@ from tqdm.auto import tqdm
 
 from tomlens.errors import TomlensError
 from tomlens.models.tokens import encode
+from tomlens.timing import format_seconds, time_call
 
 # Stop at the first line break: every prompt asks for a one-line answer ("Answer:").
 STOP_AT = "\n"
+
+
+# Stop reasons that mean the answer was cut short rather than finished (`cut_off` in the table).
+CUT_OFF_REASONS: frozenset[str] = frozenset({"max_new_tokens", "context"})
+
+
+def _forward_seconds(model: Any, prompt: str) -> float:
+    """Seconds of one forward over `prompt` (timed after a warm-up, GPU synchronised), to say
+    beforehand how long decoding will take; an upper bound per step, since answers add few tokens."""
+    ids = encode(model, [prompt]).input_ids
+    return time_call(lambda: model(ids))
+
+
+def allowed_codes(max_score: int) -> str:
+    """The codes a coder may give an item: every integer from 0 to its highest score, as
+    `tomlens.behaviour.epitome.import_codes` accepts them ("0, 1, 2")."""
+    return ", ".join(str(k) for k in range(int(max_score) + 1))
 
 
 def _stop_ids(tokenizer: Any) -> set[int]:
@@ -95,8 +113,10 @@ def greedy_with_reason(model: Any, prompt: str, *, max_new_tokens: int = 48,
 def generate_answers(model: Any, items: Sequence[Any], *, max_new_tokens: int = 48, seed: int = 0,
                      progress: bool = True) -> pd.DataFrame:
     """One row per free-text item (`tomlens.stimuli.epitome.FreeTextItem`): its labels, rubric,
-    the model's greedy answer, `stop_reason` and `cut_by_context` (the window filled mid-answer: a
-    coder should know the answer is cut). A prompt that fills the window raises, before any
+    the model's greedy answer, `stop_reason`, `cut_off` (decoding stopped at `max_new_tokens` or at
+    the context window, not at the answer's end: a coder must know the answer may be incomplete)
+    and `cut_by_context` (the window filled mid-answer). Says beforehand roughly how long it will
+    take (one timed forward of the longest prompt). A prompt that fills the window raises, before any
     decoding. `seed` seeds torch first (greedy decoding uses no randomness; the seed is recorded so
     that a sampled variant would be reproducible too)."""
     items = list(items)
@@ -110,8 +130,10 @@ def generate_answers(model: Any, items: Sequence[Any], *, max_new_tokens: int = 
                                f"(first {long[0]!r}); their answers would be empty",
                                "use a model with a longer context, or leave those items out")
     torch.manual_seed(int(seed))
+    per_forward = _forward_seconds(model, max(items, key=lambda it: len(it.prompt)).prompt)
     print(f"generating {len(items)} answers of at most {max_new_tokens} tokens "
-          f"(one forward per token; roughly {len(items) * max_new_tokens} forwards)", file=sys.stderr)
+          f"(one forward per token; at most {len(items) * max_new_tokens} forwards, "
+          f"roughly {format_seconds(per_forward * len(items) * max_new_tokens)} at most)", file=sys.stderr)
     rows = []
     t0 = time.time()
     for item in tqdm(items, desc="generating", unit="answer", disable=not progress):
@@ -119,8 +141,10 @@ def generate_answers(model: Any, items: Sequence[Any], *, max_new_tokens: int = 
         rows.append({"id": item.id, "family": item.family, "story_id": item.story_id,
                      "kind": item.meta.get("kind", ""), "question_type": item.question_type,
                      "question": item.question, "answer": text, "n_new_tokens": int(toks.numel()),
-                     "stop_reason": reason, "cut_by_context": reason == "context",
+                     "stop_reason": reason, "cut_off": reason in CUT_OFF_REASONS,
+                     "cut_by_context": reason == "context",
                      "rubric": item.rubric_text(), "max_score": item.max_score,
+                     "allowed": allowed_codes(item.max_score),
                      "decoding": "greedy", "max_new_tokens": max_new_tokens, "seed": int(seed)})
     out = pd.DataFrame(rows)
     out.attrs["seconds"] = round(time.time() - t0, 2)

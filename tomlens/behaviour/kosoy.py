@@ -22,7 +22,7 @@ import numpy as np
 import pandas as pd
 
 from tomlens.errors import TomlensError
-from tomlens.stimuli.kosoy import CELLS, COMPARISON_CELLS, DOMAINS, TASKS
+from tomlens.stimuli.kosoy import CELLS, COMPARISON_CELLS, DOMAINS, PAIR_CELLS, TASKS
 
 FAMILY = "kosoy"
 # cell -> (the paper's condition label, LaMDA's LRS 0-10), from seeds-notes.md section 5.3.
@@ -76,6 +76,8 @@ def gate(df: pd.DataFrame) -> pd.DataFrame:
     if missing:
         raise TomlensError(f"the behaviour table lacks {missing} for the kosoy gate",
                            "score kosoy stimuli with `tomlens behaviour` (it writes story_id and question)")
+    # the pairs-only twins (`witnessed=True`) are for probes and patching, not the paper's battery
+    d = d[~d["condition"].astype(str).isin(PAIR_CELLS)]
     unknown = sorted(set(d["condition"].astype(str)) - set(CELLS))
     if unknown:
         raise TomlensError(f"kosoy rows with unknown conditions {unknown}", f"conditions are {list(CELLS)}")
@@ -205,10 +207,23 @@ def domain_summary(df: pd.DataFrame, *, n_boot: int = 1000, seed: int = 0,
     return pd.DataFrame(rows, columns=list(COLUMNS))
 
 
+def twin_rows(df: pd.DataFrame) -> int:
+    """How many rows of `df` are pairs-only twins (`PAIR_CELLS`), which `gate` leaves out."""
+    d = df[df["family"] == FAMILY] if "family" in df else df
+    return int(d["condition"].astype(str).isin(PAIR_CELLS).sum()) if "condition" in d else 0
+
+
 def summary(df: pd.DataFrame, *, n_boot: int = 1000, seed: int = 0) -> pd.DataFrame:
     """The battery's table: one row per cell present, then per domain, ToM vs non-ToM and their
-    difference; `paper` holds LaMDA's LRS (0-10) where the paper reports one."""
+    difference; `paper` holds LaMDA's LRS (0-10) where the paper reports one. Pairs-only twin rows
+    (`kosoy(..., witnessed=True)`) are left out, and every row's `note` then says how many, so a
+    reader sees that the table is the paper's cells only."""
     cells = cell_summary(df, n_boot=n_boot, seed=seed)
     if cells.empty:
         return cells
-    return pd.concat([cells, domain_summary(df, n_boot=n_boot, seed=seed, cells=cells)], ignore_index=True)
+    out = pd.concat([cells, domain_summary(df, n_boot=n_boot, seed=seed, cells=cells)], ignore_index=True)
+    n_twins = twin_rows(df)
+    if n_twins:
+        left = (f"{n_twins} pairs-only twin rows ({', '.join(PAIR_CELLS)}) left out: not the paper's cells")
+        out["note"] = [f"{n}; {left}" if n else left for n in out["note"].fillna("").astype(str)]
+    return out

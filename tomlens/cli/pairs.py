@@ -24,7 +24,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("family", choices=PAIR_FAMILIES, help="stimulus family")
     add_model_options(p, weights=False)  # only the tokenizer (and its BOS rule) decides alignment
     p.add_argument("--n", type=int, default=None,
-                   help="tasks / items (default 20) or the first N BigToM stories (default all)")
+                   help="tasks / items (default 20; kosoy and indirect-request 24, whole blocks of 8) "
+                        "or the first N BigToM stories (default all)")
     p.add_argument("--path", default=None, help="bigtom.csv (family `bigtom` only)")
     p.add_argument("--contrast", dest="contrasts", action="append", choices=contrasts,
                    default=None, help="control condition to pair with (repeatable; default: the "

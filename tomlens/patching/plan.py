@@ -201,11 +201,9 @@ class PlanStage:
 
 
 def _fmt_seconds(s: float) -> str:
-    if s < 90:
-        return f"{s:.0f} s"
-    if s < 5400:
-        return f"{s / 60:.0f} min"
-    return f"{s / 3600:.1f} h"
+    from tomlens.timing import format_seconds
+
+    return format_seconds(s)
 
 
 @dataclass

@@ -453,17 +453,10 @@ def _default_alphas() -> int:
 
 def _time_forward(model: Any, stimuli: Sequence[Any]) -> float:
     """Seconds per prompt of one plain batched forward (a rough speed for the plan)."""
-    import torch
+    from tomlens.timing import time_call
 
     texts = [s.text for s in stimuli[:64]]  # a large batch: per-call overhead would dominate a small one
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-    with torch.no_grad():
-        model(texts)  # warm-up: the first call pays for allocation and kernel choice
-        sync()
-        t0 = time.time()
-        model(texts)
-        sync()
-        return (time.time() - t0) / max(1, len(texts))
+    return time_call(lambda: model(texts)) / max(1, len(texts))
 
 
 def _stage(name: str, fn: Callable[[], Any]) -> tuple[Any, str]:

@@ -20,7 +20,10 @@ The false-belief factorial (EPITOME's first task) lives in `tomlens.stimuli.fact
   an obstacle (a fountain switched off); the speaker is aware / unaware of it, by an explicit or an
   implicit cue. "Is X making a request?" Yes/No; answer Yes when unaware, No when aware. Labels:
   `world_state` = "blocked" (the request cannot be met), `protagonist_belief` = the speaker's view
-  ("blocked" when aware, "open" when unaware), `reference_state` = "open".
+  ("blocked" when aware, "open" when unaware), `reference_state` = "open", so the probe target
+  `protagonist_belief` reads "the speaker does not know of the obstacle" (meta `speaker_aware` is
+  its negation). Option `matched_cue` words the unaware explicit cue "knows nothing about" (as long
+  as the aware "knows all about") for the minimal pairs of `ir_minimal_pairs`.
 * `scalar-implicature`: three things that almost always have a property; the speaker has looked at
   a of 3 and says n have it ("Some" in E1, 1 <= n <= a in E2). The question "How many ... (0, 1, 2,
   or 3)" is asked before the utterance (one prompt per story) and after it (one per condition).
@@ -304,12 +307,14 @@ IR_CELLS: tuple[tuple[bool, str], ...] = ((True, "explicit"), (True, "implicit")
 
 
 def _ir_text(t: IRTemplate, s: tuple[str, str, str, str], h: tuple[str, str, str, str], aware: bool,
-             cue: str) -> tuple[str, dict[str, str]]:
+             cue: str, matched_cue: bool = False) -> tuple[str, dict[str, str]]:
     S, H = s[0], h[0]
     parts = {"scene": t.scene.format(S=S, H=H)}
     if cue == "implicit":
         parts["cue"] = (f"{S} and {H} both notice that {t.breaks}." if aware else
                         f"While {S} is away for a few minutes, {H} notices that {t.breaks}.")
+    elif matched_cue:  # one word apart, so aware and unaware prompts align token by token
+        parts["cue"] = f"{H} notices that {t.breaks}. {S} knows {'all' if aware else 'nothing'} about {t.noun}."
     else:
         parts["cue"] = (f"{H} notices that {t.breaks}. {S} knows all about {t.noun}." if aware else
                         f"{H} notices that {t.breaks}. {S} does not know about {t.noun}.")
@@ -318,10 +323,18 @@ def _ir_text(t: IRTemplate, s: tuple[str, str, str, str], h: tuple[str, str, str
     return "\n".join([parts["scene"] + " " + parts["cue"] + " " + parts["utterance"], parts["query"]]), parts
 
 
-def indirect_request(n: int = 16, seed: int = 0) -> list[Stimulus]:
+def indirect_request(n: int = 16, seed: int = 0, matched_cue: bool = False) -> list[Stimulus]:
     """`n` passages x 4 versions (speaker aware / unaware x explicit / implicit cue). Answer "Yes"
-    (a request) when the speaker does not know of the obstacle, "No" when they do."""
+    (a request) when the speaker does not know of the obstacle, "No" when they do.
+
+    `matched_cue` (for minimal pairs; off in the battery) words the unaware explicit cue "knows
+    nothing about" instead of "does not know about", the same length as the aware "knows all
+    about"; meta `matched_cue` records it and the ids end in "-matched", so they never collide with
+    the battery's prompts (whose summary leaves them out)."""
     _check_n_seed(n, seed, IR_FAMILY)
+    if not isinstance(matched_cue, bool):
+        raise TomlensError(f"{IR_FAMILY}: matched_cue must be true or false, got {matched_cue!r}",
+                           "pass matched_cue=True")
     out: list[Stimulus] = []
     flags = {cell: _option_flags(IR_FAMILY, seed, f"{cell}", n) for cell in IR_CELLS}
     for i in range(n):
@@ -331,7 +344,7 @@ def indirect_request(n: int = 16, seed: int = 0) -> list[Stimulus]:
         s, h = _people(random.Random(f"{IR_FAMILY}/people/{seed}/{i}"), 2)
         task_id = f"ir-{seed}-{i}"
         for aware, cue in IR_CELLS:
-            text, parts = _ir_text(t, s, h, aware, cue)
+            text, parts = _ir_text(t, s, h, aware, cue, matched_cue)
             spans: dict[str, Span] = {}
             pos = 0
             for role, key in (("scene", "scene"), ("contrast", "cue"), ("utterance", "utterance"), ("query", "query")):
@@ -339,18 +352,49 @@ def indirect_request(n: int = 16, seed: int = 0) -> list[Stimulus]:
                 spans[role] = Span(start, start + len(parts[key]))
                 pos = spans[role].end
             found = find_mentions(text[: spans["query"].start], {"protagonist": s[0], "other_agent": h[0]})
+            # the query's own words (where a patching sweep looks by default): the speaker asked
+            # about, and "request", the thing the question asks whether the utterance is
+            asked = find_mentions(text, {"query_protagonist": s[0], "query_object": "request"})
+            found.update({role: tuple(m for m in ms if m.start >= spans["query"].start) for role, ms in asked.items()})
             spans.update({role: ms[0] for role, ms in found.items()})
             options = ("Yes", "No") if flags[(aware, cue)][i] else ("No", "Yes")
             belief = "blocked" if aware else "open"
             out.append(Stimulus(
-                id=f"{task_id}-{'aware' if aware else 'unaware'}-{cue[:3]}", text=text, options=options,
+                id=f"{task_id}-{'aware' if aware else 'unaware'}-{cue[:3]}" + ("-matched" if matched_cue else ""),
+                text=text, options=options,
                 answer="No" if aware else "Yes", family=IR_FAMILY, task_id=task_id, template_id=f"ir-{t.id}",
                 condition="aware" if aware else "unaware", prompt_type="belief", world_state="blocked",
                 protagonist_belief=belief, reference_state="open", spans=spans,
                 meta={"speaker_aware": aware, "knowledge_cue": cue, "template": t.id, "speaker": s[0],
-                      "hearer": h[0], "obstacle": t.noun, "seed": seed, "task_index": i},
+                      "hearer": h[0], "obstacle": t.noun, "seed": seed, "task_index": i,
+                      **({"matched_cue": True} if matched_cue else {})},
                 mentions={**found, **{r: (spans[r],) for r in ("scene", "contrast", "utterance", "query")}}))
     return out
+
+
+def ir_minimal_pairs(n: int = 24, seed: int = 0, **options: Any) -> list:
+    """Clean/corrupted pairs for patching: the unaware speaker (clean, answer "Yes": a request) and
+    the aware one (corrupted, answer "No"), explicit cue worded with `matched_cue` so the prompts
+    differ in one word ("nothing" / "all") inside the cue, the pair's `contrast` span. The aware
+    prompt takes the unaware one's option order (the battery balances each cell's order apart).
+    Returns unchecked `tomlens.stimuli.pairs.MinimalPair`s: use `make_pairs("indirect-request",
+    ...)` for the checked, token-aligned set. The default n = 24 is three whole blocks of 8, so the
+    clean answer comes first in exactly half the pairs (a multiple of 8 keeps that balance)."""
+    from tomlens.stimuli.pairs import MinimalPair
+
+    if options:
+        raise TomlensError(f"unknown option(s) {sorted(options)} for {IR_FAMILY} pairs",
+                           "pass only n and seed (the cue is always the matched one)")
+    by_task: dict[str, dict[bool, Stimulus]] = {}
+    for st in indirect_request(n, seed, matched_cue=True):
+        if st.meta["knowledge_cue"] == "explicit":
+            by_task.setdefault(st.task_id, {})[st.meta["speaker_aware"]] = st
+    pairs = []
+    for task_id, by in by_task.items():
+        clean, aware = by[False], by[True]
+        pairs.append(MinimalPair(id=f"{task_id}-aware", clean=clean, corrupted=aware.with_(options=clean.options),
+                                 family=IR_FAMILY, contrast="aware"))
+    return pairs
 
 
 # ---- scalar implicature -------------------------------------------------------------------------

@@ -33,6 +33,12 @@ Cells (the `condition` of a prompt; the paper's Table rows):
   and Lucas et al.'s `lucas-{given,open}-{conjunctive,disjunctive}` (the same ambiguous test evidence
   in every cell, whose answer flips with the trained rule: `lucas_members` derives it).
 
+Pairs-only twins (`PAIR_CELLS`, option `witnessed=True`; `minimal_pairs` for patching):
+`sally-anne-witnessed` (the owner sees the move before leaving: belief = world = the moved-to
+container) and `smarties-looked` (the newcomer has already looked inside: belief = the contents).
+Each differs from its false-belief cell inside one sentence of the same number of words, with the
+same test question and options, and is not one of the paper's cells.
+
 Labels. ToM prompts: `world_state` = where the object is (or what the container holds),
 `protagonist_belief` = the belief of the character the test question asks about (the owner, or the
 mover in `ullman-additional-actor`), `reference_state` = the starting location (or the label).
@@ -198,6 +204,11 @@ def _transfer(cell, w, sw, i, seed):
     if cell == "ullman-relationship-change":
         s.append(f"While {P[1]} is away, {A[0]} picks up the {L1}, with the {obj} still inside it, "
                  f"and puts it down on the floor.")
+    elif cell == "sally-anne-witnessed":
+        # Sally-Anne's move sentence with the owner there and watching, word for word as long
+        # ("While he is away, X takes ... puts" -> "But first, he sees X take ... put": the owner
+        # watches before the "goes off" sentence before it takes him away)
+        s.append(f"But first, {P[1]} sees {A[0]} take the {obj} out of the {L1} and put it in the {L2}.")
     else:
         s.append(f"While {P[1]} is away, {A[0]} takes the {obj} out of the {L1} and puts it in the {L2}.")
     contrast = len(s) - 1
@@ -209,6 +220,10 @@ def _transfer(cell, w, sw, i, seed):
     world = L1 if cell == "ullman-relationship-change" else L2
     queried = A if cell == "ullman-additional-actor" else P
     belief = {"sally-anne": L1}.get(cell, world)
+    # the witnessed twin keeps Sally-Anne's option order (start location first unless swapped),
+    # so the two test prompts share their options and pair for patching
+    test_options = (_order((L1, L2), sw[0]), belief) if cell == "sally-anne-witnessed" else \
+        _first(belief, L2 if belief == L1 else L1, sw[0])
     extra: dict[str, Any] = {}
     if cell == "ullman-relationship-change":
         # the moved container is on the floor, the other still on the table: asking about either
@@ -219,30 +234,34 @@ def _transfer(cell, w, sw, i, seed):
         extra["reality_probe"] = box
     else:
         reality = _Q("reality", f"Right now, the {obj} is in the", *_first(world, L2 if world == L1 else L1, sw[1]))
-    qs = [_Q("test", f"{queried[0]} will look for the {obj} in the", *_first(belief, L2 if belief == L1 else L1, sw[0])),
+    qs = [_Q("test", f"{queried[0]} will look for the {obj} in the", *test_options),
           reality,
           _Q("memory", f"At the start, {P[0]} put the {obj} in the", *_first(L1, L2, sw[2]))]
     labels = {"world_state": world, "protagonist_belief": belief, "reference_state": L1,
               "queried": queried[0], "protagonist_access": "told" if cell == "ullman-trusted-communication"
-              else ("saw" if clear or queried is A else "absent"), **extra}
+              else ("saw" if clear or queried is A or cell == "sally-anne-witnessed" else "absent"), **extra}
     roles = {"protagonist": P[0], "other_agent": A[0], "object": obj, "location_1": L1, "location_2": L2}
     return s, contrast, qs, {"labels": labels, "roles": roles}
 
 
 def _smarties(cell, w, sw, i, seed):
     P, A, C, label, contents = w["P"], w["A"], w["C"], w["label"], w["contents"]
+    looked = cell == "smarties-looked"
     s = [f"{P[0]} finds a {C} with pictures of {label} all over it.",
          f"When {P[1]} opens it, there are no {label} inside: the {C} is full of {contents}.",
          f"{P[0]} closes the {C} and puts it back on the shelf.",
-         f"Then {A[0]}, who has never looked inside the {C}, walks into the room."]
-    qs = [_Q("test", f"{A[0]} will think the {C} is full of", *_first(label, contents, sw[0])),
+         f"Then {A[0]}, who has {'already' if looked else 'never'} looked inside the {C}, walks into the room."]
+    # the looked-inside twin keeps the label first unless swapped, as Smarties does, so they pair
+    test = (_order((label, contents), sw[0]), contents) if looked else _first(label, contents, sw[0])
+    qs = [_Q("test", f"{A[0]} will think the {C} is full of", *test),
           _Q("reality", f"In fact, the {C} is full of", *_first(contents, label, sw[1])),
           _Q("memory", f"Before opening it, {P[0]} expected the {C} to be full of", *_first(label, contents, sw[2]))]
-    labels = {"world_state": contents, "protagonist_belief": label, "reference_state": label,
-              "queried": A[0], "protagonist_access": "absent"}
+    labels = {"world_state": contents, "protagonist_belief": contents if looked else label,
+              "reference_state": label, "queried": A[0], "protagonist_access": "saw" if looked else "absent"}
     roles = {"protagonist": A[0], "other_agent": P[0], "container": C, "location_1": label,
              "location_2": contents, "object": contents}
-    return s, 1, qs, {"labels": labels, "roles": roles}
+    # the looked-inside twin differs from Smarties in the newcomer's sentence only: that is its contrast
+    return s, 3 if looked else 1, qs, {"labels": labels, "roles": roles}
 
 
 def _object_permanence(cell, w, sw, i, seed):
@@ -492,7 +511,19 @@ RENDER = {"sally-anne": _transfer, "ullman": _transfer, "smarties": _smarties,
           "helper-hinderer": _helper, "gears": _gears, "blicket": _blicket, "lucas": _lucas}
 
 
+def _query_mentions(text: str, query: Span, roles: dict[str, str], queried: Any) -> dict[str, tuple[Span, ...]]:
+    """`query_protagonist` (the character the question asks about) and `query_object` (the object,
+    or the container a contents question asks about) inside the question, where `tomlens patch`'s
+    default `roles` positions look; a role the question does not name is left out."""
+    words = {"query_protagonist": queried if isinstance(queried, str) and queried else roles.get("protagonist"),
+             "query_object": roles.get("container") or roles.get("object")}
+    found = find_mentions(text, {k: v for k, v in words.items() if v})
+    inside = {role: tuple(m for m in ms if m.start >= query.start) for role, ms in found.items()}
+    return {role: ms for role, ms in inside.items() if ms}
+
+
 def _build(task: str, cell: str, i: int, seed: int, rename: int) -> list[Stimulus]:
+    """One story's prompts: the test question and its controls."""
     w, mapping = _words(task, rename, i)
     domain, exp, _ = TASKS[task]
     # one option-order flag per question (test, then each control), fully crossed per block, so
@@ -518,6 +549,7 @@ def _build(task: str, cell: str, i: int, seed: int, rename: int) -> list[Stimulu
         text = story + q.text
         query = Span(len(story), len(text))
         found = find_mentions(story, extra["roles"])
+        found.update(_query_mentions(text, query, extra["roles"], labels.get("queried")))
         spans = {role: ms[0] for role, ms in found.items()}
         spans.update(contrast=contrast_span, query=query)
         mentions = {role: ms for role, ms in found.items()}
@@ -637,12 +669,15 @@ def _resolve(tasks: Sequence[str] | str | None) -> list[str]:
 
 
 def kosoy(n: int = 8, seed: int = 0, tasks: Sequence[str] | str | None = None, rename: int | None = None,
-          woodward_k: int = 3) -> list[Stimulus]:
+          woodward_k: int = 3, witnessed: bool = False) -> list[Stimulus]:
     """`n` items per task, each rendered in every cell of its task, with one test prompt and its
     control prompt(s) per story. `tasks` picks tasks or whole domains ("tom", "object", "social",
     "causal", "non-tom"); `rename` seeds the names and objects (default `seed`); `woodward_k` is
     the number of habituation reaches before Woodward's test reach. Use n a multiple of 8 for exact
-    balance of option order and question polarity."""
+    balance of option order and question polarity. `witnessed` adds the pairs-only twins
+    (`PAIR_CELLS`: the owner sees the move, the newcomer has looked inside) for patching and
+    probes; they are not the paper's cells, so the battery summary
+    (`tomlens.behaviour.kosoy.summary`) leaves them out and its notes say how many rows it left out."""
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise TomlensError(f"kosoy needs n >= 1 items per task, got {n!r}", "pass n=8 or more")
     if not isinstance(seed, int) or isinstance(seed, bool):
@@ -653,12 +688,71 @@ def kosoy(n: int = 8, seed: int = 0, tasks: Sequence[str] | str | None = None, r
         raise TomlensError(f"kosoy: rename must be an integer seed, got {rename!r}", "pass e.g. rename=1")
     if not isinstance(woodward_k, int) or isinstance(woodward_k, bool) or not 1 <= woodward_k <= 12:
         raise TomlensError(f"kosoy: woodward_k={woodward_k!r}", "use 1 to 12 habituation reaches (default 3)")
+    if not isinstance(witnessed, bool):
+        raise TomlensError(f"kosoy: witnessed must be true or false, got {witnessed!r}", "pass witnessed=True")
     out: list[Stimulus] = []
     for task in _resolve(tasks):
         if task == "woodward":
             out += _woodward(n, seed, rename, woodward_k)
             continue
+        cells = TASKS[task][2] + (tuple(c for c, (t, _) in PAIR_CELLS.items() if t == task) if witnessed else ())
         for i in range(n):
-            for cell in TASKS[task][2]:
+            for cell in cells:
                 out += _build(task, cell, i, seed, rename)
     return out
+
+
+# Pairs-only cells: the twin of a false-belief cell in which the protagonist witnessed what the
+# false-belief story hides, worded so the two differ inside one sentence with the same number of
+# words. cell -> (task, the false-belief cell it twins); `PAIR_CONTRASTS` names each pairing.
+PAIR_CELLS: dict[str, tuple[str, str]] = {
+    "sally-anne-witnessed": ("sally-anne", "sally-anne"),
+    "smarties-looked": ("smarties", "smarties"),
+}
+PAIR_CONTRASTS: dict[str, str] = {"witnessed": "sally-anne-witnessed", "looked": "smarties-looked"}
+
+
+def _narrowed(clean: Stimulus, twin: Stimulus) -> Stimulus:
+    """`clean` with its `contrast` span on the sentence its twin differs in (the twin's contrast;
+    the texts before and after it are the same), so the pair's contrast is where the text differs."""
+    t = twin.spans["contrast"]
+    end = len(clean.text) - (len(twin.text) - t.end)
+    if clean.text[: t.start] != twin.text[: t.start] or clean.text[end:] != twin.text[t.end:] or end <= t.start:
+        raise TomlensError(f"kosoy pair {clean.id}: the twin {twin.id} differs outside its contrast sentence",
+                           "report this: the twin cell's wording no longer matches its false-belief cell")
+    span = Span(t.start, end)
+    return clean.with_(spans={**clean.spans, "contrast": span}, mentions={**clean.mentions, "contrast": (span,)})
+
+
+def minimal_pairs(n: int = 24, seed: int = 0, *, contrasts: Sequence[str] = ("witnessed", "looked"),
+                  rename: int | None = None, **options: Any) -> list:
+    """Clean/corrupted pairs for patching: the false-belief test prompt (Sally-Anne: the owner is
+    away during the move; Smarties: the newcomer never looked inside) and its witnessed twin (the
+    owner sees the move: "While he is away, X takes ... puts" -> "But first, he sees X take
+    ... put"; the newcomer "has already looked inside"), with the same question and options. The
+    clean answer is the start location (the label), the corrupted one the moved location (the
+    contents). Returns unchecked `tomlens.stimuli.pairs.MinimalPair`s: use
+    `make_pairs("kosoy", ...)` for the checked, token-aligned set. The default n = 24 per contrast is
+    three whole blocks of 8, so the clean answer comes first in exactly half (keep n a multiple of 8)."""
+    from tomlens.stimuli.pairs import MinimalPair
+
+    if options:
+        raise TomlensError(f"unknown option(s) {sorted(options)} for kosoy pairs", "pass only rename (and contrasts)")
+    contrasts = (contrasts,) if isinstance(contrasts, str) else tuple(contrasts)
+    bad = [c for c in contrasts if c not in PAIR_CONTRASTS]
+    if bad or not contrasts:
+        raise TomlensError(f"kosoy pairs: contrasts {list(contrasts)!r}", f"choose from {list(PAIR_CONTRASTS)}")
+    cells = [PAIR_CONTRASTS[c] for c in contrasts]
+    # the public generator, with its own n / seed / rename checks
+    tests = [s for s in kosoy(n, seed, tasks=sorted({PAIR_CELLS[c][0] for c in cells}), rename=rename, witnessed=True)
+             if s.meta["question"] == "test"]
+    by = {(s.task_id, s.condition): s for s in tests}
+    pairs = []
+    for contrast, cell in zip(contrasts, cells):
+        task, base = PAIR_CELLS[cell]
+        for s in tests:
+            if s.condition == cell:
+                clean = _narrowed(by[(s.task_id, base)], s)
+                pairs.append(MinimalPair(id=f"{clean.task_id}-{contrast}", clean=clean, corrupted=s,
+                                         family=FAMILY, contrast=contrast))
+    return pairs

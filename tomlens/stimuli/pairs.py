@@ -20,7 +20,10 @@ informed control swaps who is told and who is not, so the contrast spans those w
 sentences, the protagonist leaving before or after the move; the contrast covers both sentences,
 and the token counts match whenever both orders tokenise to the same count), "goal-encoding"
 (animate vs accidental agent, from `tomlens.stimuli.goal_encoding`), "bigtom" (no percept vs
-percept, from the user's BigToM file).
+percept, from the user's BigToM file), "kosoy" (Sally-Anne vs the owner witnessing the move,
+Smarties vs the newcomer having looked inside; `tomlens.stimuli.kosoy.minimal_pairs`),
+"indirect-request" (unaware vs aware speaker with an equal-length explicit cue, "knows nothing
+about" vs "knows all about"; `tomlens.stimuli.epitome.ir_minimal_pairs`).
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from tomlens.errors import TomlensError
 from tomlens.stimuli.records import Span, Stimulus
 
 PAIR_FAMILIES: tuple[str, ...] = ("unexpected-transfer", "unexpected-contents", "order-only",
-                                  "goal-encoding", "bigtom", "motomqa")
+                                  "goal-encoding", "bigtom", "motomqa", "kosoy", "indirect-request")
 # family -> contrast name -> the span role the pair's `contrast` is narrowed to (None: keep).
 CONTRASTS: dict[str, dict[str, str | None]] = {
     "unexpected-transfer": {"present": "contrast_seen", "informed": "contrast_told",
@@ -47,6 +50,8 @@ CONTRASTS: dict[str, dict[str, str | None]] = {
     "goal-encoding": {"control": None, "inanimate": None},
     "bigtom": {"true_belief": None},
     "motomqa": {"one_believer": None},  # true vs false ToM statement, one embedded believer swapped
+    "kosoy": {"witnessed": None, "looked": None},  # Sally-Anne / Smarties vs the witnessed twin
+    "indirect-request": {"aware": None},  # unaware vs aware speaker, equal-length explicit cue
 }
 # What "differs only in what the protagonist witnessed or was told" means per family.
 DEFAULT_CONTRASTS: dict[str, tuple[str, ...]] = {
@@ -56,6 +61,8 @@ DEFAULT_CONTRASTS: dict[str, tuple[str, ...]] = {
     "goal-encoding": ("control",),
     "bigtom": ("true_belief",),
     "motomqa": ("one_believer",),
+    "kosoy": ("witnessed", "looked"),
+    "indirect-request": ("aware",),
 }
 
 
@@ -187,6 +194,14 @@ def make_pairs(
         from tomlens.stimuli.motomqa import minimal_pairs
 
         candidates = minimal_pairs(20 if n is None else n, seed, **options)
+    elif family == "kosoy":
+        from tomlens.stimuli.kosoy import minimal_pairs as kosoy_pairs
+
+        candidates = kosoy_pairs(24 if n is None else n, seed, contrasts=contrasts, **options)
+    elif family == "indirect-request":
+        from tomlens.stimuli.epitome import ir_minimal_pairs
+
+        candidates = ir_minimal_pairs(24 if n is None else n, seed, **options)
     else:
         candidates = _bigtom_pairs(path, n, options)
     return check_pairs(candidates, tokenizer, family=family)
