@@ -189,6 +189,25 @@ def test_exact_patching_runs_on_kosoy_pairs_and_the_cli_writes_them(load_tiny, t
     assert main(["pairs", "indirect-request", "--model", "tiny-llama", "--n", "4", "--out", str(tmp_path / "ir.jsonl")]) == 0
 
 
+@pytest.mark.parametrize("family,contrast", [("indirect-request", "aware"), ("motomqa", "one_believer")])
+def test_exact_patching_runs_on_the_other_battery_pairs(load_tiny, family, contrast):
+    """Every battery family with pairs goes through the patching stage (the gate may withhold on a
+    random model; then the run is forced and says so)."""
+    from tomlens.runs.base import ModelSpec
+    from tomlens.runs.pairs import PairsConfig
+    from tomlens.runs.patching import PatchingConfig, run
+
+    tiny = ModelSpec("tiny-llama")
+    config = PatchingConfig(model=tiny, pairs=PairsConfig(model=tiny, family=family, n=4, contrasts=(contrast,)),
+                            method="exact", sites=("heads",), positions=("final",), top_k=1, n_random=2,
+                            ablation="none", force=True)
+    result = run(config, model=load_tiny("tiny-llama"), progress=False)
+    assert result.summary["pairs"]["n_aligned"] >= 2
+    cells = result.tables["cells_exact_denoise"]
+    assert len(cells) > 0 and cells["effect"].notna().any()
+    assert result.forced or result.withheld is None
+
+
 @pytest.mark.parametrize("family,options", [
     ("kosoy", {"tasks": ["sally-anne", "smarties"], "witnessed": True}),
     ("indirect-request", {"matched_cue": True}),
