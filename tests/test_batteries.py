@@ -46,3 +46,20 @@ def test_behaviour_stage_scores_saves_and_reports_the_batteries(tmp_path):
     sections = _behaviour_sections(back)
     battery = [s for s in sections if "batteries" in s.heading]
     assert battery and len(battery[0].tables) == 1 + len(result.batteries)
+
+
+def test_headline_keeps_the_papers_cells_and_flags_and_drops_prose():
+    from tomlens.behaviour.batteries import HEADLINE_ROWS, headline
+
+    rows = [{"family": "x", "cell": f"level {i}", "value": 0.5, "paper": None, "flag": None, "note": "long"}
+            for i in range(20)]
+    rows[3]["paper"] = 0.7
+    rows[7]["flag"] = "answers 'false' to 95% of statements"
+    top = headline(pd.DataFrame(rows))
+    assert list(top["cell"]) == ["level 3", "level 7"]
+    assert "note" not in top.columns and "family" not in top.columns and "flag" in top.columns
+    kosoy_like = pd.DataFrame([{"level": "cell", "domain": "tom", "score": 0.1, "ci_low": None}] * 30
+                              + [{"level": "domain", "domain": "tom", "score": 0.2, "ci_low": None}])
+    top = headline(kosoy_like)
+    assert list(top["level"]) == ["domain"] and "ci_low" not in top.columns
+    assert len(headline(pd.DataFrame([{"cell": i, "value": 1.0} for i in range(40)]))) == HEADLINE_ROWS

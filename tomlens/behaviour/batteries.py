@@ -66,3 +66,22 @@ def battery_summaries(df: pd.DataFrame, *, n_boot: int = 1000, seed: int = 0) ->
             kwargs = {k: v for k, v in (("n_boot", n_boot), ("seed", seed)) if k in params}
             out[family] = fn(df[df["family"] == family], **kwargs)
     return out
+
+
+HEADLINE_ROWS = 12
+
+
+def headline(summary: pd.DataFrame) -> pd.DataFrame:
+    """The rows of a battery summary a terminal shows: the paper's own headline cells (Kosoy's
+    domains and contrast; elsewhere the rows with the paper's number, and any flagged row), at most
+    HEADLINE_ROWS, without columns that are empty there, repeat the family or hold long notes. The
+    full table is the CSV and the report."""
+    if "level" in summary.columns and (summary["level"] != "cell").any():
+        rows = summary[summary["level"] != "cell"]
+    elif "paper" in summary.columns and summary["paper"].notna().any():
+        flagged = summary["flag"].notna() & (summary["flag"].astype(str) != "") if "flag" in summary else False
+        rows = summary[summary["paper"].notna() | flagged]  # a flag (e.g. "answers 'false' to 95%") is headline too
+    else:
+        rows = summary
+    rows = rows.head(HEADLINE_ROWS).drop(columns=[c for c in ("note", "family") if c in rows.columns])
+    return rows.dropna(axis=1, how="all")

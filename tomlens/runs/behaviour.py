@@ -13,7 +13,7 @@ from typing import Any
 import pandas as pd
 
 from tomlens.behaviour import aggregates
-from tomlens.behaviour.batteries import battery_summaries, enrich_table
+from tomlens.behaviour.batteries import battery_summaries, enrich_table, headline
 from tomlens.behaviour.scoring import score
 from tomlens.errors import TomlensError
 from tomlens.io import read_table, write_json, write_table
@@ -122,8 +122,10 @@ class BehaviourResult:
             if block:
                 text += "\n" + block
         for family, df in self.batteries.items():
-            shown = df.astype(object).where(df.notna(), "")  # blank, not NaN: the same text after a reload
-            text += f"\n{family} (the paper's summary):\n" + shown.to_string(index=False, max_rows=40)
+            top = headline(df)
+            shown = top.astype(object).where(top.notna(), "")  # blank, not NaN: the same text after a reload
+            text += (f"\n{family}: the paper's headline cells ({len(top)} of {len(df)} rows; all of them in "
+                     f"battery_{family}.csv and the report):\n" + shown.to_string(index=False))
         return text
 
 
