@@ -336,3 +336,38 @@ def test_slurm_no_wait_submits_one_array_then_collects_reattaches_or_resubmits(s
     assert all((out / j["slug"] / FAILED).is_file() for j in jobs) and len(_lines(bin_dir / "calls")) == 2
     assert "2 failed while unattended" in printed and "0 to submit" in printed and "0/2 jobs finished" in printed
     assert [u["state"] for u in json.loads((out / "manifest.json").read_text())["unfinished"]] == ["failed", "failed"]
+
+
+def _sleep_then_write(path: str) -> None:
+    import time as _time
+
+    _time.sleep(30)
+    Path(path).write_text("the job outlived its sweep")
+
+
+def test_stopping_the_sweep_cancels_its_local_jobs(tmp_path, capsys):
+    """SIGTERM (or Ctrl-C) on `tomlens sweep`: its local jobs are its subprocesses and stop with it
+    (one left running went on writing into the sweep folder); the interruption propagates."""
+    import signal
+    import time
+
+    import submitit
+
+    from tomlens.runs.sweep import jobs_stop_with_this_command
+
+    executor = submitit.LocalExecutor(folder=tmp_path / "logs")
+    executor.update_parameters(timeout_min=2)
+    marker = tmp_path / "written"
+    job = executor.submit(_sleep_then_write, str(marker))
+    running = {"job-a": job}
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(KeyboardInterrupt):
+        with jobs_stop_with_this_command(running, "local"):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)  # the handler raises before this ends
+    deadline = time.time() + 20
+    while not job.done() and time.time() < deadline:
+        time.sleep(0.2)
+    assert job.done() and not marker.exists()
+    assert "job-a: cancelled local job" in capsys.readouterr().err
+    assert signal.getsignal(signal.SIGTERM) == before  # the handler is the sweep's only while it waits

@@ -16,14 +16,16 @@ finished, naming the ones that did not.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import sys
 import time
 import traceback
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 from tomlens.errors import TomlensError
 from tomlens.io import file_sha256, read_json, write_json
@@ -439,25 +441,55 @@ def run_sweep(config: ExperimentConfig, out: str | Path, options: ExecutorOption
     bar = tqdm(total=len(todo) + len(running), desc="sweep jobs", unit="job", disable=not progress)
     queue = list(todo)
     local_running = 0
-    while queue or running:
-        while queue and (options.executor == "slurm" or local_running < cap):
-            record(queue[0], executor.submit(*call(queue[0])))
-            queue.pop(0)
-            local_running += 1
-        finished = [slug for slug, j in running.items() if j.done()]
-        if not finished:
-            time.sleep(0.5)
-            continue
-        for slug in finished:
-            handle = running.pop(slug)
-            if slug in started:
-                local_running -= 1
-            records[slug] = _collect(by_slug[slug], handle, time.time() - started.get(slug, time.time()),
-                                     records[slug].executor)
-            bar.update(1)
-            print(f"{slug}: {records[slug].state}", flush=True)
+    with jobs_stop_with_this_command(running, options.executor):
+        while queue or running:
+            while queue and (options.executor == "slurm" or local_running < cap):
+                record(queue[0], executor.submit(*call(queue[0])))
+                queue.pop(0)
+                local_running += 1
+            finished = [slug for slug, j in running.items() if j.done()]
+            if not finished:
+                time.sleep(0.5)
+                continue
+            for slug in finished:
+                handle = running.pop(slug)
+                if slug in started:
+                    local_running -= 1
+                records[slug] = _collect(by_slug[slug], handle, time.time() - started.get(slug, time.time()),
+                                         records[slug].executor)
+                bar.update(1)
+                print(f"{slug}: {records[slug].state}", flush=True)
     bar.close()
     return _finish(out, config, jobs, records, waited=True, command=command)
+
+
+@contextlib.contextmanager
+def jobs_stop_with_this_command(running: dict[str, Any], executor: str) -> Iterator[None]:
+    """Ctrl-C or SIGTERM stops the sweep; local jobs are its subprocesses, so they are cancelled too
+    (left alone, one went on writing into the sweep folder after its sweep was killed). SLURM jobs
+    run on: the same command later reattaches and collects them."""
+    def stop(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    try:
+        previous = signal.signal(signal.SIGTERM, stop)
+    except ValueError:  # not the main thread: signals cannot be caught here
+        previous = None
+    try:
+        yield
+    except KeyboardInterrupt:
+        if executor == "local":
+            for slug, job in running.items():
+                job.cancel(check=False)
+                print(f"{slug}: cancelled local job {job.job_id} (the sweep was stopped; run the same command "
+                      "to submit it again)", file=sys.stderr, flush=True)
+        elif running:
+            print(f"{len(running)} SLURM jobs keep running; run the same command to collect them",
+                  file=sys.stderr, flush=True)
+        raise
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def _collect(job: SweepJob, submitted: Any, seconds: float, executor: dict[str, Any] | None) -> JobRecord:
