@@ -166,3 +166,22 @@ def test_cli_bad_input_exits_2_before_any_model_loads(capsys) -> None:
     assert main(["validate", "--model", "tiny-llama", "--min-flip", "1.5", "--out", "unused"]) == 2
     assert "min_flip" in capsys.readouterr().err
     assert main(["validate", "--model", "tiny-llama", "--n-tasks", "1", "--out", "unused"]) == 2
+
+
+def test_steering_depths_place_the_same_relative_layers_in_models_of_any_depth(capsys) -> None:
+    from tomlens.runs.validate import ValidateConfig, steering_layers
+
+    config = ValidateConfig(steering_depths=(0.25, 0.5, 0.75))
+    assert steering_layers(config, 30) == (7, 14, 22)
+    assert steering_layers(config, 18) == (4, 8, 13)
+    assert steering_layers(config, 5) == (1, 2, 3)
+    assert steering_layers(ValidateConfig(steering_depths=(0.0, 0.1, 1.0)), 2) == (0, 1)  # merged, ends kept
+    assert steering_layers(ValidateConfig(steering_layers=(2,)), 30) == (2,)
+    assert steering_layers(ValidateConfig(), 30) is None  # the stage's default: every layer
+    assert config_from_dict(ValidateConfig, config_to_dict(config)).steering_depths == (0.25, 0.5, 0.75)
+    with pytest.raises(TomlensError, match="not both"):
+        ValidateConfig(steering_layers=(1,), steering_depths=(0.5,))
+    with pytest.raises(TomlensError, match="between 0 and 1"):
+        ValidateConfig(steering_depths=(0.5, 2.0))
+    assert main(["validate", "--model", "tiny-llama", "--depths=0.5,1.5", "--out", "unused"]) == 2
+    assert "between 0 and 1" in capsys.readouterr().err

@@ -61,6 +61,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--head-position", default="final", help="where heads are patched and ranked (default final)")
     p.add_argument("--ablation", choices=("final", "all"), default="final", help="mean ablation positions")
     p.add_argument("--layers", type=_ints, default=None, help="steering layers, e.g. 2,3 (default: the stage's)")
+    p.add_argument("--depths", type=_floats, default=None,
+                   help="steering layers as fractions of the depth, e.g. 0.25,0.5,0.75 (the same places in "
+                   "models of different depth; not with --layers)")
     p.add_argument("--alphas", type=_floats, default=None, help="steering alphas, written --alphas=-4,-2,0,2,4 (with \"=\": a leading minus would read as a flag)")
     p.add_argument("--store", default=None, help="activation store root (default: the tomlens cache dir)")
     p.add_argument("--batch-size", type=int, default=None, help="prompts per forward when caching")
@@ -82,7 +85,8 @@ def run(args: argparse.Namespace) -> int:
         model=model_spec(args), n_tasks=args.n_tasks, thresholds=thresholds, k=args.k, seed=args.seed,
         select_fraction=args.select_fraction, n_permutations=args.permutations,
         n_random_heads=args.n_random_heads, n_random_directions=args.n_random_directions,
-        head_position=args.head_position, ablation=args.ablation, steering_layers=args.layers, alphas=args.alphas,
+        head_position=args.head_position, ablation=args.ablation, steering_layers=args.layers,
+        steering_depths=args.depths, alphas=args.alphas,
         store=args.store, batch_size=args.batch_size, format=args.format)
     out = args.out or "validate-" + "".join(c if c.isalnum() or c in "-_." else "-" for c in args.model)
     result = run_validate(config, progress=not args.no_progress)

@@ -39,7 +39,7 @@ from tomlens.runs.base import ModelSpec, StimuliSpec
 
 __all__ = ["CHECKS", "Check", "Thresholds", "ValidateConfig", "ValidationResult", "check_ablation",
            "check_attribution", "check_probe", "check_recovery", "check_steering", "default_k", "exit_code",
-           "fast_config", "run", "table_of"]
+           "fast_config", "run", "steering_layers", "table_of"]
 
 FAMILY = "order-only"
 TARGET = "protagonist_belief"
@@ -94,6 +94,9 @@ class ValidateConfig:
     head_position: str = "final"  # where heads are patched, ranked and compared
     ablation: str = "final"  # mean ablation at the final token, or at every position ("all")
     steering_layers: tuple[int, ...] | None = None  # None: the steering stage's default
+    # or relative depths in [0, 1] (0: the first layer, 1: the last), the same places in models of
+    # different depth: each becomes round(depth * (n_layers - 1)) once the model is loaded
+    steering_depths: tuple[float, ...] | None = None
     alphas: tuple[float, ...] | None = None  # None: the steering stage's default grid
     store: str | None = None
     batch_size: int | None = None
@@ -117,7 +120,13 @@ class ValidateConfig:
             raise TomlensError(f"ablation = {self.ablation!r}", "use 'final' or 'all'")
         if self.format not in ("csv", "parquet"):
             raise TomlensError(f"format = {self.format!r}", "use 'csv' or 'parquet'")
-        for name in ("steering_layers", "alphas"):
+        if self.steering_layers is not None and self.steering_depths is not None:
+            raise TomlensError("both steering_layers and steering_depths are given",
+                               "give layers (absolute) or depths (fractions of the model's depth), not both")
+        if self.steering_depths is not None and any(not 0.0 <= float(d) <= 1.0 for d in self.steering_depths):
+            raise TomlensError(f"steering_depths {list(self.steering_depths)} are not all between 0 and 1",
+                               "give fractions of the depth, e.g. 0.25,0.5,0.75")
+        for name in ("steering_layers", "steering_depths", "alphas"):
             v = getattr(self, name)
             if v is not None:
                 object.__setattr__(self, name, tuple(v))
@@ -429,7 +438,7 @@ def _plan(config: ValidateConfig, model: Any, k: int, n_stories: int, seconds_pe
     probe = n_stories
     patch = 2 * n_pairs + heads * sel + 3 * sel + (1 + config.n_random_heads) * ev * (1 + 2)
     n_alpha = len(config.alphas) if config.alphas else _default_alphas()
-    n_layers = len(config.steering_layers) if config.steering_layers else int(model.cfg.n_layers)
+    n_layers = len(steering_layers(config, int(model.cfg.n_layers)) or range(int(model.cfg.n_layers)))
     steer = (config.n_random_directions + 2) * n_alpha * n_layers * n_stories
     total = probe + patch + 2 * n_stories * n_layers  # steering: one unsteered full pass per story and layer
     return [f"validate {config.model.name}: {n_stories} order-only stories ({config.n_tasks} tasks), "
@@ -468,7 +477,15 @@ def _stage(name: str, fn: Callable[[], Any]) -> tuple[Any, str]:
         return None, f"the {name} stage refused: {e.problem}" + (f" ({e.fix})" if e.fix else "")
 
 
-def _steering_config(config: ValidateConfig) -> Any:
+def steering_layers(config: ValidateConfig, n_layers: int) -> tuple[int, ...] | None:
+    """The layers steering runs at: `steering_layers`, or `steering_depths` placed in this model's
+    depth (duplicates merged), or None for the steering stage's default (every layer)."""
+    if config.steering_depths is not None:
+        return tuple(sorted({round(float(d) * (n_layers - 1)) for d in config.steering_depths}))
+    return config.steering_layers
+
+
+def _steering_config(config: ValidateConfig, n_layers: int) -> Any:
     """The steering stage's config (`tomlens.runs.steering.SteeringConfig`), with this run's sizes and
     its verdict thresholds."""
     from tomlens.runs import steering
@@ -480,8 +497,9 @@ def _steering_config(config: ValidateConfig) -> Any:
                               "min_flip": t.min_flip, "max_random_flip": t.max_random_flip, "store": config.store}
     if config.batch_size is not None:
         wanted["batch_size"] = config.batch_size
-    if config.steering_layers is not None:
-        wanted["layers"] = config.steering_layers
+    layers = steering_layers(config, n_layers)
+    if layers is not None:
+        wanted["layers"] = layers
     if config.alphas is not None:
         wanted["alphas"] = config.alphas
     return steering.SteeringConfig(**wanted)
@@ -506,8 +524,8 @@ def run(config: ValidateConfig, *, model: Any = None, progress: bool = True) -> 
     # every stage's settings are checked before any stage runs: bad input is exit 2 with nothing spent
     from tomlens.runs import steering
 
-    scfg = _steering_config(config)
     n_layers = int(model.cfg.n_layers)
+    scfg = _steering_config(config, n_layers)
     if scfg.layers is not None and max(scfg.layers) >= n_layers:
         raise TomlensError(f"steering layer {max(scfg.layers)} does not exist (the model has {n_layers} layers)",
                            f"pass --layers from 0 to {n_layers - 1}")
