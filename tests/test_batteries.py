@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from tomlens.behaviour.batteries import BATTERIES, ENRICHERS, battery_summaries
+from tomlens.behaviour.batteries import BATTERIES, ENRICHERS, battery_summaries, headline
 from tomlens.runs.base import ModelSpec, StimuliSpec
 from tomlens.runs.behaviour import BehaviourConfig, BehaviourResult, run
 
@@ -43,23 +43,29 @@ def test_behaviour_stage_scores_saves_and_reports_the_batteries(tmp_path):
     for family, df in result.batteries.items():
         assert list(back.batteries[family].columns) == list(df.columns) and len(back.batteries[family]) == len(df)
     assert family in back.describe()
+    for family, df in result.batteries.items():  # the same headline after a reload (a blank string is empty)
+        assert list(headline(back.batteries[family])[0].columns) == list(headline(df)[0].columns)
     sections = _behaviour_sections(back)
     battery = [s for s in sections if "batteries" in s.heading]
     assert battery and len(battery[0].tables) == 1 + len(result.batteries)
 
 
 def test_headline_keeps_the_papers_cells_and_flags_and_drops_prose():
-    from tomlens.behaviour.batteries import HEADLINE_ROWS, headline
+    from tomlens.behaviour.batteries import HEADLINE_ROWS
 
     rows = [{"family": "x", "cell": f"level {i}", "value": 0.5, "paper": None, "flag": None, "note": "long"}
             for i in range(20)]
     rows[3]["paper"] = 0.7
     rows[7]["flag"] = "answers 'false' to 95% of statements"
-    top = headline(pd.DataFrame(rows))
-    assert list(top["cell"]) == ["level 3", "level 7"]
+    top, what = headline(pd.DataFrame(rows))
+    assert list(top["cell"]) == ["level 3", "level 7"] and what == "the paper's headline cells"
     assert "note" not in top.columns and "family" not in top.columns and "flag" in top.columns
     kosoy_like = pd.DataFrame([{"level": "cell", "domain": "tom", "score": 0.1, "ci_low": None}] * 30
                               + [{"level": "domain", "domain": "tom", "score": 0.2, "ci_low": None}])
-    top = headline(kosoy_like)
-    assert list(top["level"]) == ["domain"] and "ci_low" not in top.columns
-    assert len(headline(pd.DataFrame([{"cell": i, "value": 1.0} for i in range(40)]))) == HEADLINE_ROWS
+    top, _ = headline(kosoy_like.assign(task=""))  # blank strings are empty too (as after a CSV reload)
+    assert list(top["level"]) == ["domain"] and "ci_low" not in top.columns and "task" not in top.columns
+    plain = pd.DataFrame([{"cell": i, "value": 1.0, "paper": None, "flag": "odd" if i == 30 else ""}
+                          for i in range(40)])
+    top, what = headline(plain)
+    assert what == "the first rows" and len(top) == HEADLINE_ROWS and 30 in set(top["cell"])  # flags kept
+    assert headline(pd.DataFrame(columns=["cell", "value"]))[0].empty

@@ -341,13 +341,14 @@ def test_slurm_no_wait_submits_one_array_then_collects_reattaches_or_resubmits(s
 def _sleep_then_write(path: str) -> None:
     import time as _time
 
-    _time.sleep(30)
+    _time.sleep(3)
     Path(path).write_text("the job outlived its sweep")
 
 
-def test_stopping_the_sweep_cancels_its_local_jobs(tmp_path, capsys):
+def test_stopping_the_sweep_cancels_its_local_jobs_and_leaves_cluster_jobs(tmp_path, capsys):
     """SIGTERM (or Ctrl-C) on `tomlens sweep`: its local jobs are its subprocesses and stop with it
-    (one left running went on writing into the sweep folder); the interruption propagates."""
+    (one left running went on writing into the sweep folder); a SLURM job (reattached by a local
+    sweep) is not cancelled; the interruption propagates and the SIGTERM handler is restored."""
     import signal
     import time
 
@@ -359,15 +360,19 @@ def test_stopping_the_sweep_cancels_its_local_jobs(tmp_path, capsys):
     executor.update_parameters(timeout_min=2)
     marker = tmp_path / "written"
     job = executor.submit(_sleep_then_write, str(marker))
-    running = {"job-a": job}
+    cluster = mock.Mock(spec=["cancel", "job_id"], job_id="123")
+    running = {"job-a": job, "job-b": cluster}
     before = signal.getsignal(signal.SIGTERM)
     with pytest.raises(KeyboardInterrupt):
-        with jobs_stop_with_this_command(running, "local"):
+        with jobs_stop_with_this_command(running):
             os.kill(os.getpid(), signal.SIGTERM)
             time.sleep(5)  # the handler raises before this ends
     deadline = time.time() + 20
     while not job.done() and time.time() < deadline:
         time.sleep(0.2)
+    time.sleep(4)  # past the job's 3 s: had it run on, it would have written by now
     assert job.done() and not marker.exists()
-    assert "job-a: cancelled local job" in capsys.readouterr().err
+    cluster.cancel.assert_not_called()
+    err = capsys.readouterr().err
+    assert "job-a: cancelled local job" in err and "1 SLURM jobs keep running (job-b)" in err
     assert signal.getsignal(signal.SIGTERM) == before  # the handler is the sweep's only while it waits

@@ -172,8 +172,8 @@ def test_steering_depths_place_the_same_relative_layers_in_models_of_any_depth(c
     from tomlens.runs.validate import ValidateConfig, steering_layers
 
     config = ValidateConfig(steering_depths=(0.25, 0.5, 0.75))
-    assert steering_layers(config, 30) == (7, 14, 22)
-    assert steering_layers(config, 18) == (4, 8, 13)
+    assert steering_layers(config, 30) == (7, 15, 22)  # 14.5 rounds up, as 2.5 and 8.5 do
+    assert steering_layers(config, 18) == (4, 9, 13)
     assert steering_layers(config, 5) == (1, 2, 3)
     assert steering_layers(ValidateConfig(steering_depths=(0.0, 0.1, 1.0)), 2) == (0, 1)  # merged, ends kept
     assert steering_layers(ValidateConfig(steering_layers=(2,)), 30) == (2,)

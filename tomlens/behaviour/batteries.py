@@ -71,17 +71,22 @@ def battery_summaries(df: pd.DataFrame, *, n_boot: int = 1000, seed: int = 0) ->
 HEADLINE_ROWS = 12
 
 
-def headline(summary: pd.DataFrame) -> pd.DataFrame:
-    """The rows of a battery summary a terminal shows: the paper's own headline cells (Kosoy's
-    domains and contrast; elsewhere the rows with the paper's number, and any flagged row), at most
-    HEADLINE_ROWS, without columns that are empty there, repeat the family or hold long notes. The
-    full table is the CSV and the report."""
-    if "level" in summary.columns and (summary["level"] != "cell").any():
-        rows = summary[summary["level"] != "cell"]
-    elif "paper" in summary.columns and summary["paper"].notna().any():
-        flagged = summary["flag"].notna() & (summary["flag"].astype(str) != "") if "flag" in summary else False
-        rows = summary[summary["paper"].notna() | flagged]  # a flag (e.g. "answers 'false' to 95%") is headline too
+def headline(summary: pd.DataFrame) -> tuple[pd.DataFrame, str]:
+    """The rows of a battery summary a terminal shows, and what they are: the paper's own headline
+    cells (Kosoy's domains and contrast; elsewhere the rows with the paper's number) plus any flagged
+    row (e.g. "answers 'false' to 95% of statements"), or the first rows when the paper gives no
+    number; at most HEADLINE_ROWS, without columns that are empty there, repeat the family or hold
+    long notes. Blank strings count as empty, so the text is the same before and after a CSV reload.
+    The full table is the CSV and the report."""
+    table = summary.replace("", pd.NA)
+    flagged = table["flag"].notna() if "flag" in table.columns else pd.Series(False, index=table.index)
+    if "level" in table.columns and (table["level"] != "cell").any():
+        keep, what = (table["level"] != "cell") | flagged, "the paper's headline cells"
+    elif "paper" in table.columns and table["paper"].notna().any():
+        keep, what = table["paper"].notna() | flagged, "the paper's headline cells"
     else:
-        rows = summary
-    rows = rows.head(HEADLINE_ROWS).drop(columns=[c for c in ("note", "family") if c in rows.columns])
-    return rows.dropna(axis=1, how="all")
+        keep, what = pd.Series(True, index=table.index), "the first rows"
+    room = max(0, HEADLINE_ROWS - int(flagged.sum()))
+    chosen = flagged | (keep & (keep.cumsum() <= room))  # every flag, then the first headline rows
+    rows = table[chosen].head(HEADLINE_ROWS).drop(columns=[c for c in ("note", "family") if c in table.columns])
+    return rows.dropna(axis=1, how="all"), what

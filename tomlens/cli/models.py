@@ -1,4 +1,5 @@
-"""`tomlens models`: list the built-in model names; `--convert` prepares the embedded model offline."""
+"""`tomlens models`: list the built-in model names; `--convert` prepares a packaged GGUF model (SmolLM2,
+Gemma 3 270M) offline ahead of its first use."""
 
 from __future__ import annotations
 

@@ -121,11 +121,14 @@ class BehaviourResult:
                       format_selective(self.selective)):
             if block:
                 text += "\n" + block
-        for family, df in self.batteries.items():
-            top = headline(df)
-            shown = top.astype(object).where(top.notna(), "")  # blank, not NaN: the same text after a reload
-            text += (f"\n{family}: the paper's headline cells ({len(top)} of {len(df)} rows; all of them in "
-                     f"battery_{family}.csv and the report):\n" + shown.to_string(index=False))
+        for family, df in sorted(self.batteries.items()):  # one order, before and after a reload
+            top, what = headline(df)
+            if top.empty:
+                text += f"\n{family}: no rows"
+                continue
+            shown = top.astype(object).where(top.notna(), "")
+            text += (f"\n{family}: {what} ({len(top)} of {len(df)} rows; all of them in battery_{family}.csv "
+                     "and the report):\n" + shown.to_string(index=False))
         return text
 
 

@@ -435,36 +435,42 @@ def run_sweep(config: ExperimentConfig, out: str | Path, options: ExecutorOption
             record(job, submitted)
         todo = []
         print(f"submitted {len(futures)} SLURM jobs: {', '.join(str(j.job_id) for _, j in futures)}", flush=True)
+        if wait:  # their ids on disk now: a stopped sweep's next run reattaches them instead of resubmitting
+            _finish(out, config, jobs, records, waited=False, command=command)
     if not wait:
         return _finish(out, config, jobs, records, waited=False, command=command)
     cap = options.parallel or 1
     bar = tqdm(total=len(todo) + len(running), desc="sweep jobs", unit="job", disable=not progress)
     queue = list(todo)
     local_running = 0
-    with jobs_stop_with_this_command(running, options.executor):
-        while queue or running:
-            while queue and (options.executor == "slurm" or local_running < cap):
-                record(queue[0], executor.submit(*call(queue[0])))
-                queue.pop(0)
-                local_running += 1
-            finished = [slug for slug, j in running.items() if j.done()]
-            if not finished:
-                time.sleep(0.5)
-                continue
-            for slug in finished:
-                handle = running.pop(slug)
-                if slug in started:
-                    local_running -= 1
-                records[slug] = _collect(by_slug[slug], handle, time.time() - started.get(slug, time.time()),
-                                         records[slug].executor)
-                bar.update(1)
-                print(f"{slug}: {records[slug].state}", flush=True)
+    try:
+        with jobs_stop_with_this_command(running):
+            while queue or running:
+                while queue and (options.executor == "slurm" or local_running < cap):
+                    record(queue[0], executor.submit(*call(queue[0])))
+                    queue.pop(0)
+                    local_running += 1
+                finished = [slug for slug, j in running.items() if j.done()]
+                if not finished:
+                    time.sleep(0.5)
+                    continue
+                for slug in finished:
+                    handle = running.pop(slug)
+                    if slug in started:
+                        local_running -= 1
+                    records[slug] = _collect(by_slug[slug], handle, time.time() - started.get(slug, time.time()),
+                                             records[slug].executor)
+                    bar.update(1)
+                    print(f"{slug}: {records[slug].state}", flush=True)
+    except KeyboardInterrupt:
+        _finish(out, config, jobs, records, waited=False, command=command)  # what is still running, by id
+        raise
     bar.close()
     return _finish(out, config, jobs, records, waited=True, command=command)
 
 
 @contextlib.contextmanager
-def jobs_stop_with_this_command(running: dict[str, Any], executor: str) -> Iterator[None]:
+def jobs_stop_with_this_command(running: dict[str, Any]) -> Iterator[None]:
     """Ctrl-C or SIGTERM stops the sweep; local jobs are its subprocesses, so they are cancelled too
     (left alone, one went on writing into the sweep folder after its sweep was killed). SLURM jobs
     run on: the same command later reattaches and collects them."""
@@ -478,14 +484,19 @@ def jobs_stop_with_this_command(running: dict[str, Any], executor: str) -> Itera
     try:
         yield
     except KeyboardInterrupt:
-        if executor == "local":
-            for slug, job in running.items():
+        import submitit
+
+        cluster = []
+        for slug, job in running.items():
+            if isinstance(job, submitit.LocalJob):
                 job.cancel(check=False)
                 print(f"{slug}: cancelled local job {job.job_id} (the sweep was stopped; run the same command "
                       "to submit it again)", file=sys.stderr, flush=True)
-        elif running:
-            print(f"{len(running)} SLURM jobs keep running; run the same command to collect them",
-                  file=sys.stderr, flush=True)
+            else:
+                cluster.append(slug)
+        if cluster:
+            print(f"{len(cluster)} SLURM jobs keep running ({', '.join(cluster)}); run the same command to "
+                  "collect them", file=sys.stderr, flush=True)
         raise
     finally:
         if previous is not None:

@@ -121,7 +121,7 @@ class ValidateConfig:
         if self.format not in ("csv", "parquet"):
             raise TomlensError(f"format = {self.format!r}", "use 'csv' or 'parquet'")
         if self.steering_layers is not None and self.steering_depths is not None:
-            raise TomlensError("both steering_layers and steering_depths are given",
+            raise TomlensError("both steering_layers and steering_depths are given (--layers and --depths)",
                                "give layers (absolute) or depths (fractions of the model's depth), not both")
         if self.steering_depths is not None and any(not 0.0 <= float(d) <= 1.0 for d in self.steering_depths):
             raise TomlensError(f"steering_depths {list(self.steering_depths)} are not all between 0 and 1",
@@ -438,7 +438,11 @@ def _plan(config: ValidateConfig, model: Any, k: int, n_stories: int, seconds_pe
     probe = n_stories
     patch = 2 * n_pairs + heads * sel + 3 * sel + (1 + config.n_random_heads) * ev * (1 + 2)
     n_alpha = len(config.alphas) if config.alphas else _default_alphas()
-    n_layers = len(steering_layers(config, int(model.cfg.n_layers)) or range(int(model.cfg.n_layers)))
+    chosen = steering_layers(config, int(model.cfg.n_layers))
+    n_layers = len(chosen or range(int(model.cfg.n_layers)))
+    where = (f"at layers {', '.join(map(str, chosen))}" if chosen else "at every layer") + (
+        f" (depths {', '.join(map(str, config.steering_depths))} of {int(model.cfg.n_layers)} layers)"
+        if config.steering_depths else "")
     steer = (config.n_random_directions + 2) * n_alpha * n_layers * n_stories
     total = probe + patch + 2 * n_stories * n_layers  # steering: one unsteered full pass per story and layer
     return [f"validate {config.model.name}: {n_stories} order-only stories ({config.n_tasks} tasks), "
@@ -446,7 +450,7 @@ def _plan(config: ValidateConfig, model: Any, k: int, n_stories: int, seconds_pe
             f"  probes   ~{probe:,} prompt forwards + probe fits and {config.n_permutations} permutations",
             f"  patching ~{patch:,} (exact and attribution on the selection pairs, top-k and ablation with "
             f"{config.n_random_heads} random sets on the held-out pairs)",
-            f"  steering ~{steer:,} one-token passes (directions x alphas x layers x stories; each reuses its "
+            f"  steering {where}: ~{steer:,} one-token passes (directions x alphas x layers x stories; each reuses its "
             "prompt's keys and values, so far cheaper than a forward)",
             f"  roughly {total:,} full prompt forwards at {1000 * seconds_per_prompt:.1f} ms each: about "
             f"{total * seconds_per_prompt / 60:.1f} min (an upper bound: the stages batch; probe fitting and the "
@@ -479,9 +483,10 @@ def _stage(name: str, fn: Callable[[], Any]) -> tuple[Any, str]:
 
 def steering_layers(config: ValidateConfig, n_layers: int) -> tuple[int, ...] | None:
     """The layers steering runs at: `steering_layers`, or `steering_depths` placed in this model's
-    depth (duplicates merged), or None for the steering stage's default (every layer)."""
+    depth (d x (n_layers - 1) rounded half up, duplicates merged), or None for the steering stage's
+    default (every layer)."""
     if config.steering_depths is not None:
-        return tuple(sorted({round(float(d) * (n_layers - 1)) for d in config.steering_depths}))
+        return tuple(sorted({int(float(d) * (n_layers - 1) + 0.5) for d in config.steering_depths}))  # half up
     return config.steering_layers
 
 
