@@ -245,11 +245,18 @@ def ir_summary(df: pd.DataFrame, *, n_boot: int = 1000, seed: int = 0) -> pd.Dat
     return out
 
 
+def _yes_no(v: Any) -> str:
+    """"true"/"false" from a bool or its CSV spelling; a blank or anything else is "unknown"."""
+    if isinstance(v, (bool, np.bool_)):
+        return "true" if v else "false"
+    text = str(v).strip().lower() if isinstance(v, str) else ""
+    return text if text in ("true", "false") else "unknown"
+
+
 def _flags(values: pd.Series) -> pd.Series:
     """True/False from a column that may hold booleans, "true"/"false" strings (a CSV round trip) or
     blanks; anything but an explicit true is False (`.astype(bool)` would make "false" and NaN True)."""
-    return values.map(lambda v: v is True or (isinstance(v, (bool, np.bool_)) and bool(v))
-                      or (isinstance(v, str) and v.strip().lower() == "true")).astype(bool)
+    return values.map(_yes_no).eq("true")
 
 
 def _matched_cue(d: pd.DataFrame) -> pd.Series:
@@ -405,14 +412,6 @@ REQUIRED_CODING_COLUMNS: list[str] = ["id", "family", "story_id", "kind", "quest
                                       "rubric", "max_score", "code"]
 CUT_OFF_NOTE = ("[cut off: decoding stopped at the token limit, not at the answer's end, so the answer may be "
                 "incomplete; code the text as written]")
-
-
-def _yes_no(v: Any) -> str:
-    """"true"/"false" from a bool or its CSV spelling; a blank or anything else is "unknown"."""
-    if isinstance(v, (bool, np.bool_)):
-        return "true" if v else "false"
-    text = str(v).strip().lower() if isinstance(v, str) else ""
-    return text if text in ("true", "false") else "unknown"
 
 
 def export_for_coding(answers: pd.DataFrame, path: str | Path) -> Path:
