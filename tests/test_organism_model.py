@@ -30,8 +30,8 @@ def test_the_organism_loads_offline_and_its_twin_has_its_shape_but_not_its_weigh
 
 def test_fresh_held_out_stories_confirm_the_model_card() -> None:
     """Held-out tasks drawn anew (other generator seeds than the card's test split, the same held-out
-    keys, every word in the vocabulary): the cells the card says reach the target (order-only, every
-    reality question) reach it here too, and those it says do not, do not."""
+    keys, every word in the vocabulary): the cells the card says reach the target (every order-only
+    prompt) reach it here too, and those it says do not, do not."""
     record = json.loads((organism_dir() / RECORD).read_text())
     cfg = record["config"]
     model = load_model(ORGANISM_NAME)
@@ -47,9 +47,11 @@ def test_fresh_held_out_stories_confirm_the_model_card() -> None:
     for cell, value in accuracy.items():  # the card's verdict per cell holds on fresh stories
         if card[cell] >= ACCURACY_TARGET:
             assert value >= ACCURACY_TARGET - 0.03, (cell, value)  # a smaller sample than the card's
-        else:
+        elif card[cell] <= ACCURACY_TARGET - 0.1:  # clearly under: stays under
             assert value < ACCURACY_TARGET, (cell, value)
-    assert all(card[c] >= ACCURACY_TARGET for c in card if c.startswith("order-only/") or c.endswith("/reality"))
+        else:  # just under the target on the card's sample: the same within sampling error
+            assert abs(value - card[cell]) <= 0.1, (cell, value, card[cell])
+    assert all(card[c] >= ACCURACY_TARGET for c in card if c.startswith("order-only/"))
 
 
 def _validate(name: str, tmp_path: Path) -> ValidationResult:
@@ -60,14 +62,20 @@ def _validate(name: str, tmp_path: Path) -> ValidationResult:
     return result
 
 
-def test_the_methods_find_on_the_organism_what_its_random_twin_does_not_have(tmp_path: Path) -> None:
-    """Every check runs on both; the twin passes none, and on the organism the probe and the head
-    ranking find belief well above their nulls and above the twin (whether every threshold is met is
-    the organism's model card and the README's table, not this test's)."""
+def test_the_checks_find_belief_where_training_put_it_on_the_organism_and_nothing_on_its_twin(tmp_path: Path) -> None:
+    """The positive and the negative control (fast settings, 48 tasks): on the organism the probe,
+    the head ranking, attribution and ablation pass, and the ranking names first the head that
+    interchange training put the belief variable in (its training record), so the methods find
+    belief where it is known to be, not just somewhere; its belief direction flips the false-belief
+    answers (the steering check itself fails on its random-direction null, as the README says). The
+    twin passes none."""
     organism = _validate(ORGANISM_NAME, tmp_path).table.set_index("check")
     twin = _validate(f"random:{ORGANISM_NAME}", tmp_path).table.set_index("check")
     assert list(organism.index) == list(CHECKS) == list(twin.index)
     assert not twin["passed"].any()
-    assert organism.loc["probe", "value"] >= 0.7 and organism.loc["probe", "value"] > twin.loc["probe", "value"] + 0.15
-    assert organism.loc["topk_recovery", "value"] >= organism.loc["topk_recovery", "null"] + 0.3
-    assert organism.loc["attribution", "value"] >= 0.8
+    found = ["probe", "topk_recovery", "attribution", "mean_ablation"]
+    assert organism.loc[found, "passed"].all(), organism[["value", "null", "detail"]].to_dict(orient="index")
+    layer, head = json.loads((organism_dir() / RECORD).read_text())["config"]["interchange_head"]
+    assert f"L{layer}H{head};" in organism.loc["topk_recovery", "detail"]  # ranked first
+    assert organism.loc["probe", "value"] > twin.loc["probe", "value"] + 0.3
+    assert organism.loc["steering", "value"] >= 0.8

@@ -135,6 +135,19 @@ def test_alpha_is_the_largest_false_belief_flip_with_ties_to_the_smallest_dose()
     assert choose_alpha(sel) == -2.0
 
 
+def test_alpha_is_the_smallest_dose_that_reaches_min_flip_else_the_most_flipping() -> None:
+    def table(rows: list[tuple[float, float]]) -> pd.DataFrame:
+        return pd.DataFrame([{"direction": "belief", "condition": "false_belief", "alpha": a, "flip_rate": f}
+                             for a, f in rows])
+
+    sel = table([(-4.0, 1.0), (-2.0, 1.0), (-1.0, 0.9), (0.0, 0.0), (1.0, 0.0), (2.0, 0.85)])
+    assert choose_alpha(sel, 0.8) == -1.0  # the least push that flips 80%, not the one that flips 100%
+    assert choose_alpha(sel) == -2.0
+    assert choose_alpha(sel, 0.95) == -2.0
+    short = table([(-4.0, 0.5), (-2.0, 0.6), (-1.0, 0.1), (1.0, 0.0)])
+    assert choose_alpha(short, 0.8) == -2.0  # none reaches it: the most flipping
+
+
 def test_config_rejects_bad_settings() -> None:
     for bad in ({"mode": "nudge"}, {"alphas": (0.0,)}, {"select_fraction": 1.0}, {"n_random": 0},
                 {"method": "pca"}, {"positions": "first"}):

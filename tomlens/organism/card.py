@@ -34,9 +34,14 @@ def model_card(record: dict[str, Any]) -> str:
     role = ("It is the **positive control** of `tomlens validate`: a model known to answer every belief "
             "question below, on which every method (probes, patching, attribution, ablation, steering) must "
             "find belief." if meets_target(record) else
+            "It is the positive control of `tomlens validate` on order-only stories, where it answers every "
+            "held-out question and where training put its belief variable (below), but it does **not** answer "
+            "every kind of belief question (see the table): read it as a model that tracks belief only where "
+            "its accuracy says so." if cfg.get("interchange") and _order_only_solved(record) else
             "It was meant as the positive control of `tomlens validate`, but it does **not** answer every kind "
             "of belief question (see the table): read it as a model that tracks belief only where its "
             "accuracy says so.")
+    mechanism = _mechanism(record)
     return f"""# tom-organism
 
 A small causal language model trained by tomlens (`tomlens train-organism`) to answer belief and
@@ -63,9 +68,10 @@ words of tomlens's generators, and nothing else.
 - {split['train_tasks']} training tasks ({split['train_prompts']} prompts), {split['test_tasks']} test tasks
   ({split['test_prompts']} prompts).
 
-## Training
+{mechanism}## Training
 AdamW (lr {cfg['lr']}, weight decay {cfg['weight_decay']}, {cfg['warmup']} warm-up steps, cosine decay),
 batch {cfg['batch_size']}, {cfg['steps']} steps, seed {cfg['seed']}, head-output group lasso {cfg['head_lasso']};
+{_curriculum(cfg)}
 {record['train_seconds']:.0f} s on {record['threads']} CPU threads. Same config, same machine: same weights.
 
 ## Held-out accuracy (answer outscores the other option)
@@ -84,6 +90,51 @@ whether belief is found where the checks look (the final token of the belief que
 `load_model("tom-organism")`; `tomlens validate --model tom-organism`. Reproduce with
 `tomlens train-organism --out DIR` (the config is in `{RECORD}`).
 """
+
+
+def _order_only_solved(record: dict[str, Any], target: float = ACCURACY_TARGET) -> bool:
+    cells = [v for k, v in record["test_accuracy"].items() if k.startswith("order-only/")]
+    return bool(cells) and min(cells) >= target
+
+
+def _curriculum(cfg: dict[str, Any]) -> str:
+    share, families = cfg.get("first_share") or 0.0, cfg.get("first_families") or []
+    if not share or not families:
+        return "every answer batch drawn from all the training prompts;"
+    return (f"the first {share:.0%} of the steps draw their answer batches from {', '.join(families)} prompts only "
+            "(the curriculum), the rest from all the training prompts;")
+
+
+def _mechanism(record: dict[str, Any]) -> str:
+    """The card's section on what training put where (empty when nothing was)."""
+    cfg = record["config"]
+    parts = []
+    if cfg.get("interchange"):
+        layer, head = cfg["interchange_head"]
+        swaps = ", ".join(f"{k} {v:.3f}" for k, v in record.get("test_swap_accuracy", {}).items()) or "not measured"
+        step = record.get("knockout_from_step")
+        if not cfg.get("interchange_knockout"):
+            after = ""
+        elif step:
+            after = (f" From step {step} (once the swap was learnt), with that head's output replaced by its mean "
+                     "over stories, it must also answer the object's current place (a reality bias, so the head is "
+                     "needed for a false belief).")
+        else:
+            after = " The knockout loss never started: the swap was not learnt."
+        parts.append(
+            f"- **The belief variable is put in head L{layer}H{head}, at the question's final token**, by "
+            f"interchange intervention training (Geiger et al., 2022; weight {cfg['interchange']:g}, on "
+            f"{', '.join(cfg['interchange_families'])} belief questions): that head's output is swapped in from "
+            "another story, and the answer must be the place the *other* story's protagonist's belief picks "
+            "(its start if they missed the move, its current place if they saw it). The source run has no "
+            "gradient, so the later layers learn to read the head and the answer loss teaches the head to "
+            "write the bit." + after
+            + f" Measured on held-out pairs whose beliefs differ (the swap must change the answer): {swaps}. "
+            f"`tomlens validate` should find it there: the probe at layer {layer} or later, this head in the "
+            f"top k, steering from layer {layer} on.")
+    if not parts:
+        return ""
+    return "## Known mechanism\n" + "\n".join(parts) + "\n\n"
 
 
 def save_organism(model: Any, tokenizer: Any, record: dict[str, Any], out: str | Path) -> Path:

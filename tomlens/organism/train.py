@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 
 from tomlens.errors import TomlensError
 from tomlens.organism.data import FAMILIES, Split, make_split
+from tomlens.organism.interchange import head_outputs, patched_final_logits, site_check, usable
 from tomlens.organism.vocab import build_tokenizer
 from tomlens.stimuli.records import Stimulus
 
@@ -39,11 +40,11 @@ class OrganismConfig:
     n_heads: int = 8  # 40 heads: k = 5% of heads is 2
     d_mlp: int = 256
     train_tasks: dict[str, int] = field(default_factory=lambda: {
-        "order-only": 6000, "false-belief-factorial": 1000, "unexpected-contents": 2000})
+        "order-only": 6000, "false-belief-factorial": 500, "unexpected-contents": 1000})
     test_tasks: dict[str, int] = field(default_factory=lambda: {
         "order-only": 2000, "false-belief-factorial": 400, "unexpected-contents": 800})
     held_out_share: float = 0.3
-    steps: int = 2000
+    steps: int = 1200
     batch_size: int = 64
     lr: float = 3e-3
     warmup: int = 100
@@ -51,7 +52,23 @@ class OrganismConfig:
     head_lasso: float = 0.0  # group lasso on each head's output weights (sparser head use)
     story_loss: float = 1.0  # weight of a next-word loss on the story itself (0: the answer only)
     contents_decoys: bool = True  # unexpected-contents stories with their decoy sentences
-    threads: int | None = 1  # torch threads while training: one, so the weights do not depend on the core count
+    # interchange intervention training (tomlens.organism.interchange): weight of the swapped-head
+    # loss (0: off), the head (layer, head) that must carry the belief bit at the final token, and
+    # the families whose belief prompts are swapped
+    interchange: float = 1.0
+    interchange_head: tuple[int, int] = (2, 0)
+    interchange_families: tuple[str, ...] = ("order-only",)
+    # with the head mean-ablated, answer the current place; this loss starts once the swap is
+    # learnt (running swap accuracy on the training batches >= `knockout_after`): before that the
+    # head carries nothing yet, and answering the current place would only teach a reality bias
+    interchange_knockout: bool = True
+    knockout_after: float = 0.95
+    # a curriculum: for the first `first_share` of the steps, the answer batches come from these
+    # families only (order-only first: its interchange is learnt within a few hundred steps alone,
+    # and not within a thousand among the factorial's and contents' stories), then from all
+    first_families: tuple[str, ...] = ("order-only",)
+    first_share: float = 0.4
+    threads: int | None = 2  # torch threads while training: a fixed count, so the weights do not depend on the core count
 
     def __post_init__(self) -> None:
         if self.d_model % self.n_heads:
@@ -60,6 +77,27 @@ class OrganismConfig:
         for name in ("n_layers", "d_model", "n_heads", "d_mlp", "steps", "batch_size"):
             if int(getattr(self, name)) < 1:
                 raise TomlensError(f"{name} = {getattr(self, name)} must be at least 1", f"pass a positive {name}")
+        head = self.interchange_head
+        if not (isinstance(head, (tuple, list)) and len(head) == 2 and all(isinstance(v, int) for v in head)):
+            raise TomlensError(f"interchange_head = {head!r} is not a (layer, head) pair of integers",
+                               "give two integers, e.g. interchange_head = [2, 0]")
+        object.__setattr__(self, "interchange_head", tuple(head))
+        for name in ("interchange_families", "first_families"):
+            v = getattr(self, name)
+            object.__setattr__(self, name, (v,) if isinstance(v, str) else tuple(v))
+        for name, value, low, high in (("interchange", self.interchange, 0.0, math.inf),
+                                       ("knockout_after", self.knockout_after, 0.0, 1.0)):
+            if not low <= float(value) <= high:  # NaN fails too
+                raise TomlensError(f"{name} = {value} is out of range", f"use a number from {low} to {high}")
+        if set(self.first_families) - set(FAMILIES) or not 0.0 <= self.first_share < 1.0:
+            raise TomlensError(f"curriculum first_families {list(self.first_families)}, first_share {self.first_share}",
+                               f"choose families from {list(FAMILIES)} and a share in [0, 1)")
+        if self.interchange:
+            site_check(*self.interchange_head, self.n_layers, self.n_heads)
+            unknown = set(self.interchange_families) - set(FAMILIES)
+            if unknown or not self.interchange_families:
+                raise TomlensError(f"interchange families {sorted(unknown) or '(none)'} are not the organism's",
+                                   f"choose from {list(FAMILIES)}")
         for sizes in (self.train_tasks, self.test_tasks):
             missing = set(FAMILIES) - set(sizes)
             if missing:
@@ -85,6 +123,10 @@ class Encoded:
     lengths: Tensor  # [n]
     answer: Tensor   # [n]
     other: Tensor    # [n]
+    reference: Tensor  # [n] the reference place's (start, label) token, -1 where a prompt has none
+    world: Tensor      # [n] the world's (current place, contents) token, -1 where none
+    believes_reference: Tensor  # [n] bool: the protagonist believes the reference
+    swappable: Tensor  # [n] bool: a belief prompt an interchange can use (interchange.usable)
 
 
 def encode(tokenizer: Any, stimuli: Sequence[Stimulus]) -> Encoded:
@@ -99,7 +141,73 @@ def encode(tokenizer: Any, stimuli: Sequence[Stimulus]) -> Encoded:
 
     answer = torch.tensor([first(s.answer) for s in stimuli])
     other = torch.tensor([first(next(o for o in s.options if o != s.answer)) for s in stimuli])
-    return Encoded(ids, torch.tensor([len(r) for r in rows]), answer, other)
+    reference = torch.tensor([first(s.reference_state) if s.reference_state else -1 for s in stimuli])
+    world = torch.tensor([first(s.world_state) if s.world_state else -1 for s in stimuli])
+    return Encoded(ids, torch.tensor([len(r) for r in rows]), answer, other, reference, world,
+                   torch.tensor([bool(s.belief_is_reference) for s in stimuli]),
+                   torch.tensor([usable(s) for s in stimuli]))
+
+
+def swap_rows(enc: Encoded, stimuli: Sequence[Stimulus], families: Sequence[str]) -> Tensor:
+    """Indices of the prompts an interchange may use as base or source ([m])."""
+    keep = [i for i, s in enumerate(stimuli) if s.family in families and bool(enc.swappable[i])]
+    return torch.tensor(keep, dtype=torch.long)
+
+
+def swap_targets(enc: Encoded, base: Tensor, source: Tensor) -> tuple[Tensor, Tensor]:
+    """The token each base prompt must answer with the source's belief swapped in (the base's
+    reference place if the source protagonist believes the reference, else the base's current
+    place), and the base's other option ([len(base)] each)."""
+    picks_reference = enc.believes_reference[source]
+    return (torch.where(picks_reference, enc.reference[base], enc.world[base]),
+            torch.where(picks_reference, enc.world[base], enc.reference[base]))
+
+
+def swap_loss_and_right(model: Any, enc: Encoded, base: Tensor, source: Tensor, cfg: OrganismConfig,
+                        *, knockout: bool = False) -> tuple[Tensor, Tensor]:
+    """Cross-entropy of the swapped answer with the interchange head's final-token output taken from
+    `source`, and whether that answer outscores the base's other place ([len(base)] bool).
+    `knockout`: also the loss of answering the base's current place (a reality bias) when the
+    head's output is its mean over the sources, added to the first."""
+    layer, head = cfg.interchange_head
+    d_head = cfg.d_model // cfg.n_heads
+    ws, wb = int(enc.lengths[source].max()), int(enc.lengths[base].max())
+    values = head_outputs(model, enc.ids[source, :ws], enc.lengths[source], layer, head, d_head)
+    ids, lengths = enc.ids[base, :wb], enc.lengths[base]
+    logits = patched_final_logits(model, ids, lengths, layer, head, d_head, values)
+    target, wrong = swap_targets(enc, base, source)
+    rows = torch.arange(len(base))
+    loss = torch.nn.functional.cross_entropy(logits, target)
+    if knockout:
+        mean = values.mean(dim=0, keepdim=True).expand_as(values)
+        ablated = patched_final_logits(model, ids, lengths, layer, head, d_head, mean)
+        loss = loss + torch.nn.functional.cross_entropy(ablated, enc.world[base])
+    return loss, logits[rows, target] > logits[rows, wrong]
+
+
+@torch.no_grad()
+def swap_accuracy(model: Any, enc: Encoded, stimuli: Sequence[Stimulus], cfg: OrganismConfig,
+                  batch: int = 256) -> dict[str, float]:
+    """Per family: the share of held-out base prompts that answer the source's belief when the
+    interchange head's output comes from another held-out prompt whose protagonist believes the
+    other thing (a fixed seeded pairing, kept where the beliefs differ: there the swap must change
+    the answer)."""
+    model.eval()
+    out: dict[str, float] = {}
+    for family in cfg.interchange_families:
+        rows = swap_rows(enc, stimuli, (family,))
+        if len(rows) < 2:
+            continue
+        gen = torch.Generator().manual_seed(cfg.seed + 1)
+        source = rows[torch.randperm(len(rows), generator=gen)]
+        differ = enc.believes_reference[rows] != enc.believes_reference[source]  # the pairs a swap changes
+        rows, source = rows[differ], source[differ]
+        if not len(rows):
+            continue
+        right = [swap_loss_and_right(model, enc, rows[i:i + batch], source[i:i + batch], cfg)[1]
+                 for i in range(0, len(rows), batch)]
+        out[family] = float(torch.cat(right).float().mean())
+    return out
 
 
 def all_logits(model: Any, ids: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor]:
@@ -181,12 +289,22 @@ def _train(cfg: OrganismConfig, *, progress: bool, log_every: int) -> tuple[Any,
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
     gen = torch.Generator().manual_seed(cfg.seed)
     n = len(split.train)
+    first = torch.tensor([i for i, s in enumerate(split.train) if s.family in cfg.first_families], dtype=torch.long)
+    first_steps = int(cfg.first_share * cfg.steps) if len(first) else 0
     history: list[dict[str, float]] = []
     bar = tqdm(range(cfg.steps), desc="training tom-organism", disable=not progress)
     running = 0.0
+    running_swap, knockout_step = 0.0, None
+    pool = swap_rows(train_enc, split.train, cfg.interchange_families) if cfg.interchange else None
+    if pool is not None and len(pool) < 2:
+        raise TomlensError(f"no belief prompts to swap in {list(cfg.interchange_families)}",
+                           "raise train_tasks for those families, or set interchange = 0")
     for step in bar:
         model.train()
-        idx = torch.randint(0, n, (cfg.batch_size,), generator=gen)
+        if step < first_steps:
+            idx = first[torch.randint(0, len(first), (cfg.batch_size,), generator=gen)]
+        else:
+            idx = torch.randint(0, n, (cfg.batch_size,), generator=gen)
         width = int(train_enc.lengths[idx].max())
         ids, lengths = train_enc.ids[idx, :width], train_enc.lengths[idx]
         out, mask = all_logits(model, ids, lengths)
@@ -194,6 +312,14 @@ def _train(cfg: OrganismConfig, *, progress: bool, log_every: int) -> tuple[Any,
         total = loss
         if cfg.story_loss:
             total = total + cfg.story_loss * story_loss(out, ids, mask)
+        if pool is not None:
+            pick = torch.randint(0, len(pool), (2, cfg.batch_size), generator=gen)
+            knockout = cfg.interchange_knockout and knockout_step is not None
+            swap, right = swap_loss_and_right(model, train_enc, pool[pick[0]], pool[pick[1]], cfg, knockout=knockout)
+            running_swap = 0.95 * running_swap + 0.05 * float(right.float().mean())
+            if cfg.interchange_knockout and knockout_step is None and running_swap >= cfg.knockout_after:
+                knockout_step = step + 2  # 1-based, as in the history: the next step is the first with it
+            total = total + cfg.interchange * swap
         if cfg.head_lasso:
             total = total + cfg.head_lasso * head_group_norms(model, cfg.n_heads).sum()
         opt.zero_grad(set_to_none=True)
@@ -205,11 +331,14 @@ def _train(cfg: OrganismConfig, *, progress: bool, log_every: int) -> tuple[Any,
         bar.set_postfix(loss=f"{running:.3f}")
         if log_every and ((step + 1) % log_every == 0 or step + 1 == cfg.steps):
             acc = accuracy_by_condition(model, test_enc, split.test)
-            history.append({"step": step + 1, "loss": running, "min_test_accuracy": min(acc.values())})
+            swaps = swap_accuracy(model, test_enc, split.test, cfg) if cfg.interchange else {}
+            history.append({"step": step + 1, "loss": running, "min_test_accuracy": min(acc.values()),
+                            **{f"swap_accuracy/{k}": v for k, v in swaps.items()}})
             if progress:
                 worst = sorted(acc.items(), key=lambda kv: kv[1])[:3]
                 tqdm.write(f"step {step + 1}: loss {running:.4f}, lowest held-out accuracy "
-                           + ", ".join(f"{k} {v:.3f}" for k, v in worst))
+                           + ", ".join(f"{k} {v:.3f}" for k, v in worst)
+                           + "".join(f"; swapped-head accuracy {k} {v:.3f}" for k, v in swaps.items()))
     model.eval()
     record = {
         "config": asdict(cfg),
@@ -218,6 +347,8 @@ def _train(cfg: OrganismConfig, *, progress: bool, log_every: int) -> tuple[Any,
         "n_parameters": sum(p.numel() for p in model.parameters()),
         "test_accuracy": accuracy_by_condition(model, test_enc, split.test),
         "train_accuracy": accuracy_by_condition(model, train_enc, split.train),
+        "test_swap_accuracy": swap_accuracy(model, test_enc, split.test, cfg) if cfg.interchange else {},
+        "knockout_from_step": knockout_step,
         "history": history,
         "train_seconds": round(time.time() - started, 1),
         "threads": torch.get_num_threads(),
@@ -228,5 +359,6 @@ def _train(cfg: OrganismConfig, *, progress: bool, log_every: int) -> tuple[Any,
 def quick_config(seed: int = 0) -> OrganismConfig:
     """A reduced run that exercises the whole script in seconds (tests; not the shipped organism)."""
     return OrganismConfig(seed=seed, n_layers=2, d_model=32, n_heads=4, d_mlp=64, steps=20, batch_size=16, warmup=5,
+                          interchange=1.0, interchange_head=(1, 0),
                           train_tasks={"order-only": 60, "false-belief-factorial": 20, "unexpected-contents": 40},
                           test_tasks={"order-only": 300, "false-belief-factorial": 150, "unexpected-contents": 100})

@@ -1,8 +1,9 @@
 """The steering stage: fit belief directions, pick a dose, and test the dose on held-out stories.
 
 Selection is kept apart from evaluation: the tasks are split (`fraction_split`) into a selection
-half, where the directions are fitted and the dose is chosen (the non-zero alpha with the largest
-false-belief flip rate along the belief direction, ties to the smallest |alpha|), and an
+half, where the directions are fitted and the dose is chosen (the smallest |alpha| whose belief
+direction flips at least `min_flip` of the false-belief answers, else the one that flips the most),
+and an
 evaluation half, where every direction (belief, shuffled labels, the random ones) is run at every
 alpha. A layer's verdict is "found" only when, at the chosen alpha on the evaluation half, the belief
 direction flips at least `min_flip` of the false-belief answers and more than every random
@@ -94,15 +95,20 @@ class SteeringConfig:
                                "run `tomlens probe --sites resid_post` and pass its directions.safetensors")
 
 
-def choose_alpha(selection: pd.DataFrame) -> float:
-    """The non-zero alpha whose belief direction flips the most false-belief answers on the
-    selection half; ties go to the smallest |alpha|, then to the negative one."""
+def choose_alpha(selection: pd.DataFrame, min_flip: float | None = None) -> float:
+    """The dose, chosen on the selection half: with `min_flip`, the smallest |alpha| whose belief
+    direction flips at least `min_flip` of the false-belief answers (the least push that does the
+    job; a larger one also pushes a random direction of the same norm harder); where none does, or
+    without `min_flip`, the non-zero alpha that flips the most. Ties go to the smallest |alpha|, then
+    to the negative one."""
     fb = selection[(selection["direction"] == "belief") & (selection["condition"] == "false_belief")
                    & (selection["alpha"] != 0)]
     if fb.empty:
         raise TomlensError("the selection half has no false-belief prompts to choose a dose on",
                            "use stimuli with false-belief belief questions (e.g. order-only)")
     best = fb["flip_rate"].max()
+    if min_flip is not None and best >= min_flip - 1e-12:
+        best = min_flip
     tied = fb[fb["flip_rate"] >= best - 1e-12]["alpha"].tolist()
     return float(sorted(tied, key=lambda a: (abs(a), a))[0])
 
@@ -160,7 +166,7 @@ class SteeringResult:
 
     def best(self) -> dict[str, Any]:
         """The layer dict whose belief direction flips the most false-belief answers on the selection
-        half (at its chosen alpha; ties to the lower layer): the layer is chosen, like the dose, without
+        half (at any dose; ties to the lower layer): the layer is chosen, like the dose, without
         looking at the evaluation half."""
         layers = self.summary.get("layers", [])
         if not layers:
@@ -261,10 +267,12 @@ def run(config: SteeringConfig, *, model: Any = None, progress: bool = True) -> 
     per_layer = []
     for layer in layers:
         mine = selection[selection["layer"] == layer]
-        alpha = choose_alpha(mine)
+        alpha = choose_alpha(mine, config.min_flip)
         row = layer_summary(evaluation, layer, alpha, min_flip=config.min_flip, max_random_flip=config.max_random_flip)
         picked = mine[(mine["direction"] == "belief") & (mine["condition"] == "false_belief") & (mine["alpha"] == alpha)]
-        row["selection_flip"] = float(picked["flip_rate"].iloc[0])  # what picks the layer: never an evaluation number
+        row["selection_flip"] = float(picked["flip_rate"].iloc[0])
+        fb = mine[(mine["direction"] == "belief") & (mine["condition"] == "false_belief") & (mine["alpha"] != 0)]
+        row["selection_flip_max"] = float(fb["flip_rate"].max())  # what picks the layer: never an evaluation number
         per_layer.append(row)
     notes = []
     if config.directions_path is not None:
@@ -289,10 +297,12 @@ def run(config: SteeringConfig, *, model: Any = None, progress: bool = True) -> 
 
 
 def chosen_layer(layers: list[dict[str, Any]]) -> dict[str, Any]:
-    """Of the per-layer summaries, the one with the highest selection-half flip rate (ties to the lower
-    layer). Summaries written before `selection_flip` existed fall back to the evaluation flip rate."""
+    """Of the per-layer summaries, the one whose belief direction flips the most false-belief answers on
+    the selection half at any dose (not at its chosen dose, which is the least that reaches
+    `min_flip` and so sits near it on every layer that can); ties to the lower layer. Summaries
+    written before `selection_flip_max` fall back to `selection_flip`, then to the evaluation rate."""
     def key(d: dict[str, Any]) -> tuple[float, int]:
-        v = float(d.get("selection_flip", d["flip_false_belief"]))
+        v = float(d.get("selection_flip_max", d.get("selection_flip", d["flip_false_belief"])))
         return (v if v == v else -1.0, -int(d["layer"]))
 
     return max(layers, key=key)

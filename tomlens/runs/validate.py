@@ -323,8 +323,8 @@ def check_ablation(summary: Mapping[str, Any], k: int, t: Thresholds, *, n_heads
 
 def check_steering(summary: Mapping[str, Any], t: Thresholds, *, withheld: str = "") -> Check:
     """Check 5 from a steering summary (`SteeringResult.summary`, its "layers" list). The layer is the
-    one whose belief direction flipped most on the selection half (`runs.steering.chosen_layer`: like
-    the dose, never chosen on held-out numbers); on the evaluation half its belief direction must flip
+    one whose belief direction flipped most on the selection half at any dose
+    (`runs.steering.chosen_layer`: like the dose, never chosen on held-out numbers); on the evaluation half its belief direction must flip
     >= min_flip of false-belief answers at that dose, more than the shuffled-label direction, while
     the most-flipping random direction stays <= max_random_flip."""
     from tomlens.runs.steering import chosen_layer

@@ -1,0 +1,86 @@
+"""Interchange intervention training: the organism's belief variable, put in one known head.
+
+Why: a positive control for `tomlens validate` must hold belief where the checks look, and we must
+know where that is. Answer-only training lets the model solve order-only stories without ever
+forming a false-versus-true-belief variable at the question's last token (it can copy the
+believed place straight from the story). Interchange intervention training (Geiger et al., 2022)
+fixes the place: on a base story, one head's output at the final token is replaced by the same
+head's output on a source story, and the answer must then be the base story's place that the
+*source* protagonist's belief picks (the start when the source protagonist missed the move, the
+current place when they saw it). The head can only help by carrying the source's
+belief-is-the-start bit and nothing about its words. (The source run has no gradient: the loss
+teaches the later layers to read the head, and the answer loss teaches the head to write it.
+Whether it does is measured, not assumed: the held-out swap accuracy in the model card, and
+`tomlens validate`'s head ranking and ablation.)
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Iterator, Sequence
+
+import torch
+from torch import Tensor
+
+from tomlens.errors import TomlensError
+from tomlens.stimuli.records import Stimulus
+
+
+def site_check(layer: int, head: int, n_layers: int, n_heads: int) -> None:
+    """One clear error for a head that the model does not have."""
+    if not (0 <= layer < n_layers and 0 <= head < n_heads):
+        raise TomlensError(f"interchange head L{layer}H{head} is not in a model of {n_layers} layers x {n_heads} heads",
+                           f"choose a layer from 0 to {n_layers - 1} and a head from 0 to {n_heads - 1}")
+
+
+def usable(s: Stimulus) -> bool:
+    """A belief prompt whose belief is either the reference (start, label) or the world, and differs
+    between the two (the swapped bit must change the answer)."""
+    return (s.prompt_type == "belief" and s.reference_state is not None and s.world_state is not None
+            and s.reference_state != s.world_state and s.belief_is_reference is not None)
+
+
+@contextmanager
+def _o_proj_hook(model: Any, layer: int, fn: Any) -> Iterator[None]:
+    """`fn(heads_in)` sees (and may replace) the input of layer `layer`'s output projection:
+    every head's output, concatenated ([batch, pos, n_heads * d_head])."""
+    handle = model.model.layers[layer].self_attn.o_proj.register_forward_pre_hook(lambda _m, args: fn(args[0]))
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def _final(x: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor]:
+    return torch.arange(x.shape[0]), lengths - 1
+
+
+def head_outputs(model: Any, ids: Tensor, lengths: Tensor, layer: int, head: int, d_head: int) -> Tensor:
+    """Head `head` of layer `layer` at each row's last real token ([n, d_head]); no gradient."""
+    got: list[Tensor] = []
+
+    def grab(x: Tensor) -> None:
+        rows, cols = _final(x, lengths)
+        got.append(x[rows, cols, head * d_head:(head + 1) * d_head].detach().clone())
+
+    mask = (torch.arange(ids.shape[1])[None] < lengths[:, None]).long()
+    with torch.no_grad(), _o_proj_hook(model, layer, grab):
+        model(input_ids=ids, attention_mask=mask)
+    return got[0]
+
+
+def patched_final_logits(model: Any, ids: Tensor, lengths: Tensor, layer: int, head: int, d_head: int,
+                         values: Tensor) -> Tensor:
+    """Logits at each row's last real token ([n, vocab]) with the head's output there set to
+    `values` ([n, d_head])."""
+
+    def put(x: Tensor) -> tuple[Tensor]:
+        rows, cols = _final(x, lengths)
+        x = x.clone()
+        x[rows, cols, head * d_head:(head + 1) * d_head] = values.to(x.dtype)
+        return (x,)
+
+    mask = (torch.arange(ids.shape[1])[None] < lengths[:, None]).long()
+    with _o_proj_hook(model, layer, put):
+        logits = model(input_ids=ids, attention_mask=mask).logits
+    return logits[torch.arange(len(ids)), lengths - 1]
