@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
 
 def estimate_minutes(cfg) -> float:  # noqa: ANN001 - an OrganismConfig
     """Measured here (2 CPU threads, the shipped shape: 5 layers, d_model 64, batch 64): about 0.62 s
-    a step with the interchange, 1.0 s once the knockout and the noise start (about the last 40% of
+    a step with the interchange, 1.0 s once the knockout starts (about the last 40% of
     the steps), 0.45 s without the interchange; plus about a minute to generate and split the stories."""
     size = (cfg.batch_size / 64) * (cfg.n_layers / 5) * (cfg.d_model / 64) ** 2
     per_step = (0.62 * 0.6 + 1.0 * 0.4) if cfg.interchange else 0.45

@@ -1,7 +1,8 @@
 """Train the model organism: a small Llama that answers belief and reality questions.
 
-The loss is cross-entropy on the answer's first token at the end of each prompt (the story and
-question are context, not targets). Everything is seeded (data, split, initialisation, batch
+The loss is cross-entropy on the answer's first token at the end of each prompt, plus the
+next-word loss on the story (`story_loss`) and the interchange losses that put the belief variable
+in one known head (`tomlens.organism.interchange`). Everything is seeded (data, split, initialisation, batch
 order), so the same config on the same machine gives the same weights. `train` writes a model
 folder that `tomlens.models.load_model` boots like any local model: config.json,
 model.safetensors, the tokenizer files, `training.json` (config, split, accuracy per condition,
