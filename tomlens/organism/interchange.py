@@ -51,6 +51,11 @@ def _o_proj_hook(model: Any, layer: int, fn: Any) -> Iterator[None]:
         handle.remove()
 
 
+def _mask(ids: Tensor, lengths: Tensor) -> Tensor:
+    """The attention mask of right-padded rows ([n, width])."""
+    return (torch.arange(ids.shape[1])[None] < lengths[:, None]).long()
+
+
 def _final(x: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor]:
     return torch.arange(x.shape[0]), lengths - 1
 
@@ -63,9 +68,8 @@ def head_outputs(model: Any, ids: Tensor, lengths: Tensor, layer: int, head: int
         rows, cols = _final(x, lengths)
         got.append(x[rows, cols, head * d_head:(head + 1) * d_head].detach().clone())
 
-    mask = (torch.arange(ids.shape[1])[None] < lengths[:, None]).long()
     with torch.no_grad(), _o_proj_hook(model, layer, grab):
-        model(input_ids=ids, attention_mask=mask)
+        model(input_ids=ids, attention_mask=_mask(ids, lengths))
     return got[0]
 
 
@@ -80,7 +84,6 @@ def patched_final_logits(model: Any, ids: Tensor, lengths: Tensor, layer: int, h
         x[rows, cols, head * d_head:(head + 1) * d_head] = values.to(x.dtype)
         return (x,)
 
-    mask = (torch.arange(ids.shape[1])[None] < lengths[:, None]).long()
     with _o_proj_hook(model, layer, put):
-        logits = model(input_ids=ids, attention_mask=mask).logits
+        logits = model(input_ids=ids, attention_mask=_mask(ids, lengths)).logits
     return logits[torch.arange(len(ids)), lengths - 1]

@@ -95,14 +95,18 @@ class SteeringConfig:
                                "run `tomlens probe --sites resid_post` and pass its directions.safetensors")
 
 
+def _belief_false_belief_rows(table: pd.DataFrame) -> pd.DataFrame:
+    """The belief direction's rows on false-belief prompts at a non-zero alpha."""
+    return table[(table["direction"] == "belief") & (table["condition"] == "false_belief") & (table["alpha"] != 0)]
+
+
 def choose_alpha(selection: pd.DataFrame, min_flip: float | None = None) -> float:
     """The dose, chosen on the selection half: with `min_flip`, the smallest |alpha| whose belief
     direction flips at least `min_flip` of the false-belief answers (the least push that does the
     job; a larger one also pushes a random direction of the same norm harder); where none does, or
     without `min_flip`, the non-zero alpha that flips the most. Ties go to the smallest |alpha|, then
     to the negative one."""
-    fb = selection[(selection["direction"] == "belief") & (selection["condition"] == "false_belief")
-                   & (selection["alpha"] != 0)]
+    fb = _belief_false_belief_rows(selection)
     if fb.empty:
         raise TomlensError("the selection half has no false-belief prompts to choose a dose on",
                            "use stimuli with false-belief belief questions (e.g. order-only)")
@@ -269,9 +273,8 @@ def run(config: SteeringConfig, *, model: Any = None, progress: bool = True) -> 
         mine = selection[selection["layer"] == layer]
         alpha = choose_alpha(mine, config.min_flip)
         row = layer_summary(evaluation, layer, alpha, min_flip=config.min_flip, max_random_flip=config.max_random_flip)
-        picked = mine[(mine["direction"] == "belief") & (mine["condition"] == "false_belief") & (mine["alpha"] == alpha)]
-        row["selection_flip"] = float(picked["flip_rate"].iloc[0])
-        fb = mine[(mine["direction"] == "belief") & (mine["condition"] == "false_belief") & (mine["alpha"] != 0)]
+        fb = _belief_false_belief_rows(mine)
+        row["selection_flip"] = float(fb[fb["alpha"] == alpha]["flip_rate"].iloc[0])
         row["selection_flip_max"] = float(fb["flip_rate"].max())  # what picks the layer: never an evaluation number
         per_layer.append(row)
     notes = []
