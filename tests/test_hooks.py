@@ -180,3 +180,21 @@ def test_head_out_passes_gradients_to_z_not_to_weights(load_tiny):
     head_out(model, 0, z).pow(2).sum().backward()
     assert z.grad is not None and z.grad.abs().sum() > 0
     assert model.blocks[0].attn.o.weight.grad is None
+
+
+@pytest.mark.parametrize("tiny_model", ["tiny-gpt2", "tiny-llama"], indirect=True)
+def test_a_kept_prefix_cache_reproduces_the_plain_run(tiny_model):
+    """The shared-prefix shortcut (patching, attribution, steering) needs the bridge to fill Hugging
+    Face's KV cache. Where it does not (TransformerLens 4.3 with transformers 5.24, which renamed the
+    attention's cache argument), every shortcut silently falls back to full forwards: same numbers,
+    several times slower. pyproject pins transformers below that; this catches the next such stack."""
+    from tomlens.hooks.patch import forward_last
+
+    batch = encode(tiny_model, ["the cat sat on the mat and then", "a dog ran to the park and then"])
+    kwargs = batch.forward_kwargs()
+    with torch.inference_mode():
+        plain, cache = forward_last(tiny_model, batch.input_ids, kwargs, keep_cache=True)
+        assert cache is not None, "the bridge filled no KV cache: shared-prefix shortcuts are off on this stack"
+        start = batch.input_ids.shape[1] - 1
+        last, _ = forward_last(tiny_model, batch.input_ids, kwargs, prefix=cache, start=start)
+    torch.testing.assert_close(last, plain, rtol=1e-4, atol=1e-4)
