@@ -70,6 +70,58 @@ def test_attribution_equals_per_pair_gradient_reference(load_tiny, name):
     assert max(checked) > 1e-4  # gradients and differences are not all zero
 
 
+def _reference_ig_scores(model, pair, hook: str, steps: int) -> torch.Tensor:
+    """Integrated gradients by hand, one pair, no padding: the gradient at the hook averaged over
+    corrupted runs whose token embeddings are moved 0, 1/steps, .. of the way to the clean story's,
+    times (clean - corrupted) activation."""
+    b = encode(model, [pair.clean.text, pair.corrupted.text])
+    metric = tl_metric(model, pair)
+    with torch.inference_mode():
+        _, cache = model.run_with_cache(b.input_ids[:1], names_filter=[hook, "hook_embed"])
+    clean_act, clean_embed = cache[hook].clone(), cache["hook_embed"].clone()
+    total, kept = None, {}
+    for i in range(steps):
+        delta = torch.zeros_like(clean_act, requires_grad=True)
+
+        def add(act, hook=None):
+            kept.setdefault("corrupted", act.detach().clone())
+            return act + delta
+
+        def mix(act, hook=None, a=i / steps):
+            return act + a * (clean_embed - act)
+
+        logits = model.run_with_hooks(b.input_ids[1:], fwd_hooks=[("hook_embed", mix), (hook, add)])
+        (grad,) = torch.autograd.grad(metric(logits), delta)
+        total = grad if total is None else total + grad
+    return ((clean_act - kept["corrupted"]) * total / steps).sum(-1)[0]  # [pos(, head)]
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gpt2"])
+def test_integrated_gradient_attribution_equals_a_one_pair_reference(load_tiny, name):
+    """steps > 1, batched and on the shared-prefix shortcut, equals the hand-written path average;
+    steps = 1 is plain attribution; fewer than 1 step is refused."""
+    from tomlens.errors import TomlensError
+
+    model = load_tiny(name)
+    pairs = short_pairs(model.tokenizer, 2)
+    res = attribution_patching(model, pairs, sites={"heads": ["each"]}, batch_pairs=2, steps=4, progress=False)
+    plain = attribution_patching(model, pairs, sites={"heads": ["each"]}, batch_pairs=2, progress=False)
+    df = res.cell_frame()
+    H, n_al = model.cfg.n_heads, int(df.pos.max()) + 1
+    est = res.values - res.corrupted[None, :]
+    assert torch.equal(res.corrupted, plain.corrupted) and torch.equal(res.clean, plain.clean)
+    assert not torch.allclose(est, plain.values - plain.corrupted[None, :], atol=1e-6)  # not the plain scores
+    for j, pair in enumerate(pairs):
+        n = encode(model, [pair.clean.text]).lengths[0]
+        for layer in range(model.cfg.n_layers):
+            want = _reference_ig_scores(model, pair, hook_for("head", layer), 4)  # [pos, head]
+            sel = ((df.kind == "head") & (df.layer == layer)).to_numpy()
+            got = est[torch.tensor(sel), j].view(n_al, H)[n_al - n:]
+            torch.testing.assert_close(got, want.double(), atol=1e-5, rtol=1e-4)
+    with pytest.raises(TomlensError, match="steps"):
+        attribution_patching(model, pairs, sites={"heads": ["each"]}, steps=0, progress=False)
+
+
 def test_attribution_matches_a_finite_difference(load_tiny):
     """The score is the derivative of the metric along (clean - corrupted) at the corrupted run."""
     model = load_tiny("tiny-llama")

@@ -89,7 +89,13 @@ def test_run_saves_and_loads_and_judges_each_layer(llama, tmp_path) -> None:
     assert [d["layer"] for d in layers] == [0, 1] and all(d["verdict"] in ("found", "withheld") for d in layers)
     assert set(result.dose["condition"]) == {"false_belief", "true_belief", "reality"}
     assert set(result.dose["direction"]) == {"belief", "shuffled", "random:0", "random:1", "random:2", "random:3"}
-    assert set(result.selection["direction"]) == {"belief"}
+    # the selection half runs the belief direction beside random directions of its own draw
+    assert set(result.selection["direction"]) == {"belief", "random:0", "random:1", "random:2", "random:3"}
+    sel_random = result.selection[result.selection["source"] == "random"]
+    ev_random = result.dose[result.dose["source"] == "random"]
+    assert not sel_random.empty and all(
+        isinstance(d.get("selection_margin"), float) and "selection_random_max" in d for d in layers)
+    assert len(sel_random) and len(ev_random)
     assert result.best()["layer"] in (0, 1)
     out = result.save(tmp_path / "run")
     back = SteeringResult.load(out)

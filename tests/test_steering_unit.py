@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from tomlens.errors import TomlensError
-from tomlens.runs.steering import FOUND, WITHHELD, SteeringConfig, choose_alpha, layer_summary
+from tomlens.runs.steering import FOUND, WITHHELD, SteeringConfig, choose_alpha, chosen_layer, layer_summary, \
+    selection_scores
 from tomlens.steering import Direction, edit, mean_difference, random_directions, row_hooks, \
     balanced_shuffle, shuffled_direction, steering_hooks
 
@@ -146,6 +147,40 @@ def test_alpha_is_the_smallest_dose_that_reaches_min_flip_else_the_most_flipping
     assert choose_alpha(sel, 0.95) == -2.0
     short = table([(-4.0, 0.5), (-2.0, 0.6), (-1.0, 0.1), (1.0, 0.0)])
     assert choose_alpha(short, 0.8) == -2.0  # none reaches it: the most flipping
+
+
+def _with_random(rows: list[tuple[float, float, float]]) -> pd.DataFrame:
+    """A selection table: (alpha, belief flip, the most-flipping random direction's flip) per alpha,
+    with a weaker second random direction beside it."""
+    out = []
+    for a, b, r in rows:
+        out.append({"direction": "belief", "source": "mean_difference", "condition": "false_belief", "alpha": a,
+                    "flip_rate": b})
+        out += [{"direction": f"random:{i}", "source": "random", "condition": "false_belief", "alpha": a,
+                 "flip_rate": f} for i, f in enumerate((r, r / 2))]
+        out.append({"direction": "belief", "source": "mean_difference", "condition": "reality", "alpha": a,
+                    "flip_rate": 1.0})  # side effects do not choose the dose
+    return pd.DataFrame(out)
+
+
+def test_with_random_directions_the_dose_is_the_widest_margin_among_those_reaching_min_flip() -> None:
+    sel = _with_random([(-4.0, 1.0, 0.9), (-2.0, 1.0, 0.3), (-1.0, 0.85, 0.0), (0.0, 0.0, 0.0), (1.0, 0.2, 0.0)])
+    scores = selection_scores(sel)
+    assert scores.loc[-2.0, "margin"] == pytest.approx(0.7) and scores.loc[-1.0, "random_max"] == 0.0
+    assert 0.0 not in scores.index
+    assert choose_alpha(sel, 0.8) == -1.0  # margin 0.85 beats -2's 0.7 and -4's 0.1
+    assert choose_alpha(sel, 0.9) == -2.0  # only -4 and -2 reach 0.9: -2 has the wider margin
+    weak = _with_random([(-2.0, 0.6, 0.5), (-1.0, 0.4, 0.0), (1.0, 0.1, 0.0)])
+    assert choose_alpha(weak, 0.8) == -1.0  # none reaches it: the widest margin of all, not the most flipping
+
+
+def test_the_layer_is_the_widest_selection_margin_and_old_summaries_still_choose() -> None:
+    def layer(i: int, margin: float | None, flip_max: float) -> dict:
+        d = {"layer": i, "flip_false_belief": 0.5, "selection_flip_max": flip_max}
+        return d | ({"selection_margin": margin} if margin is not None else {})
+
+    assert chosen_layer([layer(2, 0.79, 1.0), layer(3, 0.88, 0.92), layer(4, 0.88, 0.95)])["layer"] == 3
+    assert chosen_layer([layer(2, None, 1.0), layer(3, None, 0.92)])["layer"] == 2  # before random ran there
 
 
 def test_config_rejects_bad_settings() -> None:

@@ -49,7 +49,7 @@ def test_tiny_llama_fails_every_check_and_writes_the_table(tmp_path: Path, capsy
     sel = json.loads((out / "probes" / "selection.json").read_text())["protagonist_belief"]
     assert rows.loc["probe", "value"] == sel["evaluation"]["score"]
     steer = json.loads((out / "steering" / "result.json").read_text())["layers"]
-    chosen = max(steer, key=lambda d: (d["selection_flip_max"], -d["layer"]))  # picked on the selection half
+    chosen = max(steer, key=lambda d: (d["selection_margin"], -d["layer"]))  # picked on the selection half
     assert rows.loc["steering", "value"] == chosen["flip_false_belief"]
     patch = json.loads((out / "patching" / "result.json").read_text())
     if patch.get("withheld"):  # the gate may stop a random model: then the checks say so

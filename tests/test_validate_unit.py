@@ -99,6 +99,20 @@ def test_recovery_attribution_and_ablation_checks() -> None:
     assert "above 5%" in big_k.detail
 
 
+def test_attribution_fails_when_its_top_k_misses_exact_patchings_heads_whatever_its_spearman() -> None:
+    """A Spearman over all heads is carried by the many that do nothing in both methods: the
+    organism's plain attribution scored 0.99 while ranking the planted head ninth."""
+    s = patching_summary(spearman=0.99, attribution_steps=1)
+    s["comparisons"][0]["topk_overlap"] = 0.0
+    missed = check_attribution(s, T)
+    assert not missed.passed and missed.value == 0.99 and "misses heads exact patching finds" in missed.detail
+    assert "plain attribution" in missed.detail
+    s["comparisons"][0]["topk_overlap"] = 0.5  # at the threshold
+    assert check_attribution(s, T).passed
+    assert not check_attribution(s, Thresholds(min_topk_overlap=0.6)).passed
+    assert "integrated gradients, 8 steps" in check_attribution(patching_summary(attribution_steps=8), T).detail
+
+
 def test_a_withheld_or_forced_patching_stage_fails_every_patching_check_with_its_reason() -> None:
     withheld = {"withheld": "withheld: gap not above 0", "gate": {}}
     for c in (check_recovery(withheld, 1, T, n_heads_total=8), check_attribution(withheld, T),

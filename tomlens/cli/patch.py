@@ -17,7 +17,8 @@ from __future__ import annotations
 import argparse
 
 from tomlens.cli.options import add_model_options, add_positions, add_progress, add_sites, model_spec
-from tomlens.runs.patching import DEFAULT_CHUNK_RUNS, DEFAULT_KS, DEFAULT_MAX_RUNS, DIRECTIONS, METHODS
+from tomlens.runs.patching import DEFAULT_ATTRIBUTION_STEPS, DEFAULT_CHUNK_RUNS, DEFAULT_KS, DEFAULT_MAX_RUNS, \
+    DIRECTIONS, METHODS
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -81,6 +82,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "false-negative bound")
     p.add_argument("--graddrop", choices=("auto", "on", "off"), default="auto",
                    help="--method search: GradDrop (auto: when there are at least 10 cells per layer)")
+    p.add_argument("--attribution-steps", type=int, default=DEFAULT_ATTRIBUTION_STEPS,
+                   help="attribution: points on the path between the two stories' token embeddings (integrated "
+                   f"gradients; 1 = plain attribution patching; default {DEFAULT_ATTRIBUTION_STEPS})")
     p.set_defaults(func=run)
 
 
@@ -95,7 +99,8 @@ def run(args: argparse.Namespace) -> int:
         ablation=args.ablation, probe_table=args.probe_table, seed=args.seed, batch_pairs=args.batch_pairs,
         memory_mb=args.memory_mb, max_runs=args.max_runs, dry_run=args.dry_run, chunk_runs=args.chunk_runs,
         search_budget=args.search_budget, search_threshold=args.search_threshold,
-        search_samples=args.search_samples, graddrop=args.graddrop, format=args.format,
+        search_samples=args.search_samples, graddrop=args.graddrop, attribution_steps=args.attribution_steps,
+        format=args.format,
         ks=parse_ks(args.ks), force=args.force, solved_only=args.solved_only, select_fraction=args.select_fraction,
     )
     result = run_patching(config, out=args.out, progress=not args.no_progress)

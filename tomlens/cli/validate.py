@@ -10,6 +10,7 @@ import argparse
 from dataclasses import fields
 
 from tomlens.cli.options import add_model_options, add_progress, model_spec
+from tomlens.runs.patching import DEFAULT_ATTRIBUTION_STEPS
 
 # flag -> (Thresholds field, help)
 THRESHOLD_FLAGS: dict[str, tuple[str, str]] = {
@@ -18,6 +19,8 @@ THRESHOLD_FLAGS: dict[str, tuple[str, str]] = {
     "--min-recovery": ("min_recovery", "share of the gap the top-k heads must recover (default 0.8)"),
     "--max-random-recovery": ("max_random_recovery", "largest mean recovery of random head sets (default 0.2)"),
     "--min-spearman": ("min_spearman", "attribution vs exact patching, Spearman over heads (default 0.8)"),
+    "--min-topk-overlap": ("min_topk_overlap", "share of exact patching's top-k heads that attribution's top-k "
+                           "must hold (default 0.5)"),
     "--max-ablated-accuracy": ("max_ablated_accuracy",
                                "false-belief accuracy allowed with the top-k heads ablated (default 0.6)"),
     "--min-random-ablated-accuracy": ("min_random_ablated_accuracy",
@@ -57,6 +60,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--permutations", type=int, default=1000, help="probe permutation null (default 1000)")
     p.add_argument("--n-random-heads", type=int, default=200, help="layer-matched random head sets (default 200)")
     p.add_argument("--n-random-directions", type=int, default=20, help="random steering directions (default 20)")
+    p.add_argument("--attribution-steps", type=int, default=DEFAULT_ATTRIBUTION_STEPS,
+                   help=f"integrated-gradient steps of attribution (1 = plain attribution; default "
+                   f"{DEFAULT_ATTRIBUTION_STEPS})")
     p.add_argument("--select-fraction", type=float, default=0.5, help="share of tasks that select (default 0.5)")
     p.add_argument("--head-position", default="final", help="where heads are patched and ranked (default final)")
     p.add_argument("--ablation", choices=("final", "all"), default="final", help="mean ablation positions")
@@ -85,6 +91,7 @@ def run(args: argparse.Namespace) -> int:
         model=model_spec(args), n_tasks=args.n_tasks, thresholds=thresholds, k=args.k, seed=args.seed,
         select_fraction=args.select_fraction, n_permutations=args.permutations,
         n_random_heads=args.n_random_heads, n_random_directions=args.n_random_directions,
+        attribution_steps=args.attribution_steps,
         head_position=args.head_position, ablation=args.ablation, steering_layers=args.layers,
         steering_depths=args.depths, alphas=args.alphas,
         store=args.store, batch_size=args.batch_size, format=args.format)

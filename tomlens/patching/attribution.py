@@ -8,6 +8,12 @@ no-grad forward of the source runs gives `a_source`. The estimate is exact for a
 the patched activation, decent for small activations such as head outputs, and poor for big ones
 such as the residual stream: use it to rank, then confirm the top cells with exact patching.
 
+It fails where the metric saturates at the base run: a head whose patch moves the answer a long
+way can have almost no gradient there (the organism's planted head: exact effect 0.98, plain
+estimate 0.01, ranked ninth). `steps > 1` is integrated gradients along the token embeddings
+(EAP-IG, Hanna et al. 2024): the gradient is averaged over runs part of the way to the source
+story, which cross the slope; `steps` forwards and backwards instead of one.
+
 Results have the same shape as exact patching (`PatchingResult`, values = base metric + estimate),
 so the same summaries, tables and figures apply, and `compare` puts the two side by side.
 """
@@ -24,7 +30,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from tomlens.errors import TomlensError
-from tomlens.hooks.patch import forward_last, record_hooks
+from tomlens.hooks.patch import Hook, forward_last, record_hooks
 from tomlens.patching.cells import Cell, cell_hooks, check_selectors, hook_for, plan_cells, selectors_in
 from tomlens.patching.engine import shortcuts_verdict
 from tomlens.patching.metric import Normalise, logit_diff
@@ -47,8 +53,21 @@ def column_scores(
     return full * keep[..., None].to(s.dtype)
 
 
+ACTIVE_EFFECT = 0.01  # `compare`: a cell "moves the metric" at 1% of the gap in either method
+EMBED_HOOK = "hook_embed"  # the token embeddings, which integrated gradients interpolate
+
+
+def _mix_towards(target: Tensor, alpha: float) -> Hook:
+    """A hook that moves the token embeddings `alpha` of the way to `target` (`[r, pos, d]`)."""
+
+    def fn(act: Tensor, hook: Any = None) -> Tensor:
+        return act + alpha * (target.to(act.dtype) - act)
+
+    return (EMBED_HOOK, fn)
+
+
 def _group_scores(
-    model, group, hooks: Sequence[str], direction: Direction, *, reuse_prefix: bool = True
+    model, group, hooks: Sequence[str], direction: Direction, *, reuse_prefix: bool = True, steps: int = 1
 ) -> tuple[dict[str, Tensor], Tensor, Tensor]:
     """Per-hook attribution scores `[g, pos, head]` (head axis 1 for non-head sites), and the base
     and source metrics of the group's pairs.
@@ -56,16 +75,24 @@ def _group_scores(
     The two stories of a pair share every token before the first that differs, so the
     grad-enabled base run starts there, on the source run's keys and values (no activation
     differs earlier, so no score is lost).
+
+    `steps > 1`: integrated gradients along the token embeddings (EAP-IG, Hanna et al. 2024). The
+    gradient is averaged over base runs whose embeddings are moved 0, 1/steps, .., (steps-1)/steps
+    of the way to the source's, so a metric that saturates at the base run (a zero gradient there
+    although patching changes it) is still seen where the path crosses its slope.
     """
     g = group.g
     base_rows = torch.tensor([roles(direction, g, j)[0] for j in range(g)])
     src_rows = torch.tensor([roles(direction, g, j)[1] for j in range(g)])
     batch = group.batch
+    if steps > 1:
+        _check_integrable(model)
     fk = batch.forward_kwargs()
     src: dict[str, Tensor] = {}
+    recorded = [*hooks, EMBED_HOOK] if steps > 1 else list(hooks)
     with torch.inference_mode():
         src_last, prefix = forward_last(
-            model, batch.input_ids, fk, record_hooks(hooks, src), rows=src_rows, keep_cache=reuse_prefix
+            model, batch.input_ids, fk, record_hooks(recorded, src), rows=src_rows, keep_cache=reuse_prefix
         )
         src_metric = logit_diff(src_last, group.tokens[src_rows])
     if shortcuts_verdict(model) is False:  # exact patching found the KV prefix unfaithful here
@@ -73,21 +100,41 @@ def _group_scores(
     start = int(group.first_diff.min()) if prefix is not None else 0
     start = min(start, group.width - 1)
     base: dict[str, Tensor] = {}
-    with torch.enable_grad():
-        last, _ = forward_last(
-            model, batch.input_ids, fk, record_hooks(hooks, base, requires_grad=True), rows=base_rows,
-            prefix=prefix, start=start, prefix_rows=torch.arange(g),
-        )
-        metric = logit_diff(last, group.tokens[base_rows])
-        names = [h for h in hooks if h in base]
-        grads = torch.autograd.grad(metric.sum(), [base[h] for h in names], allow_unused=True)
+    names: list[str] = []
+    grads: list[Tensor | None] = []
+    metric = torch.zeros(g)
+    for step in range(steps):
+        here: dict[str, Tensor] = {}
+        mix = [_mix_towards(src[EMBED_HOOK][:, start:].clone(), step / steps)] if step else []
+        with torch.enable_grad():
+            last, _ = forward_last(
+                model, batch.input_ids, fk, [*mix, *record_hooks(hooks, here, requires_grad=True)], rows=base_rows,
+                prefix=prefix, start=start, prefix_rows=torch.arange(g),
+            )
+            m = logit_diff(last, group.tokens[base_rows])
+            if step == 0:
+                base, metric = here, m.detach()
+                names = [h for h in hooks if h in base]
+            got = torch.autograd.grad(m.sum(), [here[h] for h in names], allow_unused=True)
+        grads = list(got) if step == 0 else [
+            b if a is None else (a if b is None else b + a) for a, b in zip(got, grads)]
+    grads = [None if gr is None else gr / steps for gr in grads]
     width = group.width
     keep = torch.arange(width)[None, :] >= group.first_diff[:, None]  # [g, pos]: columns that differ
     scores = {
         name: column_scores(src[name][:, start:].to(base[name].dtype) - base[name].detach(), grad, start, width, keep)
         for name, grad in zip(names, grads)
     }
-    return scores, metric.detach().double().cpu(), src_metric.double().cpu()
+    return scores, metric.double().cpu(), src_metric.double().cpu()
+
+
+def _check_integrable(model) -> None:
+    """Integrated gradients move one story's token embeddings towards the other's column by column
+    (the two stories of a pair have the same length: `prepare_pairs` refuses others), at a
+    token-embedding hook the model must have."""
+    if EMBED_HOOK not in getattr(model, "hook_dict", {}):
+        raise TomlensError(f"this model has no {EMBED_HOOK} hook point to interpolate the token embeddings at",
+                           "use attribution steps = 1 (plain attribution patching)")
 
 
 class CellIndex:
@@ -153,13 +200,18 @@ def attribution_patching(
     normalise: Normalise = "pooled",
     batch_pairs: int = 8,
     reuse_prefix: bool = True,
+    steps: int = 1,
     progress: bool = True,
 ) -> PatchingResult:
     """Attribution scores for the same cells `exact_patching` would run, vectorised over pairs.
 
     A cell's value for a pair is the base run's metric plus the summed score over the cell's
     columns (for "all": every token from the first that differs between the two stories).
+    `steps > 1` averages the gradient over that many points on the path between the two stories'
+    token embeddings (integrated gradients; `steps` forwards and backwards instead of one).
     """
+    if int(steps) < 1:
+        raise TomlensError(f"attribution steps = {steps}", "use 1 (plain attribution) or more (integrated gradients)")
     prepared = as_prepared(model, pairs, selectors_in(sites, positions), batch_pairs)
     cells = plan_cells(model, sites, positions, n_aligned=prepared.n_aligned, layers=layers)
     check_selectors(cells, prepared)
@@ -169,7 +221,8 @@ def attribution_patching(
     corrupted = torch.empty(n_pair, dtype=torch.float64)
     hooks = cell_hooks(cells)
     for group in tqdm(prepared.groups, desc=f"attribution ({direction})", unit="group", disable=not progress):
-        scores, base_metric, src_metric = _group_scores(model, group, hooks, direction, reuse_prefix=reuse_prefix)
+        scores, base_metric, src_metric = _group_scores(model, group, hooks, direction, reuse_prefix=reuse_prefix,
+                                                        steps=int(steps))
         idx = torch.tensor(group.index)
         if direction == "denoise":
             clean[idx], corrupted[idx] = src_metric, base_metric
@@ -189,11 +242,18 @@ def compare(
     position: str = "all",
     k: int = 10,
     by: str = "abs",
+    active: float = ACTIVE_EFFECT,
 ) -> dict[str, Any]:
     """How well attribution ranks the cells exact patching finds: Spearman and Pearson correlation
     of the effects, and the overlap of the top-k cells by importance as `rank_heads` defines it
     (the effect when denoising, 1 - effect when noising; its magnitude unless `by="signed"`).
-    The overlap is NaN when either ranking is all ties (nothing to rank)."""
+    The overlap is NaN when either ranking is all ties (nothing to rank).
+
+    `spearman_active` is the Spearman over the `n_active` cells whose |importance| reaches `active`
+    (a share of the clean-corrupted gap) in either method. Over all cells the many that do nothing
+    in both carry it: on the organism plain attribution scores 0.99 there while ranking the head
+    that matters ninth (0.44-0.59 over the active heads), and integrated gradients, which rank it
+    first, score 0.68-0.88 there from reshuffled noise (0.95-0.98 over the active heads)."""
     from scipy.stats import pearsonr, spearmanr
 
     a = exact.select(kind, position).set_index(["layer", "head", "pos"])["effect"]
@@ -211,6 +271,9 @@ def compare(
         score = s if exact.direction == "denoise" else 1 - s
         return score.abs() if by == "abs" else score
 
+    live = (importance(joined.exact).abs() >= active) | (importance(joined.attribution).abs() >= active)
+    act = joined[live]
+    act_ok = len(act) >= 3 and act.exact.std() > 0 and act.attribution.std() > 0
     top_e = set(importance(joined.exact).sort_values(ascending=False, kind="stable").index[:k])
     top_a = set(importance(joined.attribution).sort_values(ascending=False, kind="stable").index[:k])
     corr_ok = n >= 3 and joined.exact.std() > 0 and joined.attribution.std() > 0
@@ -220,6 +283,9 @@ def compare(
         "n_cells": n,
         "spearman": float(spearmanr(joined.exact, joined.attribution).statistic) if corr_ok else float("nan"),
         "pearson": float(pearsonr(joined.exact, joined.attribution).statistic) if corr_ok else float("nan"),
+        "spearman_active": float(spearmanr(act.exact, act.attribution).statistic) if act_ok else float("nan"),
+        "n_active": int(len(act)),
+        "active": float(active),
         "k": k,
         "by": by,
         "topk_overlap": (len(top_e & top_a) / k) if k and corr_ok else float("nan"),

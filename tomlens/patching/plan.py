@@ -288,18 +288,21 @@ class AttributionSweep:
     """Attribution patching of one direction laid out per group of pairs: each group's estimates
     need that group's forwards and backward only, so each group is a chunk, checkpointed."""
 
-    def __init__(self, model, prepared: PreparedPairs, spec: Mapping[str, Sequence[str]], direction: Direction):
+    def __init__(self, model, prepared: PreparedPairs, spec: Mapping[str, Sequence[str]], direction: Direction,
+                 steps: int = 1):
         self.model, self.prepared, self.spec, self.direction = model, prepared, dict(spec), direction
+        self.steps = int(steps)  # 1: plain attribution; more: integrated gradients over that many points
         self.cells = plan_cells(model, self.spec, n_aligned=prepared.n_aligned)
-        tag = hashlib.sha256(repr(self.cells).encode()).hexdigest()[:12]
+        tag = hashlib.sha256((repr(self.cells) + (f"steps={self.steps}" if self.steps > 1 else "")).encode()
+                             ).hexdigest()[:12]
         self.names = [f"attribution-{direction}-g{gi:04d}-{tag}" for gi in range(len(prepared.groups))]
         self.parts: dict[int, dict[str, Tensor]] = {}
 
     def cost(self, gi: int) -> float:
-        """Multiply-adds of one group: the source forward, then a forward and a backward (about two
-        forwards) from the first differing token."""
+        """Multiply-adds of one group: the source forward, then per step a forward and a backward
+        (about two forwards) from the first differing token."""
         grp = self.prepared.groups[gi]
-        return forward_cost(self.model, grp.g, grp.width) + 3 * forward_cost(
+        return forward_cost(self.model, grp.g, grp.width) + 3 * self.steps * forward_cost(
             self.model, grp.g, grp.width - int(grp.first_diff.min()))
 
     def pending(self) -> list[int]:
@@ -317,7 +320,8 @@ class AttributionSweep:
         one = PreparedPairs([p.pairs[i] for i in grp.index],
                             [Group(list(range(grp.g)), grp.batch, grp.tokens, grp.first_diff, grp.positions)],
                             [p.lengths[i] for i in grp.index], p.n_aligned, p.token_labels, p.selectors)
-        res = attribution_patching(self.model, one, sites=self.spec, direction=self.direction, progress=False)
+        res = attribution_patching(self.model, one, sites=self.spec, direction=self.direction, steps=self.steps,
+                                   progress=False)
         part = {"values": res.values.float(), "clean": res.clean.float(), "corrupted": res.corrupted.float()}
         if checkpoints is not None:
             checkpoints.save(self.names[gi], part)

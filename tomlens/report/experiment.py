@@ -239,6 +239,8 @@ def _patching_sections(res: Any, figures: Figures) -> list[Section]:
                            "top heads": ", ".join(summary.get("top_heads", [])[:5])}
     if comparisons:
         row["attribution vs exact Spearman"] = round(comparisons[0]["spearman"], 3)
+        if "spearman_active" in comparisons[0]:
+            row["Spearman over heads that matter"] = round(comparisons[0]["spearman_active"], 3)
         row[f"top-{comparisons[0]['k']} overlap"] = comparisons[0]["topk_overlap"]
     sections.append(Section("Patching summary", tables=[pd.DataFrame([row])]))
     return sections

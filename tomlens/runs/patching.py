@@ -55,6 +55,7 @@ __all__ = ["DEFAULT_CHUNK_RUNS", "DEFAULT_KS", "DEFAULT_MAX_RUNS", "DIRECTIONS",
            "PatchingConfig", "PatchingRunResult", "pairs_hash", "parse_ks", "run"]
 
 METHODS = ("exact", "attribution", "both", "search")
+DEFAULT_ATTRIBUTION_STEPS = 8  # integrated gradients: finds the organism's planted head, which plain attribution ranks 9th
 DIRECTIONS = ("denoise", "noise", "both")
 ABLATIONS = ("final", "all", "none")
 GRADDROP = {"auto": None, "on": True, "off": False}
@@ -74,7 +75,9 @@ class PatchingConfig:
     `force` runs past a failed gate (or a refused split), flagging every output; `solved_only` patches
     only the pairs (of those the gate passed) answered right both ways; `select_fraction` of the tasks
     select and rank heads, the rest validate them; `ks` are the k (up to `top_k`) of top-k recovery and ablation, each against
-    `n_random` layer-matched random head sets."""
+    `n_random` layer-matched random head sets. `attribution_steps` > 1 makes attribution integrated
+    gradients over that many points between the two stories' token embeddings (plain attribution,
+    1, reads the gradient at the base run only and misses a head whose effect saturates there)."""
 
     model: ModelSpec = field(default_factory=ModelSpec)
     pairs: PairsConfig | None = None
@@ -101,6 +104,7 @@ class PatchingConfig:
     search_threshold: float | None = None
     search_samples: int = 10
     graddrop: str = "auto"
+    attribution_steps: int = DEFAULT_ATTRIBUTION_STEPS
     format: str = "parquet"
 
     def __post_init__(self) -> None:
@@ -110,6 +114,9 @@ class PatchingConfig:
         if not ks or any(k < 1 for k in ks):
             raise TomlensError(f"--ks {list(ks)} needs at least one k, each at least 1", "pass e.g. --ks 1,2,3,5,10")
         object.__setattr__(self, "ks", tuple(sorted(set(ks))))
+        if int(self.attribution_steps) < 1:
+            raise TomlensError(f"attribution_steps = {self.attribution_steps}",
+                               "use 1 (plain attribution patching) or more (integrated gradients, e.g. 8)")
         if not 0 < float(self.select_fraction) < 1:
             raise TomlensError(f"--select-fraction {self.select_fraction} is not between 0 and 1",
                                "pass the share of tasks that select heads, e.g. 0.5")
@@ -254,7 +261,9 @@ class PatchingRunResult:
                              f"false negatives: {fn['meaning']}")
         for c in s["comparisons"]:
             if c["kind"] == "head" and c["position"] == s.get("rank_position"):
-                lines.append(f"attribution vs exact ({c['direction']}): Spearman {c['spearman']:.2f}, "
+                active = (f" (over the {c['n_active']} heads moving the metric by >= {c['active']:g} of the gap: "
+                          f"{c['spearman_active']:.2f})") if "spearman_active" in c else ""
+                lines.append(f"attribution vs exact ({c['direction']}): Spearman {c['spearman']:.2f}{active}, "
                              f"top-{c['k']} overlap {c['topk_overlap']:.2f}")
         for r in s.get("topk", []):
             lines.append(f"top-{r['k']} recovery {r['top_effect']:.3f} vs layer-matched random "
@@ -563,7 +572,7 @@ def _run(config: PatchingConfig, *, model: Any, pairs: Sequence[Any] | None, out
     # stand-in top sets (same counts).
     exact = {d: ExactSweep(model, prepared, cells, d, memory_mb=memory_mb, chunk_runs=chunk_runs)
              for d in directions} if "exact" in methods else {}
-    attribution = ({d: AttributionSweep(model, prepared, pos.spec, d) for d in directions}
+    attribution = ({d: AttributionSweep(model, prepared, pos.spec, d, steps=config.attribution_steps) for d in directions}
                    if "attribution" in methods else {})
     for sweep in [*exact.values(), *attribution.values()]:
         sweep.load(checkpoints)
@@ -684,6 +693,7 @@ def _run(config: PatchingConfig, *, model: Any, pairs: Sequence[Any] | None, out
         "contrast span (token-aligned); denoise patches clean into corrupted, noise corrupted into clean",
         "sites": kinds, "positions": {k: list(v) for k, v in pos.spec.items()}, "methods": methods,
         "directions": directions,
+        **({"attribution_steps": int(config.attribution_steps)} if "attribution" in methods else {}),
         "baselines": {f"{m}_{d}": r.baselines() for (m, d), r in results.items()},
         "comparisons": [],
     }

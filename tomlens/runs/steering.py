@@ -1,11 +1,18 @@
-"""The steering stage: fit belief directions, pick a dose, and test the dose on held-out stories.
+"""The steering stage: fit belief directions, pick a layer and a dose, and test them on held-out stories.
 
 Selection is kept apart from evaluation: the tasks are split (`fraction_split`) into a selection
-half, where the directions are fitted and the dose is chosen (the smallest |alpha| whose belief
-direction flips at least `min_flip` of the false-belief answers, else the one that flips the most),
-and an
-evaluation half, where every direction (belief, shuffled labels, the random ones) is run at every
-alpha. A layer's verdict is "found" only when, at the chosen alpha on the evaluation half, the belief
+half, where the directions are fitted and the layer and dose are chosen, and an evaluation half,
+where every direction (belief, shuffled labels, the random ones) is run at every alpha.
+
+On the selection half the belief direction runs beside `n_random` random directions of its norm,
+drawn apart from the evaluation half's (another seed), so the choice can see specificity and not
+only strength: the dose is the alpha whose belief direction beats the most-flipping random one by
+the widest margin among those flipping at least `min_flip` of the false-belief answers (all alphas
+when none does), and the layer is the one whose chosen dose has the widest margin. A large push
+flips every answer whatever its direction; choosing by the belief direction's flip alone would
+pick it.
+
+A layer's verdict is "found" only when, at the chosen alpha on the evaluation half, the belief
 direction flips at least `min_flip` of the false-belief answers and more than every random
 direction and the shuffled one (and, with `max_random_flip`, no random direction flips more than
 that); otherwise "withheld", with the reason.
@@ -29,12 +36,13 @@ from tomlens.provenance import run_manifest
 from tomlens.runs.base import DEFAULT_N, ModelSpec, StimuliSpec
 from tomlens.runs.files import begin_save, finish_save, read_finished
 from tomlens.steering import METHODS, MODES, POSITIONS, Direction, count_passes, dose_response, fit_directions, \
-    paired_sources
+    paired_sources, random_directions
 from tomlens.stimuli.records import stimuli_hash
 
 FORMATS = ("parquet", "csv")
 DEFAULT_ALPHAS: tuple[float, ...] = (-4.0, -2.0, -1.0, 0.0, 1.0, 2.0, 4.0)
 FOUND, WITHHELD = "found", "withheld"
+SELECTION_SEED = 1  # added to the seed for the selection half's random directions
 
 
 def _one_of(name: str, value: str, allowed: tuple[str, ...]) -> None:
@@ -100,20 +108,41 @@ def _belief_false_belief_rows(table: pd.DataFrame) -> pd.DataFrame:
     return table[(table["direction"] == "belief") & (table["condition"] == "false_belief") & (table["alpha"] != 0)]
 
 
+def selection_scores(selection: pd.DataFrame) -> pd.DataFrame:
+    """Per non-zero alpha (the index) of one layer's selection table: the belief direction's
+    false-belief flip rate (`belief`), the most-flipping random direction's (`random_max`, NaN
+    without random rows) and their difference (`margin`; the belief flip where there are no random
+    rows)."""
+    fb = _belief_false_belief_rows(selection).set_index("alpha")["flip_rate"].astype(float)
+    rand = selection.iloc[:0] if "source" not in selection else selection[
+        (selection["source"] == "random") & (selection["condition"] == "false_belief") & (selection["alpha"] != 0)]
+    rand = rand.groupby("alpha")["flip_rate"].max().astype(float)
+    out = pd.DataFrame({"belief": fb, "random_max": rand.reindex(fb.index)})
+    out["margin"] = out["belief"] - out["random_max"].fillna(0.0)
+    return out
+
+
 def choose_alpha(selection: pd.DataFrame, min_flip: float | None = None) -> float:
-    """The dose, chosen on the selection half: with `min_flip`, the smallest |alpha| whose belief
-    direction flips at least `min_flip` of the false-belief answers (the least push that does the
-    job; a larger one also pushes a random direction of the same norm harder); where none does, or
-    without `min_flip`, the non-zero alpha that flips the most. Ties go to the smallest |alpha|, then
-    to the negative one."""
-    fb = _belief_false_belief_rows(selection)
-    if fb.empty:
+    """The dose, chosen on one layer's selection half (see the module text).
+
+    With random directions in the table: among the non-zero alphas whose belief direction flips at
+    least `min_flip` of the false-belief answers (all of them when none does, or without
+    `min_flip`), the one with the widest margin over the most-flipping random direction. Without
+    random rows (tables from before they ran there): the smallest |alpha| reaching `min_flip`, else
+    the most flipping. Ties go to the smallest |alpha|, then to the negative one."""
+    scores = selection_scores(selection)
+    if scores.empty:
         raise TomlensError("the selection half has no false-belief prompts to choose a dose on",
                            "use stimuli with false-belief belief questions (e.g. order-only)")
-    best = fb["flip_rate"].max()
-    if min_flip is not None and best >= min_flip - 1e-12:
-        best = min_flip
-    tied = fb[fb["flip_rate"] >= best - 1e-12]["alpha"].tolist()
+    reaching = scores[scores["belief"] >= min_flip - 1e-12] if min_flip is not None else scores.iloc[:0]
+    if scores["random_max"].notna().any():
+        pool = reaching if len(reaching) else scores
+        best = pool["margin"].max()
+        tied = pool.index[pool["margin"] >= best - 1e-12].tolist()
+    elif len(reaching):
+        tied = reaching.index.tolist()
+    else:
+        tied = scores.index[scores["belief"] >= scores["belief"].max() - 1e-12].tolist()
     return float(sorted(tied, key=lambda a: (abs(a), a))[0])
 
 
@@ -169,9 +198,8 @@ class SteeringResult:
     manifest: dict[str, Any] = field(default_factory=dict)
 
     def best(self) -> dict[str, Any]:
-        """The layer dict whose belief direction flips the most false-belief answers on the selection
-        half (at any dose; ties to the lower layer): the layer is chosen, like the dose, without
-        looking at the evaluation half."""
+        """The layer dict chosen on the selection half (`chosen_layer`: the widest margin of the
+        belief direction over random ones there); like the dose, never chosen on evaluation numbers."""
         layers = self.summary.get("layers", [])
         if not layers:
             raise TomlensError("this steering result has no layers", "run the stage with at least one layer")
@@ -217,7 +245,8 @@ class SteeringResult:
         lines = [f"steering ({s.get('mode')}, {s.get('positions')} position, {s.get('method')} directions): "
                  f"{s.get('n_selection_prompts')} selection / {s.get('n_evaluation_prompts')} evaluation prompts, "
                  f"{s.get('n_random')} random directions + shuffled labels, {s.get('forward_passes')} forward passes",
-                 "alpha chosen on the selection half; flip rates on the evaluation half at that alpha:",
+                 "layer and alpha chosen on the selection half (widest margin over its own random directions); "
+                 "flip rates on the evaluation half at that alpha:",
                  f"{'layer':>5} {'alpha':>6} {'FB flip':>8} {'TB flip':>8} {'reality':>8} {'rand max':>9} "
                  f"{'rand p95':>9} {'shuffled':>9}  verdict"]
         for d in s.get("layers", []):
@@ -250,12 +279,14 @@ def run(config: SteeringConfig, *, model: Any = None, progress: bool = True) -> 
     sel = [stimuli[i] for i in split.train.tolist()]
     ev = [stimuli[i] for i in split.test.tolist()]
     n_dirs = 2 + config.n_random
-    passes = count_passes(len(sel), len(layers), config.alphas) + count_passes(len(ev), n_dirs * len(layers),
-                                                                               config.alphas)
+    n_sel_dirs = 1 + config.n_random
+    passes = count_passes(len(sel), n_sel_dirs * len(layers), config.alphas) + count_passes(
+        len(ev), n_dirs * len(layers), config.alphas)
     if progress:
-        print(f"steering plan: selection {len(layers)} belief directions x {len(config.alphas)} alphas x {len(sel)} "
-              f"prompts, evaluation {n_dirs * len(layers)} directions x {len(config.alphas)} alphas x {len(ev)} "
-              f"prompts: {passes} forward passes (alpha 0 is the unsteered run)", file=sys.stderr)
+        print(f"steering plan: selection {n_sel_dirs * len(layers)} directions (belief and random) x "
+              f"{len(config.alphas)} alphas x {len(sel)} prompts, evaluation {n_dirs * len(layers)} directions x "
+              f"{len(config.alphas)} alphas x {len(ev)} prompts: {passes} forward passes (alpha 0 is the unsteered "
+              "run)", file=sys.stderr)
     dirs = fit_directions(model, sel, layers=layers, target=config.target, method=config.method,
                           n_random=config.n_random, seed=config.seed, directions_path=config.directions_path,
                           store=config.store, batch_size=config.batch_size, progress=progress)
@@ -266,16 +297,22 @@ def run(config: SteeringConfig, *, model: Any = None, progress: bool = True) -> 
         return dose_response(model, st, directions, config.alphas, mode=config.mode, positions=config.positions,
                              batch_size=config.batch_size, progress=progress, sources=sources)
 
-    selection = dose(sel, [dirs[layer][0] for layer in layers])
+    # the selection half's random directions are a draw of their own: a layer or dose chosen where the
+    # evaluation's random directions happen to be weak would flatter the evaluation's null
+    selection_random = {layer: random_directions(dirs[layer][0], config.n_random, seed=config.seed + SELECTION_SEED)
+                        for layer in layers}
+    selection = dose(sel, [d for layer in layers for d in (dirs[layer][0], *selection_random[layer])])
     evaluation = dose(ev, [d for layer in layers for d in dirs[layer]])
     per_layer = []
     for layer in layers:
         mine = selection[selection["layer"] == layer]
         alpha = choose_alpha(mine, config.min_flip)
         row = layer_summary(evaluation, layer, alpha, min_flip=config.min_flip, max_random_flip=config.max_random_flip)
-        fb = _belief_false_belief_rows(mine)
-        row["selection_flip"] = float(fb[fb["alpha"] == alpha]["flip_rate"].iloc[0])
-        row["selection_flip_max"] = float(fb["flip_rate"].max())  # what picks the layer: never an evaluation number
+        scores = selection_scores(mine)
+        row["selection_flip"] = float(scores.at[alpha, "belief"])
+        row["selection_random_max"] = float(scores.at[alpha, "random_max"])
+        row["selection_margin"] = float(scores.at[alpha, "margin"])  # what picks the layer: never an evaluation number
+        row["selection_flip_max"] = float(scores["belief"].max())
         per_layer.append(row)
     notes = []
     if config.directions_path is not None:
@@ -300,13 +337,13 @@ def run(config: SteeringConfig, *, model: Any = None, progress: bool = True) -> 
 
 
 def chosen_layer(layers: list[dict[str, Any]]) -> dict[str, Any]:
-    """Of the per-layer summaries, the one whose belief direction flips the most false-belief answers on
-    the selection half at any dose (not at its chosen dose, which is the least that reaches
-    `min_flip` and so sits near it on every layer that can); ties to the lower layer. Summaries
-    written before `selection_flip_max` fall back to `selection_flip`, then to the evaluation rate."""
+    """Of the per-layer summaries, the one whose chosen dose had the widest margin on the selection
+    half (belief flip minus the most-flipping random direction's: `selection_margin`); ties to the
+    lower layer. Summaries written before the selection half ran random directions fall back to
+    `selection_flip_max`, then `selection_flip`, then the evaluation rate."""
     def key(d: dict[str, Any]) -> tuple[float, int]:
-        v = float(d.get("selection_flip_max", d.get("selection_flip", d["flip_false_belief"])))
-        return (v if v == v else -1.0, -int(d["layer"]))
+        v = float(d.get("selection_margin", d.get("selection_flip_max", d.get("selection_flip", d["flip_false_belief"]))))
+        return (v if v == v else -2.0, -int(d["layer"]))
 
     return max(layers, key=key)
 
@@ -318,4 +355,4 @@ def summary_frame(result: SteeringResult) -> pd.DataFrame:
 
 __all__ = ["DEFAULT_ALPHAS", "FOUND", "SteeringConfig", "SteeringResult", "WITHHELD", "choose_alpha", "chosen_layer",
            "layer_summary",
-           "run", "summary_frame"]
+           "run", "selection_scores", "summary_frame"]

@@ -11,12 +11,15 @@ same in both conditions, so a bag of words is at chance by construction) answers
 2. top-k recovery: the k heads ranked on selection pairs (`runs.patching`, exact, heads at
    `head_position`) recover >= `min_recovery` of the false-minus-true-belief gap on held-out pairs,
    while k layer-matched random heads recover <= `max_random_recovery` (mean over draws);
-3. attribution vs exact: Spearman over heads >= `min_spearman` (selection pairs, same position);
+3. attribution vs exact: Spearman >= `min_spearman` over the heads that move the metric by 1% of
+   the gap in either method (selection pairs, same position; over all heads it is carried by the
+   many that do nothing in both, and passed while the head that matters was ranked ninth), and
+   attribution's top-k heads hold at least `min_topk_overlap` of exact patching's;
 4. mean ablation: top-k heads ablated leave false-belief accuracy <= `max_ablated_accuracy`,
    k random heads (mean over draws) >= `min_random_ablated_accuracy`;
 5. steering (`runs.steering`): the belief direction flips >= `min_flip` of false-belief answers at
-   the alpha chosen on the selection half, and the most-flipping random direction at that alpha
-   flips <= `max_random_flip`.
+   the layer and alpha chosen on the selection half (against random directions of its own), and
+   the most-flipping random direction at that alpha flips <= `max_random_flip`.
 
 A value equal to its threshold passes. A check whose stage is withheld (the patching gate failed,
 too few story groups, the stage refused its input, a forced run) FAILS with the reason in `detail`:
@@ -36,6 +39,7 @@ import pandas as pd
 
 from tomlens.errors import TomlensError
 from tomlens.runs.base import ModelSpec, StimuliSpec
+from tomlens.runs.patching import DEFAULT_ATTRIBUTION_STEPS
 
 __all__ = ["CHECKS", "Check", "Thresholds", "ValidateConfig", "ValidationResult", "check_ablation",
            "check_attribution", "check_probe", "check_recovery", "check_steering", "default_k", "exit_code",
@@ -59,6 +63,7 @@ class Thresholds:
     min_recovery: float = 0.8
     max_random_recovery: float = 0.2
     min_spearman: float = 0.8
+    min_topk_overlap: float = 0.5  # and attribution's top k must hold at least this share of exact's
     max_ablated_accuracy: float = 0.6
     min_random_ablated_accuracy: float = 0.9
     min_flip: float = 0.8
@@ -91,6 +96,7 @@ class ValidateConfig:
     n_permutations: int = 1000  # the probe's max-statistic null (cheap: one solve serves all)
     n_random_heads: int = 200  # layer-matched random head sets per k (all of them where there are fewer)
     n_random_directions: int = 20  # norm-matched random steering directions
+    attribution_steps: int = DEFAULT_ATTRIBUTION_STEPS  # integrated gradients (1: plain attribution patching)
     head_position: str = "final"  # where heads are patched, ranked and compared
     ablation: str = "final"  # mean ablation at the final token, or at every position ("all")
     steering_layers: tuple[int, ...] | None = None  # None: the steering stage's default
@@ -112,6 +118,9 @@ class ValidateConfig:
             raise TomlensError(f"k = {self.k} must be at least 1", "leave k out (5% of heads) or pass 1 or more")
         if not 0 < float(self.select_fraction) < 1:
             raise TomlensError(f"select_fraction = {self.select_fraction}", "use a fraction strictly between 0 and 1")
+        if int(self.attribution_steps) < 1:
+            raise TomlensError(f"attribution_steps = {self.attribution_steps}",
+                               "use 1 (plain attribution patching) or more (integrated gradients, e.g. 8)")
         for name in ("n_permutations", "n_random_heads", "n_random_directions"):
             if getattr(self, name) < 1:
                 raise TomlensError(f"{name} = {getattr(self, name)}: a check without its null cannot fail",
@@ -293,11 +302,23 @@ def check_attribution(summary: Mapping[str, Any], t: Thresholds, *, direction: s
         return _withheld_check("attribution", t, why or "no attribution-vs-exact comparison over heads in the "
                                                         "patching run")
     c = rows[0]
-    desc = (f"{c.get('n_cells')} heads at {position} on the selection pairs, top-{c.get('k')} overlap "
-            f"{_num(_float(c.get('topk_overlap')))}; no null (unrelated rankings give a Spearman near 0)")
-    value = _float(c.get("spearman"))
-    reasons = [why] if why else ([] if meets(value, t.min_spearman, ">=") else
-                                 [f"value {_num(value)} is not >= {t.min_spearman:g}"])
+    steps = summary.get("attribution_steps")
+    how = ("plain attribution" if steps == 1 else f"integrated gradients, {steps} steps") if steps else "attribution"
+    overlap = _float(c.get("topk_overlap"))
+    if "spearman_active" in c:  # results from before it was recorded: the Spearman over all heads
+        value = _float(c.get("spearman_active"))
+        over = (f"over the {c.get('n_active')} of {c.get('n_cells')} heads moving the metric by >= "
+                f"{_float(c.get('active')):g} of the gap in either method (over all heads "
+                f"{_num(_float(c.get('spearman')))})")
+    else:
+        value, over = _float(c.get("spearman")), f"over all {c.get('n_cells')} heads"
+    desc = (f"{how}, Spearman {over}, heads at {position} on the selection pairs, top-{c.get('k')} overlap "
+            f"{_num(overlap)} (needs >= {t.min_topk_overlap:g}); no null (unrelated rankings give a Spearman near 0)")
+    reasons = [why] if why else [
+        *([] if meets(value, t.min_spearman, ">=") else [f"value {_num(value)} is not >= {t.min_spearman:g}"]),
+        *([] if meets(overlap, t.min_topk_overlap, ">=") else
+          [f"attribution's top {c.get('k')} hold {_num(overlap)} of exact patching's (not >= "
+           f"{t.min_topk_overlap:g}): it misses heads exact patching finds"])]
     nan = float("nan")
     return Check("attribution", value, t.min_spearman, ">=", not reasons, nan, nan, "-",
                  "; ".join([desc, *reasons]))
@@ -322,9 +343,10 @@ def check_ablation(summary: Mapping[str, Any], k: int, t: Thresholds, *, n_heads
 
 
 def check_steering(summary: Mapping[str, Any], t: Thresholds, *, withheld: str = "") -> Check:
-    """Check 5 from a steering summary (`SteeringResult.summary`, its "layers" list). The layer is the
-    one whose belief direction flipped most on the selection half at any dose
-    (`runs.steering.chosen_layer`: like the dose, never chosen on held-out numbers); on the evaluation half its belief direction must flip
+    """Check 5 from a steering summary (`SteeringResult.summary`, its "layers" list). The layer and
+    dose are those whose belief direction beat the selection half's own random directions by the
+    widest margin (`runs.steering.chosen_layer`: never chosen on held-out numbers); on the
+    evaluation half its belief direction must flip
     >= min_flip of false-belief answers at that dose, more than the shuffled-label direction, while
     the most-flipping random direction stays <= max_random_flip."""
     from tomlens.runs.steering import chosen_layer
@@ -538,7 +560,8 @@ def run(config: ValidateConfig, *, model: Any = None, progress: bool = True) -> 
     xcfg = patching.PatchingConfig(model=config.model, pairs=pairs, method="both", sites=("heads",),
                                    positions=(config.head_position,), direction="denoise", top_k=k, ks=(k,),
                                    n_random=config.n_random_heads, select_fraction=config.select_fraction,
-                                   ablation=config.ablation, seed=config.seed, max_runs=None, format=config.format)
+                                   ablation=config.ablation, seed=config.seed, max_runs=None, format=config.format,
+                                   attribution_steps=config.attribution_steps)
     pcfg = probes.ProbesConfig(model=config.model, stimuli=config.belief_questions(), targets=(TARGET,),
                                sites=("resid_post",), positions=("final",), store=config.store, seed=config.seed,
                                selection=True, selection_fraction=config.select_fraction,
