@@ -193,6 +193,18 @@ def _synthetic(method: str, direction: str, effects: list[float], n_pairs: int =
                           [f"p{i}" for i in range(n_pairs)], ["tok"])
 
 
+def test_compare_takes_a_spearman_over_the_cells_that_matter():
+    """Many cells that do nothing in both methods carry a Spearman over all cells: here attribution
+    ranks the three that matter backwards, yet agrees on the 20 near-zero ones."""
+    quiet = [-0.015 + 0.0002 * i for i in range(20)]  # effects under 0.004 once the pairs' 0.015 is added
+    exact = _synthetic("exact", "denoise", [0.9, 0.5, 0.2, *quiet])
+    attr = _synthetic("attribution", "denoise", [0.2, 0.5, 0.9, *quiet])
+    c = compare(exact, attr, kind="head", position="all", k=3)
+    assert c["spearman"] > 0.9 and c["n_active"] == 3 and c["spearman_active"] == pytest.approx(-1.0)
+    assert compare(exact, attr, kind="head", position="all", active=0.3)["n_active"] == 3  # either method counts
+    assert np.isnan(compare(exact, attr, kind="head", position="all", active=0.6)["spearman_active"])  # 2 cells
+
+
 def test_compare_ranks_noising_by_what_the_patch_destroys():
     """Noising: the unpatched value is 1 and an important head pulls the effect towards 0."""
     exact = _synthetic("exact", "noise", [0.98, 0.97, 0.99, 0.10, 0.95])

@@ -175,11 +175,14 @@ def test_with_random_directions_the_dose_is_the_widest_margin_among_those_reachi
 
 
 def test_the_layer_is_the_widest_selection_margin_and_old_summaries_still_choose() -> None:
-    def layer(i: int, margin: float | None, flip_max: float) -> dict:
+    def layer(i: int, margin: float | None, flip_max: float, reached: bool = True) -> dict:
         d = {"layer": i, "flip_false_belief": 0.5, "selection_flip_max": flip_max}
-        return d | ({"selection_margin": margin} if margin is not None else {})
+        return d | ({"selection_margin": margin, "selection_reached": reached} if margin is not None else {})
 
     assert chosen_layer([layer(2, 0.79, 1.0), layer(3, 0.88, 0.92), layer(4, 0.88, 0.95)])["layer"] == 3
+    # a wider margin that never reached min_flip on the selection half would only fail on the evaluation half
+    assert chosen_layer([layer(2, 0.79, 0.79, reached=False), layer(3, 0.75, 0.95)])["layer"] == 3
+    assert chosen_layer([layer(2, 0.5, 0.5, False), layer(3, 0.3, 0.6, False)])["layer"] == 2  # none reached
     assert chosen_layer([layer(2, None, 1.0), layer(3, None, 0.92)])["layer"] == 2  # before random ran there
 
 

@@ -113,6 +113,22 @@ def test_attribution_fails_when_its_top_k_misses_exact_patchings_heads_whatever_
     assert "integrated gradients, 8 steps" in check_attribution(patching_summary(attribution_steps=8), T).detail
 
 
+def test_attribution_is_judged_on_the_heads_that_matter_and_on_overlap_alone_when_too_few_do() -> None:
+    s = patching_summary(spearman=0.99)
+    s["comparisons"][0].update(spearman_active=0.6, n_active=11, active=0.01)
+    low = check_attribution(s, T)
+    assert not low.passed and low.value == 0.6 and "over the 11 of 32 heads" in low.detail
+    s["comparisons"][0].update(spearman_active=0.95)
+    assert check_attribution(s, T).passed
+    s["comparisons"][0].update(spearman_active=float("nan"), n_active=2, spearman=0.1)  # a sparse circuit
+    sparse = check_attribution(s, T)
+    assert sparse.passed and "too few to rank" in sparse.detail  # overlap 0.7 judges alone
+    s["comparisons"][0]["topk_overlap"] = 0.0
+    assert not check_attribution(s, T).passed
+    with pytest.raises(TomlensError, match="attribution_steps"):
+        ValidateConfig(attribution_steps=0)
+
+
 def test_a_withheld_or_forced_patching_stage_fails_every_patching_check_with_its_reason() -> None:
     withheld = {"withheld": "withheld: gap not above 0", "gate": {}}
     for c in (check_recovery(withheld, 1, T, n_heads_total=8), check_attribution(withheld, T),

@@ -35,8 +35,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="steer along belief directions (add, project out, patch) with random and shuffled controls",
         description="Split the tasks into a selection and an evaluation half. On the selection half, fit "
         "a belief direction per layer (difference of class means or a logistic probe, on the belief "
-        "questions' final token) and choose the dose: the smallest |alpha| that flips --min-flip of the "
-        "false-belief answers, else the alpha that flips the most. On "
+        "questions' final token) and choose the layer and dose where the belief direction beats N random "
+        "directions of this half's own draw by the widest margin (among doses flipping --min-flip of the "
+        "false-belief answers, where some do). On "
         "the evaluation half, run the belief direction, a direction fitted on shuffled labels (each "
         "true class split evenly between the shuffled classes) and N norm-matched random directions at every alpha, and report the flip rates at the "
         "chosen alpha with a verdict (found, or withheld with the reason). Writes dose-response tables, "

@@ -18,7 +18,8 @@ THRESHOLD_FLAGS: dict[str, tuple[str, str]] = {
     "--max-bow": ("max_bow", "largest bag-of-words accuracy that counts as chance (default 0.6)"),
     "--min-recovery": ("min_recovery", "share of the gap the top-k heads must recover (default 0.8)"),
     "--max-random-recovery": ("max_random_recovery", "largest mean recovery of random head sets (default 0.2)"),
-    "--min-spearman": ("min_spearman", "attribution vs exact patching, Spearman over heads (default 0.8)"),
+    "--min-spearman": ("min_spearman", "attribution vs exact patching, Spearman over the heads that move the "
+                       "metric by >= 1%% of the gap (default 0.8)"),
     "--min-topk-overlap": ("min_topk_overlap", "share of exact patching's top-k heads that attribution's top-k "
                            "must hold (default 0.5)"),
     "--max-ablated-accuracy": ("max_ablated_accuracy",

@@ -79,14 +79,17 @@ def _group_scores(
     `steps > 1`: integrated gradients along the token embeddings (EAP-IG, Hanna et al. 2024). The
     gradient is averaged over base runs whose embeddings are moved 0, 1/steps, .., (steps-1)/steps
     of the way to the source's, so a metric that saturates at the base run (a zero gradient there
-    although patching changes it) is still seen where the path crosses its slope.
+    although patching changes it) is still seen where the path crosses its slope. This is the left
+    Riemann sum (EAP-IG's code takes the right one, 1/steps .. 1): its first point is the plain
+    attribution run, so steps = 1 is plain attribution and the base activations come for free; it
+    gives the flat base point 1/steps of the weight, so estimates of saturated cells run low.
     """
     g = group.g
     base_rows = torch.tensor([roles(direction, g, j)[0] for j in range(g)])
     src_rows = torch.tensor([roles(direction, g, j)[1] for j in range(g)])
     batch = group.batch
     if steps > 1:
-        _check_integrable(model)
+        check_integrable(model)
     fk = batch.forward_kwargs()
     src: dict[str, Tensor] = {}
     recorded = [*hooks, EMBED_HOOK] if steps > 1 else list(hooks)
@@ -102,10 +105,10 @@ def _group_scores(
     base: dict[str, Tensor] = {}
     names: list[str] = []
     grads: list[Tensor | None] = []
-    metric = torch.zeros(g)
+    target = src[EMBED_HOOK][:, start:].clone() if steps > 1 else None  # out of inference mode once
     for step in range(steps):
         here: dict[str, Tensor] = {}
-        mix = [_mix_towards(src[EMBED_HOOK][:, start:].clone(), step / steps)] if step else []
+        mix = [_mix_towards(target, step / steps)] if step else []
         with torch.enable_grad():
             last, _ = forward_last(
                 model, batch.input_ids, fk, [*mix, *record_hooks(hooks, here, requires_grad=True)], rows=base_rows,
@@ -115,9 +118,9 @@ def _group_scores(
             if step == 0:
                 base, metric = here, m.detach()
                 names = [h for h in hooks if h in base]
-            got = torch.autograd.grad(m.sum(), [here[h] for h in names], allow_unused=True)
-        grads = list(got) if step == 0 else [
-            b if a is None else (a if b is None else b + a) for a, b in zip(got, grads)]
+            got = [None if x is None else x.float()  # summed in fp32: bf16 steps would lose the small ones
+                   for x in torch.autograd.grad(m.sum(), [here[h] for h in names], allow_unused=True)]
+        grads = got if step == 0 else [b if a is None else (a if b is None else b + a) for a, b in zip(got, grads)]
     grads = [None if gr is None else gr / steps for gr in grads]
     width = group.width
     keep = torch.arange(width)[None, :] >= group.first_diff[:, None]  # [g, pos]: columns that differ
@@ -128,7 +131,7 @@ def _group_scores(
     return scores, metric.double().cpu(), src_metric.double().cpu()
 
 
-def _check_integrable(model) -> None:
+def check_integrable(model) -> None:
     """Integrated gradients move one story's token embeddings towards the other's column by column
     (the two stories of a pair have the same length: `prepare_pairs` refuses others), at a
     token-embedding hook the model must have."""

@@ -50,7 +50,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from tomlens.errors import TomlensError
-from tomlens.patching.attribution import attribution_patching
+from tomlens.patching.attribution import attribution_patching, check_integrable
 from tomlens.patching.checkpoints import Checkpoints
 from tomlens.patching.heads import AblationSweep, HeadSetSweep
 from tomlens.patching.cells import MENTIONS, Cell, canonical_kind, plan_cells
@@ -292,6 +292,8 @@ class AttributionSweep:
                  steps: int = 1):
         self.model, self.prepared, self.spec, self.direction = model, prepared, dict(spec), direction
         self.steps = int(steps)  # 1: plain attribution; more: integrated gradients over that many points
+        if self.steps > 1:
+            check_integrable(model)  # before any stage runs, not after the exact sweep
         self.cells = plan_cells(model, self.spec, n_aligned=prepared.n_aligned)
         tag = hashlib.sha256((repr(self.cells) + (f"steps={self.steps}" if self.steps > 1 else "")).encode()
                              ).hexdigest()[:12]
@@ -366,8 +368,9 @@ def plan_stages(
         n_groups = len(at.prepared.groups)
         stages.append(PlanStage(f"attribution {d}", describe_cells(at.cells), len(at.cells), n_pairs, 0,
                                 0.0, sum(at.cost(gi) for gi in at.pending()),
-                                extra=f"estimated by gradients: {n_groups} x (a forward, then a forward and "
-                                "backward), no patched runs"))
+                                extra=f"estimated by gradients: {n_groups} x (a forward, then "
+                                + ("a forward and backward" if at.steps == 1 else
+                                   f"{at.steps} forwards and backwards, integrated gradients") + "), no patched runs"))
     if topk is not None:
         stages.append(PlanStage("top-k recovery", f"{k_max} top + {k_max * n_random} random head sets (k = 1..{k_max})",
                                 topk.n_sets, n_pairs, topk.stage.n_runs, topk.stage.cost(), topk.stage.forward_cost(),

@@ -194,8 +194,10 @@ def attribution_scatter(exact: PatchingResult, attribution: PatchingResult, stat
     fig.update_layout(
         title=(
             f"Attribution vs exact patching, heads at {position!r} ({exact.direction})"
-            f"<br><sup>Spearman {stats['spearman']:.2f} (over the {stats['n_active']} heads that matter "
-            f"{stats['spearman_active']:.2f}), top-{stats['k']} overlap {stats['topk_overlap']:.2f}</sup>"
+            f"<br><sup>Spearman {stats['spearman']:.2f}"
+            + (f" (over the {stats['n_active']} heads that matter {stats['spearman_active']:.2f})"
+               if "spearman_active" in stats else "")
+            + f", top-{stats['k']} overlap {stats['topk_overlap']:.2f}</sup>"
         ),
         xaxis_title="exact effect", yaxis_title="attribution estimate",
     )

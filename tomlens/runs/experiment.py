@@ -417,6 +417,10 @@ def stale_reason(stage: str, folder: Path, config: Any, inputs: Mapping[str, Any
     why = _model_mismatch(manifest.get("model"), spec, loaded)
     if why:
         return why
+    if stage == "steering":
+        layers = read_json(folder / RESULT).get("layers") or []
+        if layers and not any("selection_margin" in d for d in layers):
+            return "its layer and dose were chosen by an older rule (without the selection half's random directions)"
     if stage == "cache":
         from tomlens.activations.store import is_complete
 

@@ -187,8 +187,9 @@ def layer_summary(dose: pd.DataFrame, layer: int, alpha: float, *, min_flip: flo
 
 @dataclass
 class SteeringResult:
-    """The evaluation-half dose-response table, the selection-half one (belief direction only),
-    the directions, and the per-layer summary."""
+    """The evaluation-half dose-response table, the selection-half one (the belief direction and
+    the selection half's own random directions, which are not saved: `random_directions` with
+    seed + `SELECTION_SEED` redraws them), the evaluation directions, and the per-layer summary."""
 
     dose: pd.DataFrame
     selection: pd.DataFrame
@@ -245,8 +246,10 @@ class SteeringResult:
         lines = [f"steering ({s.get('mode')}, {s.get('positions')} position, {s.get('method')} directions): "
                  f"{s.get('n_selection_prompts')} selection / {s.get('n_evaluation_prompts')} evaluation prompts, "
                  f"{s.get('n_random')} random directions + shuffled labels, {s.get('forward_passes')} forward passes",
-                 "layer and alpha chosen on the selection half (widest margin over its own random directions); "
-                 "flip rates on the evaluation half at that alpha:",
+                 ("layer and alpha chosen on the selection half (widest margin over its own random directions); "
+                  if any("selection_margin" in d for d in s.get("layers", [])) else
+                  "layer and alpha chosen on the selection half (by the belief direction's flips alone: a result "
+                  "from before random directions ran there); ") + "flip rates on the evaluation half at that alpha:",
                  f"{'layer':>5} {'alpha':>6} {'FB flip':>8} {'TB flip':>8} {'reality':>8} {'rand max':>9} "
                  f"{'rand p95':>9} {'shuffled':>9}  verdict"]
         for d in s.get("layers", []):
@@ -313,6 +316,7 @@ def run(config: SteeringConfig, *, model: Any = None, progress: bool = True) -> 
         row["selection_random_max"] = float(scores.at[alpha, "random_max"])
         row["selection_margin"] = float(scores.at[alpha, "margin"])  # what picks the layer: never an evaluation number
         row["selection_flip_max"] = float(scores["belief"].max())
+        row["selection_reached"] = bool(row["selection_flip"] >= config.min_flip - 1e-12)
         per_layer.append(row)
     notes = []
     if config.directions_path is not None:
@@ -338,12 +342,14 @@ def run(config: SteeringConfig, *, model: Any = None, progress: bool = True) -> 
 
 def chosen_layer(layers: list[dict[str, Any]]) -> dict[str, Any]:
     """Of the per-layer summaries, the one whose chosen dose had the widest margin on the selection
-    half (belief flip minus the most-flipping random direction's: `selection_margin`); ties to the
-    lower layer. Summaries written before the selection half ran random directions fall back to
+    half (belief flip minus the most-flipping random direction's: `selection_margin`), among the
+    layers whose dose flipped at least `min_flip` there (`selection_reached`; all layers where none
+    did: a layer that cannot reach it would only fail on the evaluation half); ties to the lower
+    layer. Summaries written before the selection half ran random directions fall back to
     `selection_flip_max`, then `selection_flip`, then the evaluation rate."""
-    def key(d: dict[str, Any]) -> tuple[float, int]:
+    def key(d: dict[str, Any]) -> tuple[bool, float, int]:
         v = float(d.get("selection_margin", d.get("selection_flip_max", d.get("selection_flip", d["flip_false_belief"]))))
-        return (v if v == v else -2.0, -int(d["layer"]))
+        return (bool(d.get("selection_reached", False)), v if v == v else -2.0, -int(d["layer"]))
 
     return max(layers, key=key)
 

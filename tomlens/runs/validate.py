@@ -305,7 +305,12 @@ def check_attribution(summary: Mapping[str, Any], t: Thresholds, *, direction: s
     steps = summary.get("attribution_steps")
     how = ("plain attribution" if steps == 1 else f"integrated gradients, {steps} steps") if steps else "attribution"
     overlap = _float(c.get("topk_overlap"))
-    if "spearman_active" in c:  # results from before it was recorded: the Spearman over all heads
+    sparse = "spearman_active" in c and int(c.get("n_active") or 0) < 3
+    if sparse:  # too few heads matter to rank: the top-k overlap alone judges
+        value = _float(c.get("spearman"))
+        over = (f"over all {c.get('n_cells')} heads, shown, not judged: {c.get('n_active')} heads move the metric "
+                f"by >= {_float(c.get('active')):g} of the gap, too few to rank, so the top-k overlap alone judges")
+    elif "spearman_active" in c:  # results from before it was recorded: the Spearman over all heads
         value = _float(c.get("spearman_active"))
         over = (f"over the {c.get('n_active')} of {c.get('n_cells')} heads moving the metric by >= "
                 f"{_float(c.get('active')):g} of the gap in either method (over all heads "
@@ -315,7 +320,8 @@ def check_attribution(summary: Mapping[str, Any], t: Thresholds, *, direction: s
     desc = (f"{how}, Spearman {over}, heads at {position} on the selection pairs, top-{c.get('k')} overlap "
             f"{_num(overlap)} (needs >= {t.min_topk_overlap:g}); no null (unrelated rankings give a Spearman near 0)")
     reasons = [why] if why else [
-        *([] if meets(value, t.min_spearman, ">=") else [f"value {_num(value)} is not >= {t.min_spearman:g}"]),
+        *([] if sparse or meets(value, t.min_spearman, ">=") else
+          [f"value {_num(value)} is not >= {t.min_spearman:g}"]),
         *([] if meets(overlap, t.min_topk_overlap, ">=") else
           [f"attribution's top {c.get('k')} hold {_num(overlap)} of exact patching's (not >= "
            f"{t.min_topk_overlap:g}): it misses heads exact patching finds"])]
@@ -458,7 +464,8 @@ def _plan(config: ValidateConfig, model: Any, k: int, n_stories: int, seconds_pe
     ev = max(1, n_pairs - sel)
     heads = _heads_total(model)
     probe = n_stories
-    patch = 2 * n_pairs + heads * sel + 3 * sel + (1 + config.n_random_heads) * ev * (1 + 2)
+    patch = 2 * n_pairs + heads * sel + (1 + 3 * config.attribution_steps) * sel + \
+        (1 + config.n_random_heads) * ev * (1 + 2)
     n_alpha = len(config.alphas) if config.alphas else _default_alphas()
     chosen = steering_layers(config, int(model.cfg.n_layers))
     n_layers = len(chosen or range(int(model.cfg.n_layers)))
