@@ -310,12 +310,12 @@ def check_attribution(summary: Mapping[str, Any], t: Thresholds, *, direction: s
         value = _float(c.get("spearman"))
         over = (f"over all {c.get('n_cells')} heads, shown, not judged: {c.get('n_active')} heads move the metric "
                 f"by >= {_float(c.get('active')):g} of the gap, too few to rank, so the top-k overlap alone judges")
-    elif "spearman_active" in c:  # results from before it was recorded: the Spearman over all heads
+    elif "spearman_active" in c:
         value = _float(c.get("spearman_active"))
         over = (f"over the {c.get('n_active')} of {c.get('n_cells')} heads moving the metric by >= "
                 f"{_float(c.get('active')):g} of the gap in either method (over all heads "
                 f"{_num(_float(c.get('spearman')))})")
-    else:
+    else:  # results from before it was recorded: the Spearman over all heads
         value, over = _float(c.get("spearman")), f"over all {c.get('n_cells')} heads"
     desc = (f"{how}, Spearman {over}, heads at {position} on the selection pairs, top-{c.get('k')} overlap "
             f"{_num(overlap)} (needs >= {t.min_topk_overlap:g}); no null (unrelated rankings give a Spearman near 0)")
