@@ -14,6 +14,7 @@ import pytest
 
 from tomlens.cli import main
 from tomlens.errors import TomlensError
+from tomlens.models.registry import local_weights_revision
 from tomlens.runs.experiment import ExperimentConfig, expand_model_entry, model_slug
 from tomlens.runs.sweep import (DONE, FAILED, LOGS, SWEEP, ExecutorOptions, finished_record, in_environment,
                                 job_environment, local_parameters, make_executor, parse_slurm_args, plan_jobs,
@@ -120,6 +121,25 @@ def test_editing_a_stimulus_file_makes_its_finished_job_stale(tmp_path):
     assert again.hash != job.hash and finished_record(again.folder, again.hash) is None  # stale: resubmitted
     stimuli.unlink()
     assert plan_jobs(config, tmp_path / "out")[0].hash not in (job.hash, again.hash)  # a missing file too
+
+
+def test_new_weights_under_the_same_name_make_a_finished_job_stale(tmp_path):
+    """A folder model (or a retrained tom-organism) keeps its name when its weights change: the
+    job hash follows the weights' digest, while a hub or tiny model's hash does not get the key."""
+    folder = tmp_path / "my-model"
+    folder.mkdir()
+    (folder / "config.json").write_text('{"model_type": "llama"}', encoding="utf-8")
+    (folder / "model.safetensors").write_bytes(b"first weights")
+    config = ExperimentConfig.from_dict({"name": "x", "models": [{"name": str(folder)}, {"name": "tiny-llama"}],
+                                         **STAGES})
+    first = plan_jobs(config, tmp_path / "out")
+    (folder / "model.safetensors").write_bytes(b"retrained weights, longer")
+    second = plan_jobs(config, tmp_path / "out")
+    assert second[0].hash != first[0].hash  # new weights: not reused
+    assert second[1].hash == first[1].hash
+    assert local_weights_revision("tiny-llama") is None and local_weights_revision("org/some-hub-model") is None
+    assert local_weights_revision("tom-organism").startswith("sha256:")
+    assert local_weights_revision("random:tom-organism").startswith("config:")
 
 
 # -- local GPUs (unit: one real submitit subprocess each) -------------------------------------------

@@ -82,10 +82,10 @@ def load_local(name: str, dtype: Any, device_map: Any = None) -> tuple[Any, Any,
             f"could not load model weights from {str(folder)!r} ({type(e).__name__}: {_first_line(e)})",
             "the folder needs config.json plus model weights (*.safetensors) of a causal language model",
         ) from e
-    return model, tokenizer, f"local:{folder.resolve()}@{_files_digest(folder)}"
+    return model, tokenizer, f"local:{folder.resolve()}@{files_digest(folder)}"
 
 
-def _files_digest(folder: Path) -> str:
+def files_digest(folder: Path) -> str:
     """Short digest of the folder's files (name, size, mtime): new weights saved into the same
     folder give a new revision, so caches keyed on it are not reused."""
     from tomlens.io import sha256_hex

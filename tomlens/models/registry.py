@@ -25,7 +25,7 @@ from tomlens.errors import TomlensError
 from tomlens.models import embedded, gemma, hub, organism, tiny
 from tomlens.devices import dtype_name, resolve_device, resolve_dtype
 from tomlens.models.tokens import bos_record, prepends_bos, set_bos_rule
-from tomlens.io import sha256_hex
+from tomlens.io import file_sha256, sha256_hex
 from tomlens.provenance import versions
 
 
@@ -65,6 +65,24 @@ def list_models() -> list[ModelName]:
     """The built-in names and the `random:<name>` form; any Hugging Face id or local model
     directory works as well."""
     return [*BUILTIN.values(), RANDOM_INIT]
+
+
+def local_weights_revision(name: str) -> str | None:
+    """The revision of the weights `name` loads, where they live on this machine and can change
+    under the same name (the shipped organism after `tomlens train-organism`, a local folder), read
+    without loading them; None for names whose revision or seed already says which weights they
+    are (hub ids, built-in GGUFs, tiny models). A sweep keys its finished jobs on it."""
+    base = name[len(RANDOM_PREFIX):] if name.startswith(RANDOM_PREFIX) else name
+    if base == organism.ORGANISM_NAME:
+        folder = organism.organism_dir()
+        return organism.organism_revision(folder) if base == name else "config:" + file_sha256(folder / "config.json")[:16]
+    if base in BUILTIN or not hub.looks_like_local_dir(base) or not Path(base).expanduser().is_dir():
+        return None
+    folder = Path(base).expanduser()
+    if base != name:
+        config = folder / "config.json"
+        return "config:" + file_sha256(config)[:16] if config.is_file() else None
+    return "local:" + hub.files_digest(folder)
 
 
 def load_model(

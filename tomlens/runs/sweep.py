@@ -29,6 +29,7 @@ from typing import Any, Iterator, Mapping
 
 from tomlens.errors import TomlensError
 from tomlens.io import file_sha256, read_json, write_json
+from tomlens.models.registry import local_weights_revision
 from tomlens.runs.base import ModelSpec, config_hash
 from tomlens.runs.experiment import PROBES_TABLE, ExperimentConfig, input_files, model_slug, run_experiment
 
@@ -246,15 +247,19 @@ def job_inputs(config: ExperimentConfig) -> dict[str, str | None]:
 
 def plan_jobs(config: ExperimentConfig, out: str | Path) -> list[SweepJob]:
     """One job per model entry (revisions and seeds already expanded): its one-model experiment,
-    folder `<out>/<slug>/` and the hash (settings and input files) a finished record must match to
-    be reused."""
+    folder `<out>/<slug>/` and the hash (settings, input files and, for weights on this machine
+    such as a retrained tom-organism, their digest) a finished record must match to be reused."""
     out = Path(out)
     jobs = []
     for spec in config.models:
         one = ExperimentConfig(name=config.name, models=(spec,), seed=config.seed,
                                description=config.description, stages=config.stages)
         slug = model_slug(spec)
-        hash_ = config_hash({"experiment": one.to_dict(), "inputs": job_inputs(one)})
+        keyed: dict[str, Any] = {"experiment": one.to_dict(), "inputs": job_inputs(one)}
+        weights = local_weights_revision(spec.name)
+        if weights is not None:  # only then: the hashes of hub and built-in jobs stay as they were
+            keyed["weights"] = weights
+        hash_ = config_hash(keyed)
         jobs.append(SweepJob(slug, spec, one, out / slug, hash_))
     return jobs
 
