@@ -105,3 +105,21 @@ def test_plain_attribution_misses_the_planted_head_and_integrated_gradients_find
     assert top(exact)[0] == planted
     assert planted not in top(plain)
     assert top(ig)[0] == planted and set(top(ig)) == set(top(exact))
+
+
+def test_the_training_defaults_are_the_shipped_organism_s_settings() -> None:
+    """`tomlens train-organism` with no settings reproduces the shipped weights: every setting its
+    training.json records has that value by default, and the settings added since are off."""
+    from dataclasses import asdict
+
+    from tomlens.organism.train import OrganismConfig
+
+    record = json.loads((organism_dir() / RECORD).read_text())
+    defaults = json.loads(json.dumps(asdict(OrganismConfig())))  # tuples as lists, as in the record
+    for key, value in record["config"].items():
+        assert defaults[key] == value, key
+    added = {k: v for k, v in defaults.items() if k not in record["config"]}
+    off = {"routes": 0.0, "echo": 0.0, "family_mix": None, "later_interchange_batch": None,
+           "curriculum_until_swap": False}
+    assert {k: added[k] for k in off if k in added} == {k: v for k, v in off.items() if k in added}
+    assert set(added) - set(off) <= {"route_layer", "route_heads", "mover_head", "echo_layer"}  # used only when on

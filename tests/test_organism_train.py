@@ -29,9 +29,11 @@ def test_train_organism_cli_writes_a_folder_that_loads(tmp_path, capsys) -> None
     from tomlens.stimuli import generate
 
     out = tmp_path / "organism"
-    code = main(["train-organism", "--quick", "--out", str(out)])
+    code = main(["train-organism", "--quick", "--set", "echo=0", "--set", 'family_mix={"order-only": 1}',
+                 "--out", str(out)])
     text = capsys.readouterr().out
     record = json.loads((out / RECORD).read_text())
+    assert record["config"]["echo"] == 0 and record["config"]["family_mix"] == {"order-only": 1}
     assert code == (0 if meets_target(record) else 1)  # a 20-step run does not reach 0.97
     assert "lowest held-out accuracy" in text and (out / CARD).is_file()
     assert "| order-only/false_belief/belief |" in (out / CARD).read_text()
@@ -41,3 +43,30 @@ def test_train_organism_cli_writes_a_folder_that_loads(tmp_path, capsys) -> None
     scored = score(model, stimuli)  # the word-level tokenizer works through behaviour scoring
     assert len(scored) == len(stimuli)
     assert main(["train-organism", "--quick", "--steps", "0", "--out", str(tmp_path / "x")]) == 2
+    for bad in ("bogus=1", "routes"):  # not a setting; no value
+        assert main(["train-organism", "--quick", "--set", bad, "--out", str(tmp_path / "x")]) == 2
+    assert not (tmp_path / "x").exists()
+
+
+def test_the_schedule_options_do_what_the_card_says() -> None:
+    """The curriculum that ends once the swap is learnt, the family shares after it, fewer
+    interchange pairs later, and the route attentions on held-out prompts; with routes and echo
+    off the card does not describe them."""
+    from dataclasses import replace
+
+    from tomlens.organism.card import model_card
+
+    mix = {"order-only": 1.0, "false-belief-factorial": 2.0, "unexpected-contents": 1.0}
+    cfg = replace(quick_config(), steps=6, knockout_after=0.0, curriculum_until_swap=True, first_share=0.9,
+                  family_mix=mix, later_interchange_batch=4)
+    _, _, record = train(cfg, progress=False, log_every=0)
+    assert record["swap_learnt_step"] == record["knockout_from_step"] == 2 and record["mixed_from_step"] == 2
+    looks = record["test_route_attention"]
+    assert set(looks) == {"cue", "told", "seen", "mover"} and all(0.0 <= v <= 1.0 for v in looks.values())
+    card = model_card(record)
+    assert "until the swap is learnt" in card and "here until step 2" in card
+    assert "false-belief-factorial 50%" in card and "on 4 pairs a step" in card
+    assert "trained to look up their cues" in card and "The echo." in card
+    _, _, plain = train(replace(quick_config(), steps=2, routes=0.0, echo=0.0), progress=False, log_every=0)
+    card = model_card(plain)
+    assert plain["test_route_attention"] == {} and "look up their cues" not in card and "The echo." not in card

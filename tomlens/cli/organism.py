@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -18,6 +19,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--seed", type=int, default=None, help="seed of data, split, weights and batches")
     parser.add_argument("--steps", type=int, default=None, help="optimiser steps")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads while training")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="change one training setting (repeatable; VALUE in JSON), e.g. --set routes=0 "
+                        "--set 'family_mix={\"order-only\": 1, \"unexpected-contents\": 1}'; the settings are "
+                        "the fields of tomlens.organism.train.OrganismConfig, listed in a written training.json")
     parser.add_argument("--quick", action="store_true",
                         help="a reduced run (small data, few steps) that checks the script works; "
                         "it does not reach the accuracy target")
@@ -31,7 +36,8 @@ def run(args: argparse.Namespace) -> int:
     from tomlens.organism.train import ACCURACY_TARGET, OrganismConfig, quick_config, train
 
     cfg = quick_config() if args.quick else OrganismConfig()
-    changes = {k: v for k, v in (("seed", args.seed), ("steps", args.steps), ("threads", args.threads)) if v is not None}
+    changes = {**settings(args.set), **{k: v for k, v in (("seed", args.seed), ("steps", args.steps),
+                                                         ("threads", args.threads)) if v is not None}}
     cfg = replace(cfg, **changes)
     print(f"train-organism: {cfg.n_layers} layers x {cfg.n_heads} heads, d_model {cfg.d_model}, {cfg.steps} steps "
           f"of {cfg.batch_size} prompts; about {estimate_minutes(cfg):.0f} min on {cfg.threads or 'all'} CPU "
@@ -48,10 +54,36 @@ def run(args: argparse.Namespace) -> int:
     return 1
 
 
+def settings(items: list[str]) -> dict[str, Any]:
+    """`KEY=VALUE` pairs as config changes (VALUE parsed as JSON, else kept as text); one clear
+    error for a key that is not a setting or a pair without "="."""
+    import json
+    from dataclasses import fields
+
+    from tomlens.errors import TomlensError
+    from tomlens.organism.train import OrganismConfig
+
+    known = {f.name for f in fields(OrganismConfig)}
+    out: dict[str, Any] = {}
+    for item in items:
+        key, eq, text = item.partition("=")
+        key = key.strip()
+        if not eq or key not in known:
+            raise TomlensError(f"--set {item!r} is not KEY=VALUE with KEY a training setting",
+                               f"choose KEY from {sorted(known)}")
+        try:
+            out[key] = json.loads(text)
+        except json.JSONDecodeError:
+            out[key] = text
+    return out
+
+
 def estimate_minutes(cfg) -> float:  # noqa: ANN001 - an OrganismConfig
     """Measured here (2 CPU threads, the shipped shape: 5 layers, d_model 64, batch 64): about 0.62 s
     a step with the interchange, 1.0 s once the knockout starts (about the last 40% of
-    the steps), 0.45 s without the interchange; plus about a minute to generate and split the stories."""
+    the steps), 0.45 s without the interchange; the attention routes and echo add about a tenth;
+    plus about a minute to generate and split the stories."""
     size = (cfg.batch_size / 64) * (cfg.n_layers / 5) * (cfg.d_model / 64) ** 2
     per_step = (0.62 * 0.6 + 1.0 * 0.4) if cfg.interchange else 0.45
-    return 1 + cfg.steps * per_step * size / 60
+    looks = 1.1 if cfg.routes or cfg.echo else 1.0
+    return 1 + cfg.steps * per_step * size * looks / 60

@@ -71,7 +71,7 @@ words of tomlens's generators, and nothing else.
 {mechanism}## Training
 AdamW (lr {cfg['lr']}, weight decay {cfg['weight_decay']}, {cfg['warmup']} warm-up steps, cosine decay),
 batch {cfg['batch_size']}, {cfg['steps']} steps, seed {cfg['seed']}, head-output group lasso {cfg['head_lasso']};
-{_curriculum(cfg)}
+{_curriculum(record)}
 {record['train_seconds']:.0f} s on {record['threads']} CPU threads. Same config, same machine: same weights.
 
 ## Held-out accuracy (answer outscores the other option)
@@ -97,12 +97,22 @@ def _order_only_solved(record: dict[str, Any], target: float = ACCURACY_TARGET) 
     return bool(cells) and min(cells) >= target
 
 
-def _curriculum(cfg: dict[str, Any]) -> str:
+def _curriculum(record: dict[str, Any]) -> str:
+    cfg = record["config"]
     share, families = cfg.get("first_share") or 0.0, cfg.get("first_families") or []
+    mix = cfg.get("family_mix")
+    later = ("from all the training prompts" if not mix else
+             "with these shares of each batch: " + ", ".join(f"{f} {v / sum(mix.values()):.0%}" for f, v in mix.items()))
+    pairs = cfg.get("later_interchange_batch")
+    swaps = f" (and the interchange on {pairs} pairs a step)" if pairs and cfg.get("interchange") else ""
     if not share or not families:
-        return "every answer batch drawn from all the training prompts;"
+        return f"every answer batch drawn {later}{swaps};"
+    if cfg.get("curriculum_until_swap"):
+        return (f"the answer batches come from {', '.join(families)} prompts only (the curriculum) until the swap is "
+                f"learnt, at most {share:.0%} of the steps (here until step {record.get('mixed_from_step')}), the rest "
+                f"{later}{swaps};")
     return (f"the first {share:.0%} of the steps draw their answer batches from {', '.join(families)} prompts only "
-            "(the curriculum), the rest from all the training prompts;")
+            f"(the curriculum), the rest {later}{swaps};")
 
 
 def _mechanism(record: dict[str, Any]) -> str:
@@ -132,6 +142,32 @@ def _mechanism(record: dict[str, Any]) -> str:
             + f" Measured on held-out pairs whose beliefs differ (the swap must change the answer): {swaps}. "
             f"`tomlens validate` should find it there: the probe at layer {layer} or later, this head in the "
             f"top k, steering from layer {layer} on.")
+    if cfg.get("routes"):
+        layer, heads = cfg["route_layer"], cfg["route_heads"]
+        mover = cfg["mover_head"]
+        looks = record.get("test_route_attention", {})
+
+        def seen(name: str) -> str:
+            return f" (held out: {looks[name]:.2f})" if name in looks else ""
+
+        parts.append(
+            f"- **The factorial's and contents' questions are trained to look up their cues in known heads**, by "
+            f"supervised attention at the question's final token (weight {cfg['routes']:g}; targets from each story's "
+            f"role spans; `tomlens.organism.routes`). At belief questions, L{layer}H{heads[0]} is trained to attend "
+            f"to the full stop of the protagonist's cue sentence, which says absent or present{seen('cue')}; "
+            f"L{layer}H{heads[1]} to the protagonist's name in the contents story's told sentence, which says told "
+            f"or not{seen('told')}; L{layer}H{heads[2]} to the container's word in the look sentence, which says "
+            f"looked in or not{seen('seen')}. At every question of those two families, L{mover[0]}H{mover[1]} is "
+            f"trained to attend to the answer's word (in the factorial its last mention, in the move sentence; in "
+            f"a contents story every mention){seen('mover')}. The numbers are the mean attention on the target over "
+            "held-out prompts. Nothing tells these heads what to write: the answer loss alone teaches the rest of "
+            "the model to use what they read.")
+    if cfg.get("echo"):
+        parts.append(
+            f"- **The echo.** While training, a linear readout (not shipped) of the residual stream entering layer "
+            f"{cfg['echo_layer']} is asked to name the first person of each token's sentence, in the factorial's and "
+            f"contents' stories (weight {cfg['echo']:g}), so that a cue sentence's tokens and the question's carry "
+            "whose they are.")
     if not parts:
         return ""
     return "## Known mechanism\n" + "\n".join(parts) + "\n\n"

@@ -26,10 +26,10 @@ from tomlens.errors import TomlensError
 from tomlens.stimuli.records import Stimulus
 
 
-def site_check(layer: int, head: int, n_layers: int, n_heads: int) -> None:
-    """One clear error for a head that the model does not have."""
+def site_check(layer: int, head: int, n_layers: int, n_heads: int, role: str = "interchange") -> None:
+    """One clear error for a head that the model does not have (`role`: what the head is for)."""
     if not (0 <= layer < n_layers and 0 <= head < n_heads):
-        raise TomlensError(f"interchange head L{layer}H{head} is not in a model of {n_layers} layers x {n_heads} heads",
+        raise TomlensError(f"{role} head L{layer}H{head} is not in a model of {n_layers} layers x {n_heads} heads",
                            f"choose a layer from 0 to {n_layers - 1} and a head from 0 to {n_heads - 1}")
 
 

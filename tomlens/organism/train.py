@@ -1,9 +1,11 @@
 """Train the model organism: a small Llama that answers belief and reality questions.
 
 The loss is cross-entropy on the answer's first token at the end of each prompt, plus the
-next-word loss on the story (`story_loss`) and the interchange losses that put the belief variable
-in one known head (`tomlens.organism.interchange`). Everything is seeded (data, split, initialisation, batch
-order), so the same config on the same machine gives the same weights. `train` writes a model
+next-word loss on the story (`story_loss`), the interchange losses that put the order-only belief
+variable in one known head (`tomlens.organism.interchange`), and, when switched on, the attention
+routes and echo that supervise the factorial's and contents' look-ups (`tomlens.organism.routes`).
+Everything is seeded (data, split, initialisation, batch order), so the same config on the same
+machine gives the same weights. `train` writes a model
 folder that `tomlens.models.load_model` boots like any local model: config.json,
 model.safetensors, the tokenizer files, `training.json` (config, split, accuracy per condition,
 versions) and `MODEL_CARD.md`.
@@ -25,6 +27,7 @@ from tqdm.auto import tqdm
 from tomlens.errors import TomlensError
 from tomlens.organism.data import FAMILIES, Split, make_split
 from tomlens.organism.interchange import head_outputs, patched_final_logits, site_check, usable
+from tomlens.organism.routes import ROUTES, RouteTargets, echo_loss, mover_loss, names_of, route_loss, route_targets
 from tomlens.organism.vocab import build_tokenizer
 from tomlens.stimuli.records import Stimulus
 
@@ -69,6 +72,24 @@ class OrganismConfig:
     # and not within a thousand among the factorial's and contents' stories), then from all
     first_families: tuple[str, ...] = ("order-only",)
     first_share: float = 0.4
+    # after the curriculum (from the start without one): the share of each answer batch drawn from
+    # each family (None: in proportion to the training prompts), and the interchange's pairs a step
+    # (None: batch_size)
+    family_mix: dict[str, float] | None = None
+    later_interchange_batch: int | None = None
+    curriculum_until_swap: bool = False  # end the curriculum early, once the swap is learnt (the knockout gate)
+    # attention routes (tomlens.organism.routes): weight of the supervised look-ups of the
+    # factorial's and contents' belief questions (0: off), the layer of their heads (cue, told,
+    # seen, in ROUTES order), the mover head (layer, head) that attends to the answer's word,
+    # and the weight and layer of the echo readout (each token names its sentence's first person).
+    # Off by default: the shipped weights were trained without them (see the README on issue 11's
+    # runs with them on)
+    routes: float = 0.0
+    route_layer: int = 2
+    route_heads: tuple[int, ...] = (1, 2, 3)
+    mover_head: tuple[int, int] = (3, 1)
+    echo: float = 0.0
+    echo_layer: int = 2
     threads: int | None = 2  # torch threads while training: a fixed count, so the weights do not depend on the core count
 
     def __post_init__(self) -> None:
@@ -99,6 +120,43 @@ class OrganismConfig:
             if unknown or not self.interchange_families:
                 raise TomlensError(f"interchange families {sorted(unknown) or '(none)'} are not the organism's",
                                    f"choose from {list(FAMILIES)}")
+        mix = self.family_mix
+        if mix is not None and (set(mix) - set(FAMILIES) or not all(0.0 <= float(v) < math.inf for v in mix.values())
+                                or not sum(mix.values()) > 0):
+            raise TomlensError(f"family_mix {mix} is not a set of shares of {list(FAMILIES)}",
+                               "give each family a finite share of 0 or more, summing to more than 0")
+        least = 2 if self.interchange_knockout else 1  # the knockout's mean over one source is that source
+        if self.later_interchange_batch is not None and self.later_interchange_batch < least:
+            raise TomlensError(f"later_interchange_batch = {self.later_interchange_batch} must be at least {least}",
+                               f"pass {least} or more, or None for batch_size")
+        if self.curriculum_until_swap and not self.interchange:
+            raise TomlensError("curriculum_until_swap needs the interchange (the swap it waits for)",
+                               "set interchange above 0, or curriculum_until_swap = false")
+        if self.routes:
+            heads = self.route_heads
+            if isinstance(heads, int) or len(heads) != len(ROUTES) or not all(isinstance(h, int) for h in heads):
+                raise TomlensError(f"route_heads {heads!r} needs one integer head per route {list(ROUTES)}",
+                                   f"give {len(ROUTES)} heads, e.g. route_heads = [1, 2, 3]")
+            mover = self.mover_head
+            if isinstance(mover, int) or len(mover) != 2 or not all(isinstance(v, int) for v in mover):
+                raise TomlensError(f"mover_head = {mover!r} is not a (layer, head) pair of integers",
+                                   "give two integers, e.g. mover_head = [3, 1]")
+            object.__setattr__(self, "route_heads", tuple(heads))
+            object.__setattr__(self, "mover_head", tuple(mover))
+            sites = [(self.route_layer, h) for h in self.route_heads] + [self.mover_head]
+            for site, role in zip(sites, [*(f"{r} route" for r in ROUTES), "mover"]):
+                site_check(*site, self.n_layers, self.n_heads, role)
+            if self.interchange:
+                sites.append(self.interchange_head)
+            if len(set(sites)) != len(sites):
+                raise TomlensError(f"the route, mover and interchange heads {sites} are not all different",
+                                   "give each look-up its own (layer, head)")
+        if self.echo and not 1 <= self.echo_layer < self.n_layers:  # hidden_states[n_layers] is after the final norm
+            raise TomlensError(f"echo_layer = {self.echo_layer} is not the input of a layer of a {self.n_layers}-layer model",
+                               f"choose a layer from 1 to {self.n_layers - 1}")
+        for name in ("routes", "echo"):
+            if not 0.0 <= float(getattr(self, name)) < math.inf:
+                raise TomlensError(f"{name} = {getattr(self, name)} is out of range", "use a weight of 0 or more")
         for sizes in (self.train_tasks, self.test_tasks):
             missing = set(FAMILIES) - set(sizes)
             if missing:
@@ -211,16 +269,50 @@ def swap_accuracy(model: Any, enc: Encoded, stimuli: Sequence[Stimulus], cfg: Or
     return out
 
 
-def all_logits(model: Any, ids: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor]:
-    """Logits at every position ([n, width, vocab]) and the mask of real tokens; rows right-padded."""
-    mask = (torch.arange(ids.shape[1])[None] < lengths[:, None]).long()
-    return model(input_ids=ids, attention_mask=mask).logits, mask
+def mixed_batch(by_family: Sequence[Tensor], mix: Tensor, size: int, gen: torch.Generator) -> Tensor:
+    """`size` training rows: each slot's family drawn with the shares `mix` ([n_families]), then a
+    row of that family ([size])."""
+    family = torch.multinomial(mix, size, replacement=True, generator=gen)
+    out = torch.empty(size, dtype=torch.long)
+    for f, rows in enumerate(by_family):
+        slots = family == f
+        if slots.any():
+            out[slots] = rows[torch.randint(0, len(rows), (int(slots.sum()),), generator=gen)]
+    return out
+
+
+@torch.no_grad()
+def route_attention(model: Any, enc: Encoded, targets: RouteTargets, cfg: OrganismConfig,
+                    batch: int = 256) -> dict[str, float]:
+    """Per route: the mean attention its head puts on the target at the final token, over the
+    prompts that have one; "mover": the mover head's attention on its targets (the answer's word). Needs
+    eager attention (the probabilities)."""
+    model.eval()
+    sums = {name: [0.0, 0] for name in (*ROUTES, "mover")}
+    for i in range(0, len(enc.ids), batch):
+        sl = slice(i, i + batch)
+        width = int(enc.lengths[sl].max())
+        ids, lengths = enc.ids[sl, :width], enc.lengths[sl]
+        mask = (torch.arange(width)[None] < lengths[:, None]).long()
+        att = model(input_ids=ids, attention_mask=mask, output_attentions=True).attentions
+        rows = torch.arange(len(ids))
+        for r, (name, head) in enumerate(zip(ROUTES, cfg.route_heads)):
+            pos = targets.positions[sl, r]
+            keep = pos >= 0
+            sums[name][0] += float(att[cfg.route_layer][rows[keep], head, lengths[keep] - 1, pos[keep]].sum())
+            sums[name][1] += int(keep.sum())
+        on = targets.mover[sl, :width]
+        keep = on.any(dim=-1)
+        probs = att[cfg.mover_head[0]][rows[keep], cfg.mover_head[1], lengths[keep] - 1]
+        sums["mover"][0] += float((probs * on[keep]).sum())
+        sums["mover"][1] += int(keep.sum())
+    return {name: total / n for name, (total, n) in sums.items() if n}
 
 
 def final_logits(model: Any, ids: Tensor, lengths: Tensor) -> Tensor:
-    """Logits at each row's last real token ([n, vocab])."""
-    out, _ = all_logits(model, ids, lengths)
-    return out[torch.arange(len(ids)), lengths - 1]
+    """Logits at each row's last real token ([n, vocab]); rows right-padded."""
+    mask = (torch.arange(ids.shape[1])[None] < lengths[:, None]).long()
+    return model(input_ids=ids, attention_mask=mask).logits[torch.arange(len(ids)), lengths - 1]
 
 
 def story_loss(logits: Tensor, ids: Tensor, mask: Tensor) -> Tensor:
@@ -278,9 +370,18 @@ def _train(cfg: OrganismConfig, *, progress: bool, log_every: int) -> tuple[Any,
         raise TomlensError("the held-out split has no test tasks", "raise test_tasks or held_out_share")
     tokenizer = build_tokenizer(split.words)
     train_enc, test_enc = encode(tokenizer, split.train), encode(tokenizer, split.test)
+    names = names_of(split.train)
+    routed = bool(cfg.routes or cfg.echo)
+    train_routes = route_targets(tokenizer, split.train, names) if routed else None
+    test_routes = route_targets(tokenizer, split.test, names) if cfg.routes else None
     torch.manual_seed(cfg.seed)
     model = LlamaForCausalLM(llama_config(cfg, len(tokenizer)))
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.98))
+    attention_before = model.config._attn_implementation
+    if cfg.routes:  # the route loss needs the attention probabilities, which only eager attention returns
+        model.config._attn_implementation = "eager"
+    readout = torch.nn.Linear(cfg.d_model, cfg.d_model) if cfg.echo else None  # training only: not saved
+    params = [*model.parameters(), *(readout.parameters() if readout is not None else ())]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.98))
 
     def lr_at(step: int) -> float:
         if step < cfg.warmup:
@@ -292,40 +393,64 @@ def _train(cfg: OrganismConfig, *, progress: bool, log_every: int) -> tuple[Any,
     n = len(split.train)
     first = torch.tensor([i for i, s in enumerate(split.train) if s.family in cfg.first_families], dtype=torch.long)
     first_steps = int(cfg.first_share * cfg.steps) if len(first) else 0
+    by_family = [torch.tensor([i for i, s in enumerate(split.train) if s.family == f], dtype=torch.long) for f in FAMILIES]
+    mix = None if cfg.family_mix is None else torch.tensor(
+        [float(cfg.family_mix.get(f, 0.0)) if len(rows) else 0.0 for f, rows in zip(FAMILIES, by_family)])
+    if mix is not None and not mix.sum() > 0:
+        raise TomlensError(f"family_mix {cfg.family_mix} gives no share to a family with training stories",
+                           "give a share to a family whose train_tasks kept some stories")
     history: list[dict[str, float]] = []
     bar = tqdm(range(cfg.steps), desc="training tom-organism", disable=not progress)
     running = 0.0
-    running_swap, knockout_step = 0.0, None
+    running_swap, learnt_step, knockout_step, mixed_from = 0.0, None, None, None
     pool = swap_rows(train_enc, split.train, cfg.interchange_families) if cfg.interchange else None
     if pool is not None and len(pool) < 2:
         raise TomlensError(f"no belief prompts to swap in {list(cfg.interchange_families)}",
                            "raise train_tasks for those families, or set interchange = 0")
     for step in bar:
         model.train()
-        if step < first_steps:
+        in_first = step < first_steps and not (cfg.curriculum_until_swap and learnt_step is not None)
+        if not in_first and mixed_from is None:
+            mixed_from = step + 1  # 1-based, as in the history
+        if in_first:
             idx = first[torch.randint(0, len(first), (cfg.batch_size,), generator=gen)]
-        else:
+        elif mix is None:
             idx = torch.randint(0, n, (cfg.batch_size,), generator=gen)
+        else:
+            idx = mixed_batch(by_family, mix, cfg.batch_size, gen)
         width = int(train_enc.lengths[idx].max())
         ids, lengths = train_enc.ids[idx, :width], train_enc.lengths[idx]
-        out, mask = all_logits(model, ids, lengths)
+        mask = (torch.arange(width)[None] < lengths[:, None]).long()
+        run = model(input_ids=ids, attention_mask=mask, output_attentions=bool(cfg.routes),
+                    output_hidden_states=bool(cfg.echo))
+        out = run.logits
         loss = torch.nn.functional.cross_entropy(out[torch.arange(len(idx)), lengths - 1], train_enc.answer[idx])
         total = loss
         if cfg.story_loss:
             total = total + cfg.story_loss * story_loss(out, ids, mask)
+        if train_routes is not None and cfg.routes:
+            mover_layer, mover_head = cfg.mover_head
+            total = total + cfg.routes * (
+                route_loss(run.attentions[cfg.route_layer], cfg.route_heads, train_routes.positions[idx], lengths)
+                + mover_loss(run.attentions[mover_layer], mover_head, train_routes.mover[idx], lengths))
+        if train_routes is not None and readout is not None:
+            total = total + cfg.echo * echo_loss(run.hidden_states[cfg.echo_layer], readout,
+                                                 model.model.embed_tokens.weight, train_routes.echo[idx, :width])
         if pool is not None:
-            pick = torch.randint(0, len(pool), (2, cfg.batch_size), generator=gen)
+            pairs = cfg.later_interchange_batch if not in_first and cfg.later_interchange_batch else cfg.batch_size
+            pick = torch.randint(0, len(pool), (2, pairs), generator=gen)
             knockout = cfg.interchange_knockout and knockout_step is not None
             swap, right = swap_loss_and_right(model, train_enc, pool[pick[0]], pool[pick[1]], cfg, knockout=knockout)
             running_swap = 0.95 * running_swap + 0.05 * float(right.float().mean())
-            if cfg.interchange_knockout and knockout_step is None and running_swap >= cfg.knockout_after:
-                knockout_step = step + 2  # 1-based, as in the history: the next step is the first with it
+            if learnt_step is None and running_swap >= cfg.knockout_after:
+                learnt_step = step + 2  # 1-based, as in the history: the next step is the first after it
+                knockout_step = learnt_step if cfg.interchange_knockout else None
             total = total + cfg.interchange * swap
         if cfg.head_lasso:
             total = total + cfg.head_lasso * head_group_norms(model, cfg.n_heads).sum()
         opt.zero_grad(set_to_none=True)
         total.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         sched.step()
         running = 0.98 * running + 0.02 * loss.item() if step else loss.item()
@@ -333,14 +458,19 @@ def _train(cfg: OrganismConfig, *, progress: bool, log_every: int) -> tuple[Any,
         if log_every and ((step + 1) % log_every == 0 or step + 1 == cfg.steps):
             acc = accuracy_by_condition(model, test_enc, split.test)
             swaps = swap_accuracy(model, test_enc, split.test, cfg) if cfg.interchange else {}
+            looks = route_attention(model, test_enc, test_routes, cfg) if test_routes is not None and cfg.routes else {}
             history.append({"step": step + 1, "loss": running, "min_test_accuracy": min(acc.values()),
-                            **{f"swap_accuracy/{k}": v for k, v in swaps.items()}})
+                            **{f"swap_accuracy/{k}": v for k, v in swaps.items()},
+                            **{f"route_attention/{k}": v for k, v in looks.items()}})
             if progress:
                 worst = sorted(acc.items(), key=lambda kv: kv[1])[:3]
                 tqdm.write(f"step {step + 1}: loss {running:.4f}, lowest held-out accuracy "
                            + ", ".join(f"{k} {v:.3f}" for k, v in worst)
-                           + "".join(f"; swapped-head accuracy {k} {v:.3f}" for k, v in swaps.items()))
+                           + "".join(f"; swapped-head accuracy {k} {v:.3f}" for k, v in swaps.items())
+                           + ("; route attention " + ", ".join(f"{k} {v:.2f}" for k, v in looks.items()) if looks else ""))
     model.eval()
+    looks = route_attention(model, test_enc, test_routes, cfg) if test_routes is not None and cfg.routes else {}
+    model.config._attn_implementation = attention_before
     record = {
         "config": asdict(cfg),
         "split": split.summary(),
@@ -349,7 +479,10 @@ def _train(cfg: OrganismConfig, *, progress: bool, log_every: int) -> tuple[Any,
         "test_accuracy": accuracy_by_condition(model, test_enc, split.test),
         "train_accuracy": accuracy_by_condition(model, train_enc, split.train),
         "test_swap_accuracy": swap_accuracy(model, test_enc, split.test, cfg) if cfg.interchange else {},
+        "test_route_attention": looks,
         "knockout_from_step": knockout_step,
+        "swap_learnt_step": learnt_step,
+        "mixed_from_step": mixed_from,
         "history": history,
         "train_seconds": round(time.time() - started, 1),
         "threads": torch.get_num_threads(),
@@ -361,5 +494,6 @@ def quick_config(seed: int = 0) -> OrganismConfig:
     """A reduced run that exercises the whole script in seconds (tests; not the shipped organism)."""
     return OrganismConfig(seed=seed, n_layers=2, d_model=32, n_heads=4, d_mlp=64, steps=20, batch_size=16, warmup=5,
                           interchange=1.0, interchange_head=(1, 0),
+                          routes=1.0, route_layer=0, mover_head=(1, 1), echo=1.0, echo_layer=1,
                           train_tasks={"order-only": 60, "false-belief-factorial": 20, "unexpected-contents": 40},
                           test_tasks={"order-only": 300, "false-belief-factorial": 150, "unexpected-contents": 100})
