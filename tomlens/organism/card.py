@@ -154,14 +154,13 @@ def _mechanism(record: dict[str, Any]) -> str:
             f"- **The factorial's and contents' questions are trained to look up their cues in known heads**, by "
             f"supervised attention at the question's final token (weight {cfg['routes']:g}; targets from each story's "
             f"role spans; `tomlens.organism.routes`). At belief questions, L{layer}H{heads[0]} is trained to attend "
-            f"to the full stop of the protagonist's cue sentence, which says absent or present{seen('cue')}; "
+            f"to the word after the protagonist's name in their cue sentence (absent or present){seen('cue')}; "
             f"L{layer}H{heads[1]} to the protagonist's name in the contents story's told sentence, which says told "
             f"or not{seen('told')}; L{layer}H{heads[2]} to the container's word in the look sentence, which says "
             f"looked in or not{seen('seen')}. At every question of those two families, L{mover[0]}H{mover[1]} is "
-            f"trained to attend to the answer's word (in the factorial its last mention, in the move sentence; in "
-            f"a contents story every mention){seen('mover')}. The numbers are the mean attention on the target over "
-            "held-out prompts. Nothing tells these heads what to write: the answer loss alone teaches the rest of "
-            "the model to use what they read.")
+            f"trained to attend to the mentions of the answer's word{seen('mover')}. The numbers are the mean "
+            "attention on the target over held-out prompts. Nothing tells these heads what to write: the answer "
+            "loss alone teaches the rest of the model to use what they read.")
     if cfg.get("echo"):
         parts.append(
             f"- **The echo.** While training, a linear readout (not shipped) of the residual stream entering layer "

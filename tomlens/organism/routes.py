@@ -7,18 +7,17 @@ question, several look-ups composed, and none of them gets a gradient until all 
 Supervising the look-ups gives each its own gradient, so the answer loss only has to learn to use
 them. The targets come from each stimulus's role spans, so they exist for every generated story:
 
-- routes, at the belief question's final token, one head each at layer `route_layer`: `cue`, the last token
-  (the full stop) of the protagonist's cue sentence (the factorial: absence or presence; by then
-  the sentence is read); `told`, the protagonist's name in the contents story's "tells X, but
-  not Y" sentence (told or not); `seen`, the container's word in the look sentence (looked in or
-  at the glass one);
-- the mover, at the final token of every prompt of those families, one head at a later layer: the
-  answer's word (the head that copies the answer). In the factorial every sentence names both
-  places, and only the move sentence says which is which ("to the X from the Y"), so there the
-  target is the answer's last mention, in the move sentence; in a contents story, every mention;
+- routes, at the belief question's final token, one head each at layer `route_layer`: `cue`, the
+  word after the protagonist's name in their cue sentence (the factorial: "X closes ..." for
+  absence, "X watches ..." for presence); `told`, the protagonist's name in the contents story's
+  "tells X, but not Y" sentence (told or not); `seen`, the container's word in the look sentence
+  (looked in or at the glass one);
+- the mover, at the final token of every prompt of those families, one head at a later layer: every
+  mention of the answer's word (the head that copies the answer);
 - echo, at every token of those families' prompts: a training-only linear readout of the
-  residual stream entering layer `echo_layer` names the first person of the token's sentence (each token knows whose
-  sentence it is in, which the cue route's key and the question's query both need). Not on
+  residual stream entering layer `echo_layer` names the first person of the token's sentence
+  (each token knows whose sentence it is in, which the cue route's key and the question's query
+  both need). Not on
   order-only stories, which need no binding and where interchange training puts the belief
   variable: their training stays as it was in the runs that learnt the swap.
 
@@ -73,9 +72,7 @@ def route_targets(tokenizer: Any, stimuli: Sequence[Stimulus], names: set[str]) 
             continue
         echo[i, : len(ids)] = torch.tensor(_sentence_subjects(ids, name_ids, stop))
         answer = tokenizer.convert_tokens_to_ids(s.answer.lower())
-        mentions = [j for j, t in enumerate(ids) if t == answer]
-        if mentions:
-            mover[i, mentions[-1:] if s.family == "false-belief-factorial" else mentions] = True
+        mover[i, : len(ids)] = torch.tensor(ids) == answer
         if s.prompt_type != "belief":
             continue
         word = {k: tokenizer.convert_tokens_to_ids(str(s.meta.get(k, "")).lower()) for k in ("protagonist", "container")}
@@ -87,8 +84,8 @@ def route_targets(tokenizer: Any, stimuli: Sequence[Stimulus], names: set[str]) 
 
         if s.family == "false-belief-factorial":
             cue = tokens_in("cue")
-            if cue and ids[cue[0]] == word["protagonist"]:
-                positions[i, ROUTES.index("cue")] = cue[-1]
+            if len(cue) > 1 and ids[cue[0]] == word["protagonist"]:
+                positions[i, ROUTES.index("cue")] = cue[1]
         else:
             told = [j for j in tokens_in("contrast_told") if ids[j] == word["protagonist"]]
             seen = [j for j in tokens_in("contrast_seen") if ids[j] == word["container"]]

@@ -152,7 +152,8 @@ class OrganismConfig:
                 raise TomlensError(f"the route, mover and interchange heads {sites} are not all different",
                                    "give each look-up its own (layer, head)")
         if self.echo and not 1 <= self.echo_layer < self.n_layers:  # hidden_states[n_layers] is after the final norm
-            raise TomlensError(f"echo_layer = {self.echo_layer} is not the input of a layer of a {self.n_layers}-layer model",
+            raise TomlensError(f"echo_layer = {self.echo_layer} is not the input of a layer of a "
+                               f"{self.n_layers}-layer model",
                                f"choose a layer from 1 to {self.n_layers - 1}")
         for name in ("routes", "echo"):
             if not 0.0 <= float(getattr(self, name)) < math.inf:
