@@ -51,7 +51,7 @@ def _o_proj_hook(model: Any, layer: int, fn: Any) -> Iterator[None]:
         handle.remove()
 
 
-def _mask(ids: Tensor, lengths: Tensor) -> Tensor:
+def padding_mask(ids: Tensor, lengths: Tensor) -> Tensor:
     """The attention mask of right-padded rows ([n, width])."""
     return (torch.arange(ids.shape[1])[None] < lengths[:, None]).long()
 
@@ -69,7 +69,7 @@ def head_outputs(model: Any, ids: Tensor, lengths: Tensor, layer: int, head: int
         got.append(x[rows, cols, head * d_head:(head + 1) * d_head].detach().clone())
 
     with torch.no_grad(), _o_proj_hook(model, layer, grab):
-        model(input_ids=ids, attention_mask=_mask(ids, lengths))
+        model(input_ids=ids, attention_mask=padding_mask(ids, lengths))
     return got[0]
 
 
@@ -85,5 +85,5 @@ def patched_final_logits(model: Any, ids: Tensor, lengths: Tensor, layer: int, h
         return (x,)
 
     with _o_proj_hook(model, layer, put):
-        logits = model(input_ids=ids, attention_mask=_mask(ids, lengths)).logits
+        logits = model(input_ids=ids, attention_mask=padding_mask(ids, lengths)).logits
     return logits[torch.arange(len(ids)), lengths - 1]

@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 
 from tomlens.errors import TomlensError
 from tomlens.organism.data import FAMILIES, Split, make_split
-from tomlens.organism.interchange import head_outputs, patched_final_logits, site_check, usable
+from tomlens.organism.interchange import head_outputs, padding_mask, patched_final_logits, site_check, usable
 from tomlens.organism.routes import ROUTES, RouteTargets, echo_loss, mover_loss, names_of, route_loss, route_targets
 from tomlens.organism.vocab import build_tokenizer
 from tomlens.stimuli.records import Stimulus
@@ -294,7 +294,7 @@ def route_attention(model: Any, enc: Encoded, targets: RouteTargets, cfg: Organi
         sl = slice(i, i + batch)
         width = int(enc.lengths[sl].max())
         ids, lengths = enc.ids[sl, :width], enc.lengths[sl]
-        mask = (torch.arange(width)[None] < lengths[:, None]).long()
+        mask = padding_mask(ids, lengths)
         att = model(input_ids=ids, attention_mask=mask, output_attentions=True).attentions
         rows = torch.arange(len(ids))
         for r, (name, head) in enumerate(zip(ROUTES, cfg.route_heads)):
@@ -312,8 +312,7 @@ def route_attention(model: Any, enc: Encoded, targets: RouteTargets, cfg: Organi
 
 def final_logits(model: Any, ids: Tensor, lengths: Tensor) -> Tensor:
     """Logits at each row's last real token ([n, vocab]); rows right-padded."""
-    mask = (torch.arange(ids.shape[1])[None] < lengths[:, None]).long()
-    return model(input_ids=ids, attention_mask=mask).logits[torch.arange(len(ids)), lengths - 1]
+    return model(input_ids=ids, attention_mask=padding_mask(ids, lengths)).logits[torch.arange(len(ids)), lengths - 1]
 
 
 def story_loss(logits: Tensor, ids: Tensor, mask: Tensor) -> Tensor:
@@ -421,7 +420,7 @@ def _train(cfg: OrganismConfig, *, progress: bool, log_every: int) -> tuple[Any,
             idx = mixed_batch(by_family, mix, cfg.batch_size, gen)
         width = int(train_enc.lengths[idx].max())
         ids, lengths = train_enc.ids[idx, :width], train_enc.lengths[idx]
-        mask = (torch.arange(width)[None] < lengths[:, None]).long()
+        mask = padding_mask(ids, lengths)
         run = model(input_ids=ids, attention_mask=mask, output_attentions=bool(cfg.routes),
                     output_hidden_states=bool(cfg.echo))
         out = run.logits
