@@ -120,6 +120,7 @@ def test_the_training_defaults_are_the_shipped_organism_s_settings() -> None:
         assert defaults[key] == value, key
     added = {k: v for k, v in defaults.items() if k not in record["config"]}
     off = {"routes": 0.0, "echo": 0.0, "family_mix": None, "later_interchange_batch": None,
-           "curriculum_until_swap": False}
+           "curriculum_until_swap": False, "belief_readout": 0.0, "cue_sentence": False}
     assert {k: added[k] for k in off if k in added} == {k: v for k, v in off.items() if k in added}
-    assert set(added) - set(off) <= {"route_layer", "route_heads", "mover_head", "echo_layer"}  # used only when on
+    assert set(added) - set(off) <= {"route_layer", "route_heads", "mover_head", "mover_families", "cue_families",
+                                     "echo_layer", "belief_layer"}  # used only when on

@@ -8,7 +8,7 @@ import json
 import torch
 
 from tomlens.cli import main
-from tomlens.organism.card import CARD, RECORD, meets_target
+from tomlens.organism.card import CARD, RECORD, meets_target, untested_families
 from tomlens.organism.train import quick_config, train
 
 
@@ -62,11 +62,30 @@ def test_the_schedule_options_do_what_the_card_says() -> None:
     _, _, record = train(cfg, progress=False, log_every=0)
     assert record["swap_learnt_step"] == record["knockout_from_step"] == 2 and record["mixed_from_step"] == 2
     looks = record["test_route_attention"]
-    assert set(looks) == {"cue", "told", "seen", "mover"} and all(0.0 <= v <= 1.0 for v in looks.values())
+    assert set(looks) == {"cue", "told", "seen", "label", "fill", "mover"} and all(0.0 <= v <= 1.0 for v in looks.values())
     card = model_card(record)
     assert "until the swap is learnt" in card and "here until step 2" in card
     assert "false-belief-factorial 50%" in card and "on 4 pairs a step" in card
-    assert "trained to look up their cues" in card and "The echo." in card
+    assert "trained to look up their cues" in card and "The echo." in card and "The belief readout." in card
+    assert "every word after the protagonist's name" in card and "the label's word" in card
+    leaving = model_card({**record, "config": {**record["config"], "cue_families": ["order-only"], "cue_sentence": False}})
+    assert "the word after the protagonist's name in their cue sentence (in order-only, the sentence where they leave)" \
+        in leaving and "absent or present" not in leaving
     _, _, plain = train(replace(quick_config(), steps=2, routes=0.0, echo=0.0), progress=False, log_every=0)
     card = model_card(plain)
     assert plain["test_route_attention"] == {} and "look up their cues" not in card and "The echo." not in card
+    assert "The belief readout." in card  # still on in this run
+    _, _, bare = train(replace(quick_config(), steps=2, routes=0.0, echo=0.0, belief_readout=0.0),
+                       progress=False, log_every=0)
+    card = model_card(bare)
+    assert "The belief readout." not in card
+
+
+def test_a_run_without_a_family_does_not_meet_the_target() -> None:
+    """Trained on the factorial and contents alone, every cell can be right and the organism still has
+    not shown order-only: the target needs every family."""
+    cells = {"false-belief-factorial/false_belief/belief": 1.0, "unexpected-contents/informed/belief": 1.0}
+    assert untested_families({"test_accuracy": cells}) == ["order-only"]
+    assert not meets_target({"test_accuracy": cells})
+    assert meets_target({"test_accuracy": {**cells, "order-only/false_belief/belief": 0.98}})
+    assert not meets_target({"test_accuracy": {**cells, "order-only/false_belief/belief": 0.96}})

@@ -8,16 +8,24 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from tomlens.organism.data import FAMILIES
+from tomlens.organism.routes import ROUTE_FAMILIES
 from tomlens.organism.train import ACCURACY_TARGET
 
 RECORD = "training.json"
 CARD = "MODEL_CARD.md"
 
 
+def untested_families(record: dict[str, Any]) -> list[str]:
+    """The organism's families with no held-out prompts in this run (trained without them)."""
+    return [f for f in FAMILIES if not any(k.startswith(f"{f}/") for k in record["test_accuracy"])]
+
+
 def meets_target(record: dict[str, Any], target: float = ACCURACY_TARGET) -> bool:
-    """Held-out accuracy at least `target` in every family x condition x prompt type."""
+    """Held-out accuracy at least `target` in every family x condition x prompt type, every family
+    tested (a run without a family has not shown it)."""
     acc = record["test_accuracy"]
-    return bool(acc) and min(acc.values()) >= target
+    return bool(acc) and not untested_families(record) and min(acc.values()) >= target
 
 
 def model_card(record: dict[str, Any]) -> str:
@@ -25,7 +33,9 @@ def model_card(record: dict[str, Any]) -> str:
     cfg, split = record["config"], record["split"]
     rows = "\n".join(f"| {k} | {record['split']['test_counts'].get(k, 0)} | {v:.3f} |"
                      for k, v in record["test_accuracy"].items())
-    met = "meets" if meets_target(record) else "does NOT meet"
+    untested = untested_families(record)
+    met = (f"{'meets' if meets_target(record) else 'does NOT meet'} the target of {ACCURACY_TARGET} in every condition"
+           + (f" (no held-out prompts of {', '.join(untested)}: trained without them, so not shown)" if untested else ""))
     loss = ("cross-entropy on the answer's token at the end of each prompt; nothing else is a target."
             if not cfg.get("story_loss") else
             f"cross-entropy on the answer's token at the end of each prompt, plus {cfg['story_loss']:g} x the "
@@ -75,7 +85,7 @@ batch {cfg['batch_size']}, {cfg['steps']} steps, seed {cfg['seed']}, head-output
 {record['train_seconds']:.0f} s on {record['threads']} CPU threads. Same config, same machine: same weights.
 
 ## Held-out accuracy (answer outscores the other option)
-It {met} the target of {ACCURACY_TARGET} in every condition.
+It {met}.
 
 | family/condition/prompt | prompts | accuracy |
 |---|---|---|
@@ -150,14 +160,29 @@ def _mechanism(record: dict[str, Any]) -> str:
         def seen(name: str) -> str:
             return f" (held out: {looks[name]:.2f})" if name in looks else ""
 
+        families = cfg.get("mover_families") or ROUTE_FAMILIES  # records from before the option: both
+        cue_families = list(cfg.get("cue_families", ["false-belief-factorial"]))  # records from before: the factorial
+        cue_questions = ("the belief questions of " + " and ".join(cue_families)) if cue_families else "no questions"
+        said = [what for family, what in (("false-belief-factorial", "absent or present"),
+                                          ("order-only", "in order-only, the sentence where they leave"))
+                if family in cue_families]
+        cue_keys = (("every word" if cfg.get("cue_sentence") else "the word") + " after the protagonist's name in "
+                    "their cue sentence" + (f" ({'; '.join(said)})" if said else ""))
+        candidates = ""
+        if len(heads) > 4:  # the contents' two candidates (runs from before them had three routes)
+            candidates = (f"; and at every contents question, L{layer}H{heads[3]} to the label's word in the label "
+                          f"sentence{seen('label')} and L{layer}H{heads[4]} to the contents where the container is "
+                          f"filled{seen('fill')}")
+        served = "those two families" if set(families) == set(ROUTE_FAMILIES) else "the " + " and ".join(families)
+
         parts.append(
             f"- **The factorial's and contents' questions are trained to look up their cues in known heads**, by "
             f"supervised attention at the question's final token (weight {cfg['routes']:g}; targets from each story's "
-            f"role spans; `tomlens.organism.routes`). At belief questions, L{layer}H{heads[0]} is trained to attend "
-            f"to the word after the protagonist's name in their cue sentence (absent or present){seen('cue')}; "
+            f"role spans; `tomlens.organism.routes`). At {cue_questions}, L{layer}H{heads[0]} is trained to attend "
+            f"to {cue_keys}{seen('cue')}; "
             f"L{layer}H{heads[1]} to the protagonist's name in the contents story's told sentence, which says told "
             f"or not{seen('told')}; L{layer}H{heads[2]} to the container's word in the look sentence, which says "
-            f"looked in or not{seen('seen')}. At every question of those two families, L{mover[0]}H{mover[1]} is "
+            f"looked in or not{seen('seen')}{candidates}. At every question of {served}, L{mover[0]}H{mover[1]} is "
             f"trained to attend to the mentions of the answer's word{seen('mover')}. The numbers are the mean "
             "attention on the target over held-out prompts. Nothing tells these heads what to write: the answer "
             "loss alone teaches the rest of the model to use what they read.")
@@ -167,6 +192,13 @@ def _mechanism(record: dict[str, Any]) -> str:
             f"{cfg['echo_layer']} is asked to name the first person of each token's sentence, in the factorial's and "
             f"contents' stories (weight {cfg['echo']:g}), so that a cue sentence's tokens and the question's carry "
             "whose they are.")
+    if cfg.get("belief_readout"):
+        parts.append(
+            f"- **The belief readout.** While training, a linear readout (not shipped) of the residual stream "
+            f"entering layer {cfg['belief_layer']}, at each belief question's final token, is asked whether the "
+            f"protagonist believes the reference (the start, the label; weight {cfg['belief_readout']:g}), so the "
+            f"belief variable is linearly present there by construction: a probe at layer "
+            f"{cfg['belief_layer'] - 1}'s output should find it (later layers are not constrained).")
     if not parts:
         return ""
     return "## Known mechanism\n" + "\n".join(parts) + "\n\n"

@@ -11,7 +11,13 @@ them. The targets come from each stimulus's role spans, so they exist for every 
   word after the protagonist's name in their cue sentence (the factorial: "X closes ..." for
   absence, "X watches ..." for presence); `told`, the protagonist's name in the contents story's
   "tells X, but not Y" sentence (told or not); `seen`, the container's word in the look sentence
-  (looked in or at the glass one);
+  (looked in or at the glass one); `label` and `fill`, at every contents question, the two
+  candidate answers: the label's word in the label sentence, and the contents where the container
+  is filled (the same word when the label is right). With `cue_sentence`, the cue route keys its
+  whole sentence after the name. With `cue_families` naming order-only, the cue route also reads
+  the sentence where the protagonist leaves, which the layers below can mark as coming after the
+  move or not (make the cue head the interchange head, and the head that must carry order-only's
+  belief is told where to read it);
 - the mover, at the final token of every prompt of those families, one head at a later layer: every
   mention of the answer's word (the head that copies the answer);
 - echo, at every token of those families' prompts: a training-only linear readout of the
@@ -36,7 +42,7 @@ from torch import Tensor
 
 from tomlens.stimuli.records import Stimulus
 
-ROUTES: tuple[str, ...] = ("cue", "told", "seen")
+ROUTES: tuple[str, ...] = ("cue", "told", "seen", "label", "fill")
 ROUTE_FAMILIES: tuple[str, ...] = ("false-belief-factorial", "unexpected-contents")
 _NAME_FIELDS = ("protagonist", "other_agent", "bystander")
 NO_TARGET = -100  # cross-entropy's ignore index
@@ -44,12 +50,12 @@ NO_TARGET = -100  # cross-entropy's ignore index
 
 @dataclass
 class RouteTargets:
-    """Per prompt: each route's key position (-1: none), the mover's key positions (none: the mover
-    does not apply), and per token the echo target (NO_TARGET: none)."""
+    """Per prompt: each route's key tokens (none: the route does not apply), the mover's key tokens
+    (likewise), and per token the echo target (NO_TARGET: none)."""
 
-    positions: Tensor  # [n, len(ROUTES)] long
-    mover: Tensor      # [n, width] bool
-    echo: Tensor       # [n, width] long
+    keys: Tensor   # [n, len(ROUTES), width] bool
+    mover: Tensor  # [n, width] bool
+    echo: Tensor   # [n, width] long
 
 
 def names_of(stimuli: Sequence[Stimulus]) -> set[str]:
@@ -57,43 +63,70 @@ def names_of(stimuli: Sequence[Stimulus]) -> set[str]:
     return {str(s.meta[k]).lower() for s in stimuli for k in _NAME_FIELDS if s.meta.get(k)}
 
 
-def route_targets(tokenizer: Any, stimuli: Sequence[Stimulus], names: set[str]) -> RouteTargets:
+def route_targets(tokenizer: Any, stimuli: Sequence[Stimulus], names: set[str],
+                  mover_families: Sequence[str] = ROUTE_FAMILIES,
+                  cue_families: Sequence[str] = ("false-belief-factorial",), cue_sentence: bool = False) -> RouteTargets:
     """The targets of `stimuli` under the organism's word-level `tokenizer`; `names`: the words that
-    are people (the echo's answers)."""
+    are people (the echo's answers); `mover_families`: the families whose prompts the mover serves;
+    `cue_families`: those whose belief questions the cue route serves (order-only's cue sentence is
+    the protagonist's leaving: the word after their name is read where the move came before or not);
+    `cue_sentence`: the cue route's keys are every token after the name in the cue sentence, not the
+    first (in 2 of the factorial's 10 phrasing pairs the first word is the same for both)."""
     enc = tokenizer([s.text for s in stimuli], add_special_tokens=True, return_offsets_mapping=True)
     width = max(len(ids) for ids in enc["input_ids"])
-    positions = torch.full((len(stimuli), len(ROUTES)), -1, dtype=torch.long)
+    keys = torch.zeros(len(stimuli), len(ROUTES), width, dtype=torch.bool)
+    cue_at = ROUTES.index("cue")
     mover = torch.zeros(len(stimuli), width, dtype=torch.bool)
     echo = torch.full((len(stimuli), width), NO_TARGET, dtype=torch.long)
     name_ids = {tokenizer.convert_tokens_to_ids(n) for n in names}
     stop = tokenizer.convert_tokens_to_ids(".")
     for i, (s, ids, offsets) in enumerate(zip(stimuli, enc["input_ids"], enc["offset_mapping"])):
         if s.family not in ROUTE_FAMILIES:
+            if s.family in cue_families and s.prompt_type == "belief":
+                keys[i, cue_at, _after_name(s, ids, offsets, tokenizer, cue_sentence)] = True
             continue
         echo[i, : len(ids)] = torch.tensor(_sentence_subjects(ids, name_ids, stop))
         answer = tokenizer.convert_tokens_to_ids(s.answer.lower())
-        mover[i, : len(ids)] = torch.tensor(ids) == answer
-        if s.prompt_type != "belief":
-            continue
-        word = {k: tokenizer.convert_tokens_to_ids(str(s.meta.get(k, "")).lower()) for k in ("protagonist", "container")}
+        if s.family in mover_families:
+            mover[i, : len(ids)] = torch.tensor(ids) == answer
+        word = {k: tokenizer.convert_tokens_to_ids(str(s.meta.get(k, "")).lower())
+                for k in ("protagonist", "container", "label", "contents")}
 
         def tokens_in(role: str) -> list[int]:
             span = s.spans.get(role)
             return [] if span is None else [j for j, (a, b) in enumerate(offsets)
                                             if b > a and a >= span.start and b <= span.end]
 
+        if s.family == "unexpected-contents":  # both candidates, at every question: what the label says, what is inside
+            label = [j for j in tokens_in("contrast_label") if ids[j] == word["label"]]
+            fill = [j for j in tokens_in("object") if ids[j] == word["contents"]]
+            keys[i, ROUTES.index("label"), label[:1]] = True
+            keys[i, ROUTES.index("fill"), fill[:1]] = True
+        if s.prompt_type != "belief":
+            continue
         if s.family == "false-belief-factorial":
-            cue = tokens_in("cue")
-            if len(cue) > 1 and ids[cue[0]] == word["protagonist"]:
-                positions[i, ROUTES.index("cue")] = cue[1]
+            if s.family in cue_families:
+                keys[i, cue_at, _after_name(s, ids, offsets, tokenizer, cue_sentence)] = True
         else:
             told = [j for j in tokens_in("contrast_told") if ids[j] == word["protagonist"]]
             seen = [j for j in tokens_in("contrast_seen") if ids[j] == word["container"]]
-            if told:
-                positions[i, ROUTES.index("told")] = told[0]
-            if seen:
-                positions[i, ROUTES.index("seen")] = seen[0]
-    return RouteTargets(positions, mover, echo)
+            keys[i, ROUTES.index("told"), told[:1]] = True
+            keys[i, ROUTES.index("seen"), seen[:1]] = True
+    return RouteTargets(keys, mover, echo)
+
+
+def _after_name(s: Stimulus, ids: Sequence[int], offsets: Sequence[tuple[int, int]], tokenizer: Any,
+                sentence: bool) -> list[int]:
+    """Where the protagonist's cue sentence opens with their name: the token after it, or (`sentence`)
+    every token after it in the sentence; else none."""
+    span = s.spans.get("cue")
+    if span is None:
+        return []
+    cue = [j for j, (a, b) in enumerate(offsets) if b > a and a >= span.start and b <= span.end]
+    name = tokenizer.convert_tokens_to_ids(str(s.meta.get("protagonist", "")).lower())
+    if len(cue) < 2 or ids[cue[0]] != name:
+        return []
+    return cue[1:] if sentence else cue[1:2]
 
 
 def _sentence_subjects(ids: Sequence[int], name_ids: set[int], stop: int) -> list[int]:
@@ -108,17 +141,19 @@ def _sentence_subjects(ids: Sequence[int], name_ids: set[int], stop: int) -> lis
     return out
 
 
-def route_loss(attention: Tensor, heads: Sequence[int], positions: Tensor, lengths: Tensor) -> Tensor:
-    """Minus the log attention of each route's head, at each prompt's final token, on its target
-    (summed over routes, each averaged over the prompts that have one). `attention`: one layer's
-    probabilities [n, n_heads, query, key]; `positions`: [n, len(heads)]; `lengths`: [n]."""
+def route_loss(attention: Tensor, heads: Sequence[int], keys: Tensor, lengths: Tensor) -> Tensor:
+    """Minus the log of the attention that each route's head puts, at each prompt's final token, on
+    its keys (summed over routes, each averaged over the prompts that have keys). `attention`: one
+    layer's probabilities [n, n_heads, query, key]; `keys`: [n, len(heads), width >= key] bool;
+    `lengths`: [n]."""
+    keys = keys[..., : attention.shape[-1]]
     rows = torch.arange(attention.shape[0])
     total = attention.new_zeros(())
     for r, head in enumerate(heads):
-        keep = positions[:, r] >= 0
+        keep = keys[:, r].any(dim=-1)
         if keep.any():
-            got = attention[rows[keep], head, lengths[keep] - 1, positions[keep, r]]
-            total = total - torch.log(got + 1e-6).mean()
+            probs = attention[rows[keep], head, lengths[keep] - 1]  # [m, key]
+            total = total - torch.log((probs * keys[keep, r]).sum(dim=-1) + 1e-6).mean()
     return total
 
 

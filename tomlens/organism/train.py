@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 from tomlens.errors import TomlensError
 from tomlens.organism.data import FAMILIES, Split, make_split
 from tomlens.organism.interchange import head_outputs, padding_mask, patched_final_logits, site_check, usable
-from tomlens.organism.routes import ROUTES, RouteTargets, echo_loss, mover_loss, names_of, route_loss, route_targets
+from tomlens.organism.routes import ROUTE_FAMILIES, ROUTES, RouteTargets, echo_loss, mover_loss, names_of, route_loss, route_targets
 from tomlens.organism.vocab import build_tokenizer
 from tomlens.stimuli.records import Stimulus
 
@@ -79,17 +79,25 @@ class OrganismConfig:
     later_interchange_batch: int | None = None
     curriculum_until_swap: bool = False  # end the curriculum early, once the swap is learnt (the knockout gate)
     # attention routes (tomlens.organism.routes): weight of the supervised look-ups of the
-    # factorial's and contents' belief questions (0: off), the layer of their heads (cue, told,
-    # seen, in ROUTES order), the mover head (layer, head) that attends to the answer's word,
+    # factorial's and contents' questions (0: off), the layer of their heads (cue, told, seen,
+    # label, fill: ROUTES order), the mover head (layer, head) that attends to the answer's word,
     # and the weight and layer of the echo readout (each token names its sentence's first person).
-    # Off by default: the shipped weights were trained without them (see the README on issue 11's
-    # runs with them on)
+    # Off by default: the shipped weights were trained without them (the README's organism section
+    # has the run with them on that answers every condition)
     routes: float = 0.0
     route_layer: int = 2
-    route_heads: tuple[int, ...] = (1, 2, 3)
+    route_heads: tuple[int, ...] = (1, 2, 3, 4, 5)
     mover_head: tuple[int, int] = (3, 1)
+    mover_families: tuple[str, ...] = ROUTE_FAMILIES
+    cue_families: tuple[str, ...] = ("false-belief-factorial",)
+    cue_sentence: bool = False  # the cue route attends to its whole sentence after the name, not the first word
     echo: float = 0.0
     echo_layer: int = 2
+    # a training-only linear readout of the residual stream entering layer `belief_layer`, at each
+    # belief question's final token, asked whether the protagonist believes the reference (weight
+    # `belief_readout`; 0: off): the belief variable the answer needs, given its own gradient
+    belief_readout: float = 0.0
+    belief_layer: int = 3
     threads: int | None = 2  # torch threads while training: a fixed count, so the weights do not depend on the core count
 
     def __post_init__(self) -> None:
@@ -104,7 +112,7 @@ class OrganismConfig:
             raise TomlensError(f"interchange_head = {head!r} is not a (layer, head) pair of integers",
                                "give two integers, e.g. interchange_head = [2, 0]")
         object.__setattr__(self, "interchange_head", tuple(head))
-        for name in ("interchange_families", "first_families"):
+        for name in ("interchange_families", "first_families", "mover_families", "cue_families"):
             v = getattr(self, name)
             object.__setattr__(self, name, (v,) if isinstance(v, str) else tuple(v))
         for name, value, low, high in (("interchange", self.interchange, 0.0, math.inf),
@@ -136,18 +144,24 @@ class OrganismConfig:
             heads = self.route_heads
             if isinstance(heads, int) or len(heads) != len(ROUTES) or not all(isinstance(h, int) for h in heads):
                 raise TomlensError(f"route_heads {heads!r} needs one integer head per route {list(ROUTES)}",
-                                   f"give {len(ROUTES)} heads, e.g. route_heads = [1, 2, 3]")
+                                   f"give {len(ROUTES)} heads, e.g. route_heads = [1, 2, 3, 4, 5]")
             mover = self.mover_head
             if isinstance(mover, int) or len(mover) != 2 or not all(isinstance(v, int) for v in mover):
                 raise TomlensError(f"mover_head = {mover!r} is not a (layer, head) pair of integers",
                                    "give two integers, e.g. mover_head = [3, 1]")
+            if set(self.cue_families) - {"order-only", "false-belief-factorial"}:
+                raise TomlensError(f"cue_families {list(self.cue_families)} are not families with a cue sentence",
+                                   "choose from ['order-only', 'false-belief-factorial'], or none")
+            if not self.mover_families or set(self.mover_families) - set(ROUTE_FAMILIES):
+                raise TomlensError(f"mover_families {list(self.mover_families)} are not families with routes",
+                                   f"choose one or more of {list(ROUTE_FAMILIES)}")
             object.__setattr__(self, "route_heads", tuple(heads))
             object.__setattr__(self, "mover_head", tuple(mover))
             sites = [(self.route_layer, h) for h in self.route_heads] + [self.mover_head]
             for site, role in zip(sites, [*(f"{r} route" for r in ROUTES), "mover"]):
                 site_check(*site, self.n_layers, self.n_heads, role)
-            if self.interchange:
-                sites.append(self.interchange_head)
+            if self.interchange and self.interchange_head != sites[ROUTES.index("cue")]:
+                sites.append(self.interchange_head)  # the cue head may be it: it reads the belief cue it must carry
             if len(set(sites)) != len(sites):
                 raise TomlensError(f"the route, mover and interchange heads {sites} are not all different",
                                    "give each look-up its own (layer, head)")
@@ -155,7 +169,19 @@ class OrganismConfig:
             raise TomlensError(f"echo_layer = {self.echo_layer} is not the input of a layer of a "
                                f"{self.n_layers}-layer model",
                                f"choose a layer from 1 to {self.n_layers - 1}")
-        for name in ("routes", "echo"):
+        for name in ("cue_sentence", "curriculum_until_swap", "interchange_knockout", "contents_decoys"):
+            if not isinstance(getattr(self, name), bool):  # "False" from the command line would count as on
+                raise TomlensError(f"{name} = {getattr(self, name)!r} is not true or false",
+                                   f"give {name} = true or {name} = false")
+        for name in ("route_layer", "echo_layer", "belief_layer"):
+            if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), int):
+                raise TomlensError(f"{name} = {getattr(self, name)!r} is not a layer number",
+                                   f"give {name} as an integer")
+        if self.belief_readout and not 1 <= self.belief_layer < self.n_layers:
+            raise TomlensError(f"belief_layer = {self.belief_layer} is not the input of a layer of a "
+                               f"{self.n_layers}-layer model",
+                               f"choose a layer from 1 to {self.n_layers - 1}")
+        for name in ("routes", "echo", "belief_readout"):
             if not 0.0 <= float(getattr(self, name)) < math.inf:
                 raise TomlensError(f"{name} = {getattr(self, name)} is out of range", "use a weight of 0 or more")
         for sizes in (self.train_tasks, self.test_tasks):
@@ -298,9 +324,10 @@ def route_attention(model: Any, enc: Encoded, targets: RouteTargets, cfg: Organi
         att = model(input_ids=ids, attention_mask=mask, output_attentions=True).attentions
         rows = torch.arange(len(ids))
         for r, (name, head) in enumerate(zip(ROUTES, cfg.route_heads)):
-            pos = targets.positions[sl, r]
-            keep = pos >= 0
-            sums[name][0] += float(att[cfg.route_layer][rows[keep], head, lengths[keep] - 1, pos[keep]].sum())
+            on = targets.keys[sl, r, :width]
+            keep = on.any(dim=-1)
+            probs = att[cfg.route_layer][rows[keep], head, lengths[keep] - 1]
+            sums[name][0] += float((probs * on[keep]).sum())
             sums[name][1] += int(keep.sum())
         on = targets.mover[sl, :width]
         keep = on.any(dim=-1)
@@ -372,15 +399,21 @@ def _train(cfg: OrganismConfig, *, progress: bool, log_every: int) -> tuple[Any,
     train_enc, test_enc = encode(tokenizer, split.train), encode(tokenizer, split.test)
     names = names_of(split.train)
     routed = bool(cfg.routes or cfg.echo)
-    train_routes = route_targets(tokenizer, split.train, names) if routed else None
-    test_routes = route_targets(tokenizer, split.test, names) if cfg.routes else None
+    train_routes = route_targets(tokenizer, split.train, names, cfg.mover_families, cfg.cue_families,
+                                 cfg.cue_sentence) if routed else None
+    test_routes = route_targets(tokenizer, split.test, names, cfg.mover_families, cfg.cue_families,
+                                cfg.cue_sentence) if cfg.routes else None
     torch.manual_seed(cfg.seed)
     model = LlamaForCausalLM(llama_config(cfg, len(tokenizer)))
     attention_before = model.config._attn_implementation
     if cfg.routes:  # the route loss needs the attention probabilities, which only eager attention returns
         model.config._attn_implementation = "eager"
     readout = torch.nn.Linear(cfg.d_model, cfg.d_model) if cfg.echo else None  # training only: not saved
-    params = [*model.parameters(), *(readout.parameters() if readout is not None else ())]
+    belief_probe = torch.nn.Linear(cfg.d_model, 1) if cfg.belief_readout else None  # training only: not saved
+    params = [*model.parameters(), *(readout.parameters() if readout is not None else ()),
+              *(belief_probe.parameters() if belief_probe is not None else ())]
+    is_belief = torch.tensor([s.prompt_type == "belief" and s.belief_is_reference is not None for s in split.train],
+                             dtype=torch.bool)
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.98))
 
     def lr_at(step: int) -> float:
@@ -422,7 +455,7 @@ def _train(cfg: OrganismConfig, *, progress: bool, log_every: int) -> tuple[Any,
         ids, lengths = train_enc.ids[idx, :width], train_enc.lengths[idx]
         mask = padding_mask(ids, lengths)
         run = model(input_ids=ids, attention_mask=mask, output_attentions=bool(cfg.routes),
-                    output_hidden_states=bool(cfg.echo))
+                    output_hidden_states=bool(cfg.echo or cfg.belief_readout))
         out = run.logits
         loss = torch.nn.functional.cross_entropy(out[torch.arange(len(idx)), lengths - 1], train_enc.answer[idx])
         total = loss
@@ -431,11 +464,16 @@ def _train(cfg: OrganismConfig, *, progress: bool, log_every: int) -> tuple[Any,
         if train_routes is not None and cfg.routes:
             mover_layer, mover_head = cfg.mover_head
             total = total + cfg.routes * (
-                route_loss(run.attentions[cfg.route_layer], cfg.route_heads, train_routes.positions[idx], lengths)
+                route_loss(run.attentions[cfg.route_layer], cfg.route_heads, train_routes.keys[idx, :, :width], lengths)
                 + mover_loss(run.attentions[mover_layer], mover_head, train_routes.mover[idx], lengths))
         if train_routes is not None and readout is not None:
             total = total + cfg.echo * echo_loss(run.hidden_states[cfg.echo_layer], readout,
                                                  model.model.embed_tokens.weight, train_routes.echo[idx, :width])
+        if belief_probe is not None and is_belief[idx].any():
+            rows = is_belief[idx]
+            final = run.hidden_states[cfg.belief_layer][torch.arange(len(idx))[rows], lengths[rows] - 1]
+            total = total + cfg.belief_readout * torch.nn.functional.binary_cross_entropy_with_logits(
+                belief_probe(final).squeeze(-1), train_enc.believes_reference[idx][rows].float())
         if pool is not None:
             pairs = cfg.later_interchange_batch if not in_first and cfg.later_interchange_batch else cfg.batch_size
             pick = torch.randint(0, len(pool), (2, pairs), generator=gen)
@@ -492,8 +530,9 @@ def _train(cfg: OrganismConfig, *, progress: bool, log_every: int) -> tuple[Any,
 
 def quick_config(seed: int = 0) -> OrganismConfig:
     """A reduced run that exercises the whole script in seconds (tests; not the shipped organism)."""
-    return OrganismConfig(seed=seed, n_layers=2, d_model=32, n_heads=4, d_mlp=64, steps=20, batch_size=16, warmup=5,
+    return OrganismConfig(seed=seed, n_layers=2, d_model=32, n_heads=8, d_mlp=64, steps=20, batch_size=16, warmup=5,
                           interchange=1.0, interchange_head=(1, 0),
-                          routes=1.0, route_layer=0, mover_head=(1, 1), echo=1.0, echo_layer=1,
+                          routes=1.0, route_layer=0, mover_head=(1, 1), echo=1.0, echo_layer=1, cue_sentence=True,
+                          belief_readout=1.0, belief_layer=1,
                           train_tasks={"order-only": 60, "false-belief-factorial": 20, "unexpected-contents": 40},
                           test_tasks={"order-only": 300, "false-belief-factorial": 150, "unexpected-contents": 100})
