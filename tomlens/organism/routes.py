@@ -81,37 +81,26 @@ def route_targets(tokenizer: Any, stimuli: Sequence[Stimulus], names: set[str],
     name_ids = {tokenizer.convert_tokens_to_ids(n) for n in names}
     stop = tokenizer.convert_tokens_to_ids(".")
     for i, (s, ids, offsets) in enumerate(zip(stimuli, enc["input_ids"], enc["offset_mapping"])):
+        if s.family in cue_families and s.prompt_type == "belief":
+            keys[i, cue_at, _after_name(s, ids, offsets, tokenizer, cue_sentence)] = True
         if s.family not in ROUTE_FAMILIES:
-            if s.family in cue_families and s.prompt_type == "belief":
-                keys[i, cue_at, _after_name(s, ids, offsets, tokenizer, cue_sentence)] = True
             continue
         echo[i, : len(ids)] = torch.tensor(_sentence_subjects(ids, name_ids, stop))
-        answer = tokenizer.convert_tokens_to_ids(s.answer.lower())
         if s.family in mover_families:
-            mover[i, : len(ids)] = torch.tensor(ids) == answer
-        word = {k: tokenizer.convert_tokens_to_ids(str(s.meta.get(k, "")).lower())
-                for k in ("protagonist", "container", "label", "contents")}
-
-        def tokens_in(role: str) -> list[int]:
-            span = s.spans.get(role)
-            return [] if span is None else [j for j, (a, b) in enumerate(offsets)
-                                            if b > a and a >= span.start and b <= span.end]
-
-        if s.family == "unexpected-contents":  # both candidates, at every question: what the label says, what is inside
-            label = [j for j in tokens_in("contrast_label") if ids[j] == word["label"]]
-            fill = [j for j in tokens_in("object") if ids[j] == word["contents"]]
-            keys[i, ROUTES.index("label"), label[:1]] = True
-            keys[i, ROUTES.index("fill"), fill[:1]] = True
-        if s.prompt_type != "belief":
+            mover[i, : len(ids)] = torch.tensor(ids) == tokenizer.convert_tokens_to_ids(s.answer.lower())
+        if s.family != "unexpected-contents":
             continue
-        if s.family == "false-belief-factorial":
-            if s.family in cue_families:
-                keys[i, cue_at, _after_name(s, ids, offsets, tokenizer, cue_sentence)] = True
-        else:
-            told = [j for j in tokens_in("contrast_told") if ids[j] == word["protagonist"]]
-            seen = [j for j in tokens_in("contrast_seen") if ids[j] == word["container"]]
-            keys[i, ROUTES.index("told"), told[:1]] = True
-            keys[i, ROUTES.index("seen"), seen[:1]] = True
+
+        def first(role: str, field: str) -> list[int]:  # the first token in the role's span that is the field's word
+            word = tokenizer.convert_tokens_to_ids(str(s.meta.get(field, "")).lower())
+            return [j for j in _tokens_in(s, role, offsets) if ids[j] == word][:1]
+
+        # both candidates, at every question: what the label says, what is inside
+        keys[i, ROUTES.index("label"), first("contrast_label", "label")] = True
+        keys[i, ROUTES.index("fill"), first("object", "contents")] = True
+        if s.prompt_type == "belief":
+            keys[i, ROUTES.index("told"), first("contrast_told", "protagonist")] = True
+            keys[i, ROUTES.index("seen"), first("contrast_seen", "container")] = True
     return RouteTargets(keys, mover, echo)
 
 
@@ -119,14 +108,18 @@ def _after_name(s: Stimulus, ids: Sequence[int], offsets: Sequence[tuple[int, in
                 sentence: bool) -> list[int]:
     """Where the protagonist's cue sentence opens with their name: the token after it, or (`sentence`)
     every token after it in the sentence; else none."""
-    span = s.spans.get("cue")
-    if span is None:
-        return []
-    cue = [j for j, (a, b) in enumerate(offsets) if b > a and a >= span.start and b <= span.end]
+    cue = _tokens_in(s, "cue", offsets)
     name = tokenizer.convert_tokens_to_ids(str(s.meta.get("protagonist", "")).lower())
     if len(cue) < 2 or ids[cue[0]] != name:
         return []
     return cue[1:] if sentence else cue[1:2]
+
+
+def _tokens_in(s: Stimulus, role: str, offsets: Sequence[tuple[int, int]]) -> list[int]:
+    """The tokens (by their character offsets) that lie inside the stimulus's `role` span; none
+    when it has no such span."""
+    span = s.spans.get(role)
+    return [] if span is None else [j for j, (a, b) in enumerate(offsets) if b > a and a >= span.start and b <= span.end]
 
 
 def _sentence_subjects(ids: Sequence[int], name_ids: set[int], stop: int) -> list[int]:
@@ -141,33 +134,34 @@ def _sentence_subjects(ids: Sequence[int], name_ids: set[int], stop: int) -> lis
     return out
 
 
+def keyed_attention(attention: Tensor, head: int, keys: Tensor, lengths: Tensor) -> Tensor:
+    """The attention that `head` puts, at each prompt's final token, on that prompt's keys, for the
+    prompts that have keys ([m]). `attention`: one layer's probabilities [n, n_heads, query, key];
+    `keys`: [n, width >= key] bool; `lengths`: [n]."""
+    keys = keys[:, : attention.shape[-1]]
+    keep = keys.any(dim=-1)
+    probs = attention[torch.arange(attention.shape[0])[keep], head, lengths[keep] - 1]  # [m, key]
+    return (probs * keys[keep]).sum(dim=-1)
+
+
+def _minus_log(got: Tensor, like: Tensor) -> Tensor:
+    return -torch.log(got + 1e-6).mean() if len(got) else like.new_zeros(())
+
+
 def route_loss(attention: Tensor, heads: Sequence[int], keys: Tensor, lengths: Tensor) -> Tensor:
     """Minus the log of the attention that each route's head puts, at each prompt's final token, on
     its keys (summed over routes, each averaged over the prompts that have keys). `attention`: one
     layer's probabilities [n, n_heads, query, key]; `keys`: [n, len(heads), width >= key] bool;
     `lengths`: [n]."""
-    keys = keys[..., : attention.shape[-1]]
-    rows = torch.arange(attention.shape[0])
-    total = attention.new_zeros(())
-    for r, head in enumerate(heads):
-        keep = keys[:, r].any(dim=-1)
-        if keep.any():
-            probs = attention[rows[keep], head, lengths[keep] - 1]  # [m, key]
-            total = total - torch.log((probs * keys[keep, r]).sum(dim=-1) + 1e-6).mean()
-    return total
+    return sum((_minus_log(keyed_attention(attention, head, keys[:, r], lengths), attention)
+                for r, head in enumerate(heads)), attention.new_zeros(()))
 
 
 def mover_loss(attention: Tensor, head: int, targets: Tensor, lengths: Tensor) -> Tensor:
     """Minus the log of the attention that the mover head puts, at each prompt's final token, on
     its target tokens, averaged over the prompts that have some. `attention` [n, n_heads, query,
     key], `targets` [n, width >= key] bool, `lengths` [n]."""
-    targets = targets[:, : attention.shape[-1]]
-    keep = targets.any(dim=-1)
-    if not keep.any():
-        return attention.new_zeros(())
-    rows = torch.arange(attention.shape[0])[keep]
-    probs = attention[rows, head, lengths[keep] - 1]  # [m, key]
-    return -torch.log((probs * targets[keep]).sum(dim=-1) + 1e-6).mean()
+    return _minus_log(keyed_attention(attention, head, targets, lengths), attention)
 
 
 def echo_loss(hidden: Tensor, readout: torch.nn.Module, embedding: Tensor, targets: Tensor) -> Tensor:

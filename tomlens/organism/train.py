@@ -27,7 +27,8 @@ from tqdm.auto import tqdm
 from tomlens.errors import TomlensError
 from tomlens.organism.data import FAMILIES, Split, make_split
 from tomlens.organism.interchange import head_outputs, padding_mask, patched_final_logits, site_check, usable
-from tomlens.organism.routes import ROUTE_FAMILIES, ROUTES, RouteTargets, echo_loss, mover_loss, names_of, route_loss, route_targets
+from tomlens.organism.routes import (ROUTE_FAMILIES, ROUTES, RouteTargets, echo_loss, keyed_attention, mover_loss,
+                                     names_of, route_loss, route_targets)
 from tomlens.organism.vocab import build_tokenizer
 from tomlens.stimuli.records import Stimulus
 
@@ -322,18 +323,13 @@ def route_attention(model: Any, enc: Encoded, targets: RouteTargets, cfg: Organi
         ids, lengths = enc.ids[sl, :width], enc.lengths[sl]
         mask = padding_mask(ids, lengths)
         att = model(input_ids=ids, attention_mask=mask, output_attentions=True).attentions
-        rows = torch.arange(len(ids))
-        for r, (name, head) in enumerate(zip(ROUTES, cfg.route_heads)):
-            on = targets.keys[sl, r, :width]
-            keep = on.any(dim=-1)
-            probs = att[cfg.route_layer][rows[keep], head, lengths[keep] - 1]
-            sums[name][0] += float((probs * on[keep]).sum())
-            sums[name][1] += int(keep.sum())
-        on = targets.mover[sl, :width]
-        keep = on.any(dim=-1)
-        probs = att[cfg.mover_head[0]][rows[keep], cfg.mover_head[1], lengths[keep] - 1]
-        sums["mover"][0] += float((probs * on[keep]).sum())
-        sums["mover"][1] += int(keep.sum())
+        looks = [(name, att[cfg.route_layer], head, targets.keys[sl, r]) for r, (name, head) in
+                 enumerate(zip(ROUTES, cfg.route_heads))]
+        looks.append(("mover", att[cfg.mover_head[0]], cfg.mover_head[1], targets.mover[sl]))
+        for name, layer, head, keys in looks:
+            got = keyed_attention(layer, head, keys, lengths)
+            sums[name][0] += float(got.sum())
+            sums[name][1] += len(got)
     return {name: total / n for name, (total, n) in sums.items() if n}
 
 
