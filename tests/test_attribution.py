@@ -70,10 +70,10 @@ def test_attribution_equals_per_pair_gradient_reference(load_tiny, name):
     assert max(checked) > 1e-4  # gradients and differences are not all zero
 
 
-def _reference_ig_scores(model, pair, hook: str, steps: int) -> torch.Tensor:
+def _reference_ig_scores(model, pair, hook: str, steps: int, path: str = "embeddings") -> torch.Tensor:
     """Integrated gradients by hand, one pair, no padding: the gradient at the hook averaged over
-    corrupted runs whose token embeddings are moved 0, 1/steps, .. of the way to the clean story's,
-    times (clean - corrupted) activation."""
+    corrupted runs moved 0, 1/steps, .. of the way to the clean story (its token embeddings, or
+    with `path="sites"` the hook's own activation), times (clean - corrupted) activation."""
     b = encode(model, [pair.clean.text, pair.corrupted.text])
     metric = tl_metric(model, pair)
     with torch.inference_mode():
@@ -83,12 +83,13 @@ def _reference_ig_scores(model, pair, hook: str, steps: int) -> torch.Tensor:
     for i in range(steps):
         delta = torch.zeros_like(clean_act, requires_grad=True)
 
-        def add(act, hook=None):
+        def add(act, hook=None, a=i / steps):
             kept.setdefault("corrupted", act.detach().clone())
-            return act + delta
+            moved = act + a * (clean_act - act) if path == "sites" else act
+            return moved + delta
 
         def mix(act, hook=None, a=i / steps):
-            return act + a * (clean_embed - act)
+            return act + a * (clean_embed - act) if path == "embeddings" else act
 
         logits = model.run_with_hooks(b.input_ids[1:], fwd_hooks=[("hook_embed", mix), (hook, add)])
         (grad,) = torch.autograd.grad(metric(logits), delta)
@@ -96,15 +97,20 @@ def _reference_ig_scores(model, pair, hook: str, steps: int) -> torch.Tensor:
     return ((clean_act - kept["corrupted"]) * total / steps).sum(-1)[0]  # [pos(, head)]
 
 
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gpt2"])
-def test_integrated_gradient_attribution_equals_a_one_pair_reference(load_tiny, name):
-    """steps > 1, batched and on the shared-prefix shortcut, equals the hand-written path average;
-    steps = 1 is plain attribution; fewer than 1 step is refused."""
+@pytest.mark.parametrize("name,path", [("tiny-llama", "embeddings"), ("tiny-gpt2", "embeddings"),
+                                       ("tiny-llama", "sites"), ("tiny-gpt2", "sites")])
+def test_integrated_gradient_attribution_equals_a_one_pair_reference(load_tiny, name, path):
+    """steps > 1, batched and on the shared-prefix and skipped-block shortcuts, equals the
+    hand-written path average along either path; steps = 1 is plain attribution; fewer than 1
+    step, or an unknown path, is refused."""
+    from jaxtyping import TypeCheckError
+
     from tomlens.errors import TomlensError
 
     model = load_tiny(name)
     pairs = short_pairs(model.tokenizer, 2)
-    res = attribution_patching(model, pairs, sites={"heads": ["each"]}, batch_pairs=2, steps=4, progress=False)
+    res = attribution_patching(model, pairs, sites={"heads": ["each"]}, batch_pairs=2, steps=4, path=path,
+                               progress=False)
     plain = attribution_patching(model, pairs, sites={"heads": ["each"]}, batch_pairs=2, progress=False)
     df = res.cell_frame()
     H, n_al = model.cfg.n_heads, int(df.pos.max()) + 1
@@ -114,12 +120,29 @@ def test_integrated_gradient_attribution_equals_a_one_pair_reference(load_tiny, 
     for j, pair in enumerate(pairs):
         n = encode(model, [pair.clean.text]).lengths[0]
         for layer in range(model.cfg.n_layers):
-            want = _reference_ig_scores(model, pair, hook_for("head", layer), 4)  # [pos, head]
+            want = _reference_ig_scores(model, pair, hook_for("head", layer), 4, path)  # [pos, head]
             sel = ((df.kind == "head") & (df.layer == layer)).to_numpy()
             got = est[torch.tensor(sel), j].view(n_al, H)[n_al - n:]
             torch.testing.assert_close(got, want.double(), atol=1e-5, rtol=1e-4)
     with pytest.raises(TomlensError, match="steps"):
         attribution_patching(model, pairs, sites={"heads": ["each"]}, steps=0, progress=False)
+    with pytest.raises((TomlensError, TypeCheckError), match="path"):
+        attribution_patching(model, pairs, sites={"heads": ["each"]}, steps=2, path="heads", progress=False)
+
+
+def test_integrated_gradients_along_a_site_converge_to_patching_it(load_tiny):
+    """Along the sites, a hook whose one cell is the whole moved activation (the residual stream at
+    every differing token) is integrated from the corrupted run to the clean one: with many steps the
+    estimate is exact patching's value (the left sum's error shrinks as 1/steps), which plain
+    attribution, a tangent at the corrupted run, is not held to."""
+    model = load_tiny("tiny-llama")
+    pairs = short_pairs(model.tokenizer, 2)
+    sites = {"resid_pre": ["all"]}
+    exact = exact_patching(model, pairs, sites=sites, progress=False).values
+    errors = {steps: (attribution_patching(model, pairs, sites=sites, steps=steps, path="sites", progress=False).values
+                      - exact).abs().max().item() for steps in (1, 8, 64)}
+    assert errors[1] > 1e-3  # the tangent is off: there is something to converge
+    assert errors[64] < 0.2 * errors[8] < 0.2 * errors[1]  # the left Riemann sum closing in, not a fixed offset
 
 
 def test_attribution_matches_a_finite_difference(load_tiny):

@@ -111,6 +111,8 @@ def test_attribution_fails_when_its_top_k_misses_exact_patchings_heads_whatever_
     assert check_attribution(s, T).passed
     assert not check_attribution(s, Thresholds(min_topk_overlap=0.6)).passed
     assert "integrated gradients, 8 steps" in check_attribution(patching_summary(attribution_steps=8), T).detail
+    along = check_attribution(patching_summary(attribution_steps=8, attribution_path="sites"), T).detail
+    assert "integrated gradients, 8 steps along the sites" in along
 
 
 def test_attribution_is_judged_on_the_heads_that_matter_and_on_overlap_alone_when_too_few_do() -> None:
@@ -127,6 +129,19 @@ def test_attribution_is_judged_on_the_heads_that_matter_and_on_overlap_alone_whe
     assert not check_attribution(s, T).passed
     with pytest.raises(TomlensError, match="attribution_steps"):
         ValidateConfig(attribution_steps=0)
+    with pytest.raises(TomlensError, match="attribution_path"):
+        ValidateConfig(attribution_path="heads")
+
+
+def test_the_runs_layer_names_the_same_attribution_paths_as_the_patching_code() -> None:
+    """The runs layer keeps its own copy (a config is read without torch): it must not drift."""
+    from tomlens.patching.attribution import IG_PATHS
+    from tomlens.runs.patching import ATTRIBUTION_PATHS, DEFAULT_ATTRIBUTION_PATH, PatchingConfig
+
+    assert ATTRIBUTION_PATHS == IG_PATHS and DEFAULT_ATTRIBUTION_PATH == "sites"
+    assert ValidateConfig().attribution_path == PatchingConfig().attribution_path == DEFAULT_ATTRIBUTION_PATH
+    with pytest.raises(TomlensError, match="attribution_path"):
+        PatchingConfig(attribution_path="heads")
 
 
 def test_a_withheld_or_forced_patching_stage_fails_every_patching_check_with_its_reason() -> None:

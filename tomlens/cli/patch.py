@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 
 from tomlens.cli.options import add_model_options, add_positions, add_progress, add_sites, model_spec
-from tomlens.runs.patching import DEFAULT_ATTRIBUTION_STEPS, DEFAULT_CHUNK_RUNS, DEFAULT_KS, DEFAULT_MAX_RUNS, \
+from tomlens.runs.patching import ATTRIBUTION_PATHS, DEFAULT_ATTRIBUTION_PATH, DEFAULT_ATTRIBUTION_STEPS, DEFAULT_CHUNK_RUNS, DEFAULT_KS, DEFAULT_MAX_RUNS, \
     DIRECTIONS, METHODS
 
 
@@ -83,8 +83,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--graddrop", choices=("auto", "on", "off"), default="auto",
                    help="--method search: GradDrop (auto: when there are at least 10 cells per layer)")
     p.add_argument("--attribution-steps", type=int, default=DEFAULT_ATTRIBUTION_STEPS,
-                   help="attribution: points on the path between the two stories' token embeddings (integrated "
-                   f"gradients; 1 = plain attribution patching; default {DEFAULT_ATTRIBUTION_STEPS})")
+                   help="attribution: points on the path between the two stories (integrated gradients; 1 = plain "
+                   f"attribution patching; default {DEFAULT_ATTRIBUTION_STEPS})")
+    p.add_argument("--attribution-path", choices=ATTRIBUTION_PATHS, default=DEFAULT_ATTRIBUTION_PATH,
+                   help="what integrated gradients move: each patched site's own activation, as exact patching "
+                   "does (sites), or the token embeddings, one run per step but a chain of heads' effect shared "
+                   f"out among them (embeddings); default {DEFAULT_ATTRIBUTION_PATH}")
     p.set_defaults(func=run)
 
 
@@ -100,6 +104,7 @@ def run(args: argparse.Namespace) -> int:
         memory_mb=args.memory_mb, max_runs=args.max_runs, dry_run=args.dry_run, chunk_runs=args.chunk_runs,
         search_budget=args.search_budget, search_threshold=args.search_threshold,
         search_samples=args.search_samples, graddrop=args.graddrop, attribution_steps=args.attribution_steps,
+        attribution_path=args.attribution_path,
         format=args.format,
         ks=parse_ks(args.ks), force=args.force, solved_only=args.solved_only, select_fraction=args.select_fraction,
     )

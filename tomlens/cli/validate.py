@@ -10,7 +10,7 @@ import argparse
 from dataclasses import fields
 
 from tomlens.cli.options import add_model_options, add_progress, model_spec
-from tomlens.runs.patching import DEFAULT_ATTRIBUTION_STEPS
+from tomlens.runs.patching import ATTRIBUTION_PATHS, DEFAULT_ATTRIBUTION_PATH, DEFAULT_ATTRIBUTION_STEPS
 
 # flag -> (Thresholds field, help)
 THRESHOLD_FLAGS: dict[str, tuple[str, str]] = {
@@ -64,6 +64,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--attribution-steps", type=int, default=DEFAULT_ATTRIBUTION_STEPS,
                    help=f"integrated-gradient steps of attribution (1 = plain attribution; default "
                    f"{DEFAULT_ATTRIBUTION_STEPS})")
+    p.add_argument("--attribution-path", choices=ATTRIBUTION_PATHS, default=DEFAULT_ATTRIBUTION_PATH,
+                   help="what integrated gradients move: each head's own output, as exact patching does (sites), "
+                   f"or the token embeddings (embeddings); default {DEFAULT_ATTRIBUTION_PATH}")
     p.add_argument("--select-fraction", type=float, default=0.5, help="share of tasks that select (default 0.5)")
     p.add_argument("--head-position", default="final", help="where heads are patched and ranked (default final)")
     p.add_argument("--ablation", choices=("final", "all"), default="final", help="mean ablation positions")
@@ -92,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
         model=model_spec(args), n_tasks=args.n_tasks, thresholds=thresholds, k=args.k, seed=args.seed,
         select_fraction=args.select_fraction, n_permutations=args.permutations,
         n_random_heads=args.n_random_heads, n_random_directions=args.n_random_directions,
-        attribution_steps=args.attribution_steps,
+        attribution_steps=args.attribution_steps, attribution_path=args.attribution_path,
         head_position=args.head_position, ablation=args.ablation, steering_layers=args.layers,
         steering_depths=args.depths, alphas=args.alphas,
         store=args.store, batch_size=args.batch_size, format=args.format)

@@ -50,7 +50,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from tomlens.errors import TomlensError
-from tomlens.patching.attribution import attribution_patching, check_integrable
+from tomlens.patching.attribution import IG_PATHS, IGPath, attribution_patching, check_integrable
 from tomlens.patching.checkpoints import Checkpoints
 from tomlens.patching.heads import AblationSweep, HeadSetSweep
 from tomlens.patching.cells import MENTIONS, Cell, canonical_kind, plan_cells
@@ -289,23 +289,35 @@ class AttributionSweep:
     need that group's forwards and backward only, so each group is a chunk, checkpointed."""
 
     def __init__(self, model, prepared: PreparedPairs, spec: Mapping[str, Sequence[str]], direction: Direction,
-                 steps: int = 1):
+                 steps: int = 1, path: IGPath = "sites"):
         self.model, self.prepared, self.spec, self.direction = model, prepared, dict(spec), direction
         self.steps = int(steps)  # 1: plain attribution; more: integrated gradients over that many points
-        if self.steps > 1:
+        if path not in IG_PATHS:
+            raise TomlensError(f"attribution path {path!r}", f"use one of {', '.join(IG_PATHS)}")
+        self.path = path  # what integrated gradients move: the token embeddings or each site
+        if self.steps > 1 and path == "embeddings":
             check_integrable(model)  # before any stage runs, not after the exact sweep
         self.cells = plan_cells(model, self.spec, n_aligned=prepared.n_aligned)
-        tag = hashlib.sha256((repr(self.cells) + (f"steps={self.steps}" if self.steps > 1 else "")).encode()
-                             ).hexdigest()[:12]
+        how = (f"steps={self.steps}" if self.steps > 1 else "") + (f" path={path}" if self.steps > 1 and
+                                                                   path != "embeddings" else "")
+        tag = hashlib.sha256((repr(self.cells) + how).encode()).hexdigest()[:12]
         self.names = [f"attribution-{direction}-g{gi:04d}-{tag}" for gi in range(len(prepared.groups))]
         self.parts: dict[int, dict[str, Tensor]] = {}
 
     def cost(self, gi: int) -> float:
-        """Multiply-adds of one group: the source forward, then per step a forward and a backward
-        (about two forwards) from the first differing token."""
+        """Multiply-adds of one group: the source forward, then per run a forward and a backward
+        (about two forwards) from the first differing token: one run per step along the
+        embeddings; the plain run, then per step one run per site kind and layer, through the
+        blocks from that layer on, along the sites."""
         grp = self.prepared.groups[gi]
-        return forward_cost(self.model, grp.g, grp.width) + 3 * self.steps * forward_cost(
-            self.model, grp.g, grp.width - int(grp.first_diff.min()))
+        run = 3 * forward_cost(self.model, grp.g, grp.width - int(grp.first_diff.min()))
+        if self.path == "embeddings" or self.steps == 1:
+            runs = self.steps
+        else:
+            n = self.model.cfg.n_layers
+            kinds = {(c.kind, c.layer) for c in self.cells}
+            runs = 1 + (self.steps - 1) * sum((n - layer) / n for _, layer in kinds)
+        return forward_cost(self.model, grp.g, grp.width) + runs * run
 
     def pending(self) -> list[int]:
         return [gi for gi in range(len(self.names)) if gi not in self.parts]
@@ -323,7 +335,7 @@ class AttributionSweep:
                             [Group(list(range(grp.g)), grp.batch, grp.tokens, grp.first_diff, grp.positions)],
                             [p.lengths[i] for i in grp.index], p.n_aligned, p.token_labels, p.selectors)
         res = attribution_patching(self.model, one, sites=self.spec, direction=self.direction, steps=self.steps,
-                                   progress=False)
+                                   path=self.path, progress=False)
         part = {"values": res.values.float(), "clean": res.clean.float(), "corrupted": res.corrupted.float()}
         if checkpoints is not None:
             checkpoints.save(self.names[gi], part)
@@ -370,7 +382,10 @@ def plan_stages(
                                 0.0, sum(at.cost(gi) for gi in at.pending()),
                                 extra=f"estimated by gradients: {n_groups} x (a forward, then "
                                 + ("a forward and backward" if at.steps == 1 else
-                                   f"{at.steps} forwards and backwards, integrated gradients") + "), no patched runs"))
+                                   f"{at.steps} forwards and backwards, integrated gradients along the embeddings"
+                                   if at.path == "embeddings" else
+                                   f"a forward and backward, then {at.steps - 1} per site and layer, integrated "
+                                   "gradients along each site") + "), no patched runs"))
     if topk is not None:
         stages.append(PlanStage("top-k recovery", f"{k_max} top + {k_max * n_random} random head sets (k = 1..{k_max})",
                                 topk.n_sets, n_pairs, topk.stage.n_runs, topk.stage.cost(), topk.stage.forward_cost(),

@@ -56,6 +56,10 @@ __all__ = ["DEFAULT_CHUNK_RUNS", "DEFAULT_KS", "DEFAULT_MAX_RUNS", "DIRECTIONS",
 
 METHODS = ("exact", "attribution", "both", "search")
 DEFAULT_ATTRIBUTION_STEPS = 8  # integrated gradients: finds the organism's planted head, which plain attribution ranks 9th
+# What integrated gradients move (= tomlens.patching.attribution.IG_PATHS, kept here: no torch to read a
+# config): each patched site, as exact patching does; the embeddings split a chain of heads' effect.
+ATTRIBUTION_PATHS = ("sites", "embeddings")
+DEFAULT_ATTRIBUTION_PATH = "sites"
 DIRECTIONS = ("denoise", "noise", "both")
 ABLATIONS = ("final", "all", "none")
 GRADDROP = {"auto": None, "on": True, "off": False}
@@ -76,8 +80,9 @@ class PatchingConfig:
     only the pairs (of those the gate passed) answered right both ways; `select_fraction` of the tasks
     select and rank heads, the rest validate them; `ks` are the k (up to `top_k`) of top-k recovery and ablation, each against
     `n_random` layer-matched random head sets. `attribution_steps` > 1 makes attribution integrated
-    gradients over that many points between the two stories' token embeddings (plain attribution,
-    1, reads the gradient at the base run only and misses a head whose effect saturates there)."""
+    gradients over that many points between the two stories (plain attribution, 1, reads the
+    gradient at the base run only and misses a head whose effect saturates there), moving each
+    patched site's activation (`attribution_path = "sites"`) or the token embeddings ("embeddings")."""
 
     model: ModelSpec = field(default_factory=ModelSpec)
     pairs: PairsConfig | None = None
@@ -105,6 +110,7 @@ class PatchingConfig:
     search_samples: int = 10
     graddrop: str = "auto"
     attribution_steps: int = DEFAULT_ATTRIBUTION_STEPS
+    attribution_path: str = DEFAULT_ATTRIBUTION_PATH
     format: str = "parquet"
 
     def __post_init__(self) -> None:
@@ -126,7 +132,8 @@ class PatchingConfig:
             object.__setattr__(self, "probe_table", str(self.probe_table))
         for name, value, allowed in (("method", self.method, METHODS), ("direction", self.direction, DIRECTIONS),
                                      ("ablation", self.ablation, ABLATIONS), ("graddrop", self.graddrop, tuple(GRADDROP)),
-                                     ("format", self.format, FORMATS)):
+                                     ("format", self.format, FORMATS),
+                                     ("attribution_path", self.attribution_path, ATTRIBUTION_PATHS)):
             if value not in allowed:
                 raise TomlensError(f"unknown {name} {value!r}", f"use one of {list(allowed)}")
         if self.pairs is not None and self.pairs_path is not None:
@@ -572,7 +579,8 @@ def _run(config: PatchingConfig, *, model: Any, pairs: Sequence[Any] | None, out
     # stand-in top sets (same counts).
     exact = {d: ExactSweep(model, prepared, cells, d, memory_mb=memory_mb, chunk_runs=chunk_runs)
              for d in directions} if "exact" in methods else {}
-    attribution = ({d: AttributionSweep(model, prepared, pos.spec, d, steps=config.attribution_steps) for d in directions}
+    attribution = ({d: AttributionSweep(model, prepared, pos.spec, d, steps=config.attribution_steps,
+                                        path=config.attribution_path) for d in directions}
                    if "attribution" in methods else {})
     for sweep in [*exact.values(), *attribution.values()]:
         sweep.load(checkpoints)
@@ -693,7 +701,8 @@ def _run(config: PatchingConfig, *, model: Any, pairs: Sequence[Any] | None, out
         "contrast span (token-aligned); denoise patches clean into corrupted, noise corrupted into clean",
         "sites": kinds, "positions": {k: list(v) for k, v in pos.spec.items()}, "methods": methods,
         "directions": directions,
-        **({"attribution_steps": int(config.attribution_steps)} if "attribution" in methods else {}),
+        **({"attribution_steps": int(config.attribution_steps), "attribution_path": config.attribution_path}
+           if "attribution" in methods else {}),
         "baselines": {f"{m}_{d}": r.baselines() for (m, d), r in results.items()},
         "comparisons": [],
     }

@@ -39,7 +39,7 @@ import pandas as pd
 
 from tomlens.errors import TomlensError
 from tomlens.runs.base import ModelSpec, StimuliSpec
-from tomlens.runs.patching import DEFAULT_ATTRIBUTION_STEPS
+from tomlens.runs.patching import ATTRIBUTION_PATHS, DEFAULT_ATTRIBUTION_PATH, DEFAULT_ATTRIBUTION_STEPS
 
 __all__ = ["CHECKS", "Check", "Thresholds", "ValidateConfig", "ValidationResult", "check_ablation",
            "check_attribution", "check_probe", "check_recovery", "check_steering", "default_k", "exit_code",
@@ -97,6 +97,7 @@ class ValidateConfig:
     n_random_heads: int = 200  # layer-matched random head sets per k (all of them where there are fewer)
     n_random_directions: int = 20  # norm-matched random steering directions
     attribution_steps: int = DEFAULT_ATTRIBUTION_STEPS  # integrated gradients (1: plain attribution patching)
+    attribution_path: str = DEFAULT_ATTRIBUTION_PATH  # what they move: each head's output, or the embeddings
     head_position: str = "final"  # where heads are patched, ranked and compared
     ablation: str = "final"  # mean ablation at the final token, or at every position ("all")
     steering_layers: tuple[int, ...] | None = None  # None: the steering stage's default
@@ -121,6 +122,8 @@ class ValidateConfig:
         if int(self.attribution_steps) < 1:
             raise TomlensError(f"attribution_steps = {self.attribution_steps}",
                                "use 1 (plain attribution patching) or more (integrated gradients, e.g. 8)")
+        if self.attribution_path not in ATTRIBUTION_PATHS:
+            raise TomlensError(f"attribution_path = {self.attribution_path!r}", f"use one of {list(ATTRIBUTION_PATHS)}")
         for name in ("n_permutations", "n_random_heads", "n_random_directions"):
             if getattr(self, name) < 1:
                 raise TomlensError(f"{name} = {getattr(self, name)}: a check without its null cannot fail",
@@ -303,7 +306,9 @@ def check_attribution(summary: Mapping[str, Any], t: Thresholds, *, direction: s
                                                         "patching run")
     c = rows[0]
     steps = summary.get("attribution_steps")
-    how = ("plain attribution" if steps == 1 else f"integrated gradients, {steps} steps") if steps else "attribution"
+    along = summary.get("attribution_path")
+    how = ("plain attribution" if steps == 1 else f"integrated gradients, {steps} steps"
+           + (f" along the {along}" if along else "")) if steps else "attribution"
     overlap = _float(c.get("topk_overlap"))
     sparse = "spearman_active" in c and int(c.get("n_active") or 0) < 3
     if sparse:  # too few heads matter to rank: the top-k overlap alone judges
@@ -464,7 +469,9 @@ def _plan(config: ValidateConfig, model: Any, k: int, n_stories: int, seconds_pe
     ev = max(1, n_pairs - sel)
     heads = _heads_total(model)
     probe = n_stories
-    patch = 2 * n_pairs + heads * sel + (1 + 3 * config.attribution_steps) * sel + \
+    runs = config.attribution_steps if config.attribution_path == "embeddings" or config.attribution_steps == 1 \
+        else 1 + (config.attribution_steps - 1) * (int(model.cfg.n_layers) + 1) / 2  # per layer, from its block on
+    patch = 2 * n_pairs + heads * sel + round((1 + 3 * runs) * sel) + \
         (1 + config.n_random_heads) * ev * (1 + 2)
     n_alpha = len(config.alphas) if config.alphas else _default_alphas()
     chosen = steering_layers(config, int(model.cfg.n_layers))
@@ -568,7 +575,8 @@ def run(config: ValidateConfig, *, model: Any = None, progress: bool = True) -> 
                                    positions=(config.head_position,), direction="denoise", top_k=k, ks=(k,),
                                    n_random=config.n_random_heads, select_fraction=config.select_fraction,
                                    ablation=config.ablation, seed=config.seed, max_runs=None, format=config.format,
-                                   attribution_steps=config.attribution_steps)
+                                   attribution_steps=config.attribution_steps,
+                                   attribution_path=config.attribution_path)
     pcfg = probes.ProbesConfig(model=config.model, stimuli=config.belief_questions(), targets=(TARGET,),
                                sites=("resid_post",), positions=("final",), store=config.store, seed=config.seed,
                                selection=True, selection_fraction=config.select_fraction,
