@@ -224,6 +224,8 @@ def test_compare_takes_a_spearman_over_the_cells_that_matter():
     attr = _synthetic("attribution", "denoise", [0.2, 0.5, 0.9, *quiet])
     c = compare(exact, attr, kind="head", position="all", k=3)
     assert c["spearman"] > 0.9 and c["n_active"] == 3 and c["spearman_active"] == pytest.approx(-1.0)
+    head = exact.select("head", "all").iloc[0]  # the cell exact patching ranks first, third in attribution
+    assert c["exact_top"] == f"L{head.layer}H{head['head']}" and c["exact_top_rank"] == 3
     assert compare(exact, attr, kind="head", position="all", active=0.3)["n_active"] == 3  # either method counts
     assert np.isnan(compare(exact, attr, kind="head", position="all", active=0.6)["spearman_active"])  # 2 cells
 
@@ -233,6 +235,7 @@ def test_compare_ranks_noising_by_what_the_patch_destroys():
     exact = _synthetic("exact", "noise", [0.98, 0.97, 0.99, 0.10, 0.95])
     attribution = _synthetic("attribution", "noise", [1.0, 0.96, 0.98, 0.20, 0.99])
     assert compare(exact, attribution, k=1)["topk_overlap"] == 1.0
+    assert compare(exact, attribution, k=1)["exact_top_rank"] == 1
     flat = _synthetic("attribution", "noise", [1.0] * 5)
     flat.values[:] = 1.0
     assert np.isnan(compare(exact, flat, k=1)["topk_overlap"])  # nothing to rank is not agreement

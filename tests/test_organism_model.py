@@ -11,7 +11,7 @@ import torch
 from tomlens.behaviour import score
 from tomlens.models import load_model, provenance
 from tomlens.models.organism import ORGANISM_NAME, organism_dir
-from tomlens.organism.card import RECORD
+from tomlens.organism.card import RECORD, meets_target
 from tomlens.organism.data import held_out_stories
 from tomlens.organism.train import ACCURACY_TARGET
 from tomlens.runs.validate import CHECKS, ValidationResult, fast_config
@@ -30,17 +30,27 @@ def test_the_organism_loads_offline_and_its_twin_has_its_shape_but_not_its_weigh
 
 def test_fresh_held_out_stories_confirm_the_model_card() -> None:
     """Held-out tasks drawn anew (other generator seeds than the card's test split, the same held-out
-    keys, every word in the vocabulary): the cells the card says reach the target (every order-only
-    prompt) reach it here too, and those it says do not, do not."""
+    keys, every word in the vocabulary): the cells the card says reach the target reach it here too,
+    and those it says do not, do not. Four generator seeds, pooled: errors cluster in a few held-out
+    template combinations, so one seed's 100-odd prompts of a cell swing by several points (the
+    factorial's true-belief question: 0.93 on one seed, 0.996 over ten)."""
+    import pandas as pd
+
     record = json.loads((organism_dir() / RECORD).read_text())
     cfg = record["config"]
     model = load_model(ORGANISM_NAME)
     vocab = set(model.tokenizer.get_vocab())
     options = {"unexpected-contents": {"decoys": cfg["contents_decoys"]}}
-    stories, _ = held_out_stories({"order-only": 500, "false-belief-factorial": 150, "unexpected-contents": 250}, vocab,
-                              share=cfg["held_out_share"], seed=cfg["seed"], options=options, generator_seed=9000)
-    scored = score(model, stories, batch_size=64, progress=False)
-    scored["cell"] = [f"{s.family}/{s.condition}/{s.prompt_type}" for s in stories]
+    frames = []
+    for generator_seed in (9000, 9100, 9200, 9300):
+        stories, _ = held_out_stories({"order-only": 150, "false-belief-factorial": 200, "unexpected-contents": 150},
+                                      vocab, share=cfg["held_out_share"], seed=cfg["seed"], options=options,
+                                      generator_seed=generator_seed)
+        scored = score(model, stories, batch_size=64, progress=False)
+        scored["cell"] = [f"{s.family}/{s.condition}/{s.prompt_type}" for s in stories]
+        scored["story"] = [s.text for s in stories]
+        frames.append(scored)
+    scored = pd.concat(frames).drop_duplicates("story")  # a story two seeds both drew counts once
     accuracy = scored.groupby("cell")["correct"].mean()
     card = record["test_accuracy"]
     assert set(accuracy.index) == set(card)
@@ -51,7 +61,7 @@ def test_fresh_held_out_stories_confirm_the_model_card() -> None:
             assert value < ACCURACY_TARGET, (cell, value)
         else:  # just under the target on the card's sample: the same within sampling error
             assert abs(value - card[cell]) <= 0.1, (cell, value, card[cell])
-    assert all(card[c] >= ACCURACY_TARGET for c in card if c.startswith("order-only/"))
+    assert meets_target(record)  # every condition of every family, on the card's own test split
 
 
 def _validate(name: str, tmp_path: Path) -> ValidationResult:
@@ -80,11 +90,13 @@ def test_the_checks_find_belief_where_training_put_it_on_the_organism_and_nothin
     assert organism.loc["probe", "value"] > twin.loc["probe", "value"] + 0.3
 
 
-def test_plain_attribution_misses_the_planted_head_and_integrated_gradients_find_it() -> None:
-    """The answer reads a saturated bit: at the base run the planted head's gradient is near zero
-    although patching it moves the answer most, so plain attribution ranks it outside the top 2;
-    averaging the gradient along the path between the two stories (integrated gradients) ranks it
-    first, as exact patching does."""
+def test_attribution_finds_the_planted_head_only_when_it_integrates_along_each_head() -> None:
+    """Two ways attribution misses the head the belief is planted in, which exact patching ranks
+    first: plain attribution reads a saturated slope at the base run (its estimate near zero), and
+    integrated gradients along the token embeddings move every head at once, sharing the chain's
+    effect out to the two heads that read the planted one. Integrating along each layer's head outputs
+    in turn (the blocks after them recomputed, as patching a head does) ranks it first and agrees with
+    exact patching on the top 2."""
     from tomlens.patching import exact_patching
     from tomlens.patching.attribution import attribution_patching
     from tomlens.runs import pairs
@@ -99,28 +111,26 @@ def test_plain_attribution_misses_the_planted_head_and_integrated_gradients_find
         t = result.select("head", "final").sort_values("effect", key=abs, ascending=False, kind="stable")
         return [(int(r.layer), int(r.head)) for r in t.head(k).itertuples()]
 
+    def attribution(**kw):
+        return attribution_patching(model, built, sites=("heads",), positions=("final",), progress=False, **kw)
+
     exact = exact_patching(model, built, sites=("heads",), positions=("final",), progress=False)
-    plain = attribution_patching(model, built, sites=("heads",), positions=("final",), progress=False)
-    ig = attribution_patching(model, built, sites=("heads",), positions=("final",), steps=8, progress=False)
     assert top(exact)[0] == planted
-    assert planted not in top(plain)
-    assert top(ig)[0] == planted and set(top(ig)) == set(top(exact))
+    assert planted not in top(attribution())  # plain: the slope at the base run
+    assert top(attribution(steps=8, path="embeddings"))[0] != planted
+    sites = attribution(steps=8, path="sites")
+    assert top(sites)[0] == planted and set(top(sites)) == set(top(exact))
 
 
 def test_the_training_defaults_are_the_shipped_organism_s_settings() -> None:
-    """`tomlens train-organism` with no settings reproduces the shipped weights: every setting its
-    training.json records has that value by default, and the settings added since are off."""
+    """`tomlens train-organism` with no settings reproduces the shipped weights: its training.json
+    records every setting there is, each with its default value."""
     from dataclasses import asdict
 
     from tomlens.organism.train import OrganismConfig
 
     record = json.loads((organism_dir() / RECORD).read_text())
     defaults = json.loads(json.dumps(asdict(OrganismConfig())))  # tuples as lists, as in the record
+    assert set(defaults) == set(record["config"])
     for key, value in record["config"].items():
         assert defaults[key] == value, key
-    added = {k: v for k, v in defaults.items() if k not in record["config"]}
-    off = {"routes": 0.0, "echo": 0.0, "family_mix": None, "later_interchange_batch": None,
-           "curriculum_until_swap": False, "belief_readout": 0.0, "cue_sentence": False}
-    assert {k: added[k] for k in off if k in added} == {k: v for k, v in off.items() if k in added}
-    assert set(added) - set(off) <= {"route_layer", "route_heads", "mover_head", "mover_families", "cue_families",
-                                     "echo_layer", "belief_layer"}  # used only when on

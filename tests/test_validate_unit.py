@@ -115,6 +115,20 @@ def test_attribution_fails_when_its_top_k_misses_exact_patchings_heads_whatever_
     assert "integrated gradients, 8 steps along the sites" in along
 
 
+def test_attribution_fails_when_it_leaves_exact_patchings_top_head_out_of_its_top_k() -> None:
+    """Half of the top 2 passed a ranking that put the head carrying belief third (its two readers
+    first): the head exact patching ranks first must be in attribution's top k."""
+    s = patching_summary(spearman=0.9)
+    s["comparisons"][0].update(k=2, topk_overlap=0.5, exact_top="L2H0", exact_top_rank=3)
+    third = check_attribution(s, T)
+    assert not third.passed and "misses the head exact patching ranks first (L2H0, its #3)" in third.detail
+    s["comparisons"][0].update(exact_top_rank=2)  # in the top 2, not first: passes
+    second = check_attribution(s, T)
+    assert second.passed and "top head L2H0 is attribution's #2" in second.detail
+    del s["comparisons"][0]["exact_top_rank"]  # results from before it was recorded: not judged on it
+    assert check_attribution(s, T).passed
+
+
 def test_attribution_is_judged_on_the_heads_that_matter_and_on_overlap_alone_when_too_few_do() -> None:
     s = patching_summary(spearman=0.99)
     s["comparisons"][0].update(spearman_active=0.6, n_active=11, active=0.01)

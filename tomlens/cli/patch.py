@@ -86,9 +86,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="attribution: points on the path between the two stories (integrated gradients; 1 = plain "
                    f"attribution patching; default {DEFAULT_ATTRIBUTION_STEPS})")
     p.add_argument("--attribution-path", choices=ATTRIBUTION_PATHS, default=DEFAULT_ATTRIBUTION_PATH,
-                   help="what integrated gradients move: each patched site's own activation, as exact patching "
-                   "does (sites), or the token embeddings, one run per step but a chain of heads' effect shared "
-                   f"out among them (embeddings); default {DEFAULT_ATTRIBUTION_PATH}")
+                   help="what integrated gradients move: each patched hook point in turn (a layer's heads "
+                   "together), the blocks after it recomputed as exact patching does (sites), or the token "
+                   "embeddings, one run per step but a chain of heads' effect shared out among them "
+                   f"(embeddings); default {DEFAULT_ATTRIBUTION_PATH}")
     p.set_defaults(func=run)
 
 

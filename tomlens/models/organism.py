@@ -3,8 +3,9 @@
 A small Llama with a word-level tokenizer, trained on tomlens's own false-belief stories: the model
 on which the methods are checked (`tomlens validate`). Interchange training put its order-only
 belief variable in head L2H0 at the question's final token; its model card says so and gives its
-held-out accuracy per condition (order-only solved; the factorial's and contents' beliefs not). Its folder (weights, config, tokenizer, training record, model card) is
-package data; it loads offline like any local model folder.
+held-out accuracy per condition (at least 0.97 in every condition of the three families). Its
+folder (weights, config, tokenizer, training record, model card) is package data; it loads offline
+like any local model folder.
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ from tomlens.errors import TomlensError
 from tomlens.io import file_sha256
 
 ORGANISM_NAME = "tom-organism"
-DESCRIPTION = ("the model organism: a small Llama trained by tomlens on its belief stories (order-only solved, its "
-               "belief variable put in head L2H0; cue-driven beliefs not; see its MODEL_CARD.md), shipped")
+DESCRIPTION = ("the model organism: a small Llama trained by tomlens on its belief stories (>= 0.97 held out in "
+               "every condition; its order-only belief variable put in head L2H0; see its MODEL_CARD.md), shipped")
 
 
 def organism_dir() -> Path:

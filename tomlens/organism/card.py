@@ -6,7 +6,7 @@ The card is written from the training record, so its numbers are the numbers of 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 from tomlens.organism.data import FAMILIES
 from tomlens.organism.routes import ROUTE_FAMILIES
@@ -80,9 +80,9 @@ words of tomlens's generators, and nothing else.
 
 {mechanism}## Training
 AdamW (lr {cfg['lr']}, weight decay {cfg['weight_decay']}, {cfg['warmup']} warm-up steps, cosine decay),
-batch {cfg['batch_size']}, {cfg['steps']} steps, seed {cfg['seed']}, head-output group lasso {cfg['head_lasso']};
+batch {cfg['batch_size']}, {cfg['steps']} steps, seed {cfg['seed']}, head-output group lasso {cfg['head_lasso']}{_lasso(cfg)};
 {_curriculum(record)}
-{record['train_seconds']:.0f} s on {record['threads']} CPU threads. Same config, same machine: same weights.
+{record['train_seconds']:.0f} s on {record['threads']} CPU thread{'' if record['threads'] == 1 else 's'}. Same config, same thread count, same machine: same weights.
 
 ## Held-out accuracy (answer outscores the other option)
 It {met}.
@@ -105,6 +105,11 @@ whether belief is found where the checks look (the final token of the belief que
 def _order_only_solved(record: dict[str, Any], target: float = ACCURACY_TARGET) -> bool:
     cells = [v for k, v in record["test_accuracy"].items() if k.startswith("order-only/")]
     return bool(cells) and min(cells) >= target
+
+
+def _lasso(cfg: Mapping[str, Any]) -> str:
+    return (" (heads the answers do not need fade, so a head ranking has few small effects to reshuffle)"
+            if cfg.get("head_lasso") else "")
 
 
 def _curriculum(record: dict[str, Any]) -> str:

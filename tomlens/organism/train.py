@@ -2,10 +2,11 @@
 
 The loss is cross-entropy on the answer's first token at the end of each prompt, plus the
 next-word loss on the story (`story_loss`), the interchange losses that put the order-only belief
-variable in one known head (`tomlens.organism.interchange`), and, when switched on, the attention
-routes and echo that supervise the factorial's and contents' look-ups (`tomlens.organism.routes`).
-Everything is seeded (data, split, initialisation, batch order), so the same config on the same
-machine gives the same weights. `train` writes a model
+variable in one known head (`tomlens.organism.interchange`), the attention routes and echo that
+supervise the factorial's and contents' look-ups (`tomlens.organism.routes`), a training-only
+belief readout, and a group lasso on the heads' outputs (each can be switched off).
+Everything is seeded (data, split, initialisation, batch order), so the same config, thread count
+and machine give the same weights. `train` writes a model
 folder that `tomlens.models.load_model` boots like any local model: config.json,
 model.safetensors, the tokenizer files, `training.json` (config, split, accuracy per condition,
 versions) and `MODEL_CARD.md`.
@@ -45,16 +46,18 @@ class OrganismConfig:
     n_heads: int = 8  # 40 heads: k = 5% of heads is 2
     d_mlp: int = 256
     train_tasks: dict[str, int] = field(default_factory=lambda: {
-        "order-only": 6000, "false-belief-factorial": 500, "unexpected-contents": 1000})
+        "order-only": 6000, "false-belief-factorial": 800, "unexpected-contents": 1000})
     test_tasks: dict[str, int] = field(default_factory=lambda: {
         "order-only": 2000, "false-belief-factorial": 400, "unexpected-contents": 800})
     held_out_share: float = 0.3
-    steps: int = 1200
+    steps: int = 2000
     batch_size: int = 64
     lr: float = 3e-3
     warmup: int = 100
     weight_decay: float = 0.01
-    head_lasso: float = 0.0  # group lasso on each head's output weights (sparser head use)
+    # group lasso on each head's output weights: heads the answers do not need fade, so a ranking of
+    # heads has few small ones to reshuffle (at 0, validate's attribution check failed, 0.67)
+    head_lasso: float = 5e-4
     story_loss: float = 1.0  # weight of a next-word loss on the story itself (0: the answer only)
     contents_decoys: bool = True  # unexpected-contents stories with their decoy sentences
     # interchange intervention training (tomlens.organism.interchange): weight of the swapped-head
@@ -72,32 +75,32 @@ class OrganismConfig:
     # families only (order-only first: its interchange is learnt within a few hundred steps alone,
     # and not within a thousand among the factorial's and contents' stories), then from all
     first_families: tuple[str, ...] = ("order-only",)
-    first_share: float = 0.4
+    first_share: float = 0.25
     # after the curriculum (from the start without one): the share of each answer batch drawn from
     # each family (None: in proportion to the training prompts), and the interchange's pairs a step
     # (None: batch_size)
-    family_mix: dict[str, float] | None = None
-    later_interchange_batch: int | None = None
+    family_mix: dict[str, float] | None = field(default_factory=lambda: {
+        "order-only": 0.3, "false-belief-factorial": 0.3, "unexpected-contents": 0.4})
+    later_interchange_batch: int | None = 32
     curriculum_until_swap: bool = False  # end the curriculum early, once the swap is learnt (the knockout gate)
     # attention routes (tomlens.organism.routes): weight of the supervised look-ups of the
     # factorial's and contents' questions (0: off), the layer of their heads (cue, told, seen,
     # label, fill: ROUTES order), the mover head (layer, head) that attends to the answer's word,
     # and the weight and layer of the echo readout (each token names its sentence's first person).
-    # Off by default: the shipped weights were trained without them (the README's organism section
-    # has the run with them on that answers every condition)
-    routes: float = 0.0
+    # Without them the factorial's and contents' false beliefs stay near chance (README)
+    routes: float = 1.0
     route_layer: int = 2
     route_heads: tuple[int, ...] = (1, 2, 3, 4, 5)
     mover_head: tuple[int, int] = (3, 1)
     mover_families: tuple[str, ...] = ROUTE_FAMILIES
     cue_families: tuple[str, ...] = ("false-belief-factorial",)
-    cue_sentence: bool = False  # the cue route attends to its whole sentence after the name, not the first word
-    echo: float = 0.0
+    cue_sentence: bool = True  # the cue route attends to its whole sentence after the name, not the first word
+    echo: float = 1.0
     echo_layer: int = 2
     # a training-only linear readout of the residual stream entering layer `belief_layer`, at each
     # belief question's final token, asked whether the protagonist believes the reference (weight
     # `belief_readout`; 0: off): the belief variable the answer needs, given its own gradient
-    belief_readout: float = 0.0
+    belief_readout: float = 1.0
     belief_layer: int = 3
     threads: int | None = 2  # torch threads while training: a fixed count, so the weights do not depend on the core count
 

@@ -12,13 +12,16 @@ It fails where the metric saturates at the base run: a head whose patch moves th
 way can have almost no gradient there (the organism's planted head: exact effect 0.98, plain
 estimate 0.01, ranked ninth). `steps > 1` is integrated gradients: the gradient is averaged over
 runs part of the way to the source story, which cross the slope. `path` says what moves. "sites"
-(the default) moves each patched site's own activation, all cells of one hook point together, and
-recomputes every block after it: what exact patching of that site does, so with enough steps the
-estimate of a lone cell is its patching effect. "embeddings" moves the stories' token embeddings
+(the default) moves each hook point's activation (all its cells together: every head of a layer,
+every differing token) and recomputes every block after it, as exact patching of a cell there
+does, so nothing downstream is moved for it; a cell that is its hook's whole activation (the
+residual stream at "all") converges to its patching effect, and heads of one layer still share
+what they do only together. "embeddings" moves the stories' token embeddings
 (EAP-IG, Hanna et al. 2024), one run per step for every site at once, but then every head moves
 together, and where one head reads another the chain's effect is shared out among them while
-exact patching credits each with all that passes through it (the README's 2000-step organism
-recipe: planted head 0.98 exact, 0.26 along the embeddings, 0.81 along the sites). The sites cost
+exact patching credits each with all that passes through it (the organism's planted head, read
+by two heads of the next layer: 0.98 patched, 0.16 along the embeddings and ranked third, 1.06
+along the sites). The sites cost
 `steps` runs per hook point (each from its block on) instead of `steps` in all: still independent
 of positions and heads.
 
@@ -136,9 +139,10 @@ def _group_scores(
         prefix = None
     start = int(group.first_diff.min()) if prefix is not None else 0
     start = min(start, group.width - 1)
-    # Along the sites, a site's runs start at its block, on the plain run's residual stream there
-    # (only with the prefix shortcut, which exact patching checked against a plain run).
-    entering = {_layer_of(h) for h in hooks} - {0} if steps > 1 and path == "sites" and prefix is not None else set()
+    # Along the sites, a site's runs start at its block, on the plain run's residual stream there,
+    # once exact patching has checked that shortcut against a plain run on this model.
+    checked = prefix is not None and shortcuts_verdict(model) is True
+    entering = {_layer_of(h) for h in hooks} - {0} if steps > 1 and path == "sites" and checked else set()
     resid_names = {hook_name(Site("resid_pre", l)): l for l in entering}
     here: dict[str, Tensor] = {}
     resid: dict[str, Tensor] = {}
@@ -296,6 +300,13 @@ def attribution_patching(
     )
 
 
+def _cell_name(index: tuple, kind: str) -> str:
+    """`L2H0` for a head, `L2` (with its aligned position, if any) for other cells."""
+    layer, head, pos = index
+    name = f"L{int(layer)}H{int(head)}" if kind == "head" else f"L{int(layer)}"
+    return name + (f"@{int(pos)}" if int(pos) >= 0 else "")
+
+
 def compare(
     exact: PatchingResult,
     attribution: PatchingResult,
@@ -309,7 +320,9 @@ def compare(
     """How well attribution ranks the cells exact patching finds: Spearman and Pearson correlation
     of the effects, and the overlap of the top-k cells by importance as `rank_heads` defines it
     (the effect when denoising, 1 - effect when noising; its magnitude unless `by="signed"`).
-    The overlap is NaN when either ranking is all ties (nothing to rank).
+    The overlap is NaN when either ranking is all ties (nothing to rank). `exact_top` names the
+    cell exact patching ranks first and `exact_top_rank` its rank in attribution's order: an
+    overlap of half the top k can leave out the very cell that matters most.
 
     `spearman_active` is the Spearman over the `n_active` cells whose |importance| reaches `active`
     (a share of the clean-corrupted gap) in either method. Over all cells the many that do nothing
@@ -336,8 +349,10 @@ def compare(
     live = (importance(joined.exact).abs() >= active) | (importance(joined.attribution).abs() >= active)
     act = joined[live]
     act_ok = len(act) >= 3 and act.exact.std() > 0 and act.attribution.std() > 0
-    top_e = set(importance(joined.exact).sort_values(ascending=False, kind="stable").index[:k])
-    top_a = set(importance(joined.attribution).sort_values(ascending=False, kind="stable").index[:k])
+    imp_a = importance(joined.attribution)
+    order_e = list(importance(joined.exact).sort_values(ascending=False, kind="stable").index)
+    order_a = list(imp_a.sort_values(ascending=False, kind="stable").index)
+    top_e, top_a = set(order_e[:k]), set(order_a[:k])
     corr_ok = n >= 3 and joined.exact.std() > 0 and joined.attribution.std() > 0
     return {
         "kind": kind,
@@ -351,5 +366,9 @@ def compare(
         "k": k,
         "by": by,
         "topk_overlap": (len(top_e & top_a) / k) if k and corr_ok else float("nan"),
+        # where attribution ranks the cell exact patching ranks first (1 = first too)
+        "exact_top": _cell_name(order_e[0], kind) if order_e and corr_ok else None,
+        # ties count in its favour: 1 + the cells attribution puts strictly above it
+        "exact_top_rank": int((imp_a > imp_a[order_e[0]]).sum()) + 1 if order_e and corr_ok else None,
         "max_abs_diff": float(np.nanmax(np.abs(joined.exact - joined.attribution))) if n else float("nan"),
     }

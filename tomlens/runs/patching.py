@@ -55,7 +55,7 @@ __all__ = ["DEFAULT_CHUNK_RUNS", "DEFAULT_KS", "DEFAULT_MAX_RUNS", "DIRECTIONS",
            "PatchingConfig", "PatchingRunResult", "pairs_hash", "parse_ks", "run"]
 
 METHODS = ("exact", "attribution", "both", "search")
-DEFAULT_ATTRIBUTION_STEPS = 8  # integrated gradients: finds the organism's planted head, which plain attribution ranks 9th
+DEFAULT_ATTRIBUTION_STEPS = 8  # integrated gradients: find the organism's planted head, which plain attribution misses
 # What integrated gradients move (= tomlens.patching.attribution.IG_PATHS, kept here: no torch to read a
 # config): each patched site, as exact patching does; the embeddings split a chain of heads' effect.
 ATTRIBUTION_PATHS = ("sites", "embeddings")
@@ -270,8 +270,10 @@ class PatchingRunResult:
             if c["kind"] == "head" and c["position"] == s.get("rank_position"):
                 active = (f" (over the {c['n_active']} heads moving the metric by >= {c['active']:g} of the gap: "
                           f"{c['spearman_active']:.2f})") if "spearman_active" in c else ""
+                first = (f", exact's top head {c['exact_top']} is attribution's #{c['exact_top_rank']}"
+                         if c.get("exact_top_rank") else "")
                 lines.append(f"attribution vs exact ({c['direction']}): Spearman {c['spearman']:.2f}{active}, "
-                             f"top-{c['k']} overlap {c['topk_overlap']:.2f}")
+                             f"top-{c['k']} overlap {c['topk_overlap']:.2f}{first}")
         for r in s.get("topk", []):
             lines.append(f"top-{r['k']} recovery {r['top_effect']:.3f} vs layer-matched random "
                          f"{r['random_mean']:.3f} [{r['random_low']:.3f}, {r['random_high']:.3f}], share of "

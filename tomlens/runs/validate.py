@@ -13,8 +13,9 @@ same in both conditions, so a bag of words is at chance by construction) answers
    while k layer-matched random heads recover <= `max_random_recovery` (mean over draws);
 3. attribution vs exact: Spearman >= `min_spearman` over the heads that move the metric by 1% of
    the gap in either method (selection pairs, same position; over all heads it is carried by the
-   many that do nothing in both, and passed while the head that matters was ranked ninth), and
-   attribution's top-k heads hold at least `min_topk_overlap` of exact patching's;
+   many that do nothing in both, and passed while the head that matters was ranked ninth),
+   attribution's top-k heads hold at least `min_topk_overlap` of exact patching's, and the head
+   exact patching ranks first is among them (half the top 2 passed a ranking that put it third);
 4. mean ablation: top-k heads ablated leave false-belief accuracy <= `max_ablated_accuracy`,
    k random heads (mean over draws) >= `min_random_ablated_accuracy`;
 5. steering (`runs.steering`): the belief direction flips >= `min_flip` of false-belief answers at
@@ -97,7 +98,7 @@ class ValidateConfig:
     n_random_heads: int = 200  # layer-matched random head sets per k (all of them where there are fewer)
     n_random_directions: int = 20  # norm-matched random steering directions
     attribution_steps: int = DEFAULT_ATTRIBUTION_STEPS  # integrated gradients (1: plain attribution patching)
-    attribution_path: str = DEFAULT_ATTRIBUTION_PATH  # what they move: each head's output, or the embeddings
+    attribution_path: str = DEFAULT_ATTRIBUTION_PATH  # what they move: each layer's heads in turn, or the embeddings
     head_position: str = "final"  # where heads are patched, ranked and compared
     ablation: str = "final"  # mean ablation at the final token, or at every position ("all")
     steering_layers: tuple[int, ...] | None = None  # None: the steering stage's default
@@ -322,14 +323,20 @@ def check_attribution(summary: Mapping[str, Any], t: Thresholds, *, direction: s
                 f"{_num(_float(c.get('spearman')))})")
     else:  # results from before it was recorded: the Spearman over all heads
         value, over = _float(c.get("spearman")), f"over all {c.get('n_cells')} heads"
+    top, rank = c.get("exact_top"), c.get("exact_top_rank")
+    where = f", exact patching's top head {top} is attribution's #{rank} (needs to be in its top {c.get('k')})" \
+        if top is not None and rank is not None else ""
     desc = (f"{how}, Spearman {over}, heads at {position} on the selection pairs, top-{c.get('k')} overlap "
-            f"{_num(overlap)} (needs >= {t.min_topk_overlap:g}); no null (unrelated rankings give a Spearman near 0)")
+            f"{_num(overlap)} (needs >= {t.min_topk_overlap:g}){where}; no null (unrelated rankings give a "
+            "Spearman near 0)")
     reasons = [why] if why else [
         *([] if sparse or meets(value, t.min_spearman, ">=") else
           [f"value {_num(value)} is not >= {t.min_spearman:g}"]),
         *([] if meets(overlap, t.min_topk_overlap, ">=") else
           [f"attribution's top {c.get('k')} hold {_num(overlap)} of exact patching's (not >= "
-           f"{t.min_topk_overlap:g}): it misses heads exact patching finds"])]
+           f"{t.min_topk_overlap:g}): it misses heads exact patching finds"]),
+        *([] if rank is None or int(rank) <= int(c.get("k") or 0) else
+          [f"it misses the head exact patching ranks first ({top}, its #{rank})"])]
     nan = float("nan")
     return Check("attribution", value, t.min_spearman, ">=", not reasons, nan, nan, "-",
                  "; ".join([desc, *reasons]))
