@@ -236,8 +236,11 @@ def test_compare_ranks_noising_by_what_the_patch_destroys():
     attribution = _synthetic("attribution", "noise", [1.0, 0.96, 0.98, 0.20, 0.99])
     assert compare(exact, attribution, k=1)["topk_overlap"] == 1.0
     assert compare(exact, attribution, k=1)["exact_top_rank"] == 1
+    tied = _synthetic("attribution", "noise", [0.2, 0.96, 0.98, 0.20, 0.99])  # ties exact's top head
+    assert compare(exact, tied, k=1)["exact_top_rank"] == 1  # a tie counts in its favour
     flat = _synthetic("attribution", "noise", [1.0] * 5)
     flat.values[:] = 1.0
     assert np.isnan(compare(exact, flat, k=1)["topk_overlap"])  # nothing to rank is not agreement
+    assert compare(exact, flat, k=1)["exact_top_rank"] is None
     with pytest.raises(Exception, match="same direction"):
         compare(exact, _synthetic("attribution", "denoise", [0.0] * 5), k=1)

@@ -85,10 +85,12 @@ def settings(items: list[str]) -> dict[str, Any]:
 
 def estimate_minutes(cfg) -> float:  # noqa: ANN001 - an OrganismConfig
     """Measured here for the default recipe (2 CPU threads, 5 layers, d_model 64, batch 64, the
-    routes, echo and belief readout on): about 0.31 s a step until the knockout starts (about the
-    first quarter of the steps), 0.47 s after (32 swap pairs a step, each run twice, and the held-out
-    evaluations every 250 steps); 0.3 s without the interchange; plus about a minute to generate
-    and split the stories. Other settings move it (64 swap pairs throughout cost more)."""
+    routes, echo and belief readout on): about 0.31 s a step until the knockout starts (about when
+    the curriculum ends, a quarter of the steps), 0.5 s after (32 swap pairs a step, each run twice,
+    and the held-out evaluations every 250 steps); 0.3 s without the interchange; plus about a
+    minute to generate and split the stories. Other settings move it (64 swap pairs throughout
+    cost more)."""
     size = (cfg.batch_size / 64) * (cfg.n_layers / 5) * (cfg.d_model / 64) ** 2
-    per_step = (0.31 * 0.25 + 0.47 * 0.75) if cfg.interchange else 0.3
+    share = min(max(cfg.first_share, 0.0), 1.0)  # the knockout starts about when the curriculum ends
+    per_step = (0.31 * share + 0.5 * (1 - share)) if cfg.interchange else 0.3
     return 1 + cfg.steps * per_step * size / 60

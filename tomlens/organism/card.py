@@ -155,8 +155,9 @@ def _mechanism(record: dict[str, Any]) -> str:
             "gradient, so the later layers learn to read the head and the answer loss teaches the head to "
             "write the bit." + after
             + f" Measured on held-out pairs whose beliefs differ (the swap must change the answer): {swaps}. "
-            f"`tomlens validate` should find it there: the probe at layer {layer} or later, this head in the "
-            f"top k, steering from layer {layer} on.")
+            "`tomlens validate` should find it there: this head in the top k of the patching ranking, and "
+            "its mean ablation removing the false beliefs (a probe or a steering direction may read the "
+            "story's order, which fixes the belief here, at any layer from the first on).")
     if cfg.get("routes"):
         layer, heads = cfg["route_layer"], cfg["route_heads"]
         mover = cfg["mover_head"]

@@ -10,7 +10,7 @@ such as the residual stream: use it to rank, then confirm the top cells with exa
 
 It fails where the metric saturates at the base run: a head whose patch moves the answer a long
 way can have almost no gradient there (the organism's planted head: exact effect 0.98, plain
-estimate 0.01, ranked ninth). `steps > 1` is integrated gradients: the gradient is averaged over
+estimate 0.02, ranked fourth; ninth on the previous organism). `steps > 1` is integrated gradients: the gradient is averaged over
 runs part of the way to the source story, which cross the slope. `path` says what moves. "sites"
 (the default) moves each hook point's activation (all its cells together: every head of a layer,
 every differing token) and recomputes every block after it, as exact patching of a cell there
@@ -43,7 +43,8 @@ from tqdm.auto import tqdm
 from tomlens.errors import TomlensError
 from tomlens.hooks import Site, hook_name
 from tomlens.hooks.patch import Hook, forward_last, record_hooks
-from tomlens.patching.cells import Cell, cell_hooks, check_selectors, hook_for, plan_cells, selectors_in
+from tomlens.patching.cells import (Cell, canonical_kind, cell_hooks, check_selectors, hook_for, plan_cells,
+                                    selectors_in)
 from tomlens.patching.engine import shortcuts_verdict
 from tomlens.patching.metric import Normalise, logit_diff
 from tomlens.patching.pairs import Direction, PreparedPairs, as_prepared, roles
@@ -303,7 +304,7 @@ def attribution_patching(
 def _cell_name(index: tuple, kind: str) -> str:
     """`L2H0` for a head, `L2` (with its aligned position, if any) for other cells."""
     layer, head, pos = index
-    name = f"L{int(layer)}H{int(head)}" if kind == "head" else f"L{int(layer)}"
+    name = f"L{int(layer)}H{int(head)}" if canonical_kind(kind) == "head" else f"L{int(layer)}"
     return name + (f"@{int(pos)}" if int(pos) >= 0 else "")
 
 
@@ -326,9 +327,9 @@ def compare(
 
     `spearman_active` is the Spearman over the `n_active` cells whose |importance| reaches `active`
     (a share of the clean-corrupted gap) in either method. Over all cells the many that do nothing
-    in both carry it: on the organism plain attribution scores 0.99 there while ranking the head
-    that matters ninth (0.44-0.59 over the active heads), and integrated gradients, which rank it
-    first, score 0.68-0.88 there from reshuffled noise (0.95-0.98 over the active heads)."""
+    in both carry it: on the previous organism plain attribution scored 0.99 there while ranking the
+    head that matters ninth (0.44-0.59 over the active heads), and integrated gradients, which rank
+    it first, scored 0.68-0.88 there from reshuffled noise (0.95-0.98 over the active heads)."""
     from scipy.stats import pearsonr, spearmanr
 
     a = exact.select(kind, position).set_index(["layer", "head", "pos"])["effect"]
