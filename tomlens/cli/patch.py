@@ -17,8 +17,8 @@ from __future__ import annotations
 import argparse
 
 from tomlens.cli.options import add_model_options, add_positions, add_progress, add_sites, model_spec
-from tomlens.runs.patching import ATTRIBUTION_PATHS, DEFAULT_ATTRIBUTION_PATH, DEFAULT_ATTRIBUTION_STEPS, DEFAULT_CHUNK_RUNS, DEFAULT_KS, DEFAULT_MAX_RUNS, \
-    DIRECTIONS, METHODS
+from tomlens.runs.patching import ATTRIBUTION_PATHS, DEFAULT_ATTRIBUTION_PATH, DEFAULT_ATTRIBUTION_STEPS, \
+    DEFAULT_CHUNK_RUNS, DEFAULT_KS, DEFAULT_MAX_RUNS, DIRECTIONS, METHODS
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -8,22 +8,21 @@ no-grad forward of the source runs gives `a_source`. The estimate is exact for a
 the patched activation, decent for small activations such as head outputs, and poor for big ones
 such as the residual stream: use it to rank, then confirm the top cells with exact patching.
 
-It fails where the metric saturates at the base run: a head whose patch moves the answer a long
-way can have almost no gradient there (the organism's planted head: exact effect 0.98, plain
-estimate 0.02, ranked fourth; ninth on the previous organism). `steps > 1` is integrated gradients: the gradient is averaged over
-runs part of the way to the source story, which cross the slope. `path` says what moves. "sites"
-(the default) moves each hook point's activation (all its cells together: every head of a layer,
-every differing token) and recomputes every block after it, as exact patching of a cell there
-does, so nothing downstream is moved for it; a cell that is its hook's whole activation (the
-residual stream at "all") converges to its patching effect, and heads of one layer still share
-what they do only together. "embeddings" moves the stories' token embeddings
-(EAP-IG, Hanna et al. 2024), one run per step for every site at once, but then every head moves
-together, and where one head reads another the chain's effect is shared out among them while
-exact patching credits each with all that passes through it (the organism's planted head, read
-by two heads of the next layer: 0.98 patched, 0.16 along the embeddings and ranked third, 1.06
-along the sites). The sites cost
-`steps` runs per hook point (each from its block on) instead of `steps` in all: still independent
-of positions and heads.
+It fails where the metric saturates at the base run: a head whose patch moves the answer a long way
+can have almost no gradient there (the organism's planted head: exact effect 0.98, plain estimate
+0.02, ranked fourth; ninth on the previous organism). `steps > 1` is integrated gradients: the
+gradient is averaged over runs part of the way to the source story, which cross the slope. `path`
+says what moves. "sites" (the default) moves each hook point's activation (all its cells together:
+every head of a layer, every differing token) and recomputes every block after it, as exact patching
+of a cell there does, so nothing downstream is moved for it; a cell that is its hook's whole
+activation (the residual stream at "all") converges to its patching effect, and heads of one layer
+still share what they do only together. "embeddings" moves the stories' token embeddings (EAP-IG,
+Hanna et al. 2024), one run per step for every site at once, but then every head moves together, and
+where one head reads another the chain's effect is shared out among them while exact patching
+credits each with all that passes through it (the organism's planted head, read by two heads of the
+next layer: 0.98 patched, 0.16 along the embeddings and ranked third, 1.06 along the sites). The
+sites cost `steps` runs per hook point (each from its block on) instead of `steps` in all: still
+independent of positions and heads.
 
 Results have the same shape as exact patching (`PatchingResult`, values = base metric + estimate),
 so the same summaries, tables and figures apply, and `compare` puts the two side by side.
@@ -43,8 +42,7 @@ from tqdm.auto import tqdm
 from tomlens.errors import TomlensError
 from tomlens.hooks import Site, hook_name
 from tomlens.hooks.patch import Hook, forward_last, record_hooks
-from tomlens.patching.cells import (Cell, canonical_kind, cell_hooks, check_selectors, hook_for, plan_cells,
-                                    selectors_in)
+from tomlens.patching.cells import Cell, canonical_kind, check_selectors, hook_for, plan_cells, selectors_in
 from tomlens.patching.engine import shortcuts_verdict
 from tomlens.patching.metric import Normalise, logit_diff
 from tomlens.patching.pairs import Direction, PreparedPairs, as_prepared, roles
@@ -72,40 +70,33 @@ ACTIVE_EFFECT = 0.01  # `compare`: a cell "moves the metric" at 1% of the gap in
 EMBED_HOOK = "hook_embed"  # the token embeddings, which integrated gradients interpolate
 
 
-def _mix_towards(target: Tensor, alpha: float) -> Hook:
-    """A hook that moves the token embeddings `alpha` of the way to `target` (`[r, pos, d]`)."""
+def _mix_towards(target: Tensor, alpha: float, name: str = EMBED_HOOK, store: dict[str, Tensor] | None = None
+                 ) -> Hook:
+    """A hook that moves activation `name` `alpha` of the way to `target` (`[r, pos, ...]`). With
+    `store`, the moved tensor is kept there as a grad leaf, so the gradient is taken at that point
+    of its path while everything downstream is recomputed from it."""
 
     def fn(act: Tensor, hook: Any = None) -> Tensor:
-        return act + alpha * (target.to(act.dtype) - act)
-
-    return (EMBED_HOOK, fn)
-
-
-def _mix_and_track(target: Tensor, alpha: float, name: str, store: dict[str, Tensor]) -> Hook:
-    """A hook that moves activation `name` `alpha` of the way to `target` and keeps the moved
-    tensor as a grad leaf in `store`, so the gradient is taken at that point of its path while
-    everything downstream is recomputed from it."""
-
-    def fn(act: Tensor, hook: Any = None) -> Tensor:
-        moved = (act + alpha * (target.to(act.dtype) - act)).detach().requires_grad_(True)
-        store[name] = moved
+        moved = act + alpha * (target.to(act.dtype) - act)
+        if store is not None:
+            moved = store[name] = moved.detach().requires_grad_(True)
         return moved
 
     return (name, fn)
 
 
-def _layer_of(hook: str) -> int:
-    """The block a hook point sits in or after (`blocks.L.…`); 0 for points before the blocks."""
-    parts = hook.split(".")
-    return int(parts[1]) if len(parts) > 1 and parts[0] == "blocks" and parts[1].isdigit() else 0
+def hook_blocks(cells: Sequence[Cell]) -> dict[str, int]:
+    """Each hook point the cells patch, with the block it sits in (a run that moves only it can
+    start there)."""
+    return {h: c.layer for c in cells for h in [hook_for(c.kind, c.layer)]}
 
 
 def _group_scores(
-    model, group, hooks: Sequence[str], direction: Direction, *, reuse_prefix: bool = True, steps: int = 1,
+    model, group, hooks: Mapping[str, int], direction: Direction, *, reuse_prefix: bool = True, steps: int = 1,
     path: IGPath = "sites",
 ) -> tuple[dict[str, Tensor], Tensor, Tensor]:
     """Per-hook attribution scores `[g, pos, head]` (head axis 1 for non-head sites), and the base
-    and source metrics of the group's pairs.
+    and source metrics of the group's pairs; `hooks` maps each hook point to its block.
 
     The two stories of a pair share every token before the first that differs, so the
     grad-enabled base run starts there, on the source run's keys and values (no activation
@@ -143,13 +134,13 @@ def _group_scores(
     # Along the sites, a site's runs start at its block, on the plain run's residual stream there,
     # once exact patching has checked that shortcut against a plain run on this model.
     checked = prefix is not None and shortcuts_verdict(model) is True
-    entering = {_layer_of(h) for h in hooks} - {0} if steps > 1 and path == "sites" and checked else set()
+    entering = set(hooks.values()) - {0} if steps > 1 and path == "sites" and checked else set()
     resid_names = {hook_name(Site("resid_pre", l)): l for l in entering}
     here: dict[str, Tensor] = {}
     resid: dict[str, Tensor] = {}
     with torch.enable_grad():  # the plain run: the first point of every path
         last, _ = forward_last(
-            model, batch.input_ids, fk, [*record_hooks(hooks, here, requires_grad=True),
+            model, batch.input_ids, fk, [*record_hooks(list(hooks), here, requires_grad=True),
                                          *record_hooks(list(resid_names), resid)],
             rows=base_rows, prefix=prefix, start=start, prefix_rows=torch.arange(g),
         )
@@ -169,7 +160,7 @@ def _group_scores(
             runs = [(names, None, lambda got: [_mix_towards(targets[EMBED_HOOK], alpha),
                                                *record_hooks(names, got, requires_grad=True)])]
         else:  # one run per site: only it moved, every block after it recomputed
-            runs = [([n], _layer_of(n), lambda got, n=n: [_mix_and_track(targets[n], alpha, n, got)]) for n in names]
+            runs = [([n], hooks[n], lambda got, n=n: [_mix_towards(targets[n], alpha, n, got)]) for n in names]
         for moved, layer, make in runs:
             got: dict[str, Tensor] = {}
             skip = (layer, entry[layer]) if layer in entry else None
@@ -286,7 +277,7 @@ def attribution_patching(
     values = torch.full((len(cells), n_pair), float("nan"), dtype=torch.float64)
     clean = torch.empty(n_pair, dtype=torch.float64)
     corrupted = torch.empty(n_pair, dtype=torch.float64)
-    hooks = cell_hooks(cells)
+    hooks = hook_blocks(cells)
     for group in tqdm(prepared.groups, desc=f"attribution ({direction})", unit="group", disable=not progress):
         scores, base_metric, src_metric = _group_scores(model, group, hooks, direction, reuse_prefix=reuse_prefix,
                                                         steps=int(steps), path=path)

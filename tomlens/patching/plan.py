@@ -50,7 +50,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from tomlens.errors import TomlensError
-from tomlens.patching.attribution import IG_PATHS, IGPath, attribution_patching, check_integrable
+from tomlens.patching.attribution import IG_PATHS, IGPath, attribution_patching, check_integrable, hook_blocks
 from tomlens.patching.checkpoints import Checkpoints
 from tomlens.patching.heads import AblationSweep, HeadSetSweep
 from tomlens.patching.cells import MENTIONS, Cell, canonical_kind, plan_cells
@@ -307,16 +307,15 @@ class AttributionSweep:
     def cost(self, gi: int) -> float:
         """Multiply-adds of one group: the source forward, then per run a forward and a backward
         (about two forwards) from the first differing token: one run per step along the
-        embeddings; the plain run, then per step one run per site kind and layer, through the
-        blocks from that layer on, along the sites."""
+        embeddings; the plain run, then per step one run per hook point, through the blocks from
+        its block on, along the sites."""
         grp = self.prepared.groups[gi]
         run = 3 * forward_cost(self.model, grp.g, grp.width - int(grp.first_diff.min()))
         if self.path == "embeddings" or self.steps == 1:
             runs = self.steps
         else:
             n = self.model.cfg.n_layers
-            kinds = {(c.kind, c.layer) for c in self.cells}
-            runs = 1 + (self.steps - 1) * sum((n - layer) / n for _, layer in kinds)
+            runs = 1 + (self.steps - 1) * sum((n - block) / n for block in hook_blocks(self.cells).values())
         return forward_cost(self.model, grp.g, grp.width) + runs * run
 
     def pending(self) -> list[int]:
