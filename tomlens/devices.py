@@ -66,3 +66,15 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
 def dtype_name(dtype: torch.dtype) -> str:
     """"float32" for torch.float32: the name manifests and `parse_dtype` use."""
     return str(dtype).removeprefix("torch.")
+
+
+def to_device(host: Any, device: torch.device | str) -> torch.Tensor:
+    """A host tensor (or nested list) moved to `device` without making the host wait.
+
+    A plain `.to("cuda")` or `torch.tensor(..., device="cuda")` from the host ends in a stream
+    synchronize: the host waits for every queued kernel before it can go on. `non_blocking=True`
+    from host memory queues the copy instead (CUDA stages pageable memory at once, so the source
+    may be freed right after). On the CPU it is a no-op copy-free move.
+    """
+    tensor = host if isinstance(host, torch.Tensor) else torch.tensor(host)
+    return tensor.to(device, non_blocking=torch.device(device).type == "cuda")

@@ -31,6 +31,7 @@ import torch
 from jaxtyping import Int
 from torch import Tensor
 
+from tomlens.devices import to_device
 from tomlens.errors import TomlensError
 from tomlens.stimuli.records import Span, Stimulus
 
@@ -170,7 +171,20 @@ def token_index(stimulus: Stimulus, offsets: Sequence[tuple[int, int]], selector
 
 def span_position(stimulus: Stimulus, batch: Any, row: int, selector: str) -> int:
     """Padded index of the first or last token whose characters overlap the selector's span."""
-    return int(batch.pad[row] + token_index(stimulus, batch.offsets[row], selector))
+    return batch.pad[row] + token_index(stimulus, batch.offsets[row], selector)
+
+
+def host_positions(stimuli: Sequence[Stimulus], batch: Any, selectors: Sequence[str]) -> list[list[int]]:
+    """Padded token index of every selector for every row, from the tokenizer's output alone.
+
+    Read off the batch's host-side pads, lengths and offsets, never its device tensors: on a GPU
+    each `int()` of a device value waits for every queued kernel (two per prompt made a caching
+    forward run as dozens of short bursts)."""
+    return [
+        [batch.pad[row] + batch.lengths[row] - 1 if sel == FINAL else span_position(s, batch, row, sel)
+         for sel in selectors]
+        for row, s in enumerate(stimuli)
+    ]
 
 
 def resolve_positions(
@@ -178,7 +192,8 @@ def resolve_positions(
 ) -> Int[Tensor, "batch n_sel"]:
     """Padded token index of every selector for every row of an `EncodedBatch` of these stimuli.
 
-    The tensor is on the batch's device, ready to gather activations with.
+    Computed on the host (`host_positions`) and moved to the batch's device in one copy, ready to
+    gather activations with; no host sync.
     """
     sels = parse_selectors(selectors)
     if len(stimuli) != len(batch):
@@ -186,8 +201,4 @@ def resolve_positions(
     for row, s in enumerate(stimuli):
         if batch.texts and batch.texts[row] != s.text:
             raise ValueError(f"batch row {row} was not encoded from stimulus {s.id!r}")
-    out = torch.empty((len(stimuli), len(sels)), dtype=torch.long)
-    for row, s in enumerate(stimuli):
-        for j, sel in enumerate(sels):
-            out[row, j] = int(batch.last[row]) if sel == FINAL else span_position(s, batch, row, sel)
-    return out.to(batch.input_ids.device)
+    return to_device(torch.tensor(host_positions(stimuli, batch, sels), dtype=torch.long), batch.input_ids.device)
