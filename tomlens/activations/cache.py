@@ -246,6 +246,7 @@ class _Runner:
     def __init__(self, model: Any, stimuli: list[Stimulus], layers: dict[str, list[int]], selectors: list[str],
                  dtype: torch.dtype, batch_size: int, progress: bool):
         self.model, self.stimuli, self.layers, self.selectors, self.dtype = model, stimuli, layers, selectors, dtype
+        self.device = _model_dtype_device(model)[1]
         self.sites = [Site(k, layer) for k, ls in layers.items() for layer in ls]
         self.batch_size = max(1, int(batch_size))
         self.progress = progress
@@ -293,8 +294,7 @@ class _Runner:
                 continue
             for kind, ls in self.layers.items():
                 stacked = torch.stack([out[Site(kind, layer)] for layer in ls], dim=2)  # [b, sel, layer, ...]
-                for j, sel in enumerate(self.selectors):
-                    parts[st.tensor_name(kind, sel)].append(stacked[:, j])
+                parts[kind].append(to_host_async(stacked))
             del out
             pos += len(rows)
             self.tokens += sum(self.lengths[r] for r in rows)
@@ -302,7 +302,8 @@ class _Runner:
             bar.set_postfix(tok_s=f"{self.tokens / max(1e-9, time.perf_counter() - self.start):.0f}",
                             batch=self.batch_size, refresh=False)
             if pos == len(order) or pos - a >= rows_per or time.perf_counter() - since >= flush_seconds:
-                yield a, pos, *_in_row_order(order[a:pos], parts)
+                wait_for_host_copies(self.device)  # the one sync of a shard: its copies have landed
+                yield a, pos, *self._in_row_order(order[a:pos], parts)
                 parts, a, since = defaultdict(list), pos, time.perf_counter()
 
     def _run_batch(self, rows: list[int]) -> dict[Site, torch.Tensor]:
@@ -313,11 +314,29 @@ class _Runner:
             return capture(self.model, batch, self.sites, pos, dtype=self.dtype)
 
 
-def _in_row_order(ran: list[int], parts: dict[str, list[Tensor]]) -> tuple[Tensor, dict[str, Tensor]]:
-    """Rows `ran` (run order) sorted back into the caller's order, then moved to the CPU once."""
-    back = torch.argsort(torch.tensor(ran, dtype=torch.long))
-    tensors = {}
-    for name in list(parts):
-        full = torch.cat(parts.pop(name))
-        tensors[name] = full[back.to(full.device)].to("cpu")
-    return torch.tensor(sorted(ran), dtype=torch.long), tensors
+    def _in_row_order(self, ran: list[int], parts: dict[str, list[Tensor]]) -> tuple[Tensor, dict[str, Tensor]]:
+        """Rows `ran` (run order) sorted back into the caller's order, one tensor per (kind, selector);
+        all on the host already (`to_host_async`)."""
+        back = torch.tensor(sorted(range(len(ran)), key=ran.__getitem__), dtype=torch.long)
+        tensors = {}
+        for kind in list(parts):
+            full = torch.cat(parts.pop(kind))[back]  # [rows, sel, layer, ...]
+            for j, sel in enumerate(self.selectors):
+                tensors[st.tensor_name(kind, sel)] = full[:, j].contiguous()
+        return torch.tensor(sorted(ran), dtype=torch.long), tensors
+
+
+def to_host_async(tensor: Tensor) -> Tensor:
+    """`tensor` copied to the host without waiting: on CUDA into pinned memory, non-blocking, so the
+    next batch's kernels queue behind the copy; `wait_for_host_copies` before reading it."""
+    if tensor.device.type != "cuda":
+        return tensor.to("cpu")
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    host.copy_(tensor, non_blocking=True)
+    return host
+
+
+def wait_for_host_copies(device: torch.device) -> None:
+    """Wait once for every copy `to_host_async` queued on `device` (a no-op off CUDA)."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()

@@ -17,6 +17,7 @@ import torch
 from jaxtyping import Int
 from torch import Tensor
 
+from tomlens.devices import to_device
 from tomlens.errors import TomlensError
 
 
@@ -155,15 +156,15 @@ def encode(model: Any, texts: Sequence[str]) -> EncodedBatch:
         input_ids[row, p:] = torch.tensor(seq, dtype=torch.long)
         mask[row, p:] = 1
     position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
-    device = _model_device(model)
+    device = _model_device(model)  # built on the host, each moved once without a host sync
     return EncodedBatch(
-        input_ids=input_ids.to(device),
-        attention_mask=mask.to(device),
+        input_ids=to_device(input_ids, device),
+        attention_mask=to_device(mask, device),
         offsets=offsets,
         pad=pads,
         lengths=lengths,
-        last=torch.full((len(ids),), width - 1, dtype=torch.long, device=device),
-        position_ids=position_ids.to(device),
+        last=to_device(torch.full((len(ids),), width - 1, dtype=torch.long), device),
+        position_ids=to_device(position_ids, device),
         pass_position_ids=_accepts_position_ids(model),
         texts=tuple(texts),
     )
@@ -175,36 +176,36 @@ def option_first_tokens(model: Any, stimuli: Sequence[Any], options: Sequence[tu
     Tokenised as a continuation of the stimulus text and located through the tokenizer's offsets,
     so tokenizers that merge the leading space (BPE) or split it off (SentencePiece) both give the
     token the model would actually emit next.
+
+    The table is read from the tokenizer's output, on the host, and returned on the CPU: it never
+    touches the device, so building it costs a GPU run no wait; a caller moves it once
+    (`tomlens.devices.to_device`) where a forward needs it.
     """
-    texts: list[str] = []
-    ends: list[int] = []
-    for s, opts in zip(stimuli, options):
-        for opt in opts:
-            texts.append(f"{s.text} {opt}")
-            ends.append(len(s.text))
-    out = torch.empty(len(texts), dtype=torch.long)
-    for b0 in range(0, len(texts), 64):
-        batch = encode(model, texts[b0 : b0 + 64])
-        for row in range(len(batch.lengths)):
-            i = b0 + row
-            offs = batch.offsets[row]
-            first = next(
-                (t for t, (cs, ce) in enumerate(offs) if cs >= ends[i] or ce > ends[i]), None
-            )
+    tokenizer = model.tokenizer
+    if not getattr(tokenizer, "is_fast", False):
+        raise TomlensError(
+            f"the tokenizer of this model ({type(tokenizer).__name__}) gives no character offsets",
+            "use a model with a fast (Rust) tokenizer: tomlens maps spans to tokens through offsets",
+        )
+    firsts: list[list[int]] = []
+    for k, (s, opts) in enumerate(zip(stimuli, options)):
+        texts = [f"{s.text} {opt}" for opt in opts]
+        enc = tokenizer(texts, return_offsets_mapping=True, padding=False, truncation=False)
+        end = len(s.text)
+        pair: list[int] = []
+        for ids, offs in zip(enc["input_ids"], enc["offset_mapping"]):
+            first = next((t for t, (cs, ce) in enumerate(offs) if cs >= end or ce > end), None)
             if first is None or first == 0:
                 raise TomlensError(
-                    f"stimulus {stimuli[i // 2].id!r}: option {texts[i][ends[i]:]!r} produced no "
-                    "continuation token",
+                    f"stimulus {s.id!r}: option {texts[len(pair)][end:]!r} produced no continuation token",
                     "check the stimulus text and options",
                 )
-            out[i] = batch.input_ids[row, batch.pad[row] + first]
-    out = out.view(-1, 2)
-    same = (out[:, 0] == out[:, 1]).nonzero().flatten().tolist()
-    if same:
-        s = stimuli[same[0]]
-        raise TomlensError(
-            f"stimulus {s.id!r}: both options {list(options[same[0]])!r} start with the same token, "
-            "so their first-token logit difference is always 0",
-            "use options whose first tokens differ (or drop these pairs)",
-        )
-    return out
+            pair.append(int(ids[first]))
+        if pair[0] == pair[1]:
+            raise TomlensError(
+                f"stimulus {s.id!r}: both options {list(options[k])!r} start with the same token, "
+                "so their first-token logit difference is always 0",
+                "use options whose first tokens differ (or drop these pairs)",
+            )
+        firsts.append(pair)
+    return torch.tensor(firsts, dtype=torch.long).view(-1, 2)
