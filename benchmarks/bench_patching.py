@@ -47,6 +47,16 @@ HERE = Path(__file__).resolve().parent
 OUT = HERE.parent / "bench-out"
 
 
+def clock() -> float:
+    """`time.perf_counter()` once the GPU has finished its queued work: without the wait, a CUDA
+    timing stops when the last kernel is queued, not when it has run."""
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
 def merge(results):
     """PatchingResults of disjoint pair sets (same cells) as one."""
     import torch
@@ -97,14 +107,14 @@ def side_by_side(model, pairs, budget_s: float):
     def metric(logits):  # per pair, so per-pair numbers can be compared
         return logit_diff(logits[:, -1], tokens)
 
-    t0 = time.perf_counter()
+    t0 = clock()
     bp = base_pass(model, group, [hook_for("head", l) for l in range(L)])
-    t_base = time.perf_counter() - t0
+    t_base = clock() - t0
     t_ours = 0.0
     with torch.inference_mode():
-        t0 = time.perf_counter()
+        t0 = clock()
         _, cache = model.run_with_cache(ids[:g], names_filter=lambda name: name.endswith("hook_z"))
-        t_tl = time.perf_counter() - t0
+        t_tl = clock() - t0
 
     def _time_layer(layer: int) -> float:
         nonlocal t_ours, t_tl
@@ -112,17 +122,17 @@ def side_by_side(model, pairs, budget_s: float):
             Run(g + j, [(hook_for("head", layer), layer, h, cell_columns(Cell("head", layer, h, "all", -1), group, j, prep.n_aligned), j)])
             for h in range(H) for j in range(g)
         ]
-        t0 = time.perf_counter()
+        t0 = clock()
         ours = run_patched(model, group, runs, bp.sources, bp).double().view(H, g)
-        t_ours += time.perf_counter() - t0
+        t_ours += clock() - t0
         index = pd.DataFrame({"layer": [layer] * H, "head": list(range(H))})
         with torch.inference_mode():
-            t0 = time.perf_counter()
+            t0 = clock()
             tl = patching.generic_activation_patch(
                 model, ids[g:], cache, metric, patching.layer_head_vector_patch_setter, "z",
                 index_df=index, reduce="none",
             )
-            t_tl += time.perf_counter() - t0
+            t_tl += clock() - t0
         return float((ours - tl.values.double().cpu()).abs().max())
     done, diffs = [], []
     for block in layer_blocks(L):
@@ -151,6 +161,7 @@ def main() -> int:
     ap.add_argument("--tl-budget-s", type=float, default=120.0, help="time budget of the side-by-side comparison")
     ap.add_argument("--group", type=int, default=4, help="pairs per cached group of the exact sweep")
     ap.add_argument("--memory-mb", type=float, default=1024)
+    ap.add_argument("--dtype", default=None, help="model dtype (default: float32 on CPU, the device's default on CUDA)")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     ap.add_argument("--out", default=str(OUT / "patching.json"))
     args = ap.parse_args()
@@ -167,9 +178,9 @@ def main() -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     load_start = os.getloadavg()[0]  # other work on the machine skews every timing below
-    t0 = time.perf_counter()
-    model = load_model(args.model, dtype="float32")
-    t_load = time.perf_counter() - t0
+    t0 = clock()
+    model = load_model(args.model, dtype=args.dtype or (None if torch.cuda.is_available() else "float32"))
+    t_load = clock() - t0
     pairs, report = make_pairs("unexpected-transfer", (args.pairs + 1) // 2, seed=0,
                                tokenizer=model.tokenizer, contrasts=("present",))
     pairs = pairs[: args.pairs]
@@ -201,21 +212,21 @@ def main() -> int:
     for grp in groups:
         if done and t_exact / len(done) * (len(done) + len(grp)) > args.budget_s:
             break
-        t0 = time.perf_counter()
+        t0 = clock()
         exact_parts.append(exact_patching(model, grp, sites=["heads"], batch_pairs=args.group,
                                           memory_mb=args.memory_mb, progress=False))
-        t_exact += time.perf_counter() - t0
-        t0 = time.perf_counter()
+        t_exact += clock() - t0
+        t0 = clock()
         attr_parts.append(attribution_patching(model, grp, sites=["heads"], batch_pairs=args.group, progress=False))
-        t_attr += time.perf_counter() - t0
+        t_attr += clock() - t0
         done.extend(grp)
         print(f"exact sweep: {len(done)}/{n} pairs, {t_exact:.0f} s; attribution {t_attr:.1f} s", flush=True)
     rest = [p for p in pairs if p not in done]
     t_attr_rest = 0.0
     if rest:  # attribution is cheap: run it on every pair anyway
-        t0 = time.perf_counter()
+        t0 = clock()
         attribution_patching(model, rest, sites=["heads"], batch_pairs=args.group, progress=False)
-        t_attr_rest = time.perf_counter() - t0
+        t_attr_rest = clock() - t0
     exact, attr = merge(exact_parts), merge(attr_parts)
     exact_per_pair = t_exact / len(done)
     attr_per_pair = t_attr / len(done)
