@@ -46,16 +46,20 @@ class PatchIndex:
 
 
 def patch_hooks(entries: Mapping[str, PatchIndex], offset: int = 0) -> list[Hook]:
-    """One forward hook per activation name, writing every row's cells (out of place)."""
+    """One forward hook per activation name, writing every row's cells (out of place).
+
+    The index is shifted by `offset` once, here; the hook itself only writes. With the entries on
+    the activation's device (as the engine makes them) it moves nothing and never waits for the GPU.
+    """
     hooks: list[Hook] = []
     for name, ix in entries.items():
+        cols = ix.cols - offset if offset else ix.cols
+        index = (ix.rows, cols) if ix.heads is None else (ix.rows, cols, ix.heads)
 
-        def fn(act: Tensor, hook: Any = None, ix: PatchIndex = ix) -> Tensor:
-            cols = ix.cols.to(act.device) - offset
-            rows = ix.rows.to(act.device)
-            values = ix.values.to(device=act.device, dtype=act.dtype)
-            index = (rows, cols) if ix.heads is None else (rows, cols, ix.heads.to(act.device))
-            return act.index_put(index, values)
+        def fn(act: Tensor, hook: Any = None, index: tuple[Tensor, ...] = index, values: Tensor = ix.values) -> Tensor:
+            if index[0].device != act.device:  # a model split over devices: follow the activation
+                index = tuple(i.to(act.device) for i in index)
+            return act.index_put(index, values.to(device=act.device, dtype=act.dtype))
 
         hooks.append((name, fn))
     return hooks
@@ -283,7 +287,7 @@ def forward_last(
         kwargs["logits_to_keep"] = 1
     if use_prefix:
         if prefix_rows is None:
-            prefix_rows = rows if rows is not None else torch.arange(ids.shape[0])
+            prefix_rows = rows if rows is not None else torch.arange(ids.shape[0], device=ids.device)
         # A run that keeps its cache gets a plain one; otherwise the new columns go in place.
         kwargs["past_key_values"] = prefix.select(prefix_rows, start, skip[0] if skip else 0, in_place=not keep_cache)
         ids = ids[:, start:]

@@ -123,8 +123,12 @@ def plan_cells(
 
 def cell_columns(cell: Cell, group: Group, j: int, n_aligned: int) -> list[int] | None:
     """Padded columns the cell patches in pair `j` of a group, dropping columns before the first
-    differing token (identical in both runs). None when the pair has no token at that position."""
-    width, fd = group.width, int(group.first_diff[j])
+    differing token (identical in both runs). None when the pair has no token at that position.
+
+    Read off the group's host lists only: a sweep calls this for every cell and pair before it
+    runs, and a read of a device value there would make the host wait for the GPU each time."""
+    assert group.first_diff_cols is not None and group.position_cols is not None
+    width, fd = group.width, group.first_diff_cols[j]
     if cell.position == "all":
         return list(range(fd, width))
     if cell.position == "each":
@@ -132,7 +136,7 @@ def cell_columns(cell: Cell, group: Group, j: int, n_aligned: int) -> list[int] 
         if col < group.pad(j):
             return None
         return [col] if col >= fd else []
-    col = int(group.positions[cell.position][j])
+    col = group.position_cols[cell.position][j]
     return [col] if col >= fd else []
 
 

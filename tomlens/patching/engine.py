@@ -13,6 +13,9 @@ Why it is fast and still exact:
 - Blocks below the first patched block are not run either: the base run's residual stream enters
   the patched block directly. A one-off check per model confirms both shortcuts reproduce a plain
   run; if they do not (an architecture they do not fit), every run is a plain full forward.
+- Nothing waits for the GPU between forwards: runs, rows and cells are laid out on the host from
+  the tokenizer's output and moved in non-blocking copies, metrics stay on the device, and a stage
+  brings them to the host as they finish, one chunk behind (`_Landing`).
 
 Sweeps lay out their runs before they run (`Stage`: every run of every group, with the work each
 costs), so a plan can count and time them (`tomlens.patching.plan`), and run them in chunks that
@@ -32,6 +35,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
+from tomlens.devices import to_device
 from tomlens.errors import TomlensError
 from tomlens.hooks.patch import PatchIndex, PrefixCache, forward_last, patch_hooks, record_hooks
 from tomlens.oom import OOM_ERRORS, release_memory
@@ -116,27 +120,36 @@ def _row_bytes(model, width: int, new: int, first_layer: int = 0) -> int:
 
 
 def _entries(chunk: Sequence[Run], sources: Mapping[str, Tensor]) -> dict[str, PatchIndex]:
+    """Every hook's cells of a chunk as index tensors on the sources' device, with the values they
+    take gathered there. The index table is built on the host from the runs and moved in one
+    non-blocking copy: no host sync, whatever the number of runs, hooks, heads or columns."""
     acc: dict[str, tuple[list[int], list[int], list[int], list[int]]] = {}
     for r, run in enumerate(chunk):
         for hook, _, head, cols, src in run.patches:
             rows, cs, hs, ss = acc.setdefault(hook, ([], [], [], []))
-            rows.extend([r] * len(cols))
+            n = len(cols)
+            rows.extend([r] * n)
             cs.extend(cols)
-            hs.extend([head] * len(cols))
-            ss.extend([src] * len(cols))
+            hs.extend([head] * n)
+            ss.extend([src] * n)
+    if not acc:
+        return {}
+    device = next(iter(sources.values())).device if sources else torch.device("cpu")
+    flat: list[list[int]] = [[], [], [], []]
+    spans: dict[str, tuple[int, int]] = {}
+    for hook, lists in acc.items():
+        spans[hook] = (len(flat[0]), len(flat[0]) + len(lists[0]))
+        for k in range(4):
+            flat[k].extend(lists[k])
+    table = to_device(torch.tensor(flat, dtype=torch.long), device)  # [rows, cols, heads, sources]
     out: dict[str, PatchIndex] = {}
-    for hook, (rows, cs, hs, ss) in acc.items():
+    for hook, (a, b) in spans.items():
         src = sources[hook]
-        r_t = torch.tensor(rows, dtype=torch.long)
-        c_t = torch.tensor(cs, dtype=torch.long)
-        s_t = torch.tensor(ss, dtype=torch.long, device=src.device)
-        if hs[0] >= 0:
-            h_t = torch.tensor(hs, dtype=torch.long)
-            values = src[s_t, c_t.to(src.device), h_t.to(src.device)]
+        t = table[:, a:b] if src.device == device else to_device(table[:, a:b], src.device)
+        if acc[hook][2][0] >= 0:
+            out[hook] = PatchIndex(t[0], t[1], t[2], src[t[3], t[1], t[2]])
         else:
-            h_t = None
-            values = src[s_t, c_t.to(src.device)]
-        out[hook] = PatchIndex(r_t, c_t, h_t, values)
+            out[hook] = PatchIndex(t[0], t[1], None, src[t[3], t[1]])
     return out
 
 
@@ -158,19 +171,19 @@ def _shortcuts_ok(model, group: Group, bp: BasePass) -> bool:
     width = group.width
     start = width - 1
     layer = model.cfg.n_layers // 2
-    rows = torch.tensor([0])
-    skip = (layer, bp.resid[layer][rows, start:]) if layer in bp.resid else None
     batch = group.batch
+    rows = to_device(torch.tensor([0]), batch.input_ids.device)
+    skip = (layer, bp.resid[layer][rows, start:]) if layer in bp.resid else None
     try:
         with torch.inference_mode():
             last, _ = forward_last(
                 model, batch.input_ids, batch.forward_kwargs(), rows=rows, prefix=bp.prefix,
                 start=start, skip=skip,
             )
-        got = float(logit_diff(last, group.tokens[rows])[0])
-        want = float(bp.metric[0])
+            got = logit_diff(last, group.tokens[rows])[0].double()
+            want = bp.metric[0].double()
         low = next(model.parameters()).dtype in (torch.float16, torch.bfloat16)
-        ok = abs(got - want) <= (5e-2 if low else 1e-3) * (1 + abs(want))
+        ok = bool((got - want).abs() <= (5e-2 if low else 1e-3) * (1 + want.abs()))  # the one sync, once per model
         if not ok:
             warnings.warn("shared-prefix shortcuts disagree with a plain run on this model; not using them", stacklevel=3)
     except Exception as e:  # noqa: BLE001 - an architecture the shortcuts do not fit
@@ -201,6 +214,7 @@ def run_patched(
     *,
     memory_mb: float = 1024.0,
     bar: Any = None,
+    on_device: bool = False,
 ) -> Float[Tensor, "run"]:
     """Metric of every patched run, many runs per forward.
 
@@ -210,10 +224,16 @@ def run_patched(
     earliest patched column on (earlier keys and values come from the base run). A forward that
     runs out of accelerator memory is retried with half its rows (rows do not interact: the same
     numbers), and later forwards on this model keep the smaller budget.
+
+    Nothing between the forwards waits for the GPU: every chunk's rows and cells are laid out on
+    the host and moved in non-blocking copies, and the metrics stay on the device. The result is
+    moved to the host once at the end (`on_device=True`: left on the device, for a caller that
+    gathers many calls' results before one move).
     """
-    out = torch.empty(len(runs), dtype=torch.float32)
+    device = group.batch.input_ids.device
+    out = torch.full((len(runs),), float("nan"), dtype=torch.float32, device=device)
     if not runs:
-        return out
+        return out if on_device else out.cpu()
     width = group.width
     shortcuts = _shortcuts_ok(model, group, base)
     prefix = base.prefix if shortcuts else None
@@ -223,7 +243,7 @@ def run_patched(
     budget = min(memory_mb, _MEMORY_CAP.get(model, memory_mb)) * 2**20
     batch = group.batch
     fk = batch.forward_kwargs()
-    vocab, answer = torch.unique(group.tokens, return_inverse=True)  # the metric's tokens only
+    vocab, answer = group.metric_vocab()  # the metric's tokens only
     a = 0
     while a < len(order):
         b = a + 1
@@ -236,7 +256,9 @@ def run_patched(
             b += 1
         chunk_idx = order[a:b]
         chunk = [runs[i] for i in chunk_idx]
-        rows = torch.tensor([run.base for run in chunk], dtype=torch.long)
+        # base rows and where their results go, moved in one non-blocking copy
+        index = to_device(torch.tensor([[run.base for run in chunk], chunk_idx], dtype=torch.long), device)
+        rows, dest = index[0], index[1]
         offset = start if prefix is not None else 0
         try:
             skip = (first, base.resid[first].index_select(0, rows.to(base.resid[first].device))[:, offset:]) if first > 0 else None
@@ -246,7 +268,7 @@ def run_patched(
                     model, batch.input_ids, fk, hooks, rows=rows, prefix=prefix, start=start, skip=skip,
                     vocab=vocab,
                 )
-                values = logit_diff(last, answer[rows])
+                out.index_copy_(0, dest, logit_diff(last, answer.index_select(0, rows)))
         except OOM_ERRORS:
             if len(chunk) == 1:
                 raise
@@ -257,11 +279,10 @@ def run_patched(
             warnings.warn(f"out of memory in a patched forward of {len(chunk)} runs; continuing with "
                           f"{len(chunk) // 2} per forward", stacklevel=2)
             continue
-        out[torch.tensor(chunk_idx)] = values.cpu()
         if bar is not None:
             bar.update(len(chunk))
         a = b
-    return out
+    return out if on_device else out.cpu()
 
 
 # --------------------------------------------------------------------------------------------
@@ -271,6 +292,51 @@ DEFAULT_CHUNK_RUNS = 1024
 # A chunk also ends at this much work (multiply-adds): seconds on two CPU cores, so a stopped run
 # loses seconds and the timed first chunk is short, whatever the runs cost.
 CHUNK_MACS = 1.5e11
+# The same seconds on an accelerator: a GPU does about a thousand times the work of two CPU cores,
+# and a chunk of CPU size would hold a few runs of a 1B model (a few rows per forward, the GPU idle
+# between them). There `chunk_runs` is what ends a chunk.
+ACCELERATOR_CHUNK_MACS = 1.5e14
+
+
+def chunk_macs(model) -> float:
+    """The work at which a stage's chunk ends on the model's device (`CHUNK_MACS` on the CPU)."""
+    return CHUNK_MACS if _model_device(model).type == "cpu" else ACCELERATOR_CHUNK_MACS
+
+
+def _model_device(model) -> torch.device:
+    try:
+        return next(model.parameters()).device
+    except (StopIteration, AttributeError):
+        return torch.device("cpu")
+
+
+@dataclass
+class _Landing:
+    """A result on its way to the host: queued as a non-blocking copy into pinned memory right
+    after the forwards that make it, so the host waits for it (`wait`) only when it must write it,
+    by which time the GPU is busy with later forwards. On the CPU it is there already."""
+
+    host: Tensor
+    event: Any = None
+
+    @classmethod
+    def start(cls, t: Tensor) -> _Landing:
+        t = t.detach()
+        if t.device.type == "cpu":
+            return cls(t)
+        if t.device.type != "cuda":
+            return cls(t.to("cpu"))
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        host.copy_(t, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return cls(host, event)
+
+    def wait(self) -> Tensor:
+        if self.event is not None:
+            self.event.synchronize()
+            self.event = None
+        return self.host
 
 
 def layer_macs(model, width: int) -> float:
@@ -348,17 +414,20 @@ class Stage:
         self.hooks, self.sources = sorted(set(hooks)), sources
         self.memory_mb, self.reuse_prefix = memory_mb, reuse_prefix
         self.chunks: list[Chunk] = []
+        max_macs = chunk_macs(model)
         for gi, (group, rs) in enumerate(zip(prepared.groups, self.runs)):
             lo, cost, index = 0, 0.0, 0
             for i, r in enumerate(rs):
                 cost += run_cost(model, group.width, r.start, r.layer)
-                if i + 1 - lo >= chunk_runs or cost >= CHUNK_MACS or i + 1 == len(rs):
+                if i + 1 - lo >= chunk_runs or cost >= max_macs or i + 1 == len(rs):
                     self.chunks.append(Chunk(gi, index, lo, i + 1, cost))
                     lo, cost, index = i + 1, 0.0, index + 1
         self.values = [torch.full((len(rs),), float("nan"), dtype=torch.float32) for rs in self.runs]
         self.base: list[Tensor | None] = [None] * len(self.runs)
         self.done: set[tuple[int, int]] = set()
         self._bp: tuple[int, BasePass] | None = None
+        # results on their way to the host, with what to do once they are there (oldest first)
+        self._landing: list[tuple[_Landing, Callable[[Tensor], None]]] = []
 
     @property
     def n_runs(self) -> int:
@@ -409,34 +478,66 @@ class Stage:
         return self.n_done
 
     def prepare(self, gi: int, checkpoints: Any = None) -> BasePass:
-        """Group `gi`'s base pass (kept for the next chunks of that group; its metric is saved)."""
+        """Group `gi`'s base pass (kept for the next chunks of that group; its metric is saved),
+        finished: its metric is on the host when this returns (so a caller can time it)."""
+        bp = self._prepare(gi, checkpoints)
+        self._settle()
+        return bp
+
+    def _prepare(self, gi: int, checkpoints: Any = None) -> BasePass:
+        """`prepare` without waiting: the base pass is queued and its metric lands later."""
         if self._bp is not None and self._bp[0] == gi:
             return self._bp[1]
         self._bp = None  # free the previous group's activations first
         bp = base_pass(self.model, self.prepared.groups[gi], self.hooks, reuse_prefix=self.reuse_prefix)
         self._bp = (gi, bp)
         if self.base[gi] is None:
-            self.base[gi] = bp.metric.float().cpu()
-            if checkpoints is not None:
-                checkpoints.save(self._base_name(gi), {"metric": self.base[gi]})
+            self._land(bp.metric.float(), lambda host: self._base_landed(gi, host, checkpoints))
         return bp
+
+    def _base_landed(self, gi: int, metric: Tensor, checkpoints: Any) -> None:
+        self.base[gi] = metric
+        if checkpoints is not None:
+            checkpoints.save(self._base_name(gi), {"metric": metric})
+
+    def _chunk_landed(self, c: Chunk, out: Tensor, checkpoints: Any) -> None:
+        self.values[c.group][c.lo : c.hi] = out
+        if checkpoints is not None:
+            checkpoints.save(self._name(c.group, f"c{c.index:05d}-{self._tag(c)}"), {"values": out})
+        self.done.add((c.group, c.index))
+
+    def _land(self, t: Tensor, then: Callable[[Tensor], None]) -> None:
+        self._landing.append((_Landing.start(t), then))
+
+    def _settle(self, keep: int = 0) -> None:
+        """Wait for all but the `keep` newest results to reach the host, and write them."""
+        while len(self._landing) > keep:
+            landing, then = self._landing.pop(0)
+            then(landing.wait())
 
     def run(self, *, checkpoints: Any = None, bar: Any = None, chunks: Sequence[Chunk] | None = None) -> None:
         """Run `chunks` (default: every chunk not done, and the base pass of every group), saving
-        each to `checkpoints` as it finishes."""
+        each to `checkpoints` as it finishes.
+
+        The host never waits for the GPU between chunks: each chunk's metrics travel to the host
+        while later chunks run. With `checkpoints` a chunk is written once the next one is queued
+        (the host waits for that chunk alone, the GPU busy with the next); without, nothing is
+        waited for until the end. Everything has landed when this returns, also on an error."""
         todo = [c for c in (self.chunks if chunks is None else chunks) if (c.group, c.index) not in self.done]
-        for gi, group in enumerate(self.prepared.groups):
-            mine = [c for c in todo if c.group == gi]
-            if not mine and (chunks is not None or self.base[gi] is not None):
-                continue
-            bp = self.prepare(gi, checkpoints)
-            sources = bp.sources if self.sources is None else self.sources(group)
-            for c in mine:
-                out = run_patched(self.model, group, self.runs[gi][c.lo : c.hi], sources, bp,
-                                  memory_mb=self.memory_mb, bar=bar)
-                self.values[gi][c.lo : c.hi] = out
-                if checkpoints is not None:
-                    checkpoints.save(self._name(gi, f"c{c.index:05d}-{self._tag(c)}"), {"values": out})
-                self.done.add((gi, c.index))
+        try:
+            for gi, group in enumerate(self.prepared.groups):
+                mine = [c for c in todo if c.group == gi]
+                if not mine and (chunks is not None or self.base[gi] is not None):
+                    continue
+                bp = self._prepare(gi, checkpoints)
+                sources = bp.sources if self.sources is None else self.sources(group)
+                for c in mine:
+                    out = run_patched(self.model, group, self.runs[gi][c.lo : c.hi], sources, bp,
+                                      memory_mb=self.memory_mb, bar=bar, on_device=True)
+                    self._land(out, lambda host, c=c: self._chunk_landed(c, host, checkpoints))
+                    if checkpoints is not None:  # write the previous chunk while this one runs
+                        self._settle(keep=1)
+        finally:
+            self._settle()
         if chunks is None:
             self._bp = None

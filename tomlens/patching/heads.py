@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
+from tomlens.devices import to_device
 from tomlens.errors import TomlensError
 from tomlens.patching.cells import Cell, hook_for
 from tomlens.patching.engine import DEFAULT_CHUNK_RUNS, Run, Stage, base_pass, forward_cost
@@ -328,38 +329,36 @@ def head_means(
 ) -> dict[int, Tensor]:
     """Mean `z` of every head over all clean and corrupted stories: at the final token
     (`[head, d_head]`), or per right-aligned position (`[n_aligned, head, d_head]`, averaged over
-    the stories that have a token there)."""
+    the stories that have a token there).
+
+    Summed on the model's device (in float64) and left there, where the ablation's patched runs
+    read them; the counts come from the groups' host-side padding. No host sync per group or layer.
+    """
     sums: dict[int, Tensor] = {}
-    counts: Tensor | None = None
     n_al = prepared.n_aligned
+    counts = [0] * n_al  # stories with a token at each right-aligned position
+    stories = 0
     hooks = {hook_for("head", l): l for l in layers}
     for group in tqdm(prepared.groups, desc="head means", disable=not progress):
         bp = base_pass(model, group, list(hooks), reuse_prefix=False)
         width = group.width
+        stories += 2 * group.g
+        for pad in group.batch.pad:
+            for col in range(pad, width):
+                counts[n_al - width + col] += 1
+        mask = group.batch.attention_mask[:, :width].double() if mode != "final" else None
         for name, l in hooks.items():
-            z = bp.sources[name].double().cpu()  # [story, pos, head, d]
-            if mode == "final":
+            z = bp.sources[name].double()  # [story, pos, head, d]
+            if mask is None:
                 add = z[:, -1].sum(0)
             else:
-                add = torch.zeros((n_al,) + tuple(z.shape[2:]), dtype=torch.float64)
-                add[n_al - width :] += _masked_sum(z, group, width)
+                add = torch.zeros((n_al,) + tuple(z.shape[2:]), dtype=torch.float64, device=z.device)
+                add[n_al - width :] += (z * mask[:, :, None, None]).sum(0)
             sums[l] = sums[l] + add if l in sums else add
-        if mode == "final":
-            c = torch.tensor(float(2 * group.g))
-        else:
-            c = torch.zeros(n_al, dtype=torch.float64)
-            mask = group.batch.attention_mask.double().cpu()
-            c[n_al - width :] += mask.sum(0)
-        counts = c if counts is None else counts + c
-    assert counts is not None
     if mode == "final":
-        return {l: (s / counts).float() for l, s in sums.items()}
-    return {l: (s / counts.clamp(min=1)[:, None, None]).float() for l, s in sums.items()}
-
-
-def _masked_sum(z: Tensor, group, width: int) -> Tensor:
-    mask = group.batch.attention_mask.double().cpu()[:, :width]
-    return (z * mask[:, :, None, None]).sum(0)
+        return {l: (s / float(stories)).float() for l, s in sums.items()}
+    per = to_device(torch.tensor(counts, dtype=torch.float64), _device(model)).clamp(min=1)
+    return {l: (s / per.to(s.device)[:, None, None]).float() for l, s in sums.items()}
 
 
 class AblationSweep:
@@ -414,25 +413,27 @@ class AblationSweep:
         return {f"L{l}": shape for l in self.layers}
 
     def _sources(self, group) -> dict[str, Tensor]:
+        """The heads' means laid out as a one-story source of the group's width, on the device."""
         assert self.means is not None
         width, n_al = group.width, self.prepared.n_aligned
         sources: dict[str, Tensor] = {}
         for l in self.layers:
             m = self.means[l]
-            src = torch.zeros((1, width) + tuple(m.shape[-2:]), dtype=m.dtype)
+            src = torch.zeros((1, width) + tuple(m.shape[-2:]), dtype=m.dtype, device=m.device)
             if self.mode == "final":
                 src[0, -1] = m
             else:
                 lo = max(0, n_al - width)
                 src[0, width - (n_al - lo) :] = m[lo:]
-            sources[hook_for("head", l)] = src.to(_device(self.model))
+            sources[hook_for("head", l)] = src
         return sources
 
     def load(self, checkpoints: Any) -> int:
         """Take the means and finished chunks from `checkpoints`; returns the runs loaded."""
         got = checkpoints.load(self._means_name(), self._means_shapes())
         if got is not None:
-            self.means = {l: got[f"L{l}"] for l in self.layers}
+            device = _device(self.model)
+            self.means = {l: to_device(got[f"L{l}"], device) for l in self.layers}
         return self.stage.load(checkpoints)
 
     def run(self, *, checkpoints: Any = None, progress: bool = True) -> tuple[Tensor, Tensor]:

@@ -73,10 +73,19 @@ def gap_is_unstable(gap: Float[Tensor, "pair"]) -> bool:
     effects normalised by it are then noise over noise. Two-sided and blind to the sign, so it is no
     gate: a significantly negative gap passes it. `tomlens.patching.gate` is the one-sided gate that
     runs before any head ranking."""
+    return _gap_check(gap)[1]
+
+
+def _gap_check(gap: Float[Tensor, "pair"]) -> tuple[float, bool]:
+    """(mean gap, `gap_is_unstable`), read in one host transfer whatever the number of pairs."""
     n = gap.numel()
+    mean = gap.mean()
     if n < 2:
-        return not bool(gap.abs().sum() > 0)
-    return not bool(gap.mean().abs() > 2 * gap.std() / n**0.5)
+        unstable = ~(gap.abs().sum() > 0)
+    else:
+        unstable = ~(mean.abs() > 2 * gap.std() / n**0.5)
+    m, u = torch.stack([mean.double(), unstable.double()]).tolist()
+    return m, bool(u)
 
 
 def gap_note(baselines: dict[str, float]) -> str | None:
@@ -97,11 +106,17 @@ def gap_warnings_silenced():  # noqa: ANN201 - a context manager, also usable as
 
 
 def _warn_if_unstable(gap: Float[Tensor, "pair"], normalise: Normalise) -> None:
-    if normalise == "per_pair" and bool((gap == 0).any()):
-        warnings.warn(f"{int((gap == 0).sum())} pair(s) have clean == corrupted: their per-pair effects are "
-                      "undefined and left out; use normalise='pooled' or drop those pairs", UnstableGapWarning, stacklevel=3)
-    elif normalise == "pooled" and gap_is_unstable(gap):
-        warnings.warn(f"the mean clean - corrupted gap ({float(gap.mean()):.3g}) is within two standard errors "
+    if normalise == "per_pair":
+        zeros = int((gap == 0).sum())
+        if zeros:
+            warnings.warn(f"{zeros} pair(s) have clean == corrupted: their per-pair effects are undefined and "
+                          "left out; use normalise='pooled' or drop those pairs", UnstableGapWarning, stacklevel=3)
+        return
+    if normalise != "pooled":
+        return
+    mean, unstable = _gap_check(gap)
+    if unstable:
+        warnings.warn(f"the mean clean - corrupted gap ({mean:.3g}) is within two standard errors "
                       "of 0: normalised effects are unstable; read the raw logit differences", UnstableGapWarning,
                       stacklevel=3)
 

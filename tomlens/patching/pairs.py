@@ -8,13 +8,14 @@ says which row a patched run is based on and which one its patched values come f
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, Sequence
 
 import torch
 from jaxtyping import Int
 from torch import Tensor
 
+from tomlens.devices import to_device
 from tomlens.errors import TomlensError
 from tomlens.models.tokens import option_first_tokens
 
@@ -23,13 +24,31 @@ Direction = Literal["denoise", "noise"]
 
 @dataclass
 class Group:
-    """A batch of pairs: rows `0..g-1` are the clean stories, `g..2g-1` the corrupted ones."""
+    """A batch of pairs: rows `0..g-1` are the clean stories, `g..2g-1` the corrupted ones.
+
+    Everything a sweep plans with is also kept as plain Python (`first_diff_cols`,
+    `position_cols`, `answer_ids`, read off the tokenizer's output): laying out thousands of
+    patched runs reads them per cell and pair, and on a GPU each read of a device value would make
+    the host wait for the queue. `tokens` lives on the model's device, where the metric reads it.
+    A group built without the host lists (from another group's tensors) derives them once: the
+    columns from the host tensors at once, the answer ids when the metric first needs them.
+    """
 
     index: list[int]
     batch: Any  # tomlens.models.tokens.EncodedBatch
-    tokens: Int[Tensor, "story 2"]
-    first_diff: Int[Tensor, "g"]  # padded column of the first token where clean != corrupted
-    positions: dict[str, Int[Tensor, "g"]]  # selector -> padded column (same in clean and corrupted)
+    tokens: Int[Tensor, "story 2"]  # answer token ids of every story, on the model's device
+    first_diff: Int[Tensor, "g"]  # padded column of the first token where clean != corrupted (host)
+    positions: dict[str, Int[Tensor, "g"]]  # selector -> padded column (same in clean and corrupted; host)
+    first_diff_cols: list[int] | None = None  # `first_diff` as Python ints
+    position_cols: dict[str, list[int]] | None = None  # `positions` as Python ints
+    answer_ids: list[list[int]] | None = None  # `tokens` as Python ints
+    _vocab: tuple[Tensor, Tensor] | None = field(default=None, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.first_diff_cols is None:
+            self.first_diff_cols = [int(x) for x in self.first_diff.tolist()]
+        if self.position_cols is None:
+            self.position_cols = {k: [int(x) for x in v.tolist()] for k, v in self.positions.items()}
 
     @property
     def g(self) -> int:
@@ -41,6 +60,21 @@ class Group:
 
     def pad(self, j: int) -> int:
         return int(self.batch.pad[j])
+
+    def metric_vocab(self) -> tuple[Int[Tensor, "v"], Int[Tensor, "story 2"]]:
+        """(vocab, answer) on the model's device: the metric's token ids, once each and sorted, and
+        every story's two answer tokens as indices into them (a forward then unembeds only
+        `vocab`). Built on the host from `answer_ids` and moved once per group."""
+        if self._vocab is None:
+            if self.answer_ids is None:  # a group built from another's tensors: read them once
+                self.answer_ids = [[int(a), int(b)] for a, b in self.tokens.tolist()]
+            vocab = sorted({t for row in self.answer_ids for t in row})
+            where = {t: i for i, t in enumerate(vocab)}
+            answer = [[where[a], where[b]] for a, b in self.answer_ids]
+            device = self.tokens.device
+            self._vocab = (to_device(torch.tensor(vocab, dtype=torch.long), device),
+                           to_device(torch.tensor(answer, dtype=torch.long).view(-1, 2), device))
+        return self._vocab
 
 
 @dataclass
@@ -84,17 +118,22 @@ def prepare_pairs(
             )
     selectors = tuple(s for s in selectors if s not in ("all", "each"))
     options = [(p.clean.answer, _other(p.clean.options, p.clean.answer)) for p in pairs]
-    tokens = option_first_tokens(model, [p.clean for p in pairs], options)
-    tok = model.tokenizer
-    lengths = [len(tok(p.clean.text, add_special_tokens=True)["input_ids"]) for p in pairs]
+    tokens = option_first_tokens(model, [p.clean for p in pairs], options).tolist()  # host, once
+    clean_ids = _host_ids(model, [p.clean.text for p in pairs])
+    corrupted_ids = _host_ids(model, [p.corrupted.text for p in pairs])
+    lengths = [len(x) for x in clean_ids]
     order = sorted(range(len(pairs)), key=lambda i: (-lengths[i], i))
     groups: list[Group] = []
+    labels: list[str] | None = None
     for a in range(0, len(order), max(1, batch_pairs)):
         idx = order[a : a + batch_pairs]
         g = len(idx)
         batch = encode(model, [pairs[i].clean.text for i in idx] + [pairs[i].corrupted.text for i in idx])
-        ids = batch.input_ids
-        first = torch.empty(g, dtype=torch.long)
+        rows = [clean_ids[i] for i in idx] + [corrupted_ids[i] for i in idx]
+        if [len(r) for r in rows] != list(batch.lengths):
+            raise TomlensError("the model's tokenizer gave different tokens for the same texts on a second call",
+                               "use a deterministic (fast) tokenizer; patching plans columns from its output")
+        first: list[int] = []
         for j, i in enumerate(idx):
             if batch.lengths[j] != batch.lengths[g + j]:
                 raise TomlensError(
@@ -102,49 +141,73 @@ def prepare_pairs(
                     f"tokens, the corrupted one {batch.lengths[g + j]}",
                     "align pairs for this model's tokenizer with tomlens.stimuli.pairs.align_pairs",
                 )
-            diff = (ids[j] != ids[g + j]).nonzero().flatten()
-            first[j] = int(diff[0]) if len(diff) else ids.shape[1]
-        positions: dict[str, Tensor] = {}
-        if selectors:
-            from tomlens.models.positions import resolve_positions
-
-            stories = [pairs[i].clean for i in idx] + [pairs[i].corrupted for i in idx]
-            pos = resolve_positions(stories, batch, list(selectors)).cpu().long()
-            for s_i, sel in enumerate(selectors):
-                c, r = pos[:g, s_i], pos[g:, s_i]
-                bad = (c != r).nonzero().flatten().tolist()
-                if bad:
-                    j = bad[0]
-                    raise TomlensError(
-                        f"pair {pairs[idx[j]].id!r}: position {sel!r} is token {int(c[j])} in the "
-                        f"clean story and {int(r[j])} in the corrupted one",
-                        "patch at selectors outside the contrast span, or re-align the pairs",
-                    )
-                positions[sel] = c
-        t = tokens[idx]
-        groups.append(Group(idx, batch, torch.cat([t, t]), first, positions))
-    lengths = [0] * len(pairs)
-    for grp in groups:
-        for j, i in enumerate(grp.index):
-            lengths[i] = int(grp.batch.lengths[j])
+            first.append(_first_difference(rows[j], rows[g + j], batch.pad[j], batch.input_ids.shape[1]))
+        cols = _selector_columns(pairs, idx, batch, selectors)
+        answers = [tokens[i] for i in idx]
+        answers = answers + answers
+        if labels is None:  # the first group holds the longest pairs
+            labels = _token_labels(model, rows[0], rows[g], batch.pad[0], max(lengths))
+        groups.append(Group(
+            idx, batch, to_device(torch.tensor(answers, dtype=torch.long).view(-1, 2), batch.input_ids.device),
+            torch.tensor(first, dtype=torch.long), {k: torch.tensor(v, dtype=torch.long) for k, v in cols.items()},
+            first, cols, answers,
+        ))
     n_aligned = max(lengths)
-    return PreparedPairs(pairs, groups, lengths, n_aligned, _token_labels(model, groups, n_aligned), selectors)
+    assert labels is not None
+    return PreparedPairs(pairs, groups, lengths, n_aligned, labels, selectors)
 
 
-def _token_labels(model, groups: Sequence[Group], n_aligned: int) -> list[str]:
-    """Axis labels for right-aligned positions, from the longest pair ("clean|corrupted" where
-    the two stories differ)."""
-    grp = groups[0]  # the first group holds the longest pairs
-    ids = grp.batch.input_ids
-    width = grp.width
+def _host_ids(model, texts: Sequence[str]) -> list[list[int]]:
+    """Token ids of `texts` as `tomlens.models.tokens.encode` makes them (the model's tokenizer, its
+    own special tokens, no padding), as Python lists: read on the host, not off the device batch."""
+    enc = model.tokenizer(list(texts), padding=False, truncation=False)
+    return [list(map(int, ids)) for ids in enc["input_ids"]]
+
+
+def _first_difference(clean: Sequence[int], corrupted: Sequence[int], pad: int, width: int) -> int:
+    """Padded column of the first token where two aligned stories differ (`width` if none)."""
+    return next((pad + t for t, (a, b) in enumerate(zip(clean, corrupted)) if a != b), width)
+
+
+def _selector_columns(pairs: Sequence[Any], idx: Sequence[int], batch: Any, selectors: Sequence[str]
+                      ) -> dict[str, list[int]]:
+    """Padded column of each selector in each pair of a group (from the tokenizer's offsets),
+    refused where a pair's two stories put it at different tokens."""
+    if not selectors:
+        return {}
+    from tomlens.models.positions import host_positions, parse_selectors
+
+    g = len(idx)
+    stories = [pairs[i].clean for i in idx] + [pairs[i].corrupted for i in idx]
+    parse_selectors(list(selectors))  # refuses a malformed one
+    pos = host_positions(stories, batch, [sel.strip() for sel in selectors])
+    out: dict[str, list[int]] = {}
+    for s_i, sel in enumerate(selectors):
+        c, r = [row[s_i] for row in pos[:g]], [row[s_i] for row in pos[g:]]
+        bad = [j for j in range(g) if c[j] != r[j]]
+        if bad:
+            j = bad[0]
+            raise TomlensError(
+                f"pair {pairs[idx[j]].id!r}: position {sel!r} is token {c[j]} in the "
+                f"clean story and {r[j]} in the corrupted one",
+                "patch at selectors outside the contrast span, or re-align the pairs",
+            )
+        out[sel] = c
+    return out
+
+
+def _token_labels(model, clean: Sequence[int], corrupted: Sequence[int], pad: int, n_aligned: int) -> list[str]:
+    """Axis labels for right-aligned positions, from the longest pair's token ids ("clean|corrupted"
+    where the two stories differ); `pad` is that pair's left padding in its group."""
+    width = pad + len(clean)
     out = []
     for k in range(n_aligned):
-        col = width - n_aligned + k
-        if col < grp.pad(0):
+        t = width - n_aligned + k - pad  # index into the unpadded ids
+        if t < 0:
             out.append(f"{k}")
             continue
-        a = model.tokenizer.decode([int(ids[0, col])])
-        b = model.tokenizer.decode([int(ids[grp.g, col])])
+        a = model.tokenizer.decode([clean[t]])
+        b = model.tokenizer.decode([corrupted[t]])
         out.append(f"{k}:{a}" if a == b else f"{k}:{a}|{b}")
     return out
 
