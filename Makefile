@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.tomlens-setup
 PIP    := $(PY) -m pip install --quiet --disable-pip-version-check
 
-.PHONY: setup demo test test-unit test-integration test-acceptance bench clean
+.PHONY: setup demo test test-unit test-integration test-acceptance test-gpu bench bench-gpu clean
 
 setup: $(STAMP)
 
@@ -26,15 +26,28 @@ demo: setup
 THREADS ?=
 THREAD_ENV = $(if $(THREADS),OMP_NUM_THREADS=$(THREADS) MKL_NUM_THREADS=$(THREADS))
 
+# The gpu tier is not part of `make test`: `make test-gpu` runs it (it skips, in one line, without CUDA).
 test: setup
-	$(THREAD_ENV) HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m pytest -q
+	$(THREAD_ENV) HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m pytest -q -m "not gpu"
 
 # One tier of the suite (tests/conftest.py gives every test one): `make test-unit` in about a minute.
 test-unit test-integration test-acceptance: setup
 	$(THREAD_ENV) HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m pytest -q -m $(@:test-%=%)
 
+# CUDA against CPU results (tests/test_gpu_*.py). `setup` would install a CPU torch into .venv, so on a
+# machine whose own python has CUDA torch and tomlens's dependencies, name it: `make test-gpu PY=python3`
+# (the command line's PY wins over the one above, and then nothing is set up).
+test-gpu: $(if $(filter $(VENV)/bin/python,$(PY)),setup)
+	$(THREAD_ENV) HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m pytest -q -m gpu $(wildcard tests/test_gpu_*.py)
+
 bench: setup
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) benchmarks/run.py
+
+# tomlens against its baselines on a CUDA GPU (random-llama-1b / -8b in bf16): bench-out/gpu.json.
+# Without CUDA it says so in one line and runs nothing. Like test-gpu, `make bench-gpu PY=python3`
+# uses a python that already has CUDA torch and tomlens's dependencies.
+bench-gpu: $(if $(filter $(VENV)/bin/python,$(PY)),setup)
+	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) benchmarks/bench_gpu.py $(BENCH_GPU_ARGS)
 
 clean:
 	rm -rf $(VENV) demo-out bench-out

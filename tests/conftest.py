@@ -11,6 +11,11 @@ import os
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
+# The tests compare with numbers computed on the CPU in fp32; on a machine with CUDA, a `load_model`
+# or probe fit that names no device would take CUDA and bf16. tomlens's default device is pinned to
+# the CPU here, before tomlens is imported, so every subprocess (CLI tests) inherits it; the gpu tier
+# sets it to CUDA for its own tests (`_tier_guard`).
+os.environ["TOMLENS_DEVICE"] = "cpu"
 
 import jaxtyping  # noqa: E402
 
@@ -75,7 +80,7 @@ def load_tiny() -> Callable[..., Any]:
     def _load(name: str = "tiny-gpt2", seed: int = 0) -> Any:
         key = (name, seed)
         if key not in cache:
-            cache[key] = load_model(name, dtype="float32", seed=seed)
+            cache[key] = load_model(name, device="cpu", dtype="float32", seed=seed)  # also in the gpu tier
         return _clean(cache[key])
 
     return _load
@@ -92,7 +97,7 @@ def embedded_model() -> Any:
     """The real embedded SmolLM2-135M in fp32 (converted once into the tomlens cache); slow tests only."""
     from tomlens.models import load_model
 
-    return load_model("smollm2-135m", dtype="float32")
+    return load_model("smollm2-135m", device="cpu", dtype="float32")
 
 
 @pytest.fixture
@@ -100,11 +105,13 @@ def smollm2(embedded_model: Any) -> Any:
     return _clean(embedded_model)
 
 
-# ---- Tiers: every test is exactly one of unit / integration / acceptance -----------------------
+# ---- Tiers: every test is exactly one of unit / integration / acceptance / gpu -----------------
 # unit: no model is booted (pure functions, files, tokenizers); `pytest -m unit` takes seconds.
 # integration: tiny random models and several modules together.
 # acceptance: the embedded model, subprocess CLIs, the demo, kill -9 fault tests.
-TIERS: tuple[str, ...] = ("unit", "integration", "acceptance")
+# gpu: results on CUDA against the CPU's (tiny models and random-llama-1b); `make test-gpu` runs it,
+#   `make test` leaves it out, and where CUDA is absent it skips, said in one line.
+TIERS: tuple[str, ...] = ("unit", "integration", "acceptance", "gpu")
 
 # A module's tier, or one test's (`module.py::test_name`, parameters ignored). A module may instead
 # set `pytestmark = pytest.mark.<tier>`; a test using a model fixture is raised to its floor below.
@@ -175,6 +182,9 @@ TIER_TABLE: dict[str, str] = {
     "test_demo.py": "acceptance",
     "test_gemma.py": "integration",  # its unit and acceptance tests carry their own markers
     "test_faults.py": "acceptance",
+    "test_shipped_tokenizer.py": "unit",
+    "test_shipped_tokenizer.py::test_a_tiny_model_loads_and_runs_without_the_gguf_package": "integration",
+    "test_default_device.py": "unit",
 }
 
 # The lowest tier a test that uses a fixture can have (fixtures used indirectly count too).
@@ -228,24 +238,57 @@ TIER_KEY = pytest.StashKey[str]()
 
 @pytest.fixture(autouse=True)
 def _tier_guard(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Hold a test to its tier: a unit test that boots any model, or an integration test that boots
-    one bigger than the tiny ones, fails with what to change."""
+    """Hold a test to its tier: a unit test that boots any model, an integration test that boots
+    one bigger than the tiny ones, or a gpu test one bigger than random-llama-1b, fails with what to
+    change. A gpu test runs with CUDA as tomlens's default device, or skips where there is none."""
     tier = request.node.stash.get(TIER_KEY, None)
     if tier == "acceptance":
         return
+    if tier == "gpu":
+        request.getfixturevalue("cuda")  # skips, said once for the whole tier, where CUDA is absent
+        monkeypatch.setenv("TOMLENS_DEVICE", "cuda")
     import tomlens.models.registry as registry
 
     boot = registry._boot  # the one place every model source goes through
+    limit = MAX_GPU_PARAMS if tier == "gpu" else MAX_INTEGRATION_PARAMS
 
     def guarded(name: str, hf_model: Any, *args: Any, **kwargs: Any) -> Any:
         size = hf_model.num_parameters()
-        if tier == "unit" or size > MAX_INTEGRATION_PARAMS:
-            pytest.fail(f"a {tier} test booted model {name!r} ({size:,} parameters): "
-                        f"tier it {'integration' if size <= MAX_INTEGRATION_PARAMS else 'acceptance'} "
-                        f"in TIER_TABLE (tests/conftest.py)", pytrace=False)
+        if tier == "unit" or size > limit:
+            fix = ("keep gpu tests to the tiny models and random-llama-1b" if tier == "gpu" else
+                   f"tier it {'integration' if size <= MAX_INTEGRATION_PARAMS else 'acceptance'} "
+                   f"in TIER_TABLE (tests/conftest.py)")
+            pytest.fail(f"a {tier} test booted model {name!r} ({size:,} parameters): {fix}", pytrace=False)
         return boot(name, hf_model, *args, **kwargs)
 
     monkeypatch.setattr(registry, "_boot", guarded)
 
 
 MAX_INTEGRATION_PARAMS = 20_000_000  # the tiny models have about 2M; SmolLM2-135M has 135M
+MAX_GPU_PARAMS = 2_000_000_000  # random-llama-1b has 1.2B (with its 128k-row tied embedding)
+
+
+NO_CUDA = "gpu tier: CUDA is not available here"
+
+
+@pytest.fixture(scope="session")
+def cuda(request: pytest.FixtureRequest) -> Any:
+    """The CUDA device for the gpu tier (every gpu test asks for it, through `_tier_guard` or its
+    module's fixtures); where there is none, every gpu test skips with the same reason."""
+    import torch
+
+    if not torch.cuda.is_available():
+        n = sum(item.stash.get(TIER_KEY, None) == "gpu" for item in request.session.items)
+        pytest.skip(f"{NO_CUDA}, {n} tests skipped")
+    return torch.device("cuda")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: Any) -> Any:
+    """The gpu tier's no-CUDA skips reported at one place, so `-ra` folds them into ONE line (pytest
+    reports a skip from a fixture at each test's own line, one summary line per test)."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.skipped and item.stash.get(TIER_KEY, None) == "gpu" and isinstance(report.longrepr, tuple) \
+            and str(report.longrepr[2]).startswith(f"Skipped: {NO_CUDA}"):
+        report.longrepr = (__file__, None, report.longrepr[2])

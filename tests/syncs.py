@@ -110,5 +110,5 @@ def tiny_with_layers(name: str, n_layers: int, folder: Any) -> Any:
         if hasattr(config, key):
             setattr(config, key, n_layers)
     config.save_pretrained(folder)
-    embedded.load_tokenizer(embedded.tokenizer_dir()).save_pretrained(folder)
+    embedded.load_tokenizer(tiny.tokenizer_dir()).save_pretrained(folder)
     return load_model(f"random:{folder}", dtype="float32", device="cpu")

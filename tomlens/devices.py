@@ -1,8 +1,13 @@
 """The one dtype table and device resolver: CUDA with bf16 when present, else CPU with fp32 (fp16
-on CPU is slow). Models, probes and the activation store all name dtypes and devices through it."""
+on CPU is slow). Models, probes and the activation store all name dtypes and devices through it.
+
+Where a caller names no device, `$TOMLENS_DEVICE` ("cpu", "cuda", "cuda:1") decides before the
+hardware does: one setting pins every load, fit and CLI subprocess of a session to one device.
+"""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -24,8 +29,20 @@ DTYPES: dict[str, torch.dtype] = {
 }
 
 
+DEVICE_ENV = "TOMLENS_DEVICE"
+
+
 def default_device() -> torch.device:
-    """CUDA when present, else CPU."""
+    """The device used where the caller names none: `$TOMLENS_DEVICE` when set ("cpu", "cuda",
+    "cuda:1"; refused if unknown or not available here), else CUDA when present, else CPU.
+
+    Why a variable and not only the hardware: a GPU machine's default (CUDA, and with it bf16)
+    changes every number; the test suite, which compares with CPU fp32 numbers, sets it to "cpu",
+    and a subprocess (a CLI run) inherits it, as does a user's whole session."""
+    chosen = os.environ.get(DEVICE_ENV, "").strip()
+    if chosen:
+        return _available(chosen, f"{DEVICE_ENV}={chosen!r}",
+                          f"set {DEVICE_ENV} to 'cpu', 'cuda' or 'cuda:N' (a device this machine has), or unset it")
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
@@ -33,14 +50,23 @@ def resolve_device(device: Any = None) -> torch.device:
     """`device` as a `torch.device` (None: `default_device()`), refused if it is not available here."""
     if device is None:
         return default_device()
+    return _available(device, f"device {device!r}", "use 'cpu', 'cuda' or 'cuda:N' (a device this machine has)")
+
+
+def _available(device: Any, asked: str, fix: str) -> torch.device:
+    """`device` parsed, or a TomlensError naming what asked for it (`asked`) when it is unknown or
+    this machine lacks it (no CUDA, fewer GPUs than its index, no MPS)."""
     try:
         resolved = torch.device(device)
     except (RuntimeError, TypeError) as e:
-        raise TomlensError(f"unknown device {device!r}", "use 'cpu', 'cuda' or 'cuda:N'") from e
+        raise TomlensError(f"unknown device: {asked}", fix) from e
     if resolved.type == "cuda" and not torch.cuda.is_available():
-        raise TomlensError(f"device {device!r} asked for, but CUDA is not available", "use device 'cpu'")
+        raise TomlensError(f"{asked} asked for, but CUDA is not available", f"{fix}; 'cpu' works everywhere")
+    if resolved.type == "cuda" and resolved.index is not None and resolved.index >= torch.cuda.device_count():
+        raise TomlensError(f"{asked} asked for, but this machine has {torch.cuda.device_count()} CUDA device(s)",
+                           f"{fix}; CUDA devices count from cuda:0")
     if resolved.type == "mps" and not torch.backends.mps.is_available():
-        raise TomlensError(f"device {device!r} asked for, but MPS is not available", "use device 'cpu'")
+        raise TomlensError(f"{asked} asked for, but MPS is not available", f"{fix}; 'cpu' works everywhere")
     return resolved
 
 

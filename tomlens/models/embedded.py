@@ -99,7 +99,9 @@ def _drop_forced_bos(folder: Path) -> None:
 
 
 def tokenizer_dir() -> Path:
-    """A folder holding the SmolLM2 tokenizer alone (used by the tiny test models); built once."""
+    """A folder holding the SmolLM2 tokenizer alone, read from the GGUF once (`load_tokenizer`
+    of the embedded name, without its weights). The random-weight models use the copy shipped in
+    the package instead (`tiny.tokenizer_dir()`), so they need no model package."""
     source = gguf_path()
     folder = cache_dir() / "tokenizers" / EMBEDDED_NAME
     for found in (folder, models_dir() / EMBEDDED_NAME):

@@ -127,9 +127,9 @@ def load_model(
             raise TomlensError(f"{name!r} is built from a config and has no revisions", "drop --revision; use seed")
         hf_model = tiny.build_tiny(name, seed, device=dev, dtype=dt)
         _cast(hf_model, dt)
-        tokenizer = embedded.load_tokenizer(embedded.tokenizer_dir())
+        tokenizer = embedded.load_tokenizer(tiny.tokenizer_dir())
         info = {"source": "tiny", "revision": f"random-init:seed={seed}", "seed": seed,
-                "tokenizer": embedded.EMBEDDED_NAME}
+                "tokenizer": tiny.TOKENIZER_NAME}
     elif name == embedded.EMBEDDED_NAME:
         if revision is not None:
             raise TomlensError(f"{name!r} is the embedded GGUF and has no revisions", "drop --revision")
@@ -195,7 +195,8 @@ def load_tokenizer(name: str = DEFAULT_MODEL, *, revision: str | None = None,
     if name in tiny.TINY or name == embedded.EMBEDDED_NAME:
         if revision is not None:
             raise TomlensError(f"{name!r} has no revisions", "drop --revision")
-        tokenizer = embedded.load_tokenizer(embedded.tokenizer_dir())
+        folder = tiny.tokenizer_dir() if name in tiny.TINY else embedded.tokenizer_dir()
+        tokenizer = embedded.load_tokenizer(folder)
     elif name == gemma.GEMMA_NAME:
         if revision is not None:
             raise TomlensError(f"{name!r} has no revisions", "drop --revision")
@@ -237,7 +238,7 @@ def _random_init(name: str, seed: int, revision: str | None, device: torch.devic
         if revision is not None:
             raise TomlensError(f"{base!r} is built from a config and has no revisions", "drop --revision; use seed")
         hf_model, base_rev = tiny.build_tiny(base, seed, device=device, dtype=dtype), "config"
-        tokenizer, tok_name = embedded.load_tokenizer(embedded.tokenizer_dir()), embedded.EMBEDDED_NAME
+        tokenizer, tok_name = embedded.load_tokenizer(tiny.tokenizer_dir()), tiny.TOKENIZER_NAME
     elif base == embedded.EMBEDDED_NAME:
         if revision is not None:
             raise TomlensError(f"{base!r} is the embedded GGUF and has no revisions", "drop --revision")

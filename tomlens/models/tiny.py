@@ -5,6 +5,8 @@ Three architectures cover the three ways positions and heads work: GPT-2 (learne
 positions), Llama with grouped-query attention (rotary, fewer KV heads than query heads) and
 GPT-NeoX (partial rotary, parallel attention + MLP). Weights are random but fixed by the seed;
 the tokenizer is the real SmolLM2 tokenizer, so stimuli tokenize exactly as on the embedded model.
+It ships inside the package (`tokenizer_dir()`, Apache-2.0, see its NOTICE), so every model here
+loads on a bare machine with only tomlens's dependencies: no model package, no GGUF reader.
 
 `random-llama-1b` and `random-llama-8b` have the shapes of Llama-3.2-1B and Llama-3.1-8B
 (layers, widths, heads, KV heads, MLP, the 128,256-row vocabulary) with random weights: what a
@@ -15,9 +17,20 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 VOCAB_SIZE = 49152  # the SmolLM2 tokenizer's vocabulary
+TOKENIZER_NAME = "smollm2-135m"  # the model whose tokenizer the random-weight models use
+
+
+def tokenizer_dir() -> Path:
+    """The SmolLM2 tokenizer shipped as package data (extracted once from the embedded GGUF).
+
+    Why shipped and not read from the GGUF: the benchmark shapes must load on a GPU machine that
+    has tomlens's Python dependencies and nothing else; tests/test_shipped_tokenizer.py holds it
+    equal to the GGUF's tokenizer (ids and offsets)."""
+    return Path(__file__).parent / "tokenizers" / "smollm2"
 
 
 @dataclass(frozen=True)

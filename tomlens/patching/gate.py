@@ -197,12 +197,18 @@ def base_logit_diffs(model: Any, prepared: Any) -> tuple[Float[Tensor, "pair"], 
     from tomlens.patching.engine import base_pass
 
     n = len(prepared.pairs)
+    metrics = [base_pass(model, group, (), reuse_prefix=False).metric for group in prepared.groups]
+    if not metrics:
+        return torch.full((n,), float("nan"), dtype=torch.float64), torch.full((n,), float("nan"), dtype=torch.float64)
+    # every group's metric stays on the device until one move to the host: no wait per group
+    flat = torch.cat([m.double() for m in metrics]).cpu()
     clean = torch.full((n,), float("nan"), dtype=torch.float64)
     corrupted = torch.full((n,), float("nan"), dtype=torch.float64)
+    start = 0
     for group in prepared.groups:
-        metric = base_pass(model, group, (), reuse_prefix=False).metric.double().cpu()
         idx = torch.tensor(group.index)
-        clean[idx], corrupted[idx] = metric[: group.g], metric[group.g :]
+        clean[idx], corrupted[idx] = flat[start : start + group.g], flat[start + group.g : start + 2 * group.g]
+        start += 2 * group.g
     return clean, corrupted
 
 
