@@ -30,15 +30,17 @@ so the same summaries, tables and figures apply, and `compare` puts the two side
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Literal, Mapping, Sequence
 
 import numpy as np
 import pandas as pd
 import torch
-from jaxtyping import Bool, Float
+from jaxtyping import Bool, Float, Int
 from torch import Tensor
 from tqdm.auto import tqdm
 
+from tomlens.devices import to_device
 from tomlens.errors import TomlensError
 from tomlens.hooks import Site, hook_name
 from tomlens.hooks.patch import Hook, forward_last, record_hooks
@@ -54,14 +56,55 @@ def column_scores(
 ) -> Float[Tensor, "g pos head"]:
     """One hook's attribution score per padded column, `(source - base) . gradient` summed over the
     last axis: `[g, width, head]` (head axis 1 for sites without heads), zero before `start` (not
-    recomputed) and before each pair's first differing token (nothing differs there)."""
-    s = torch.zeros(diff.shape[:-1]) if grad is None else (diff * grad).float().sum(-1)
-    s = s.cpu()
+    recomputed) and before each pair's first differing token (nothing differs there). It stays on
+    the activations' device: the caller moves the whole cell table to the host once."""
+    s = torch.zeros(diff.shape[:-1], device=diff.device) if grad is None else (diff * grad).float().sum(-1)
     if s.ndim == 2:
         s = s[..., None]
-    full = torch.zeros((s.shape[0], width) + tuple(s.shape[2:]), dtype=s.dtype)
+    full = torch.zeros((s.shape[0], width) + tuple(s.shape[2:]), dtype=s.dtype, device=s.device)
     full[:, start:] = s
     return full * keep[..., None].to(s.dtype)
+
+
+@dataclass(frozen=True)
+class GroupRows:
+    """What a group's runs index with, laid out on the host from the prepared pairs and moved to
+    the model's device once, so no forward, hook or metric copies an index from the host (a
+    blocking copy on CUDA) or reads one back (a sync).
+
+    `base` / `src`: the row each pair's run is based on and the row its values come from (`base_host`
+    the same as a list); `base_tokens` / `src_tokens`: their answer tokens; `pairs`: `arange(g)`
+    (the prefix rows of a base run); `start`: the earliest column where a pair's stories differ,
+    where a run on the shared prefix starts; `differs`: `[g, width]`, the columns at or after a
+    pair's first differing token. On CUDA this is a few non-blocking
+    host-to-device copies per group and no read back."""
+
+    base: Int[Tensor, " g"]
+    src: Int[Tensor, " g"]
+    base_host: list[int]
+    base_tokens: Int[Tensor, "g 2"]
+    src_tokens: Int[Tensor, "g 2"]
+    pairs: Int[Tensor, " g"]
+    start: int
+    differs: Bool[Tensor, "g pos"]
+
+
+def group_rows(group, direction: Direction) -> GroupRows:
+    """The group's `GroupRows` for `direction`, from its host lists (nothing read off a device)."""
+    g, width = group.g, group.width
+    device = group.batch.input_ids.device
+    base = [roles(direction, g, j)[0] for j in range(g)]
+    src = [roles(direction, g, j)[1] for j in range(g)]
+    first = list(group.first_diff_cols)
+    differs = torch.arange(width)[None, :] >= torch.tensor(first, dtype=torch.long)[:, None]
+    tokens = to_device(group.tokens, device)  # already there where the prepared pairs put it
+    base_t, src_t = to_device(torch.tensor(base, dtype=torch.long), device), to_device(torch.tensor(src), device)
+    return GroupRows(
+        base=base_t, src=src_t, base_host=base,
+        base_tokens=tokens.index_select(0, base_t), src_tokens=tokens.index_select(0, src_t),
+        pairs=torch.arange(g, device=device), start=min(first),
+        differs=to_device(differs, device),
+    )
 
 
 IGPath = Literal["embeddings", "sites"]
@@ -96,7 +139,8 @@ def _group_scores(
     path: IGPath = "sites",
 ) -> tuple[dict[str, Tensor], Tensor, Tensor]:
     """Per-hook attribution scores `[g, pos, head]` (head axis 1 for non-head sites), and the base
-    and source metrics of the group's pairs; `hooks` maps each hook point to its block.
+    and source metrics of the group's pairs, all on the model's device; `hooks` maps each hook
+    point to its block.
 
     The two stories of a pair share every token before the first that differs, so the
     grad-enabled base run starts there, on the source run's keys and values (no activation
@@ -112,9 +156,7 @@ def _group_scores(
     """
     if path not in IG_PATHS:
         raise TomlensError(f"integrated-gradients path {path!r}", f"use one of {', '.join(IG_PATHS)}")
-    g = group.g
-    base_rows = torch.tensor([roles(direction, g, j)[0] for j in range(g)])
-    src_rows = torch.tensor([roles(direction, g, j)[1] for j in range(g)])
+    rows = group_rows(group, direction)
     batch = group.batch
     along_embeddings = steps > 1 and path == "embeddings"
     if along_embeddings:
@@ -124,13 +166,12 @@ def _group_scores(
     recorded = [*hooks, EMBED_HOOK] if along_embeddings else list(hooks)
     with torch.inference_mode():
         src_last, prefix = forward_last(
-            model, batch.input_ids, fk, record_hooks(recorded, src), rows=src_rows, keep_cache=reuse_prefix
+            model, batch.input_ids, fk, record_hooks(recorded, src), rows=rows.src, keep_cache=reuse_prefix
         )
-        src_metric = logit_diff(src_last, group.tokens[src_rows])
+        src_metric = logit_diff(src_last, rows.src_tokens)
     if shortcuts_verdict(model) is False:  # exact patching found the KV prefix unfaithful here
         prefix = None
-    start = int(group.first_diff.min()) if prefix is not None else 0
-    start = min(start, group.width - 1)
+    start = min(rows.start if prefix is not None else 0, group.width - 1)
     # Along the sites, a site's runs start at its block, on the plain run's residual stream there,
     # once exact patching has checked that shortcut against a plain run on this model.
     checked = prefix is not None and shortcuts_verdict(model) is True
@@ -142,9 +183,9 @@ def _group_scores(
         last, _ = forward_last(
             model, batch.input_ids, fk, [*record_hooks(list(hooks), here, requires_grad=True),
                                          *record_hooks(list(resid_names), resid)],
-            rows=base_rows, prefix=prefix, start=start, prefix_rows=torch.arange(g),
+            rows=rows.base, prefix=prefix, start=start, prefix_rows=rows.pairs,
         )
-        m = logit_diff(last, group.tokens[base_rows])
+        m = logit_diff(last, rows.base_tokens)
         base, metric = here, m.detach()
         names = [h for h in hooks if h in base]
         grads = [None if x is None else x.float()  # summed in fp32: bf16 steps would lose the small ones
@@ -165,22 +206,21 @@ def _group_scores(
             got: dict[str, Tensor] = {}
             skip = (layer, entry[layer]) if layer in entry else None
             with torch.enable_grad():
-                last, _ = forward_last(model, batch.input_ids, fk, make(got), rows=base_rows, prefix=prefix,
-                                       start=start, prefix_rows=torch.arange(g), skip=skip)
-                m = logit_diff(last, group.tokens[base_rows])
+                last, _ = forward_last(model, batch.input_ids, fk, make(got), rows=rows.base, prefix=prefix,
+                                       start=start, prefix_rows=rows.pairs, skip=skip)
+                m = logit_diff(last, rows.base_tokens)
                 step_grads = torch.autograd.grad(m.sum(), [got[h] for h in moved], allow_unused=True)
             for h, x in zip(moved, step_grads):
                 k = names.index(h)
                 if x is not None:
                     grads[k] = x.float() if grads[k] is None else grads[k] + x.float()
     grads = [None if gr is None else gr / steps for gr in grads]
-    width = group.width
-    keep = torch.arange(width)[None, :] >= group.first_diff[:, None]  # [g, pos]: columns that differ
     scores = {
-        name: column_scores(src[name][:, start:].to(base[name].dtype) - base[name].detach(), grad, start, width, keep)
+        name: column_scores(src[name][:, start:].to(base[name].dtype) - base[name].detach(), grad, start,
+                            group.width, rows.differs)
         for name, grad in zip(names, grads)
     }
-    return scores, metric.double().cpu(), src_metric.double().cpu()
+    return scores, metric.double(), src_metric.double()
 
 
 def check_integrable(model) -> None:
@@ -199,10 +239,11 @@ class CellIndex:
     A score tensor is `[g, width, head]` (head axis 1 for sites without heads) holding each padded
     column's contribution; a cell at "all" sums its columns, a selector or "each" cell reads one
     (NaN where the pair has no token at that right-aligned position). `key(cell)` names the score
-    tensor a cell reads (default: its hook).
+    tensor a cell reads (default: its hook). The tables are built on the host from the prepared
+    pairs and moved to `device` (where the scores are) once.
     """
 
-    def __init__(self, cells: Sequence[Cell], group, n_aligned: int, key=None):
+    def __init__(self, cells: Sequence[Cell], group, n_aligned: int, key=None, device: torch.device | str = "cpu"):
         key = key or (lambda c: hook_for(c.kind, c.layer))
         g, width = group.g, group.width
         pads = torch.tensor([group.pad(j) for j in range(g)])
@@ -211,6 +252,7 @@ class CellIndex:
             members.setdefault(key(cell), []).append(i)
         self.n = len(cells)
         self.g = g
+        self.device = torch.device(device)
         self.parts: dict[str, tuple[Tensor, Tensor, Tensor, Tensor, Tensor]] = {}
         for k, idx in members.items():
             cols = torch.zeros((g, len(idx)), dtype=torch.long)
@@ -227,21 +269,33 @@ class CellIndex:
                 else:
                     cols[:, n] = group.positions[cell.position]
             heads = torch.tensor([max(cells[i].head, 0) for i in idx])
-            self.parts[k] = (torch.tensor(idx), heads, cols, missing, whole)
+            self.parts[k] = tuple(to_device(t, self.device) for t in (torch.tensor(idx), heads, cols, missing, whole))
 
     def values(
         self, scores: Mapping[str, Tensor], totals: Mapping[str, Tensor] | None = None
     ) -> Float[Tensor, "cell g"]:
-        """Every cell's value for the group's pairs. `totals[key]` (`[g, head]`) replaces the
-        column sum for "all" cells where patching every column is not the sum of patching each."""
-        out = torch.empty((self.n, self.g), dtype=torch.float64)
-        rows = torch.arange(self.g)[:, None]
+        """Every cell's value for the group's pairs, on the index's device. `totals[key]`
+        (`[g, head]`) replaces the column sum for "all" cells where patching every column is not
+        the sum of patching each."""
+        out = torch.empty((self.n, self.g), dtype=torch.float64, device=self.device)
+        rows = torch.arange(self.g, device=self.device)[:, None]
         for k, (idx, heads, cols, missing, whole) in self.parts.items():
             s = scores[k].double()
             whole_v = (totals[k] if totals is not None and k in totals else s.sum(1)).double()[:, heads]
             v = torch.where(whole[None, :], whole_v, s[rows, cols, heads[None, :]])
             out[idx] = v.masked_fill(missing, float("nan")).T
         return out
+
+
+def to_host_by_pair(parts: Sequence[Tensor], groups: Sequence[Any], n_pair: int) -> Tensor:
+    """Per-group device tables `[..., g]` as one host table `[..., pair]` in pair order: one
+    device-to-host copy for the whole call instead of one per group, hook or cell. (Take rows out
+    with `.clone()`: a view shares the whole table's storage, which safetensors refuses to save.)"""
+    host = torch.cat(list(parts), -1).cpu()
+    order = torch.tensor([i for group in groups for i in group.index], dtype=torch.long)
+    out = torch.empty(host.shape[:-1] + (n_pair,), dtype=host.dtype)
+    out[..., order] = host
+    return out
 
 
 def attribution_patching(
@@ -274,19 +328,17 @@ def attribution_patching(
     cells = plan_cells(model, sites, positions, n_aligned=prepared.n_aligned, layers=layers)
     check_selectors(cells, prepared)
     n_pair = len(prepared.pairs)
-    values = torch.full((len(cells), n_pair), float("nan"), dtype=torch.float64)
-    clean = torch.empty(n_pair, dtype=torch.float64)
-    corrupted = torch.empty(n_pair, dtype=torch.float64)
     hooks = hook_blocks(cells)
+    parts = []  # per group, on the device: [cell + 2, g] (cell values, then base and source metrics)
     for group in tqdm(prepared.groups, desc=f"attribution ({direction})", unit="group", disable=not progress):
         scores, base_metric, src_metric = _group_scores(model, group, hooks, direction, reuse_prefix=reuse_prefix,
                                                         steps=int(steps), path=path)
-        idx = torch.tensor(group.index)
-        if direction == "denoise":
-            clean[idx], corrupted[idx] = src_metric, base_metric
-        else:
-            clean[idx], corrupted[idx] = base_metric, src_metric
-        values[:, idx] = base_metric[None, :] + CellIndex(cells, group, prepared.n_aligned).values(scores)
+        index = CellIndex(cells, group, prepared.n_aligned, device=base_metric.device)
+        values = base_metric[None, :] + index.values(scores)
+        parts.append(torch.cat([values, base_metric[None, :], src_metric[None, :]]))
+    table = to_host_by_pair(parts, prepared.groups, n_pair)
+    values, base_metric, src_metric = table[:-2].clone(), table[-2].clone(), table[-1].clone()
+    clean, corrupted = (src_metric, base_metric) if direction == "denoise" else (base_metric, src_metric)
     return PatchingResult(
         "attribution", direction, cells, values, clean, corrupted, prepared.ids, prepared.token_labels, normalise
     )

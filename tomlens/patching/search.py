@@ -54,7 +54,8 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from tomlens.errors import TomlensError
-from tomlens.patching.attribution import CellIndex, column_scores
+from tomlens.devices import to_device
+from tomlens.patching.attribution import CellIndex, GroupRows, column_scores, group_rows, to_host_by_pair
 from tomlens.patching.cells import (
     Cell, canonical_kind, cell_columns, check_selectors, hook_for, layer_list, plan_cells, selectors_in,
 )
@@ -65,10 +66,10 @@ from tomlens.patching.result import PatchingResult
 from tomlens.hooks.attention import (
     AttentionHooks,
     attention_hooks,
-    check_scores,
     masked,
     n_kv_heads,
     qk_scores,
+    score_error,
     score_scale,
     scores_from,
     unsupported,
@@ -178,11 +179,14 @@ class _QKLayer:
     """Pattern changes of one layer's query and key patches (`[g, head, new q, k]`), computed
     before the backward pass, so any gradient of the pattern (full or GradDrop) turns them into
     estimates: query rows `sum_t dq * G`, key columns `sum_s c1 * sum_t(A * G) + c2 * G` (one key
-    column changed, the softmax renormalised in closed form), all keys `sum dk_all * G`."""
+    column changed, the softmax renormalised in closed form), all keys `sum dk_all * G`. `check`:
+    how far the rebuilt scores are from the model's (`score_error`, a device scalar), read on the
+    host with the estimates."""
 
     hooks: AttentionHooks
     rep: int
     pattern: Tensor
+    check: Tensor
     dq: Tensor | None = None
     dk_all: Tensor | None = None
     c1: Tensor | None = None
@@ -193,28 +197,43 @@ class _QKLayer:
         G = torch.zeros_like(self.pattern) if grad is None else grad.detach().double()
         scores: dict[str, Tensor] = {}
         totals: dict[str, Tensor] = {}
+        device = self.pattern.device
         if self.dq is not None:
-            rows = torch.zeros((g, width, n_head), dtype=torch.float64)
-            rows[:, start:] = (self.dq * G).sum(-1).transpose(1, 2).cpu()
+            rows = torch.zeros((g, width, n_head), dtype=torch.float64, device=device)
+            rows[:, start:] = (self.dq * G).sum(-1).transpose(1, 2)
             scores[self.hooks.q] = rows * keep[..., None]
         if self.c1 is not None:
             p = (self.pattern * G).sum(-1, keepdim=True)
             cols = (self.c1 * p + self.c2 * G).sum(2)  # [g, head, key]
-            cols = cols.view(g, n_head // self.rep, self.rep, width).sum(2).transpose(1, 2).cpu()
+            cols = cols.view(g, n_head // self.rep, self.rep, width).sum(2).transpose(1, 2)
             scores[self.hooks.k] = cols * keep[..., None]
         if self.dk_all is not None:
             total = (self.dk_all * G).sum((-1, -2)).view(g, n_head // self.rep, self.rep).sum(-1)
-            totals[self.hooks.k] = total.cpu()
-            scores.setdefault(self.hooks.k, torch.zeros((g, width, n_head // self.rep), dtype=torch.float64))
+            totals[self.hooks.k] = total
+            scores.setdefault(self.hooks.k, torch.zeros((g, width, n_head // self.rep), dtype=torch.float64,
+                                                        device=device))
         return scores, totals
+
+
+def _raise_on_bad_scores(errors: Mapping[int, Sequence[float]]) -> None:
+    """Fail, as `check_scores` would have, at the first layer whose rebuilt scores are off:
+    `errors[layer]` holds, per pair, `score_error` of its group's scores (`<= 1`: within float32
+    rounding), read on the host with the estimates instead of once per layer and group."""
+    for layer, errs in sorted(errors.items()):
+        if not all(e <= 1 for e in errs):
+            worst = max(errs, key=lambda e: float("inf") if e != e else e)
+            raise unsupported(layer, f"scale * q.k differs from the model's scores by {worst:.3g} times the float32 "
+                              "rounding tolerance (this architecture scores attention in a way tomlens does not see: "
+                              "soft-capping, ALiBi, ...)")
 
 
 def _qk_layer(
     model, layer: int, hooks: AttentionHooks, needs: set[str], src: dict[str, Tensor],
-    base: dict[str, Tensor], start: int, first_diff: Tensor,
+    base: dict[str, Tensor], start: int, differs: Bool[Tensor, "g pos"],
 ) -> _QKLayer:
     """The exact pattern change of the layer's query patches (`needs` "q"), key patches at every
-    differing column at once ("k_all") and key patches one column at a time ("k_column"), float64."""
+    differing column at once ("k_all") and key patches one column at a time ("k_column"), float64.
+    `differs`: each pair's columns from its first differing token on, on the device."""
     for name, store in ((hooks.q_rot, src), (hooks.k_rot, src), (hooks.q_rot, base), (hooks.k_rot, base),
                         (hooks.scores, base)):
         if name not in store:
@@ -225,13 +244,13 @@ def _qk_layer(
     k_src = src[hooks.k_rot].double()
     k_base = torch.cat([k_src[:, :start], base[hooks.k_rot].detach().double()], 1)
     scale = score_scale(model, layer)
-    check_scores(scores_from(q_base, k_base, scale, S), S, layer)
+    check = score_error(scores_from(q_base, k_base, scale, S), S)
     A = torch.softmax(S, -1)
-    out = _QKLayer(hooks, q_base.shape[2] // k_base.shape[2], A)
+    out = _QKLayer(hooks, q_base.shape[2] // k_base.shape[2], A, check)
     if "q" in needs:
         out.dq = torch.softmax(scores_from(src[hooks.q_rot][:, start:].double(), k_base, scale, S), -1) - A
     if "k_all" in needs:
-        later = (torch.arange(k_base.shape[1])[None, :] >= first_diff[:, None])[..., None, None].to(k_base.device)
+        later = differs[..., None, None]
         out.dk_all = torch.softmax(scores_from(q_base, torch.where(later, k_src, k_base), scale, S), -1) - A
     if "k_column" in needs:
         moved = torch.where(masked(S), S, S + qk_scores(q_base, k_src - k_base, scale))
@@ -243,32 +262,36 @@ def _qk_layer(
     return out
 
 
-def _base_group(group: Group, rows: Tensor) -> Group:
-    """The group's stories that are patched into (one per pair, in pair order), as a group of their own."""
+def _base_group(group: Group, rows: GroupRows) -> Group:
+    """The group's stories that are patched into (one per pair, in pair order), as a group of their
+    own: device tensors picked on the device, host lists on the host."""
     batch = group.batch
     n = len(batch)
-    picked = rows.tolist()
+    picked = rows.base_host
     changes: dict[str, Any] = {}
     for f in dataclasses.fields(batch):
         v = getattr(batch, f.name)
         if isinstance(v, Tensor) and v.ndim >= 1 and v.shape[0] == n:
-            changes[f.name] = v.index_select(0, rows.to(v.device))
+            changes[f.name] = v.index_select(0, to_device(rows.base, v.device))
         elif isinstance(v, (list, tuple)) and len(v) == n:
             changes[f.name] = type(v)(v[r] for r in picked)
-    return Group(group.index, dataclasses.replace(batch, **changes), group.tokens[rows], group.first_diff,
-                 group.positions)
+    return Group(group.index, dataclasses.replace(batch, **changes), rows.base_tokens, group.first_diff,
+                 group.positions, first_diff_cols=list(group.first_diff_cols),
+                 position_cols=dict(group.position_cols), answer_ids=[group.answer_ids[r] for r in picked])
 
 
 @dataclass
 class _Group:
     """One group's estimates, and what exact patching of its cells reuses: the stories patched into
     as a group of their own, with their metric, keys and values, residual stream per block, and the
-    source activations (`BasePass` with base rows only; a run's source row is its pair)."""
+    source activations (`BasePass` with base rows only; a run's source row is its pair). Tensors
+    stay on the model's device until `_estimate` moves every group's to the host in one copy."""
 
     atp: Tensor
     dropped: Tensor | None
     base_metric: Tensor
     src_metric: Tensor
+    checks: dict[int, Tensor]  # layer -> `score_error` of the query/key fix
     verify: tuple[Group, BasePass] | None
 
 
@@ -280,8 +303,7 @@ def _estimate_group(
     patching reuses."""
     g, width = group.g, group.width
     n_layers = model.cfg.n_layers
-    base_rows = torch.tensor([roles(direction, g, j)[0] for j in range(g)])
-    src_rows = torch.tensor([roles(direction, g, j)[1] for j in range(g)])
+    rows = group_rows(group, direction)
     layer_of: dict[str, tuple[int, str]] = {}  # hook -> (layer, kind) of every activation with a gradient
     patched = {cell_hook(model, c) for c in cells}
     qk: dict[int, tuple[AttentionHooks, set[str]]] = {}  # layer -> hooks, pattern changes it needs
@@ -304,13 +326,13 @@ def _estimate_group(
     src_names = set(acts) | patched | {n for hooks, _ in qk.values() for n in (hooks.q_rot, hooks.k_rot)}
     with torch.inference_mode():
         src_last, prefix = forward_last(
-            model, batch.input_ids, fk, record_hooks(sorted(src_names), src), rows=src_rows,
+            model, batch.input_ids, fk, record_hooks(sorted(src_names), src), rows=rows.src,
             keep_cache=reuse_prefix,
         )
-        src_metric = logit_diff(src_last, group.tokens[src_rows])
+        src_metric = logit_diff(src_last, rows.src_tokens)
     if shortcuts_verdict(model) is False:  # exact patching found the KV prefix unfaithful here
         prefix = None
-    start = min(int(group.first_diff.min()), width - 1) if prefix is not None else 0
+    start = min(rows.start, width - 1) if prefix is not None else 0
     base: dict[str, Tensor] = {}
     grad_names = sorted(layer_of)
     plain = {n for hooks, _ in qk.values() for n in (hooks.q_rot, hooks.k_rot, hooks.scores)}
@@ -319,17 +341,17 @@ def _estimate_group(
         last, cache = forward_last(
             model, batch.input_ids, fk,
             record_hooks(grad_names, base, requires_grad=True) + record_hooks(sorted(plain - set(grad_names)), base),
-            rows=base_rows, prefix=prefix, start=start, prefix_rows=torch.arange(g), keep_cache=keep,
+            rows=rows.base, prefix=prefix, start=start, prefix_rows=rows.pairs, keep_cache=keep,
         )
-        metric = logit_diff(last, group.tokens[base_rows])
+        metric = logit_diff(last, rows.base_tokens)
         inputs = [n for n in grad_names if n in base]
         full = dict(zip(inputs, torch.autograd.grad(
             metric.sum(), [base[n] for n in inputs], allow_unused=True, retain_graph=blocks is not None
         )))
-    differs = torch.arange(width)[None, :] >= group.first_diff[:, None]  # [g, pos]: columns that differ
+    differs = rows.differs  # [g, pos]: columns that differ
     diffs = {n: src[n][:, start:].to(base[n].dtype) - base[n].detach() for n in acts}
     layers = {
-        l: _qk_layer(model, l, hooks, needs, src, base, start, group.first_diff) for l, (hooks, needs) in qk.items()
+        l: _qk_layer(model, l, hooks, needs, src, base, start, differs) for l, (hooks, needs) in qk.items()
     }
 
     def estimate(grads: Mapping[str, Tensor | None]) -> Tensor:
@@ -344,7 +366,7 @@ def _estimate_group(
     atp = estimate(full)
     dropped = None
     if blocks is not None:
-        dropped = torch.empty((len(cells), len(blocks), g), dtype=torch.float64)
+        dropped = torch.empty((len(cells), len(blocks), g), dtype=torch.float64, device=metric.device)
         for b, (first, end) in enumerate(blocks):
             g_out = full[resid[end]]  # the gradient leaving the block, unchanged by the drop
             grads: dict[str, Tensor | None] = {}
@@ -364,7 +386,7 @@ def _estimate_group(
             dropped[:, b] = estimate(grads)
     kept = None
     if keep:
-        sub = _base_group(group, base_rows)
+        sub = _base_group(group, rows)
         stream = {}
         for l in range(1, n_layers):
             new = base[resid[l]].detach()
@@ -374,7 +396,8 @@ def _estimate_group(
             cache = PrefixCache([k.detach() for k in cache.keys], [v.detach() for v in cache.values])
         sources = {n: src[n] for n in patched}
         kept = (sub, BasePass(metric.detach().float(), sources, cache, stream))
-    return _Group(atp, dropped, metric.detach().double().cpu(), src_metric.double().cpu(), kept)
+    checks = {l: part.check for l, part in layers.items()}
+    return _Group(atp, dropped, metric.detach().double(), src_metric.double(), checks, kept)
 
 
 def _estimate(
@@ -384,20 +407,26 @@ def _estimate(
     check_selectors(cells, prepared)
     blocks = graddrop_blocks(model.cfg.n_layers, n_blocks) if graddrop else None
     n_pair = len(prepared.pairs)
-    atp = torch.full((len(cells), n_pair), float("nan"), dtype=torch.float64)
-    dropped = torch.full((len(cells), len(blocks), n_pair), float("nan"), dtype=torch.float64) if blocks else None
-    base = torch.empty(n_pair, dtype=torch.float64)
-    src = torch.empty(n_pair, dtype=torch.float64)
-    kept = []
+    n_cell, n_block = len(cells), len(blocks or [])
+    qk_layers = sorted({c.layer for c in cells if c.kind in ("q", "k")}) if qk_fix else []
+    parts, kept = [], []
     for group in tqdm(prepared.groups, desc=f"AtP* ({direction})", unit="group", disable=not progress):
-        index = CellIndex(cells, group, prepared.n_aligned, key=lambda c: cell_hook(model, c))
+        index = CellIndex(cells, group, prepared.n_aligned, key=lambda c: cell_hook(model, c),
+                          device=group.batch.input_ids.device)
         out = _estimate_group(model, group, cells, index, direction, qk_fix=qk_fix, blocks=blocks,
                               reuse_prefix=reuse_prefix, keep=keep)
-        idx = torch.tensor(group.index)
-        atp[:, idx], base[idx], src[idx] = out.atp, out.base_metric, out.src_metric
-        if dropped is not None:
-            dropped[:, :, idx] = out.dropped
+        # one table per group, pairs along the last axis: AtP* [cell], GradDrop [cell * block], the
+        # score check of the query/key fix [1 per layer, the same for every pair], base and source metric
+        dropped = [] if out.dropped is None else [out.dropped.reshape(n_cell * n_block, group.g)]
+        checks = [out.checks[l].double().expand(1, group.g) for l in qk_layers]
+        parts.append(torch.cat([out.atp, *dropped, *checks, out.base_metric[None, :], out.src_metric[None, :]]))
         kept.append(out.verify)
+    table = to_host_by_pair(parts, prepared.groups, n_pair)  # what the search reads, in one copy
+    at = n_cell * (1 + n_block)
+    if qk_layers:  # a host table: its numbers as Python floats, read once
+        _raise_on_bad_scores(dict(zip(qk_layers, table[at : at + len(qk_layers)].tolist())))
+    atp, base, src = table[:n_cell].clone(), table[-2].clone(), table[-1].clone()
+    dropped = table[n_cell:at].reshape(n_cell, n_block, n_pair).clone() if blocks else None
     clean, corrupted = (src, base) if direction == "denoise" else (base, src)
     est = Estimates(direction, cells, atp, dropped, blocks or [], base, clean, corrupted, prepared.ids,
                     prepared.token_labels, qk_fix)
@@ -436,14 +465,16 @@ def atp_star(
 
 def _verify(
     model, prepared: PreparedPairs, kept: Sequence[tuple[Group, BasePass]], cells: Sequence[Cell],
-    idx: Sequence[int], values: Tensor, *, memory_mb: float, progress: bool,
+    idx: Sequence[int], values: Tensor, base: Float[Tensor, " pair"], *, memory_mb: float, progress: bool,
 ) -> None:
     """Exact patching of cells `idx` into `values` (raw metric), every (cell, pair) a batched row,
-    on the estimation pass's base runs: no base pass of its own."""
+    on the estimation pass's base runs: no base pass of its own. A cell that patches nothing in a
+    pair takes that pair's base metric from `base` (the estimates' host copy of the same run)."""
     bar = tqdm(total=len(idx) * len(prepared.pairs), desc="verifying", unit="run", disable=not progress)
+    outs: list[Tensor] = []
+    targets: list[tuple[int, int]] = []
     for group, bp in kept:
         runs: list[Run] = []
-        targets: list[tuple[int, int]] = []
         for c_i in idx:
             cell = cells[c_i]
             hook = cell_hook(model, cell)
@@ -452,15 +483,15 @@ def _verify(
                 if cols is None:
                     continue
                 if not cols:
-                    values[c_i, p_i] = float(bp.metric[j])
+                    values[c_i, p_i] = base[p_i]
                     continue
                 runs.append(Run(j, [(hook, cell.layer, cell.head, cols, j)]))
                 targets.append((c_i, p_i))
         bar.update(len(idx) * group.g - len(runs))
-        out = run_patched(model, group, runs, bp.sources, bp, memory_mb=memory_mb, bar=bar)
-        if targets:
-            t = torch.tensor(targets)
-            values[t[:, 0], t[:, 1]] = out.double()
+        outs.append(run_patched(model, group, runs, bp.sources, bp, memory_mb=memory_mb, bar=bar, on_device=True))
+    if targets:  # every group's metrics in one copy
+        t = torch.tensor(targets)
+        values[t[:, 0], t[:, 1]] = torch.cat(outs).cpu().double()
     bar.close()
 
 
@@ -641,17 +672,20 @@ def search(
         bound = np.fmax(bound, np.max(np.where(np.isnan(per_block), -np.inf, per_block), 1))
 
     exact_values = torch.full((n_cell, len(est.pair_ids)), float("nan"), dtype=torch.float64)
+    exact_norm = np.full((n_cell, len(est.pair_ids)), np.nan)  # host numbers the rounds read
     verified = np.zeros(n_cell, dtype=bool)
 
     def verify(idx: Sequence[int] | np.ndarray) -> None:
         todo = [int(i) for i in idx if not verified[i]]
         if todo:
-            _verify(model, prepared, kept, cells, todo, exact_values, memory_mb=memory_mb, progress=progress)
+            _verify(model, prepared, kept, cells, todo, exact_values, est.base, memory_mb=memory_mb,
+                    progress=progress)
             verified[todo] = True
+            # effects are normalised row by row, so the new rows alone, converted once per call
+            exact_norm[todo] = normalised_effects(exact_values[todo], est.clean, est.corrupted, normalise).numpy()
 
     def exact_importance(idx: np.ndarray) -> np.ndarray:
-        n = normalised_effects(exact_values[idx], est.clean, est.corrupted, normalise).numpy()
-        return _importance(_mean_se(n)[0], direction)
+        return _importance(_mean_se(exact_norm[idx])[0], direction)
 
     # round 1: the top k of each group by estimate, and the false-negative samples from the rest
     rule = np.zeros(n_cell, dtype=bool)

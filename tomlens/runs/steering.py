@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
+import torch
 
 from tomlens.errors import TomlensError
 from tomlens.io import read_table, write_table
@@ -219,9 +220,10 @@ class SteeringResult:
         write_table(self.dose, dose_f)
         write_table(self.selection, sel_f)
         tensors = {f"layer{layer}/{d.name}": d.vector for layer, ds in self.directions.items() for d in ds}
+        every = [(layer, d) for layer, ds in self.directions.items() for d in ds]
         meta = {"directions": [{"name": d.name, "source": d.source, "layer": d.layer, "site": d.site,
-                                "tensor": f"layer{layer}/{d.name}", "norm": d.norm}
-                               for layer, ds in self.directions.items() for d in ds]}
+                                "tensor": f"layer{layer}/{d.name}", "norm": norm}
+                               for (layer, d), norm in zip(every, _norms([d for _, d in every]))]}
         if tensors:
             save_directions(dir_f, tensors, meta)
         return finish_save(out, self.config, self.manifest, self.summary)
@@ -302,7 +304,9 @@ def run(config: SteeringConfig, *, model: Any = None, progress: bool = True) -> 
 
     # the selection half's random directions are a draw of their own: a layer or dose chosen where the
     # evaluation's random directions happen to be weak would flatter the evaluation's null
-    selection_random = {layer: random_directions(dirs[layer][0], config.n_random, seed=config.seed + SELECTION_SEED)
+    norms = dict(zip(layers, _norms([dirs[layer][0] for layer in layers])))
+    selection_random = {layer: random_directions(dirs[layer][0], config.n_random, seed=config.seed + SELECTION_SEED,
+                                                 norm=norms[layer])
                         for layer in layers}
     selection = dose(sel, [d for layer in layers for d in (dirs[layer][0], *selection_random[layer])])
     evaluation = dose(ev, [d for layer in layers for d in dirs[layer]])
@@ -330,7 +334,7 @@ def run(config: SteeringConfig, *, model: Any = None, progress: bool = True) -> 
         "target": config.target, "alphas": list(config.alphas), "n_random": config.n_random,
         "n_selection_prompts": len(sel), "n_evaluation_prompts": len(ev),
         "selection_tasks": sorted({s.task_id for s in sel}), "forward_passes": passes,
-        "norms": {str(layer): dirs[layer][0].norm for layer in layers},
+        "norms": {str(layer): norms[layer] for layer in layers},
         "verdict": chosen["verdict"],  # the selection half's layer, not the best held-out one
         "layer": chosen["layer"],
         "notes": notes,
@@ -338,6 +342,13 @@ def run(config: SteeringConfig, *, model: Any = None, progress: bool = True) -> 
     manifest = run_manifest(model, config, stimuli_hash=stimuli_hash(stimuli))
     return SteeringResult(dose=evaluation, selection=selection, summary=summary,
                           directions={layer: dirs[layer] for layer in layers}, config=config, manifest=manifest)
+
+
+def _norms(directions: list[Direction]) -> list[float]:
+    """Each direction's `norm`, read in one go instead of one read per direction."""
+    if not directions:
+        return []
+    return torch.stack([d.vector.norm() for d in directions]).tolist()
 
 
 def chosen_layer(layers: list[dict[str, Any]]) -> dict[str, Any]:

@@ -6,6 +6,7 @@ so that each class splits evenly). Sits beside `tomlens.patching`; `tomlens.runs
 from tomlens.steering.directions import (
     METHODS,
     Direction,
+    check_finite,
     directions_from_file,
     fit_directions,
     mean_difference,
@@ -18,7 +19,7 @@ from tomlens.steering.dose import CONDITIONS, condition_of, count_passes, dose_r
 from tomlens.steering.interventions import MODES, POSITIONS, edit, row_hooks, steering, steering_hooks
 
 __all__ = [
-    "CONDITIONS", "METHODS", "MODES", "POSITIONS", "Direction", "condition_of", "count_passes",
+    "CONDITIONS", "METHODS", "MODES", "POSITIONS", "Direction", "check_finite", "condition_of", "count_passes",
     "directions_from_file", "dose_response", "edit", "fit_directions", "mean_difference", "paired_sources",
     "probe_direction", "random_directions", "row_hooks", "balanced_shuffle", "shuffled_direction",
     "steering", "steering_hooks",

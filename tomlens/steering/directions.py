@@ -28,7 +28,11 @@ BELIEF, SHUFFLED = "belief", "shuffled"
 
 @dataclass(frozen=True)
 class Direction:
-    """A vector in the residual stream after block `layer` (`site`), with where it came from."""
+    """A vector in the residual stream after block `layer` (`site`), with where it came from.
+
+    Its entries are checked to be finite where directions are fitted or used (`check_finite`, one
+    read of many vectors), not here: a steering run builds hundreds (twenty random ones per layer),
+    and a check per construction would read each vector's values on its own."""
 
     name: str  # "belief", "shuffled", "random:0" .. "random:19"
     source: str  # one of SOURCES
@@ -46,9 +50,6 @@ class Direction:
         if self.vector.ndim != 1:
             raise TomlensError(f"direction {self.name!r} has shape {tuple(self.vector.shape)}",
                                "give a direction as one vector of length d_model")
-        if not bool(torch.isfinite(self.vector).all()):
-            raise TomlensError(f"direction {self.name!r} (layer {self.layer}) has NaN or infinite entries",
-                               "fit it again on stimuli where both classes occur, or drop that layer")
 
     @property
     def norm(self) -> float:
@@ -57,6 +58,44 @@ class Direction:
     @property
     def unit(self) -> Float[Tensor, " d_model"]:
         return self.vector / self.vector.norm().clamp_min(torch.finfo(self.vector.dtype).tiny)
+
+
+def check_finite(directions: Sequence[Direction]) -> None:
+    """Refuse a direction with NaN or infinite entries, naming the first; one read for them all."""
+    if not directions:
+        return
+    finite = torch.stack([torch.isfinite(d.vector).all() for d in directions]).tolist()
+    bad = next((d for d, ok in zip(directions, finite) if not ok), None)
+    if bad is not None:
+        raise TomlensError(f"direction {bad.name!r} (layer {bad.layer}) has NaN or infinite entries",
+                           "fit it again on stimuli where both classes occur, or drop that layer")
+
+
+def _check_binary(labels: Sequence[int]) -> None:
+    """`labels` (host ints) are 0 or 1 and hold both classes."""
+    bad = sorted(set(labels) - {0, 1})
+    if bad:
+        raise TomlensError(f"labels must be 0 or 1, got {bad}", "use a binary target (e.g. protagonist_belief)")
+    for c in (0, 1):
+        if c not in labels:
+            raise TomlensError(f"no row has label {c}, so no direction separates the classes",
+                               "use stimuli with both conditions (false and true belief)")
+
+
+def _classes(labels: Sequence[int]) -> tuple[list[int], list[int]]:
+    """Rows of label 1 and of label 0, in order (what `x[y == c]` picks, without reading a mask)."""
+    return [i for i, v in enumerate(labels) if v == 1], [i for i, v in enumerate(labels) if v == 0]
+
+
+def _mean_difference(acts: Float[Tensor, "n d"], one: list[int], zero: list[int]) -> Float[Tensor, " d"]:
+    """mu(rows `one`) - mu(rows `zero`) in float64, returned as float32 (no check, no host read)."""
+    x = acts.to(torch.float64)
+    return (x[one].mean(0) - x[zero].mean(0)).to(torch.float32)
+
+
+def _rescale(vector: Tensor, norm: float) -> Tensor:
+    """`vector` at length `norm`, unchecked: `match_norm` without its read of the vector's length."""
+    return (vector / vector.norm() * norm).to(torch.float32)
 
 
 def _binary(acts: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
@@ -128,10 +167,11 @@ def balanced_shuffle(labels: Int[Tensor, " n"], seed: int = 0) -> Int[Tensor, " 
     a chance imbalance along it. Splitting each class evenly makes the shuffled classes' means
     differ only by noise, so the control cannot reproduce the belief direction."""
     labels = torch.as_tensor(labels).long().reshape(-1)
+    host = labels.tolist()  # one read; the rows of each class are then picked on the host
     gen = torch.Generator().manual_seed(int(seed))
     out = torch.zeros_like(labels)
     for c in (0, 1):
-        rows = (labels == c).nonzero().flatten()
+        rows = torch.tensor([i for i, v in enumerate(host) if v == c], dtype=torch.long)
         rows = rows[torch.randperm(rows.numel(), generator=gen)]
         out[rows[: (rows.numel() + c) // 2]] = 1  # class 0 rounds down, class 1 up
     return out
@@ -148,14 +188,18 @@ def shuffled_direction(acts: Float[Tensor, "n d"], labels: Int[Tensor, " n"], re
     return Direction(SHUFFLED, "shuffled_labels", reference.layer, match_norm(vec, reference.norm), reference.site)
 
 
-def random_directions(reference: Direction, n: int = 20, seed: int = 0) -> list[Direction]:
-    """`n` Gaussian directions at the reference's layer, each rescaled to the reference's norm."""
+def random_directions(reference: Direction, n: int = 20, seed: int = 0, *, norm: float | None = None
+                      ) -> list[Direction]:
+    """`n` Gaussian directions at the reference's layer, each rescaled to the reference's norm
+    (`norm`, when the caller has it already: reading it costs a look at the reference's values)."""
     if n < 0:
         raise TomlensError(f"n_random = {n}", "use 0 or more random directions (the issue asks for at least 20)")
     gen = torch.Generator().manual_seed(int(seed) * 1_000_003 + int(reference.layer))
     d = reference.vector.numel()
+    norm = reference.norm if norm is None else float(norm)
+    # a Gaussian draw has a non-zero length (with probability one): no per-vector check
     return [Direction(f"random:{i}", "random", reference.layer,
-                      match_norm(torch.randn(d, generator=gen, dtype=torch.float64), reference.norm), reference.site)
+                      _rescale(torch.randn(d, generator=gen, dtype=torch.float64), norm), reference.site)
             for i in range(n)]
 
 
@@ -219,23 +263,45 @@ def fit_directions(model: Any, stimuli: Sequence[Any], *, layers: Sequence[int],
         raise TomlensError(f"no {prompt_type} prompts to fit directions on",
                            "use stimuli with belief questions, or prompt_type = None for every prompt")
     labels, keep = make_target(rows, target)
-    rows = [s for s, k in zip(rows, keep.tolist()) if k]
-    labels = labels[keep]
+    kept = [i for i, k in enumerate(keep.tolist()) if k]
+    rows = [rows[i] for i in kept]
+    labels = labels[kept]
+    y = labels.tolist()  # the labels on the host, read once: every layer picks its class rows from them
+    _check_binary(y)
+    one, zero = _classes(y)
+    shuffled = balanced_shuffle(labels, seed=seed)  # the same for every layer
+    s_one, s_zero = _classes(shuffled.tolist())
     groups = group_codes(rows, "task")
     sites = " ".join(f"resid_post:{layer}" for layer in layers)
     acts = cache_activations(model, rows, sites, [position], store=store, batch_size=batch_size, progress=progress)
     stored = acts.layers("resid_post")
     x = acts.get("resid_post", position)
-    out: dict[int, list[Direction]] = {}
+    xs = {layer: x[:, stored.index(layer)].to(torch.float32) for layer in layers}
+    md = {layer: _mean_difference(xl, one, zero) for layer, xl in xs.items()}
+    belief_method = method if directions_path is None else "probe"
+    if belief_method == "mean_difference":  # the shuffled labels' direction, by the belief direction's method
+        sh = {layer: _mean_difference(xl, s_one, s_zero) for layer, xl in xs.items()}
+    else:
+        sh = {layer: probe_direction(xl, shuffled, seed=seed) for layer, xl in xs.items()}
+    # every length and check a layer needs, read in one go: [|mean difference|, shuffled one is non-zero]
+    read = torch.stack([torch.stack([md[l].norm().double(), (sh[l].norm() > 0).double()]) for l in layers]).tolist()
+    md_norm = {l: r[0] for l, r in zip(layers, read)}
+    beliefs: dict[int, Direction] = {}
     for layer in layers:
-        xl = x[:, stored.index(layer)].to(torch.float32)
-        md = mean_difference(xl, labels)
         if directions_path is not None:
-            belief = directions_from_file(directions_path, layer, target=target, position=position,
-                                          norm=float(md.norm()))
+            beliefs[layer] = directions_from_file(directions_path, layer, target=target, position=position,
+                                                  norm=md_norm[layer])
         else:
-            vec = md if method == "mean_difference" else probe_direction(xl, labels, groups=groups, seed=seed)
-            belief = Direction(BELIEF, method, layer, vec)
-        belief_method = method if directions_path is None else "probe"
-        out[layer] = with_controls(belief, xl, labels, n_random=n_random, seed=seed, method=belief_method)
+            vec = md[layer] if method == "mean_difference" else probe_direction(xs[layer], labels, groups=groups,
+                                                                                seed=seed)
+            beliefs[layer] = Direction(BELIEF, method, layer, vec)
+    norm = md_norm if directions_path is None and method == "mean_difference" else dict(zip(
+        layers, torch.stack([beliefs[l].vector.norm() for l in layers]).tolist()))
+    out: dict[int, list[Direction]] = {}
+    for layer, (_, nonzero) in zip(layers, read):
+        belief = beliefs[layer]
+        vec = sh[layer] if nonzero else torch.randn(sh[layer].shape, generator=torch.Generator().manual_seed(seed))
+        control = Direction(SHUFFLED, "shuffled_labels", layer, _rescale(vec, norm[layer]), belief.site)
+        out[layer] = [belief, control, *random_directions(belief, n_random, seed, norm=norm[layer])]
+    check_finite([d for ds in out.values() for d in ds])
     return out

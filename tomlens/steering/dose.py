@@ -11,26 +11,31 @@ it does, so every steered run reuses the unsteered run's keys and values and com
 (`tomlens.hooks.patch.forward_last`, exact); many (direction, alpha) pairs share one forward, each
 row with its own vector and dose; only the logits of the options' first tokens are computed.
 alpha = 0 is the unhooked run itself (every mode is the identity there), so it costs no pass.
+Nothing in the loop waits for the GPU: the vectors, sources and answer columns are put on the
+device before it (built on the host), every run's result stays there, and the whole table comes to
+the host in one copy at the end of the call, where the summary is computed in numpy.
 """
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import pandas as pd
 import torch
-from jaxtyping import Float
+from jaxtyping import Float, Int
 from torch import Tensor
 from tqdm.auto import tqdm
 
+from tomlens.devices import to_device
 from tomlens.errors import TomlensError
 from tomlens.hooks.patch import forward_last
 from tomlens.models.tokens import encode, option_first_tokens
 from tomlens.steering.directions import Direction
-from tomlens.steering.interventions import check_directions, check_mode, row_hooks
+from tomlens.steering.interventions import check_directions, check_mode, model_device, row_hooks
 
 CONDITIONS: tuple[str, ...] = ("false_belief", "true_belief", "reality")
 COLUMNS: tuple[str, ...] = ("direction", "source", "layer", "alpha", "condition", "n", "logit_diff",
@@ -106,7 +111,7 @@ def dose_response(model: Any, stimuli: Sequence[Any], directions: Sequence[Direc
                 raise TomlensError(f"sources for layer {layer} have {t.shape[0]} rows for {len(stimuli)} prompts",
                                    "pass one source row per prompt, in stimulus order")
     start_opt, now_opt = option_roles(stimuli)
-    first = option_first_tokens(model, stimuli, [tuple(s.options) for s in stimuli])  # [n, 2]
+    first = option_first_tokens(model, stimuli, [tuple(s.options) for s in stimuli]).tolist()  # [n, 2], host
     n = len(stimuli)
     steered = [(i, a) for i, _ in enumerate(directions) for a in alphas if a != 0.0]
     by_layer: dict[int, list[tuple[int, float]]] = {}
@@ -120,86 +125,151 @@ def dose_response(model: Any, stimuli: Sequence[Any], directions: Sequence[Direc
     bar = tqdm(total=total, desc="steering", unit="pass", disable=not progress)
     batch_size = max(1, int(batch_size))
     per_fwd = max(batch_size, int(rows_per_forward or 4 * batch_size))
-    diff = torch.full((len(directions) + 1, len(alphas), n), float("nan"))  # last "direction": unhooked
-    choice = torch.full((len(directions) + 1, len(alphas), n), -1, dtype=torch.long)
     order = sorted(range(n), key=lambda i: (len(stimuli[i].text), i))
     a_index = {a: j for j, a in enumerate(alphas)}
+    device = model_device(model)
+    # Every direction's vector and every patch source on the device once; a chunk's rows index them there.
+    vectors = to_device(torch.stack([d.vector.to(torch.float32) for d in directions]), device)
+    on_device = {layer: to_device(t, device) for layer, t in (sources or {}).items() if layer in by_layer}
+    runs = _Runs(len(directions), a_index)
     with torch.inference_mode():
         for b0 in range(0, n, batch_size):
             idx = order[b0 : b0 + batch_size]
             b = len(idx)
             batch = encode(model, [stimuli[i].text for i in idx])
-            toks = first[idx]  # [b, 2]
-            vocab, inv = torch.unique(toks.flatten(), return_inverse=True)
-            inv = inv.view(b, 2)
-            s_idx = torch.tensor([start_opt[i] for i in idx])
-            n_idx = torch.tensor([now_opt[i] for i in idx])
-            keep = positions == "final"
-            base, cache = _logits(model, batch, vocab, keep_cache=keep)
+            answers = _AnswerColumns.of([first[i] for i in idx], [start_opt[i] for i in idx],
+                                        [now_opt[i] for i in idx], device)
+            base, cache = _logits(model, batch, answers.vocab, keep_cache=positions == "final")
+            runs.add(answers.read(base, 1), [len(directions)] * b, [alphas[0]] * b, idx)
             bar.update(b)
-
-            def record(logits: Tensor, rows_dir: list[int], rows_alpha: list[float]) -> None:
-                logits = logits.cpu()
-                k = len(rows_dir) // b
-                cols = inv.repeat(k, 1) if logits.shape[-1] == vocab.numel() else toks.repeat(k, 1)
-                two = logits.gather(1, cols)  # [r, 2]: first-token logits of option a and b
-                rr = torch.arange(two.shape[0])
-                d = two[rr, s_idx.repeat(k)] - two[rr, n_idx.repeat(k)]
-                c = (two[:, 1] > two[:, 0]).long()
-                prompts = torch.tensor(idx).repeat(k)
-                for r in range(two.shape[0]):
-                    di, aj = rows_dir[r], a_index[rows_alpha[r]]
-                    diff[di, aj, prompts[r]] = d[r]
-                    choice[di, aj, prompts[r]] = c[r]
-
-            record(base, [len(directions)] * b, [alphas[0]] * b)
+            rows_of = to_device(torch.tensor(idx, dtype=torch.long), device) if on_device else None
             for layer, combos in sorted(by_layer.items()):
                 per = max(1, per_fwd // b)
                 for c0 in range(0, len(combos), per):
                     chunk = combos[c0 : c0 + per]
                     k = len(chunk)
-                    vec = torch.stack([directions[i].vector for i, _ in chunk]).repeat_interleave(b, 0)
-                    dose = torch.tensor([a for _, a in chunk], dtype=torch.float32).repeat_interleave(b)
-                    src = None if mode != "patch" else sources[layer][idx].repeat(k, 1)
+                    which = to_device(torch.tensor([i for i, _ in chunk], dtype=torch.long), device)
+                    vec = vectors.index_select(0, which).repeat_interleave(b, 0)
+                    dose = to_device(torch.tensor([a for _, a in chunk], dtype=torch.float32), device)
+                    dose = dose.repeat_interleave(b)
+                    src = None if mode != "patch" else on_device[layer].index_select(0, rows_of).repeat(k, 1)
                     hooks = row_hooks(layer, vec, dose, mode=mode, positions=positions, source=src)
-                    rows = torch.arange(b).repeat(k)
-                    logits, _ = _logits(model, batch, vocab, hooks=hooks, rows=rows, prefix=cache)
-                    record(logits, [i for i, _ in chunk for _ in range(b)], [a for _, a in chunk for _ in range(b)])
+                    rows = torch.arange(b, device=device).repeat(k)
+                    logits, _ = _logits(model, batch, answers.vocab, hooks=hooks, rows=rows, prefix=cache)
+                    runs.add(answers.read(logits, k), [i for i, _ in chunk for _ in range(b)],
+                             [a for _, a in chunk for _ in range(b)], idx * k)
                     bar.update(b * k)
     bar.close()
+    diff, choice = runs.to_host(n, len(alphas))
     base_d, base_c = diff[-1, 0], choice[-1, 0]
-    for i, _ in enumerate(directions):
-        for j, a in enumerate(alphas):
-            if a == 0.0:
-                diff[i, j], choice[i, j] = base_d, base_c
-    answer = torch.tensor([s.answer_index for s in stimuli])
+    zero = [j for j, a in enumerate(alphas) if a == 0.0]  # alpha 0 is the unhooked run
+    diff[:-1, zero], choice[:-1, zero] = base_d, base_c
+    answer = np.array([s.answer_index for s in stimuli])
     conds = [condition_of(s) for s in stimuli]
     if per_prompt:
-        rows_out = []
-        for i, d in enumerate(directions):
-            for j, a in enumerate(alphas):
-                for p in range(n):
-                    rows_out.append({"direction": d.name, "source": d.source, "layer": d.layer, "alpha": a,
-                                     "prompt": p, "id": stimuli[p].id, "condition": conds[p],
-                                     "logit_diff": float(diff[i, j, p]), "choice": int(choice[i, j, p]),
-                                     "correct": bool(choice[i, j, p] == answer[p]),
-                                     "flipped": bool(choice[i, j, p] != base_c[p])})
-        return pd.DataFrame(rows_out)
-    masks = {c: torch.tensor([x == c for x in conds]) for c in CONDITIONS}
+        return _per_prompt_table(directions, alphas, stimuli, conds, diff[:-1], choice[:-1], answer, base_c)
+    return _summary_table(directions, alphas, conds, diff[:-1], choice[:-1], answer, base_c)
+
+
+@dataclass(frozen=True)
+class _AnswerColumns:
+    """A batch's answer tokens, laid out on the host and moved once: `vocab` (the option tokens,
+    once each, sorted: the only logits a forward computes), and per prompt the columns of its two
+    options in `vocab` (`inv`), in the full vocabulary (`toks`, for a model whose unembedding cannot be
+    narrowed), and which of the two is the start (`start`) and the current location (`now`)."""
+
+    vocab: Int[Tensor, " v"]
+    inv: Int[Tensor, "b 2"]
+    toks: Int[Tensor, "b 2"]
+    start: Int[Tensor, " b"]
+    now: Int[Tensor, " b"]
+
+    @classmethod
+    def of(cls, toks: list[list[int]], start: list[int], now: list[int], device: torch.device) -> _AnswerColumns:
+        vocab = sorted({t for pair in toks for t in pair})
+        where = {t: j for j, t in enumerate(vocab)}
+        inv = [[where[a], where[b]] for a, b in toks]
+        return cls(*(to_device(torch.tensor(x, dtype=torch.long), device) for x in (vocab, inv, toks, start, now)))
+
+    def read(self, logits: Float[Tensor, "r v"], k: int) -> Float[Tensor, "2 r"]:
+        """[start-minus-now logit difference, chosen option (0 or 1)] of every row of `k` stacked
+        copies of the batch, on the device."""
+        cols = (self.inv if logits.shape[-1] == self.vocab.numel() else self.toks).repeat(k, 1)
+        two = logits.gather(1, cols)  # [r, 2]: first-token logits of option a and b
+        rr = torch.arange(two.shape[0], device=two.device)
+        d = two[rr, self.start.repeat(k)] - two[rr, self.now.repeat(k)]
+        c = (two[:, 1] > two[:, 0]).to(d.dtype)
+        return torch.stack([d, c])
+
+
+class _Runs:
+    """Every run's (logit difference, choice) kept on the device with where it goes (direction,
+    alpha, prompt: host lists), moved to the host once at the end of the call."""
+
+    def __init__(self, n_directions: int, a_index: Mapping[float, int]):
+        self.n_directions = n_directions
+        self.a_index = a_index
+        self.values: list[Tensor] = []
+        self.at: tuple[list[int], list[int], list[int]] = ([], [], [])
+
+    def add(self, values: Float[Tensor, "2 r"], directions: list[int], alphas: list[float], prompts: list[int]) -> None:
+        self.values.append(values)
+        self.at[0].extend(directions)
+        self.at[1].extend(self.a_index[a] for a in alphas)
+        self.at[2].extend(prompts)
+
+    def to_host(self, n: int, n_alphas: int) -> tuple[np.ndarray, np.ndarray]:
+        """`diff` (float32) and `choice` (int64, -1 where not run) as `[direction + 1, alpha, prompt]`
+        arrays, the last "direction" the unhooked run."""
+        host = torch.cat(self.values, 1).cpu().numpy()
+        diff = np.full((self.n_directions + 1, n_alphas, n), np.nan, dtype=np.float32)
+        choice = np.full((self.n_directions + 1, n_alphas, n), -1, dtype=np.int64)
+        diff[self.at], choice[self.at] = host[0], host[1].astype(np.int64)
+        return diff, choice
+
+
+def _per_prompt_table(directions: Sequence[Direction], alphas: Sequence[float], stimuli: Sequence[Any],
+                      conds: list[str], diff: np.ndarray, choice: np.ndarray, answer: np.ndarray,
+                      base_c: np.ndarray) -> pd.DataFrame:
+    """One row per direction x alpha x prompt (in that order), from host arrays."""
+    n_dir, n_alpha, n = diff.shape
+    each = n_alpha * n
+    return pd.DataFrame({
+        "direction": np.repeat([d.name for d in directions], each).tolist(),
+        "source": np.repeat([d.source for d in directions], each).tolist(),
+        "layer": np.repeat(np.array([d.layer for d in directions], dtype=np.int64), each),
+        "alpha": np.tile(np.repeat(np.array(alphas, dtype=np.float64), n), n_dir),
+        "prompt": np.tile(np.arange(n, dtype=np.int64), n_dir * n_alpha),
+        "id": [stimuli[p].id for p in range(n)] * (n_dir * n_alpha),
+        "condition": conds * (n_dir * n_alpha),
+        "logit_diff": diff.reshape(-1).astype(np.float64),
+        "choice": choice.reshape(-1),
+        "correct": (choice == answer[None, None, :]).reshape(-1),
+        "flipped": (choice != base_c[None, None, :]).reshape(-1),
+    })
+
+
+def _summary_table(directions: Sequence[Direction], alphas: Sequence[float], conds: list[str], diff: np.ndarray,
+                   choice: np.ndarray, answer: np.ndarray, base_c: np.ndarray) -> pd.DataFrame:
+    """One row per direction x alpha x condition (conditions with prompts only), from host arrays:
+    no tensor is read here. Rates are computed for every (direction, alpha) at once; the mean and
+    standard error one row at a time, as numpy sums a 1-d array (pairwise), so they stay bit for bit
+    what they were."""
     out = []
+    masks = {c: np.array([x == c for x in conds], dtype=bool) for c in CONDITIONS}
+    acc = {c: (choice[:, :, m] == answer[m]).mean(-1) for c, m in masks.items() if m.any()}
+    flip = {c: (choice[:, :, m] != base_c[m]).mean(-1) for c, m in masks.items() if m.any()}
     for i, d in enumerate(directions):
         for j, a in enumerate(alphas):
-            for c in CONDITIONS:
-                m = masks[c]
+            for c, m in masks.items():
                 k = int(m.sum())
                 if k == 0:
                     continue
-                dd = diff[i, j, m].double().numpy()
+                dd = diff[i, j, m].astype(np.float64)
                 out.append({"direction": d.name, "source": d.source, "layer": int(d.layer), "alpha": a,
                             "condition": c, "n": k, "logit_diff": float(dd.mean()),
                             "logit_diff_se": float(dd.std(ddof=1) / np.sqrt(k)) if k > 1 else float("nan"),
-                            "accuracy": float((choice[i, j, m] == answer[m]).double().mean()),
-                            "flip_rate": float((choice[i, j, m] != base_c[m]).double().mean())})
+                            "accuracy": float(acc[c][i, j]), "flip_rate": float(flip[c][i, j])})
     return pd.DataFrame(out, columns=list(COLUMNS))
 
 

@@ -23,9 +23,10 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
+from tomlens.devices import to_device
 from tomlens.errors import TomlensError
 from tomlens.hooks.sites import Site, check_sites, hook_name
-from tomlens.steering.directions import Direction
+from tomlens.steering.directions import Direction, check_finite
 
 MODES: tuple[str, ...] = ("add", "project_out", "patch")
 POSITIONS: tuple[str, ...] = ("final", "all")
@@ -87,6 +88,20 @@ def row_hooks(layer: int, vectors: Float[Tensor, "r d"], alphas: Float[Tensor, "
     return [(hook_name(Site("resid_post", int(layer))), fn)]
 
 
+def model_device(model: Any) -> torch.device:
+    """Where the model's weights are (the CPU for a model without parameters)."""
+    try:
+        return next(model.parameters()).device
+    except (StopIteration, AttributeError):
+        return torch.device("cpu")
+
+
+def _on(t: Tensor | None, device: torch.device | None) -> Tensor | None:
+    """`t` on `device` (moved once, without a host sync), or as it is where no device is named. A
+    hook that moved a host tensor to the GPU itself would copy it, blocking, on every forward."""
+    return t if t is None or device is None else to_device(t, device)
+
+
 def _source_for(source: Tensor | Mapping[int, Tensor] | None, layer: int) -> Tensor | None:
     if source is None or isinstance(source, Tensor):
         return source
@@ -96,17 +111,22 @@ def _source_for(source: Tensor | Mapping[int, Tensor] | None, layer: int) -> Ten
 
 
 def steering_hooks(directions: Sequence[Direction], alpha: float, *, n_rows: int, mode: str = "add",
-                   positions: str = "final", source: Tensor | Mapping[int, Tensor] | None = None) -> list[Hook]:
+                   positions: str = "final", source: Tensor | Mapping[int, Tensor] | None = None,
+                   device: torch.device | str | None = None) -> list[Hook]:
     """Hooks applying every direction with dose `alpha` to all `n_rows` rows (one hook per layer;
-    several directions at one layer are applied in turn)."""
+    several directions at one layer are applied in turn). `device`: where the forwards run; the
+    vectors, doses and sources are put there once, here, instead of copied in every forward."""
     check_mode(mode, positions)
+    device = None if device is None else torch.device(device)
     by_layer: dict[int, list[Direction]] = {}
     for d in directions:
         by_layer.setdefault(int(d.layer), []).append(d)
     hooks: list[Hook] = []
     for layer, ds in sorted(by_layer.items()):
-        parts = [row_hooks(layer, d.vector.expand(n_rows, -1), torch.full((n_rows,), float(alpha)), mode=mode,
-                           positions=positions, source=_source_for(source, layer))[0][1] for d in ds]
+        dose = torch.full((n_rows,), float(alpha), device=device)
+        src = _on(_source_for(source, layer), device)
+        parts = [row_hooks(layer, _on(d.vector, device).expand(n_rows, -1), dose, mode=mode, positions=positions,
+                           source=src)[0][1] for d in ds]
 
         def fn(act: Tensor, hook: Any = None, parts: list[Callable[..., Tensor]] = parts) -> Tensor:
             for p in parts:
@@ -118,7 +138,7 @@ def steering_hooks(directions: Sequence[Direction], alpha: float, *, n_rows: int
 
 
 def check_directions(model: Any, directions: Sequence[Direction]) -> None:
-    """Each direction's layer exists and its vector has the model's width."""
+    """Each direction's layer exists and its vector has the model's width and finite entries."""
     if not directions:
         raise TomlensError("no directions to steer along", "pass at least one Direction")
     check_sites(model, [Site("resid_post", int(d.layer)) for d in directions])
@@ -127,6 +147,7 @@ def check_directions(model: Any, directions: Sequence[Direction]) -> None:
         if d.vector.numel() != d_model:
             raise TomlensError(f"direction {d.name!r} has {d.vector.numel()} entries; the model's d_model is {d_model}",
                                "fit the direction on this model's activations")
+    check_finite(directions)
 
 
 @contextmanager
@@ -144,26 +165,30 @@ def steering(model: Any, directions: Sequence[Direction], alpha: float, *, mode:
     if n_rows is None and source is not None:
         first = source if isinstance(source, Tensor) else next(iter(source.values()))
         n_rows = int(first.shape[0])
+    device = model_device(model)
     if n_rows is None:
-        hooks = _broadcast_hooks(directions, alpha, mode, positions)
+        hooks = _broadcast_hooks(directions, alpha, mode, positions, device)
     else:
-        hooks = steering_hooks(directions, alpha, n_rows=n_rows, mode=mode, positions=positions, source=source)
+        hooks = steering_hooks(directions, alpha, n_rows=n_rows, mode=mode, positions=positions, source=source,
+                               device=device)
     with model.hooks(fwd_hooks=hooks):
         yield
 
 
-def _broadcast_hooks(directions: Sequence[Direction], alpha: float, mode: str, positions: str) -> list[Hook]:
-    """Hooks that fit any batch size (one vector for every row), for modes without a source."""
-    by_layer: dict[int, list[Direction]] = {}
+def _broadcast_hooks(directions: Sequence[Direction], alpha: float, mode: str, positions: str,
+                     device: torch.device | None = None) -> list[Hook]:
+    """Hooks that fit any batch size (one vector for every row), for modes without a source; the
+    vectors are put on `device` once, and each forward's doses are made where its activations are."""
+    by_layer: dict[int, list[Tensor]] = {}
     for d in directions:
-        by_layer.setdefault(int(d.layer), []).append(d)
+        by_layer.setdefault(int(d.layer), []).append(_on(d.vector, device))
     hooks: list[Hook] = []
-    for layer, ds in sorted(by_layer.items()):
+    for layer, vs in sorted(by_layer.items()):
 
-        def fn(act: Tensor, hook: Any = None, ds: list[Direction] = ds, layer: int = layer) -> Tensor:
+        def fn(act: Tensor, hook: Any = None, vs: list[Tensor] = vs, layer: int = layer) -> Tensor:
             n = act.shape[0]
-            for d in ds:
-                act = row_hooks(layer, d.vector.expand(n, -1), torch.full((n,), float(alpha)), mode=mode,
+            for v in vs:
+                act = row_hooks(layer, v.expand(n, -1), torch.full((n,), float(alpha), device=act.device), mode=mode,
                                 positions=positions)[0][1](act, hook)
             return act
 
