@@ -14,7 +14,10 @@ What it sees:
   - a copy from a non-CPU device to the CPU (`_to_copy` / `copy_`), where the run is on a device;
   - with `methods=True` (the default), every call of `Tensor.tolist`, `Tensor.numpy` and
     `Tensor.cpu` on any tensor: on a CPU these are not dispatched (the data is already on the
-    host), but in a hot loop over device tensors each would be a sync on CUDA.
+    host), but in a hot loop over device tensors each would be a sync on CUDA;
+  - `Tensor.item`, `int(t)`, `float(t)`, `bool(t)` and `t.__index__()` as Python calls too: under
+    `torch.inference_mode()` a CPU tensor's scalar read skips the dispatcher (the mode never sees
+    it), so these are counted where they are called, once, as `_local_scalar_dense` / `is_nonzero`.
 What it cannot see: syncs inside a kernel on a real GPU (none on CPU), and host reads of tensors
 that are legitimately on the host (a plan built from tokenizer output) are no syncs at all, so a
 loop is free to use Python lists and numpy.
@@ -38,6 +41,11 @@ SYNC_OPS: frozenset[Any] = frozenset({
 })
 _COPIES: frozenset[Any] = frozenset({_aten._to_copy, _aten.copy_})
 _METHODS: tuple[str, ...] = ("tolist", "numpy", "cpu")
+# Python-level scalar reads, counted under the op name the dispatcher would show for them.
+_SCALAR_READS: dict[str, str] = {"item": "_local_scalar_dense", "__int__": "_local_scalar_dense",
+                                 "__float__": "_local_scalar_dense", "__index__": "_local_scalar_dense",
+                                 "__bool__": "is_nonzero"}
+_SCALAR_OPS: frozenset[Any] = frozenset({_aten._local_scalar_dense, _aten.is_nonzero})
 
 
 def _to_host(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
@@ -56,6 +64,7 @@ class SyncCounter(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.counts: Counter[str] = Counter()
+        self.in_scalar_read = 0  # inside a counted Python scalar read: its dispatched op is not counted again
 
     @property
     def total(self) -> int:
@@ -66,7 +75,8 @@ class SyncCounter(TorchDispatchMode):
         kwargs = kwargs or {}
         packet = func.overloadpacket
         if packet in SYNC_OPS:
-            self.counts[packet.__name__] += 1
+            if not (self.in_scalar_read and packet in _SCALAR_OPS):
+                self.counts[packet.__name__] += 1
         elif packet in _COPIES and _to_host(func, args, kwargs):
             self.counts["device_to_host_copy"] += 1
         return func(*args, **kwargs)
@@ -79,7 +89,7 @@ class SyncCounter(TorchDispatchMode):
 def count_syncs(methods: bool = True) -> Iterator[SyncCounter]:
     """A `SyncCounter` over the block, also counting `Tensor.tolist/.numpy/.cpu` calls when `methods`."""
     counter = SyncCounter()
-    saved = {name: getattr(torch.Tensor, name) for name in _METHODS} if methods else {}
+    saved = {name: getattr(torch.Tensor, name) for name in (*(_METHODS if methods else ()), *_SCALAR_READS)}
 
     def counting(name: str, original: Any) -> Any:
         def method(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
@@ -87,9 +97,22 @@ def count_syncs(methods: bool = True) -> Iterator[SyncCounter]:
             return original(self, *args, **kwargs)
         return method
 
+    def scalar_read(name: str, original: Any) -> Any:
+        def method(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            if counter.in_scalar_read:  # a read inside a read (e.g. __index__ calling item)
+                return original(self, *args, **kwargs)
+            counter.counts[_SCALAR_READS[name]] += 1
+            counter.in_scalar_read += 1
+            try:
+                return original(self, *args, **kwargs)
+            finally:
+                counter.in_scalar_read -= 1
+        return method
+
     try:
         for name, original in saved.items():
-            setattr(torch.Tensor, name, counting(name, original))
+            wrap = scalar_read if name in _SCALAR_READS else counting
+            setattr(torch.Tensor, name, wrap(name, original))
         with counter:
             yield counter
     finally:

@@ -5,6 +5,8 @@ Why greedy and one prompt at a time: the papers ran GPT-3 at temperature 0, and 
 answer, so the answer must be reproducible: the same model, prompt and settings give the same text.
 Decoding re-runs the whole sequence each step (no cache: the hooked model's forward is the one the
 rest of tomlens uses, so hooks and patches apply unchanged); answers are short, so this is cheap.
+A step reads its token to the host once (whether to stop depends on it) and appends it to the
+sequence from the device, so a step waits on the GPU once.
 No hub model and no judge model is involved.
 """
 
@@ -94,12 +96,13 @@ def greedy_with_reason(model: Any, prompt: str, *, max_new_tokens: int = 48,
             if batch.pass_position_ids:
                 kwargs["position_ids"] = torch.arange(ids.shape[1], device=ids.device)[None, :]
             logits = model(ids, **kwargs)
-            nxt = int(logits[0, -1].float().argmax())
+            picked = logits[:, -1].float().argmax(-1, keepdim=True).to(ids.dtype)  # [1, 1], on the device
+            nxt = int(picked)  # the one host read a step needs: whether to stop depends on the token
             if nxt in stops:
                 reason = "eos"
                 break
             new.append(nxt)
-            ids = torch.cat([ids, torch.tensor([[nxt]], device=ids.device, dtype=ids.dtype)], dim=1)
+            ids = torch.cat([ids, picked], dim=1)  # the token is already on the device: no copy back
             if stop is not None and stop in model.tokenizer.decode(new).lstrip():
                 reason = "stop"
                 break

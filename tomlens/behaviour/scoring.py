@@ -15,10 +15,11 @@ from typing import Sequence
 
 import pandas as pd
 import torch
-from jaxtyping import Float
+from jaxtyping import Float, Int
 from torch import Tensor
 from tqdm.auto import tqdm
 
+from tomlens.devices import to_device
 from tomlens.errors import TomlensError
 from tomlens.models.tokens import encode
 from tomlens.oom import OOM_ERRORS, release_memory
@@ -57,16 +58,16 @@ class OptionScore:
 
 
 def _continuation_logprobs(
-    logits: Float[Tensor, "batch pos vocab"], targets: Sequence[tuple[int, list[int]]]
-) -> list[list[float]]:
-    """Log-probs of each row's target tokens: `targets[row] = (start, token_ids)`, where token
-    `token_ids[i]` sits at padded index `start + i` and is predicted from position `start - 1 + i`."""
-    out: list[list[float]] = []
-    for row, (start, toks) in enumerate(targets):
-        lp = torch.log_softmax(logits[row, start - 1 : start - 1 + len(toks)].float(), dim=-1)
-        idx = torch.tensor(toks, device=lp.device)[:, None]
-        out.append(lp.gather(-1, idx)[:, 0].tolist())
-    return out
+    logits: Float[Tensor, "batch pos vocab"], targets: Int[Tensor, "3 n"]
+) -> Float[Tensor, " n"]:
+    """Log-probs of the target tokens, left on the device: column `k` of `targets` is
+    (row, position, token), the log-probability of `token` predicted at `position` of `row`.
+
+    One gather for the whole batch, indexed by a table built on the host: no value is read back
+    here, so a batch costs the GPU no wait (the caller moves every batch's log-probs to the host once)."""
+    rows, positions, tokens = targets
+    lp = torch.log_softmax(logits[rows, positions].float(), dim=-1)
+    return lp.gather(-1, tokens[:, None])[:, 0]
 
 
 @dataclass(frozen=True)
@@ -114,17 +115,41 @@ def _plan(tokenizer, stimuli: Sequence[Stimulus]) -> list[_Job]:
     return jobs
 
 
+def _batch_targets(chunk: Sequence[_Job], pad: Sequence[int], lengths: Sequence[int]
+                   ) -> tuple[list[list[int]], list[tuple[int, int, int]]]:
+    """The host table of a batch's scored tokens, `[rows, positions, tokens]` (positions predict the
+    token: one before it), and per (stimulus, option) its key and how many tokens it spans, in order.
+
+    Built from the tokenizer's pads and lengths alone (a left-padded row ends at `pad + length`),
+    so nothing is read from the device to know where an option sits."""
+    rows: list[int] = []
+    positions: list[int] = []
+    tokens: list[int] = []
+    spans: list[tuple[int, int, int]] = []
+    for row, job in enumerate(chunk):
+        end = pad[row] + lengths[row]
+        for i, j, toks in job.wants:
+            start = end - len(toks) if job.joint else end
+            rows += [row] * len(toks)
+            positions += range(start - 1, start - 1 + len(toks))
+            tokens += toks
+            spans.append((i, j, len(toks)))
+    return [rows, positions, tokens], spans
+
+
 def score_options(
     model, stimuli: Sequence[Stimulus], *, batch_size: int = 8, progress: bool = True
 ) -> list[tuple[OptionScore, OptionScore]]:
     """Score both options of every stimulus; returns `(score_a, score_b)` per stimulus, in order.
 
     Rows are sorted by length so batches carry little padding; results come back in input order.
-    Out of GPU memory, the batch halves and the same rows run again (a row's scores are keyed by
-    stimulus and option, so a retried row replaces, never duplicates, what it had scored).
+    Out of GPU memory, the batch halves and the same rows run again (only a finished batch's
+    log-probs are kept, so a retried row is never counted twice). Every batch's log-probs stay on
+    the device and come to the host in one move at the end: the GPU never waits on a batch.
     """
     jobs = sorted(_plan(model.tokenizer, stimuli), key=lambda j: len(j.text))
-    scores: dict[tuple[int, int], OptionScore] = {}
+    logps: list[Tensor] = []  # per finished batch, its targets' log-probs, still on the device
+    spans: list[tuple[int, int, int]] = []  # (stimulus, option, n tokens), in the order of logps
     batch_size = max(1, int(batch_size))
     bar = tqdm(total=len(jobs), desc="scoring", unit="seq", disable=not progress)
     done = 0
@@ -132,14 +157,10 @@ def score_options(
         while done < len(jobs):
             chunk = jobs[done : done + batch_size]
             batch = encode(model, [j.text for j in chunk])
+            table, chunk_spans = _batch_targets(chunk, batch.pad, batch.lengths)
             try:
                 logits = model(batch.input_ids, **batch.forward_kwargs())
-                for row, job in enumerate(chunk):
-                    end = batch.pad[row] + batch.lengths[row]
-                    for i, j, toks in job.wants:
-                        start = end - len(toks) if job.joint else end
-                        (lps,) = _continuation_logprobs(logits[row : row + 1], [(start, list(toks))])
-                        scores[(i, j)] = OptionScore(sum(lps), lps[0], len(lps))
+                lp = _continuation_logprobs(logits, to_device(table, logits.device))
             except OOM_ERRORS:
                 if batch_size == 1:
                     raise TomlensError("out of GPU memory scoring a single prompt",
@@ -149,10 +170,25 @@ def score_options(
                 release_memory()
                 bar.write(f"out of memory: batch size now {batch_size}", file=sys.stderr)
                 continue
+            logps.append(lp)  # only a finished batch is kept, so a retried row is never counted twice
+            spans += chunk_spans
             done += len(chunk)
             bar.update(len(chunk))
     bar.close()
+    scores = _option_scores(torch.cat(logps).tolist() if logps else [], spans)
     return [(scores[(i, 0)], scores[(i, 1)]) for i in range(len(stimuli))]
+
+
+def _option_scores(logps: list[float], spans: Sequence[tuple[int, int, int]]) -> dict[tuple[int, int], OptionScore]:
+    """Each (stimulus, option)'s `OptionScore` from the flat host list of token log-probs, cut at
+    `spans` (stimulus, option, n tokens) in order."""
+    scores: dict[tuple[int, int], OptionScore] = {}
+    at = 0
+    for i, j, n in spans:
+        lps = logps[at : at + n]
+        scores[(i, j)] = OptionScore(sum(lps), lps[0], n)
+        at += n
+    return scores
 
 
 def _p_first_of_two(la: float, lb: float) -> float:

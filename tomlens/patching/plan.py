@@ -10,7 +10,9 @@ default to the tokens a researcher looks at first (`ROLE_POSITIONS`), every stag
 are counted before anything runs (sites x positions x pairs x directions, less the cells patched
 only where the two stories agree, which need no run), one chunk of real runs is timed, and the
 estimate scales that by each stage's work in multiply-adds. `--max-runs` refuses a plan over budget
-before any run.
+before any run. The plan also says how much memory its largest stage will take at its peak above the
+loaded model (`stage_memory`): the base pass of a group, or what it keeps plus the largest patched
+forward that `--memory-mb` lets through.
 
 `--positions` syntax: a comma list of items; an item is a position, applied to every site, or
 `SITE=POSITION`, applied to one site (sites as in `--sites`: heads, resid, attn, mlp, ...):
@@ -42,7 +44,7 @@ from __future__ import annotations
 import hashlib
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -50,6 +52,8 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from tomlens.errors import TomlensError
+from tomlens.hooks import Site, hook_name
+from tomlens.patching import engine
 from tomlens.patching.attribution import IG_PATHS, IGPath, attribution_patching, check_integrable, hook_blocks
 from tomlens.patching.checkpoints import Checkpoints
 from tomlens.patching.heads import AblationSweep, HeadSetSweep
@@ -198,6 +202,8 @@ class PlanStage:
     extra: str = ""
     unit: str = "cells"
     per_pair: int = 1  # runs per (unit, pair): 2 where both stories of a pair run
+    peak_bytes: int = 0  # the stage's memory peak above the loaded model (`stage_memory`; 0: not estimated)
+    memory: str = ""  # what makes that peak, in words
 
 
 def _fmt_seconds(s: float) -> str:
@@ -227,6 +233,11 @@ class Plan:
     @property
     def done_runs(self) -> int:
         return sum(s.done for s in self.stages)
+
+    @property
+    def peak_bytes(self) -> int:
+        """The largest stage's memory peak above the loaded model (stages run one after another)."""
+        return max((s.peak_bytes for s in self.stages), default=0)
 
     def seconds(self, stage: PlanStage | None = None) -> float | None:
         """Estimated seconds still to go (one stage, or all)."""
@@ -271,6 +282,9 @@ class Plan:
         out.append(f"  {'total':<{width}}  {self.total_runs:,} patched runs{budget}{done}{eta}")
         if self.calibration:
             out.append(f"  {'':<{width}}  {self.calibration}")
+        peak = max(self.stages, key=lambda s: s.peak_bytes, default=None)
+        if peak is not None and peak.peak_bytes:
+            out.append(f"  {'memory':<{width}}  {peak.name}: {peak.memory}")
         out.extend(f"note: {n}" for n in self.notes)
         return out
 
@@ -279,6 +293,7 @@ class Plan:
         return {
             "stages": [{**asdict(s), "cost": float(s.cost), "forward": float(s.forward)} for s in self.stages],
             "total_runs": self.total_runs, "done_runs": self.done_runs, "max_runs": self.max_runs,
+            "peak_bytes": self.peak_bytes,
             "estimated_seconds": None if total is None or not math.isfinite(total) else round(total, 1),
             "calibration": self.calibration, "notes": list(self.notes),
         }
@@ -358,6 +373,12 @@ def _forwards(n: int, what: str) -> str:
     return f"+ {n} {what} forward{'s' if n != 1 else ''}"
 
 
+def _memory(stage: engine.Stage) -> dict[str, Any]:
+    """A stage's memory figure as `PlanStage` fields (attribution stages have none: see `stage_memory`)."""
+    est = stage_memory(stage)
+    return {"peak_bytes": est.peak, "memory": est.line()}
+
+
 def plan_stages(
     exact: Mapping[str, ExactSweep],
     attribution: Mapping[str, AttributionSweep],
@@ -374,7 +395,7 @@ def plan_stages(
         st = sw.stage
         stages.append(PlanStage(f"exact {d}", describe_cells(sw.cells), len(sw.cells), n_pairs, st.n_runs,
                                 st.cost(), st.forward_cost(), done=st.n_done,
-                                extra=_forwards(len(st.prepared.groups), "unpatched")))
+                                extra=_forwards(len(st.prepared.groups), "unpatched"), **_memory(st)))
     for d, at in attribution.items():
         n_groups = len(at.prepared.groups)
         stages.append(PlanStage(f"attribution {d}", describe_cells(at.cells), len(at.cells), n_pairs, 0,
@@ -388,13 +409,13 @@ def plan_stages(
     if topk is not None:
         stages.append(PlanStage("top-k recovery", f"{k_max} top + {k_max * n_random} random head sets (k = 1..{k_max})",
                                 topk.n_sets, n_pairs, topk.stage.n_runs, topk.stage.cost(), topk.stage.forward_cost(),
-                                unit="head sets"))
+                                unit="head sets", **_memory(topk.stage)))
     if ablation is not None:
         st = ablation.stage
         stages.append(PlanStage(f"mean ablation ({ablation.mode})", f"{ablation.n_sets} head sets", ablation.n_sets,
                                 n_pairs, st.n_runs, st.cost(), st.forward_cost() + ablation.means_cost(),
                                 extra=_forwards(len(ablation.prepared.groups), "plain") + " for the heads' means",
-                                unit="head sets", per_pair=2))
+                                unit="head sets", per_pair=2, **_memory(st)))
     return stages
 
 
@@ -449,3 +470,238 @@ def calibrate(
     plan.calibration = what + (" (kept)" if keep else "")
     if keep:
         checkpoints.save("calibration", {"seconds_per_mac": torch.tensor(rates, dtype=torch.float64)})
+
+
+# ---- memory: what a patching stage holds at its peak ---------------------------------------------
+#
+# "Peak" throughout is the most tensor memory a stage's run holds at once above what was held before
+# it started (the loaded model, the tokenized pairs): on CUDA `torch.cuda.max_memory_allocated()`
+# minus `torch.cuda.memory_allocated()` taken just before the run, on the CPU the resident set's high
+# water mark minus the resident set just before it. The figures follow what the engine and the
+# TransformerLens bridge allocate (measured op by op on Llama, GPT-2 and GPT-NeoX shapes):
+#   - a group's base pass: every story's keys and values for all layers, the activations the patched
+#     runs take their values from and the residual stream entering every block (all kept), plus one
+#     block's transient and the last position's logits over the whole vocabulary;
+#   - a patched forward of r rows: each row's copy of the shared prefix's keys and values for the
+#     layers it runs (`PrefixCache.select`, the whole width), plus one block's transient;
+#   - one block's transient: the bridge computes attention eagerly (also where HF would use sdpa):
+#     grouped-query keys and values expanded to every query head, the scores `[heads, new, keys]`
+#     in the model's dtype next to their fp32 softmax (and its cast back), the mask, the projections;
+#     or the MLP's intermediates, whichever is larger.
+#   - bridges whose attention keeps its last pattern on the module (TransformerLens's joint-QKV
+#     attention: GPT-2, GPT-NeoX) hold one pattern per layer from forward to forward.
+
+SOFTMAX_BYTES = 4  # Llama-style attention in the bridge softmaxes in fp32 whatever the model's dtype
+# What the counts above leave out: allocator rounding (CUDA rounds each block to 512 bytes), index
+# tables and small tensors, pages the CPU's allocator has not handed back yet. Measured op by op the
+# counts were 2-23% above the tensors actually live; this keeps the figure above the peak.
+HEADROOM, SLACK = 1.05, 2**20
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The sizes a forward's memory depends on, and the bytes of one element of the model's dtype."""
+
+    n_layers: int
+    d_model: int
+    n_heads: int
+    n_kv_heads: int
+    d_head: int
+    d_mlp: int
+    d_vocab: int
+    elt: int
+    keeps_patterns: bool = False
+    softmax_elt: int = 4  # bytes of an element of the attention softmax
+
+    @classmethod
+    def of_model(cls, model: Any) -> Shape:
+        """From a loaded bridge: its config, its dtype and which attention the bridge runs."""
+        cfg = model.cfg
+        dtype = getattr(cfg, "dtype", None) or next(model.parameters()).dtype
+        elt, joint = torch.finfo(dtype).bits // 8, _joint_qkv(model)
+        return cls(cfg.n_layers, cfg.d_model, cfg.n_heads, getattr(cfg, "n_key_value_heads", None) or cfg.n_heads,
+                   cfg.d_head, getattr(cfg, "d_mlp", None) or 4 * cfg.d_model, cfg.d_vocab, elt,
+                   keeps_patterns=joint, softmax_elt=elt if joint else SOFTMAX_BYTES)
+
+    @classmethod
+    def of_config(cls, config: Any, dtype: torch.dtype) -> Shape:
+        """From a Hugging Face Llama-style config, without building the model (benchmark shapes)."""
+        heads = config.num_attention_heads
+        d_head = getattr(config, "head_dim", None) or config.hidden_size // heads
+        return cls(config.num_hidden_layers, config.hidden_size, heads,
+                   getattr(config, "num_key_value_heads", None) or heads, d_head, config.intermediate_size,
+                   config.vocab_size, torch.finfo(dtype).bits // 8)
+
+
+def _joint_qkv(model: Any) -> bool:
+    """Whether the bridge runs TransformerLens's joint-QKV attention (GPT-2, GPT-NeoX style), which
+    softmaxes in the model's dtype and keeps its last pattern on the module (`_pattern`), so each
+    layer holds a forward's pattern until the next forward replaces it. (Llama-style attention
+    softmaxes in fp32 and keeps nothing.)"""
+    try:
+        from transformer_lens.model_bridge.generalized_components.joint_qkv_attention import (
+            JointQKVAttentionBridge,
+        )
+        return isinstance(model.blocks[0].attn, JointQKVAttentionBridge)
+    except (ImportError, AttributeError, IndexError, TypeError):
+        return False
+
+
+def kv_bytes(shape: Shape, width: int, layers: int) -> int:
+    """Keys AND values of one story: per layer, per KV head, `d_head` per token."""
+    return layers * 2 * shape.n_kv_heads * shape.d_head * width * shape.elt
+
+
+def pattern_bytes(shape: Shape, new: int, keys: int) -> int:
+    """One layer's attention pattern of one row, `[heads, new, keys]` in the model's dtype."""
+    return shape.n_heads * new * keys * shape.elt
+
+
+def block_bytes(shape: Shape, new: int, keys: int) -> int:
+    """One row's transient inside one block at its peak: attention or the MLP, whichever is larger
+    (the residual stream beside either is counted by the caller)."""
+    e = shape.elt
+    expanded = 2 * shape.n_heads * keys * shape.d_head * e if shape.n_kv_heads != shape.n_heads else 0
+    scores = shape.n_heads * new * keys * (e + shape.softmax_elt + (e if e != shape.softmax_elt else 0))
+    mask = new * keys * e
+    projections = new * (5 * shape.n_heads + 4 * shape.n_kv_heads) * shape.d_head * e
+    mlp = 4 * new * shape.d_mlp * e + pattern_bytes(shape, new, keys)  # the block holds its pattern until it returns
+    return max(expanded + scores + mask + projections, mlp)
+
+
+def row_bytes(shape: Shape, width: int, new: int, first_layer: int = 0, *, prefix: bool = True,
+              vocab: int = 2) -> int:
+    """Peak memory of one patched row: its copy of the shared prefix's keys and values over the
+    layers it runs (the whole `width`; layers below `first_layer` share layer 0's), the residual
+    stream of its `new` columns (and, starting above block 0, the base run's stream entering
+    `first_layer`, taken at the whole width before it is sliced), one block's transient and the
+    logits of `vocab` tokens at the last position. Without a prefix (`prefix=False`: every column
+    recomputed) nothing is cached and the keys are the new columns. Rows are independent, so a
+    forward of r rows takes r times this."""
+    runs = shape.n_layers - first_layer
+    cached = kv_bytes(shape, width, runs + (1 if first_layer > 0 else 0)) if prefix else 0
+    keys = width if prefix else new
+    resid = 3 * new * shape.d_model * shape.elt
+    skipped = width * shape.d_model * shape.elt if first_layer > 0 else 0  # the base run's stream, whole width
+    own_patterns = runs * pattern_bytes(shape, new, keys) if shape.keeps_patterns else 0
+    return cached + resid + skipped + own_patterns + max(block_bytes(shape, new, keys), vocab * shape.elt)
+
+
+def hook_width(shape: Shape, hook: str) -> int:
+    """Elements per token of a recorded activation: a head hook's every head, else the stream."""
+    return shape.n_heads * shape.d_head if ".attn.hook_" in hook else shape.d_model
+
+
+def base_bytes(shape: Shape, width: int, hooks: Sequence[str]) -> tuple[int, int]:
+    """(peak, kept) of one story in a group's base pass: kept are its keys and values for every layer
+    and the activations at `hooks` (sources and the residual stream entering each block); the peak
+    adds one block's transient, or the last position's logits over the whole vocabulary. Patterns a
+    bridge keeps (`Shape.keeps_patterns`) are not in it: `stage_memory` counts them per layer."""
+    kept = kv_bytes(shape, width, shape.n_layers) + sum(width * hook_width(shape, h) for h in hooks) * shape.elt
+    transient = max(block_bytes(shape, width, width), shape.d_vocab * shape.elt)
+    return kept + 3 * width * shape.d_model * shape.elt + transient, kept
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """A stage's peak (bytes above what was held before it ran, see the section's comment) and what
+    makes it: a base pass of `base_rows` stories, or the largest patched forward of `rows` rows."""
+
+    peak: int
+    base_peak: int = 0
+    kept: int = 0
+    forward_peak: int = 0
+    rows: int = 0
+    base_rows: int = 0
+
+    def line(self) -> str:
+        mib = 2**20
+        return (f"peak ~{self.peak / mib:,.0f} MiB above the loaded model (base pass of {self.base_rows} stories "
+                f"{self.base_peak / mib:,.0f} MiB, keeping {self.kept / mib:,.0f} MiB; patched forwards of up to "
+                f"{self.rows:,} rows {self.forward_peak / mib:,.0f} MiB)")
+
+
+def _forward_chunks(model: Any, width: int, starts: Sequence[int], firsts: Sequence[int],
+                    budget: float) -> list[tuple[int, int, int]]:
+    """(rows, first column, first block) of each forward `run_patched` makes of these runs: the same
+    order and the same greedy cut at `budget` bytes by the engine's own `_row_bytes`."""
+    order = sorted(range(len(starts)), key=lambda i: (-firsts[i], -starts[i]))
+    out: list[tuple[int, int, int]] = []
+    a = 0
+    while a < len(order):
+        b, start, first = a + 1, starts[order[a]], firsts[order[a]]
+        while b < len(order) and b - a < 4096:
+            s2, f2 = min(start, starts[order[b]]), min(first, firsts[order[b]])
+            if (b - a + 1) * engine._row_bytes(model, width, width - s2, f2) > budget:
+                break
+            start, first, b = s2, f2, b + 1
+        out.append((b - a, start, first))
+        a = b
+    return out
+
+
+def _patch_bytes(shape: Shape, runs: Sequence[Any]) -> int:
+    """The values a forward's hooks write, gathered before it: per patched column one head's or
+    the stream's vector, with its four indices."""
+    return sum(len(cols) * ((shape.d_head if head >= 0 else shape.d_model) * shape.elt + 32)
+               for run in runs for _, _, head, cols, _ in run.patches)
+
+
+def _group_forwards(stage: engine.Stage, gi: int, shape: Shape, shortcuts: bool,
+                    budget: float) -> tuple[int, int, int]:
+    """(bytes, rows) of group `gi`'s largest patched forward, less the patterns a bridge keeps, and
+    the largest pattern one layer of any of its forwards keeps (0 unless `Shape.keeps_patterns`)."""
+    group = stage.prepared.groups[gi]
+    width = group.width
+    plain = replace(shape, keeps_patterns=False)
+    vocab = len({t for row in group.answer_ids or [] for t in row}) or 2
+    peak, rows, pattern = 0, 0, 0
+    for c in (c for c in stage.chunks if c.group == gi):
+        runs = stage.runs[gi][c.lo : c.hi]
+        starts = [r.start if shortcuts else 0 for r in runs]
+        firsts = [r.layer if shortcuts and 0 < r.layer < shape.n_layers else 0 for r in runs]
+        order = sorted(range(len(runs)), key=lambda i: (-firsts[i], -starts[i]))
+        at = 0
+        for r, start, first in _forward_chunks(stage.model, width, starts, firsts, budget):
+            cached = shortcuts and start > 0
+            size = r * row_bytes(plain, width, width - start, first, prefix=cached, vocab=vocab)
+            size += _patch_bytes(shape, [runs[i] for i in order[at : at + r]])
+            if size > peak:
+                peak, rows = size, r
+            if shape.keeps_patterns:
+                pattern = max(pattern, r * pattern_bytes(shape, width - start, width if cached else width - start))
+            at += r
+    return peak, rows, pattern
+
+
+def stage_memory(stage: engine.Stage) -> MemoryEstimate:
+    """The peak of running `stage` (a `tomlens.patching.engine.Stage`): per group, the base pass, or
+    what it keeps plus its largest patched forward, whichever is larger.
+
+    Two things outlive the forward that made them and are counted too: the previous group's kept
+    activations while the next base pass runs (`Stage.run` still holds them then), and, where the
+    bridge keeps each layer's last pattern, one pattern per layer, the largest any of the stage's
+    forwards so far left there (a forward's own pattern replaces its layer's older one; patterns
+    left by forwards before the stage are part of what was held before it, never a rise).
+    Attribution stages (gradients) are not estimated here."""
+    model, shape = stage.model, Shape.of_model(stage.model)
+    shortcuts = stage.reuse_prefix and engine.shortcuts_verdict(model) is not False
+    resid = [hook_name(Site("resid_pre", layer)) for layer in range(1, shape.n_layers)] if shortcuts else []
+    hooks = sorted(set(stage.hooks) | set(resid))
+    budget = min(stage.memory_mb, engine._MEMORY_CAP.get(model, stage.memory_mb)) * 2**20
+    best, kept_before, pattern, layers = MemoryEstimate(0), 0, 0, shape.n_layers
+    for gi, group in enumerate(stage.prepared.groups):
+        n = 2 * group.g
+        base_peak, kept = (x * n for x in base_bytes(shape, group.width, hooks))
+        own = n * pattern_bytes(shape, group.width, group.width) if shape.keeps_patterns else 0
+        # finished blocks hold this pass's pattern or an older one; the running block both (the
+        # older until it returns; its own is in its transient)
+        base_peak += (layers - 1) * max(pattern, own) + pattern
+        fwd, rows, chunk_pattern = _group_forwards(stage, gi, shape, shortcuts, budget)
+        pattern = max(pattern, own, chunk_pattern)
+        fwd += layers * pattern
+        peak = int(HEADROOM * max(kept_before + base_peak, kept + fwd)) + SLACK
+        if peak > best.peak:
+            best = MemoryEstimate(peak, base_peak, kept, fwd, rows, n)
+        kept_before = kept
+    return best

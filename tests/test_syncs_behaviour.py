@@ -1,0 +1,66 @@
+"""Behaviour scoring makes no host sync per row, per option or per batch: every batch's option
+log-probs stay on the device and come to the host in one move per call, so the count of sync ops
+does not grow with the number of prompts or the depth of the model.
+
+Before the change, `score_options` read each option's log-probs back with one `.tolist()`:
+16 syncs for 8 stimuli, 32 for 16 (2 options each), on every tiny model."""
+
+from __future__ import annotations
+
+import pytest
+from syncs import count_syncs, tiny_with_layers
+
+from tomlens.behaviour.scoring import score_options
+from tomlens.models.tokens import option_first_tokens
+from tomlens.stimuli.records import Stimulus
+
+pytestmark = pytest.mark.integration
+
+# One `.tolist()` of the stacked log-probs at the end of the call; nothing else reads the device.
+SCORING_SYNCS = 1
+
+STORIES = [
+    ("Anna puts the ring in the drawer and leaves. She will look for the ring in the", ("drawer", "jewelry box")),
+    ("The cat jumps out of the", ("basket", "box")),
+    ("Tom puts his ball in the cupboard and goes out to play. Tom looks in the", ("cupboard", "garden shed")),
+    ("Sally will look for her marble in the", ("basket", "box")),
+]
+
+
+def _stimuli(n: int) -> list[Stimulus]:
+    """`n` prompts cycling through stories with one- and multi-token options (shared and joint rows)."""
+    return [Stimulus(id=f"s{i}", text=STORIES[i % 4][0], options=STORIES[i % 4][1], answer=STORIES[i % 4][1][i % 2])
+            for i in range(n)]
+
+
+def _scoring_syncs(model, n: int, batch_size: int = 8) -> int:
+    score_options(model, _stimuli(n), batch_size=batch_size, progress=False)  # warm-up outside the count
+    with count_syncs() as c:
+        score_options(model, _stimuli(n), batch_size=batch_size, progress=False)
+    return c.total
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gpt2"])
+def test_scoring_syncs_do_not_grow_with_prompts(name, load_tiny):
+    model = load_tiny(name)
+    n8, n16 = _scoring_syncs(model, 8), _scoring_syncs(model, 16)
+    assert n8 == n16 <= SCORING_SYNCS, (n8, n16)
+    # one batch of 16 or sixteen batches of 1: the same single move
+    assert _scoring_syncs(model, 16, batch_size=1) == n16
+
+
+def test_scoring_syncs_do_not_grow_with_layers(tmp_path):
+    shallow = _scoring_syncs(tiny_with_layers("tiny-llama", 2, tmp_path / "l2"), 8)
+    deep = _scoring_syncs(tiny_with_layers("tiny-llama", 6, tmp_path / "l6"), 8)
+    assert shallow == deep <= SCORING_SYNCS, (shallow, deep)
+
+
+def test_option_first_tokens_reads_only_the_tokenizer(load_tiny):
+    """The table comes from the tokenizer's output: no device read, no sync, at any size."""
+    model = load_tiny("tiny-llama")
+    for n in (8, 16):
+        stimuli = _stimuli(n)
+        with count_syncs() as c:
+            table = option_first_tokens(model, stimuli, [s.options for s in stimuli])
+        assert c.total == 0, c.summary()
+        assert table.shape == (n, 2) and table.device.type == "cpu"
