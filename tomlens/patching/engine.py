@@ -104,19 +104,17 @@ def base_pass(
 
 
 def _row_bytes(model, width: int, new: int, first_layer: int = 0) -> int:
-    """Rough memory of one patched row: its KV cache over the layers it runs, one layer's transient
-    activations and attention scores for the recomputed columns, and the last-token logits."""
-    cfg = model.cfg
-    n_kv = getattr(cfg, "n_key_value_heads", None) or cfg.n_heads
-    d_mlp = getattr(cfg, "d_mlp", None) or 4 * cfg.d_model
-    elt = torch.finfo(getattr(cfg, "dtype", torch.float32) or torch.float32).bits // 8
-    floats = (
-        (cfg.n_layers - first_layer + 1) * 2 * n_kv * cfg.d_head * width
-        + new * (12 * cfg.d_model + 4 * d_mlp)
-        + 4 * cfg.n_heads * new * width
-        + 2 * cfg.d_vocab
-    )
-    return int(1.5 * floats * elt)
+    """Memory of one patched row, as the plan counts it (`plan.row_bytes`, tensor by tensor), so the
+    chunks this engine cuts hold `memory_mb` and the plan's memory figure describes what ran."""
+    from tomlens.patching.plan import Shape, row_bytes  # plan imports this module
+
+    shape = _SHAPES.get(model)
+    if shape is None:
+        shape = _SHAPES[model] = Shape.of_model(model)
+    return row_bytes(shape, width, new, first_layer)
+
+
+_SHAPES: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
 
 
 def _entries(chunk: Sequence[Run], sources: Mapping[str, Tensor]) -> dict[str, PatchIndex]:
@@ -529,6 +527,7 @@ class Stage:
                 mine = [c for c in todo if c.group == gi]
                 if not mine and (chunks is not None or self.base[gi] is not None):
                     continue
+                bp = sources = None  # the last group's base pass is freed before the next one is made
                 bp = self._prepare(gi, checkpoints)
                 sources = bp.sources if self.sources is None else self.sources(group)
                 for c in mine:
