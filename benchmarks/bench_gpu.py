@@ -280,9 +280,10 @@ def model_sections(name: str, args: argparse.Namespace) -> dict[str, Any]:
           f"(eager {out['cache']['ratio_vs_eager']:.2f}, sdpa {out['cache']['ratio_vs_sdpa']:.2f}) "
           f"[{time.perf_counter() - t0:.0f} s]", flush=True)
     lengths = sorted(stimuli, key=lambda s: len(s.text))
-    out["sdpa"] = sdpa_section(name, lengths, args.batch_size)
-    print(f"  sdpa: {json.dumps({k: v for k, v in out['sdpa'].items() if k != 'sdpa_padded_top_kernels'})}",
-          flush=True)
+    if name in args.sdpa_models:
+        out["sdpa"] = sdpa_section(name, lengths, args.batch_size)
+        print(f"  sdpa: {json.dumps({k: v for k, v in out['sdpa'].items() if k != 'sdpa_padded_top_kernels'})}",
+              flush=True)
     model = load_model(name, device=DEVICE, dtype=dtype())
     out["syncs"] = sync_section(model, stimuli, args.batch_size) if DEVICE == "cuda" else {
         "syncs_per_extra_batch": "not measured off CUDA"}
@@ -322,6 +323,7 @@ def main() -> int:
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--behaviour-prompts", type=int, default=128)
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--sdpa-models", nargs="*", default=["random-llama-1b"], help="models to run the sdpa diagnosis on")
     p.add_argument("--patching-model", default="random-llama-1b")
     p.add_argument("--pairs", type=int, default=8)
     p.add_argument("--patching-budget-s", type=float, default=60.0)
@@ -347,11 +349,12 @@ def main() -> int:
     import transformers
 
     result["transformers"] = transformers.__version__
-    for name in args.models:
+    for name in args.models:  # each result is written as soon as it is in: a killed run keeps what finished
         result["models"][name] = model_sections(name, args)
         Path(args.out).write_text(json.dumps(result, indent=2, default=str))
-    if not args.skip_patching:
-        result["patching"] = patching_section(args)
+        if name == args.patching_model and not args.skip_patching:
+            result["patching"] = patching_section(args)
+            Path(args.out).write_text(json.dumps(result, indent=2, default=str))
     result["ratios"] = ratios(result)
     Path(args.out).write_text(json.dumps(result, indent=2, default=str))
     print(f"\n=== summary on {result['device']} (ratios measured side by side in this run) ===")
@@ -368,8 +371,9 @@ def ratios(result: dict[str, Any]) -> dict[str, Any]:
         out[f"{name} behaviour: time vs fastest transformers forward"] = round(r["behaviour"]["ratio_vs_fastest"], 2)
         out[f"{name} probes: GPU speed-up over CPU (x)"] = round(r["probes"]["speedup_gpu_vs_cpu"], 1)
         out[f"{name} syncs per extra cached batch (target 0)"] = r["syncs"]["syncs_per_extra_batch"]
-        sd = r["sdpa"]
-        out[f"{name} sdpa / eager on one padded batch"] = round(sd["sdpa_padded_s"] / sd["eager_padded_s"], 2)
+        if "sdpa" in r:
+            sd = r["sdpa"]
+            out[f"{name} sdpa / eager on one padded batch"] = round(sd["sdpa_padded_s"] / sd["eager_padded_s"], 2)
     patching = result.get("patching", {})
     out.update({f"patching {k}": v for k, v in patching.get("ratios", {}).items()})
     return out
