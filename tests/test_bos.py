@@ -120,8 +120,7 @@ def test_a_folder_converted_with_forced_bos_is_repaired(tmp_path):
 @pytest.mark.parametrize("prepend_bos", [None, True])
 def test_tiny_scores_equal_plain_transformers(name, prepend_bos):
     from tomlens.models.embedded import load_tokenizer as embedded_tokenizer
-    from tomlens.models.embedded import tokenizer_dir
-    from tomlens.models.tiny import build_tiny
+    from tomlens.models.tiny import build_tiny, tokenizer_dir
 
     model = load_model(name, device="cpu", dtype="float32", prepend_bos=prepend_bos)
     stimuli = _stimuli()

@@ -58,7 +58,7 @@ def long_pairs(tokenizer, filler, n=4):
 def wide_model(arch, folder, dtype, device):
     """A Llama (grouped-query attention, rotary) or a GPT-2 (joint QKV, learned positions) of 2 blocks
     with 32 heads of 8 dims: little compute, large attention scores."""
-    from tomlens.models import embedded, load_model
+    from tomlens.models import embedded, load_model, tiny
 
     if arch == "llama":
         from transformers import LlamaConfig
@@ -71,7 +71,7 @@ def wide_model(arch, folder, dtype, device):
                             architectures=["GPT2LMHeadModel"])
     config.update({"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2})
     config.save_pretrained(folder)
-    embedded.load_tokenizer(embedded.tokenizer_dir()).save_pretrained(folder)
+    embedded.load_tokenizer(tiny.tokenizer_dir()).save_pretrained(folder)
     return load_model(f"random:{folder}", dtype=dtype, device=device)
 
 
