@@ -29,7 +29,7 @@ def add_model_options(p: argparse.ArgumentParser, *, weights: bool = True) -> No
     p.add_argument("--revision", default=None, help="hub commit, branch or tag to pin (hub ids only)")
     if weights:
         p.add_argument("--dtype", default=None, help="model dtype (default: bf16 on GPU, fp32 on CPU)")
-        p.add_argument("--device", default=None, help="device (default: CUDA when present, else CPU)")
+        p.add_argument("--device", default=None, help="device (default: $TOMLENS_DEVICE, else CUDA when present, else CPU)")
     p.add_argument("--seed", type=int, default=0, help="random seed (and the weights of random-init models)")
     add_prepend_bos(p)
 
