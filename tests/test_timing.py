@@ -11,6 +11,7 @@ from tomlens import timing
 def test_time_call_warms_up_and_synchronises_around_the_timed_call(monkeypatch):
     events: list[str] = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: events.append("sync"))
     seconds = timing.time_call(lambda: events.append("call"))
     # warm-up, then the timed call between two synchronisations (queued kernels finish before the clock)

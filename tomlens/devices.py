@@ -100,7 +100,9 @@ def to_device(host: Any, device: torch.device | str) -> torch.Tensor:
     A plain `.to("cuda")` or `torch.tensor(..., device="cuda")` from the host ends in a stream
     synchronize: the host waits for every queued kernel before it can go on. `non_blocking=True`
     from host memory queues the copy instead (CUDA stages pageable memory at once, so the source
-    may be freed right after). On the CPU it is a no-op copy-free move.
+    may be freed right after; a table of many megabytes may still wait while it is staged, which
+    is why the hot loops move small index tables and keep large data on the device). On the CPU it
+    is a no-op copy-free move.
     """
     tensor = host if isinstance(host, torch.Tensor) else torch.tensor(host)
     return tensor.to(device, non_blocking=torch.device(device).type == "cuda")

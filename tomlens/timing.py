@@ -15,9 +15,11 @@ import torch
 
 
 def synchronise() -> None:
-    """Wait for queued GPU work (a no-op without CUDA)."""
+    """Wait for queued GPU work on every visible GPU (a model on cuda:1 queues there, not on the
+    current device); a no-op without CUDA."""
     if torch.cuda.is_available():
-        torch.cuda.synchronize()
+        for index in range(torch.cuda.device_count()):
+            torch.cuda.synchronize(index)
 
 
 def time_call(fn: Callable[[], Any], *, warm_up: bool = True) -> float:

@@ -108,10 +108,11 @@ def _row_bytes(model, width: int, new: int, first_layer: int = 0) -> int:
     chunks this engine cuts hold `memory_mb` and the plan's memory figure describes what ran."""
     from tomlens.patching.plan import Shape, row_bytes  # plan imports this module
 
-    shape = _SHAPES.get(model)
-    if shape is None:
-        shape = _SHAPES[model] = Shape.of_model(model)
-    return row_bytes(shape, width, new, first_layer)
+    dtype = next(model.parameters()).dtype
+    cached = _SHAPES.get(model)
+    if cached is None or cached[0] != dtype:  # a model cast after its first run is costed anew
+        cached = _SHAPES[model] = (dtype, Shape.of_model(model))
+    return row_bytes(cached[1], width, new, first_layer)
 
 
 _SHAPES: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
@@ -327,7 +328,7 @@ class _Landing:
         host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
         host.copy_(t, non_blocking=True)
         event = torch.cuda.Event()
-        event.record()
+        event.record(torch.cuda.current_stream(t.device))  # the copy's stream, on the model's GPU (cuda:1 too)
         return cls(host, event)
 
     def wait(self) -> Tensor:
