@@ -18,7 +18,9 @@ What it sees:
   - `Tensor.item`, `int(t)`, `float(t)`, `bool(t)` and `t.__index__()` as Python calls too: under
     `torch.inference_mode()` a CPU tensor's scalar read skips the dispatcher (the mode never sees
     it), so these are counted where they are called, once, as `_local_scalar_dense` / `is_nonzero`.
-What it cannot see: syncs inside a kernel on a real GPU (none on CPU), and host reads of tensors
+What it cannot see: `.to("cpu")` / `.to(device)` (on a CPU run every device is the host, so a move
+to the model's device and a move to the host look alike; the gpu tier's count, made by CUDA itself
+with `torch.cuda.set_sync_debug_mode`, sees them), syncs inside a kernel on a real GPU, and host reads of tensors
 that are legitimately on the host (a plan built from tokenizer output) are no syncs at all, so a
 loop is free to use Python lists and numpy.
 """
