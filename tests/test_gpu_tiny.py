@@ -132,6 +132,19 @@ def test_cached_activations_on_cuda_equal_the_cpus(load_tiny, on_gpu, transfer, 
                         what=f"{kind} at {position}")
 
 
+def test_a_cache_written_in_many_shards_on_cuda_equals_the_cpus(load_tiny, on_gpu, transfer, tmp_path):
+    """Several shards: each waits for its batches' non-blocking copies into pinned memory before it
+    is written, while later batches run (one shard alone would not show a copy read too early)."""
+    kw = dict(batch_size=2, shard_rows=3, flush_seconds=1e9, progress=False)
+    want = cache_activations(load_tiny("tiny-llama"), transfer, SITES, POSITIONS, store=tmp_path / "cpu", **kw)
+    got = cache_activations(on_gpu("tiny-llama", "float32"), transfer, SITES, POSITIONS, store=tmp_path / "gpu", **kw)
+    assert not got.reused
+    for kind in want.kinds:
+        for position in POSITIONS:
+            assert_near(got.get(kind, position), want.get(kind, position), "float32", rel16=3e-2,
+                        what=f"{kind} at {position}")
+
+
 # ---------------------------------------------------------------------------------------------- probes
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_probe_fits_on_cuda_equal_the_cpus(load_tiny, transfer, tmp_path, cuda, dtype):
@@ -176,6 +189,25 @@ def test_exact_patching_on_cuda_equals_the_cpus(load_tiny, on_gpu, name, dtype):
     want = exact_patching(cpu, pairs, sites=PATCH_SITES, batch_pairs=2, progress=False)
     got = exact_patching(gpu, pairs, sites=PATCH_SITES, batch_pairs=2, progress=False)
     _compare_patching(got, want, dtype)
+
+
+def test_checkpointed_exact_patching_on_cuda_equals_the_cpus_and_resumes(load_tiny, on_gpu, tmp_path):
+    """Small chunks written to checkpoints while the next chunk runs (each landing waited for by its
+    CUDA event); a second run from the checkpoints gives the same values."""
+    from tomlens.patching.checkpoints import Checkpoints
+
+    cpu, gpu = load_tiny("tiny-llama"), on_gpu("tiny-llama", "float32")
+    pairs = short_pairs(cpu.tokenizer, 3)
+    want = exact_patching(cpu, pairs, sites=PATCH_SITES, batch_pairs=2, progress=False)
+    store = Checkpoints(tmp_path, {"pairs": "gpu", "positions": ["final"]})
+    got = exact_patching(gpu, pairs, sites=PATCH_SITES, batch_pairs=2, checkpoints=store, chunk_runs=2,
+                         progress=False)
+    _compare_patching(got, want, "float32")
+    saved = store.saved
+    again = exact_patching(gpu, pairs, sites=PATCH_SITES, batch_pairs=2, checkpoints=store, chunk_runs=2,
+                           progress=False)
+    assert store.saved == saved and store.loaded >= saved  # nothing ran again
+    torch.testing.assert_close(again.values, got.values, rtol=0, atol=0, equal_nan=True)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
