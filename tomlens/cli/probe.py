@@ -18,7 +18,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "of the stories and scored on the other half, with a max-statistic permutation null; that "
         "held-out score and its verdict (found, or withheld with the reason) lead the output. A unit whose probe "
         "cannot be fitted (NaN activations, a failed solve) keeps its rows with NaN scores and a "
-        "fit_status reason; one line says how many and why.",
+        "fit_status reason; one line says how many and why. Before fitting it prints its plan: the fits of "
+        "each stage and the estimated time; --budget-minutes refuses a plan over budget.",
     )
     p.add_argument("--stimuli", required=True, help="stimulus file (JSONL or CSV)")
     p.add_argument("--target", nargs="+", default=["protagonist_belief"],
@@ -33,7 +34,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--probe", default="logistic", choices=["logistic", "mass_mean"])
     p.add_argument("--store", default=None, help="activation store root (default: the tomlens cache dir)")
     p.add_argument("--folds", type=int, default=5, help="outer grouped folds (default 5)")
-    p.add_argument("--inner-folds", type=int, default=4, help="grouped folds for choosing C (default 4)")
+    p.add_argument("--inner-folds", type=int, default=3, help="grouped folds for choosing C (default 3)")
     p.add_argument("--evaluation", default="crossfit", choices=["crossfit", "holdout"],
                    help="crossfit: every story held out once; holdout: one held-out fold")
     p.add_argument("--group-by", default="task", choices=["task", "template", "cue"],
@@ -60,6 +61,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="also cache and sweep random:MODEL (same architecture, fresh weights, same seed) "
                    "and add its score as the baseline_random_init column (default on; --no-random-twin "
                    "skips it)")
+    p.add_argument("--budget-minutes", type=float, default=None, metavar="M",
+                   help="refuse, before any fit, a plan whose estimated time is over M minutes (default 60; "
+                   "0 or less: no limit). The plan (fits per stage and the estimate, from one small timed fit "
+                   "per site kind) is printed before fitting either way")
     p.add_argument("--format", default="parquet", choices=["parquet", "csv"], help="table format")
     p.add_argument("--batch-size", type=int, default=None, help="prompts per forward when caching")
     add_model_options(p)
@@ -82,7 +87,9 @@ def run(args: argparse.Namespace) -> int:
         bow=not args.no_bow, conditions=not args.no_conditions, batch_size=args.batch_size, seed=args.seed,
         format=args.format, selection=not args.no_selection, selection_fraction=args.selection_fraction,
         n_permutations=probes.DEFAULT_PERMUTATIONS if args.permutations is None else args.permutations,
-        random_twin=args.random_twin)
+        random_twin=args.random_twin,
+        budget_minutes=probes.DEFAULT_BUDGET_MINUTES if args.budget_minutes is None
+        else (args.budget_minutes if args.budget_minutes > 0 else None))
     result = probes.run(config, progress=not args.no_progress)
     out = result.save(args.out)
     figures = write_probe_figures(result.table, out, selection=result.selection)

@@ -20,6 +20,7 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
+from tomlens.devices import to_device
 from tomlens.errors import TomlensError
 
 
@@ -53,9 +54,9 @@ class Probe(ABC):
     def decision_function(self, X: Float[Tensor, "unit n d"]) -> Float[Tensor, "unit n k"]:
         """Signed distance to the decision boundary: one column (binary) or one per class."""
         self._check_X(X)
-        coef = self.coef_.to(X.device)
+        coef = to_device(self.coef_, X.device)  # queued, not waited for, where X is on a GPU
         Xc = X.to(coef.dtype) if X.dtype != coef.dtype else X
-        return torch.bmm(Xc, coef.transpose(1, 2)) + self.intercept_.to(X.device).unsqueeze(1)
+        return torch.bmm(Xc, coef.transpose(1, 2)) + to_device(self.intercept_, X.device).unsqueeze(1)
 
     def predict_proba(self, X: Float[Tensor, "unit n d"]) -> Float[Tensor, "unit n c"]:
         """Class probabilities (one-vs-rest probabilities normalised, as scikit-learn does)."""

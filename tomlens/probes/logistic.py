@@ -15,6 +15,10 @@ A unit that cannot be fitted does not stop the others: its fit status (`FIT_STAT
 over its cross-validation and final fits) says why, and its coefficients and C are NaN when it
 failed ("solver_failed", "non_finite_input"). Units with NaN or inf activations never enter the
 arithmetic shared with other units.
+
+Everything runs on the fit's device, and the host reads back nothing per unit, fold or C value:
+the solver looks at its batch every few Newton steps (`cadence`), each fold's reduction reads its
+units' ranks once (to batch them by width), and the results come back in one copy per call.
 """
 
 from __future__ import annotations
@@ -30,10 +34,11 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from tomlens.devices import resolve_device
+from tomlens.devices import resolve_device, to_device
 from tomlens.errors import TomlensError
+from tomlens.probes.cadence import check_every as check_every_steps
 from tomlens.probes.base import Probe, encode_labels, one_vs_rest, scores_to_index, scores_to_proba
-from tomlens.probes.newton import FIT_STATUS, NON_FINITE_INPUT, NOT_CONVERGED, SOLVER_FAILED, newton_logistic
+from tomlens.probes.newton import FIT_STATUS, NON_FINITE_INPUT, NOT_CONVERGED, SOLVER_FAILED, Workspace, newton_logistic
 from tomlens.probes.reduce import BlockSums, RowBasis, Standardiser, reduce_rows, scale_spread
 from tomlens.probes.splits import Split, as_codes, group_kfold
 
@@ -89,18 +94,19 @@ def _unit_chunks(u: int, n: int, d: int, j: int, budget_bytes: float) -> list[sl
     return [slice(a, min(a + size, u)) for a in range(0, u, size)]
 
 
-def rank_buckets(ranks: Int[Tensor, " u"], ratio: float = 1.25, slack: int = 8) -> list[tuple[Tensor, int]]:
-    """Group units of similar rank, so each Newton batch is only as wide as its widest member.
+def rank_buckets(ranks: Sequence[int], ratio: float = 1.25, slack: int = 8) -> list[tuple[list[int], int]]:
+    """Group units of similar rank (known on the host), so each Newton batch is only as wide as
+    its widest member: (unit indices, width) per group.
 
     One dead head (constant output, whose standardised rounding noise has nearly full rank) would
     otherwise make every head's problem as wide as its own."""
-    order = torch.argsort(ranks, stable=True)
-    out: list[tuple[Tensor, int]] = []
+    order = sorted(range(len(ranks)), key=lambda i: ranks[i])  # stable, as argsort(stable=True)
+    r = [int(ranks[i]) for i in order]
+    out: list[tuple[list[int], int]] = []
     start = 0
-    r = ranks[order].tolist()
     for i in range(1, len(r) + 1):
         if i == len(r) or r[i] > max(r[start] * ratio, r[start] + slack):
-            out.append((order[start:i], max(int(r[i - 1]), 1)))
+            out.append((order[start:i], max(r[i - 1], 1)))
             start = i
     return out
 
@@ -111,29 +117,30 @@ def _solve_dtype(device: torch.device) -> torch.dtype:
     return torch.float64 if device.type == "cpu" else torch.float32
 
 
-def _fit_reduced(Z: Tensor, T: Tensor, inv_c: Tensor, beta0: Tensor | None,
-                 max_iter: int, tol: float, ranks: Tensor | None = None) -> tuple[Tensor, int, Tensor]:
-    """Newton on reduced training features `Z` [u, m, r]; `T` [j, m] targets shared by all units.
+def _fit_reduced(Z: Tensor, T: Tensor, inv_c: Tensor, beta0: Tensor | None, max_iter: int, tol: float,
+                 buckets: list[tuple[Tensor, int]], every: int, ws: Workspace) -> tuple[Tensor, Tensor, Tensor]:
+    """Newton on reduced training features `Z` [u, m, r]; `T` [m, j] targets (on Z's device)
+    shared by all units.
 
-    Units are solved in buckets of similar `ranks` (the leading columns that carry data); the
-    returned `beta` [u, j, r+1] has zeros in each unit's unused columns and the intercept last;
-    the status [u, j] of every fit comes with it."""
+    Units are solved in `buckets` of similar rank (device indices, and the leading columns that
+    carry data); the returned `beta` [u, j, r+1] has zeros in each unit's unused columns and the
+    intercept last; with it the most Newton steps any problem took (a device scalar) and the
+    status [u, j] of every fit. Nothing is read back here but the solver's own checks."""
     u, j = inv_c.shape
     m, r = Z.shape[1], Z.shape[2]
-    y = T.to(Z.device, torch.float64).T.unsqueeze(0)
+    y = T.unsqueeze(0)
     beta = torch.zeros(u, j, r + 1, dtype=torch.float64, device=Z.device) if beta0 is None else beta0.clone()
     status = torch.zeros(u, j, dtype=torch.long, device=Z.device)
-    iters = 0
-    buckets = [(torch.arange(u, device=Z.device), r)] if ranks is None else rank_buckets(ranks.cpu())
+    iters = torch.zeros((), dtype=torch.long, device=Z.device)
     for idx, rb in buckets:
-        idx = idx.to(Z.device)
         b0 = torch.cat([beta[idx, :, :rb], beta[idx, :, r:]], 2)
         res = newton_logistic(Z[idx, :, :rb], y.expand(idx.numel(), m, j), inv_c[idx], beta0=b0,
-                              max_iter=max_iter, tol=tol, solve_dtype=_solve_dtype(Z.device))
+                              max_iter=max_iter, tol=tol, solve_dtype=_solve_dtype(Z.device),
+                              check_every=every, validate=False, workspace=ws)
         beta[idx, :, :rb] = res.beta[..., :rb]
         beta[idx, :, r] = res.beta[..., rb]
         status[idx] = res.status
-        iters = max(iters, int(res.n_iter.max()))
+        iters = torch.maximum(iters, res.n_iter.max())
     return beta, iters, status
 
 
@@ -144,17 +151,23 @@ def _per_label(status: Tensor, L: int) -> Tensor:
 
 @dataclass
 class _Problem:
-    """One fold's reduced problem for a set of units: coordinates of all rows, per-unit ranks, and
-    the map from reduced solutions back to raw-space weights."""
+    """One fold's reduced problem for a set of units: coordinates of all rows, the Newton batches
+    (units of similar rank), and the map from reduced solutions back to raw-space weights."""
 
     Z: Tensor  # [u, n, r], rows in the chunk's order
-    ranks: Tensor  # [u]
+    buckets: list[tuple[Tensor, int]]  # (device unit indices, width) per Newton batch
     to_raw: Callable[[Tensor], tuple[Tensor, Tensor]]  # beta [u, j, r+1] -> (coef [u, j, d], intercept [u, j])
 
 
-def _problem(Xc: Tensor, sums: BlockSums | None, basis: RowBasis | None, include: Tensor | None,
-             train: Tensor, weights: bool) -> _Problem:
-    """Standardise on the blocks in `include` (None: no standardisation) and reduce."""
+def _device_buckets(ranks: Sequence[int], device: torch.device) -> list[tuple[Tensor, int]]:
+    return [(to_device(idx, device), width) for idx, width in rank_buckets(ranks)]
+
+
+def _problem(Xc: Tensor, sums: BlockSums | None, basis: RowBasis | None, basis_ranks: Sequence[int] | None,
+             include: Sequence[int] | None, train: Tensor, weights: bool, every: int) -> _Problem:
+    """Standardise on the blocks `include` (None: no standardisation) and reduce. With a row basis
+    the ranks are known on the host (`basis_ranks`); a per-fold reduction's ranks are read back
+    once here."""
     std = Standardiser.identity(Xc) if sums is None else Standardiser.from_blocks(sums, include)
     if basis is not None:
         Z, Wt = basis.standardised(std, weights)
@@ -162,49 +175,52 @@ def _problem(Xc: Tensor, sums: BlockSums | None, basis: RowBasis | None, include
         def to_raw(beta: Tensor) -> tuple[Tensor, Tensor]:
             return std.to_raw(torch.bmm(beta[..., :-1], Wt), beta[..., -1])
 
-        return _Problem(Z, basis.ranks, to_raw)
+        return _Problem(Z, _device_buckets(basis_ranks, Xc.device), to_raw)
     Xs = Xc if sums is None else std(Xc)
-    red = reduce_rows(Xs, train)
+    red = reduce_rows(Xs, train, every=every)
 
     def to_raw_k(beta: Tensor) -> tuple[Tensor, Tensor]:
         return std.to_raw(red.weights(Xs, beta[..., :-1]), beta[..., -1])
 
-    return _Problem(red.Z, red.ranks(red.Z[:, train.to(red.Z.device)]), to_raw_k if weights else _no_weights)
+    if red.pivots is None:  # the features themselves: every unit has all columns
+        ranks = [red.rank] * Xc.shape[0]
+    else:
+        ranks = red.ranks(red.Z[:, to_device(train, Xc.device)]).tolist()  # the one host read of this fold
+    return _Problem(red.Z, _device_buckets(ranks, Xc.device), to_raw_k if weights else _no_weights)
 
 
 def _no_weights(beta: Tensor) -> tuple[Tensor, Tensor]:
     raise RuntimeError("weights were not requested for this fold")
 
 
-def _cv_scores(Xc: Tensor, sums: BlockSums | None, basis: RowBasis | None, index: Tensor, n_classes: int,
-               folds: list[Split], c_grid: Sequence[float], max_iter: int, tol: float
-               ) -> tuple[Tensor, Tensor, int, Tensor]:
-    """Mean validation accuracy and log-loss per (label, unit, C) over folds (NaN where a fold's
-    fit failed), Newton iterations, and the worst fit status per (label, unit, C) over folds.
-
-    `index` [L, n]: class index of each row for each label vector; fold f's validation rows are
-    block f of `sums` (None: no standardisation)."""
-    u = Xc.shape[0]
+def _cv_scores(Xc: Tensor, sums: BlockSums | None, basis: RowBasis | None, basis_ranks: Sequence[int] | None,
+               index: Tensor, n_classes: int, folds: list[Split], c_grid: Sequence[float], max_iter: int,
+               tol: float, every: int, ws: Workspace) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Mean validation accuracy and log-loss over the folds, [L, u, grid] each, per label vector
+    (rows of `index`), the most Newton steps (a device scalar), and the worst fit status
+    [L, u, grid] of each C over the folds. A C that fails on some fold gets NaN accuracy and
+    log-loss, so it is never chosen over one that fitted everywhere."""
+    u, n, d = Xc.shape
     L = index.shape[0]
     kk = 1 if n_classes == 2 else n_classes
-    acc = torch.zeros(L, u, len(c_grid), dtype=torch.float64, device=Xc.device)
+    dev = Xc.device
+    acc = torch.zeros(L, u, len(c_grid), dtype=torch.float64, device=dev)
     nll = torch.zeros_like(acc)
-    status = torch.zeros(L, u, len(c_grid), dtype=torch.long, device=Xc.device)  # worst over folds, per C
-    iters = 0
+    status = torch.zeros(L, u, len(c_grid), dtype=torch.long, device=dev)  # worst over folds, per C
+    iters = torch.zeros((), dtype=torch.long, device=dev)
     order = sorted(range(len(c_grid)), key=lambda i: c_grid[i])
     for f, split in enumerate(folds):
         tr, va = split.train, split.test
-        include = torch.ones(len(folds), dtype=torch.bool)
-        include[f] = False
-        prob = _problem(Xc, sums, basis, include, tr, weights=False)
-        ztr, zv = prob.Z[:, tr.to(Xc.device)], prob.Z[:, va.to(Xc.device)]
-        T = torch.cat([one_vs_rest(index[l_][tr], n_classes) for l_ in range(L)])  # [L*kk, m]
-        yv = index[:, va].to(Xc.device)  # [L, nv]
+        include = [b for b in range(len(folds)) if b != f]
+        prob = _problem(Xc, sums, basis, basis_ranks, include, tr, weights=False, every=every)
+        ztr, zv = prob.Z[:, to_device(tr, dev)], prob.Z[:, to_device(va, dev)]
+        T = to_device(torch.cat([one_vs_rest(index[l_][tr], n_classes) for l_ in range(L)]).T.contiguous(), dev)
+        yv = to_device(index[:, va], dev)  # [L, nv]
         beta = None
         for ci in order:
-            inv_c = torch.full((u, L * kk), 1.0 / c_grid[ci], dtype=torch.float64, device=Xc.device)
-            beta, it, st = _fit_reduced(ztr, T, inv_c, beta, max_iter, tol, prob.ranks)
-            iters = max(iters, it)
+            inv_c = torch.full((u, L * kk), 1.0 / c_grid[ci], dtype=torch.float64, device=dev)
+            beta, it, st = _fit_reduced(ztr, T, inv_c, beta, max_iter, tol, prob.buckets, every, ws)
+            iters = torch.maximum(iters, it)
             st = _per_label(st, L)
             status[:, :, ci] = torch.maximum(status[:, :, ci], st)
             nan = torch.where(st >= SOLVER_FAILED, torch.nan, 0.0)  # [L, u]: NaN poisons this C
@@ -217,43 +233,56 @@ def _cv_scores(Xc: Tensor, sums: BlockSums | None, basis: RowBasis | None, index
     return acc / len(folds), nll / len(folds), iters, status
 
 
-def _fit_units(Xc: Tensor, sums: BlockSums | None, basis: RowBasis | None, index: Tensor, n_classes: int,
-               folds: list[Split], c_grid: tuple[float, ...], max_iter: int, tol: float
-               ) -> tuple[Tensor, Tensor, Tensor, Tensor | None, int, Tensor]:
-    """CV over the C grid, then the final fit on all rows: coef [L, u, k, d], intercept
-    [L, u, k], C [L, u], CV accuracy [L, u, grid] (None without CV), Newton iterations, and the
-    worst fit status [L, u] of the chosen C's cross-validation fits and the final fit (a C that
-    failed but was not chosen does not mark the unit)."""
+@dataclass
+class _UnitsFit:
+    """One set of units' fits, on the device: coef [L, u, k, d], intercept [L, u, k], C [L, u],
+    CV accuracy [L, u, grid] (None without CV), the most Newton steps (a scalar) and the worst fit
+    status [L, u] of the chosen C's cross-validation fits and the final fit."""
+
+    coef: Tensor
+    intercept: Tensor
+    C: Tensor
+    cv_accuracy: Tensor | None
+    iters: Tensor
+    status: Tensor
+
+
+def _fit_units(Xc: Tensor, sums: BlockSums | None, basis: RowBasis | None, basis_ranks: Sequence[int] | None,
+               index: Tensor, n_classes: int, folds: list[Split], c_grid: tuple[float, ...], max_iter: int,
+               tol: float, every: int, ws: Workspace) -> _UnitsFit:
+    """CV over the C grid, then the final fit on all rows (a C that failed but was not chosen
+    does not mark the unit)."""
     u, n, d = Xc.shape
     L = index.shape[0]
     kk = 1 if n_classes == 2 else n_classes
     dev = Xc.device
     acc = None
-    iters = 0
+    iters = torch.zeros((), dtype=torch.long, device=dev)
     status = torch.zeros(L, u, dtype=torch.long, device=dev)
     if folds:
-        acc, nll, iters, per_c = _cv_scores(Xc, sums, basis, index, n_classes, folds, c_grid, max_iter, tol)
+        acc, nll, iters, per_c = _cv_scores(Xc, sums, basis, basis_ranks, index, n_classes, folds, c_grid,
+                                            max_iter, tol, every, ws)
         pick = choose_c(acc, nll, c_grid)  # [L, u]
-        c_u = torch.tensor(c_grid, dtype=torch.float64, device=dev)[pick]
+        c_u = to_device(torch.tensor(c_grid, dtype=torch.float64), dev)[pick]
         status = torch.gather(per_c, 2, pick.unsqueeze(2)).squeeze(2)
     else:
         c_u = torch.full((L, u), c_grid[0], dtype=torch.float64, device=dev)
-    include = None if sums is None else torch.ones(sums.count.numel(), dtype=torch.bool)
-    prob = _problem(Xc, sums, basis, include, torch.arange(n), weights=True)
-    T = torch.cat([one_vs_rest(index[l_], n_classes) for l_ in range(L)])  # [L*kk, n]
+    include = None if sums is None else list(range(sums.count.numel()))
+    prob = _problem(Xc, sums, basis, basis_ranks, include, torch.arange(n), weights=True, every=every)
+    T = to_device(torch.cat([one_vs_rest(index[l_], n_classes) for l_ in range(L)]).T.contiguous(), dev)  # [n, L*kk]
     inv_c = (1.0 / c_u).T.repeat_interleave(kk, dim=1)  # [u, L*kk]
-    beta, it, st = _fit_reduced(prob.Z, T, inv_c, None, max_iter, tol, prob.ranks)
+    beta, it, st = _fit_reduced(prob.Z, T, inv_c, None, max_iter, tol, prob.buckets, every, ws)
     w_raw, b_raw = prob.to_raw(beta)
     coef = w_raw.view(u, L, kk, d).permute(1, 0, 2, 3)
     intercept = b_raw.view(u, L, kk).permute(1, 0, 2)
-    return coef, intercept, c_u, acc, max(iters, it), torch.maximum(status, _per_label(st, L))
+    return _UnitsFit(coef, intercept, c_u, acc, torch.maximum(iters, it), torch.maximum(status, _per_label(st, L)))
 
 
 def choose_c(acc: Float[Tensor, "... grid"], nll: Float[Tensor, "... grid"],
              c_grid: Sequence[float]) -> Int[Tensor, "..."]:
     """Index of the best C: highest accuracy; ties broken by lower log-loss, then smaller C.
     A C with NaN accuracy (its fit failed) is chosen only when every C failed."""
-    cs = torch.tensor(list(c_grid), dtype=torch.float64, device=acc.device)
+    cs = to_device(torch.tensor(list(c_grid), dtype=torch.float64), acc.device)
     failed = acc.isnan() | nll.isnan()
     acc = torch.where(failed, -math.inf, acc)
     nll = torch.where(failed, math.inf, nll)
@@ -292,6 +321,7 @@ def fit_logistic(
     dtype: torch.dtype = torch.float64,
     low_rank: bool = True,
     memory_budget: float = 2**31,
+    check_every: int | None = None,
 ) -> LogisticFit:
     """Fit probes for every unit and every label vector in `Y` (which share one set of classes).
 
@@ -306,6 +336,11 @@ def fit_logistic(
     Never raises for numerical reasons: a unit that cannot be fitted gets NaN coefficients and
     its reason in `LogisticFit.status`, and one `ProbeFitWarning` sums up the units that failed or
     did not converge.
+
+    Runs on `device` (the activations move there a chunk of units at a time) and reads back
+    nothing per unit, fold, C or Newton step: the solver looks every `check_every` steps
+    (`tomlens.probes.cadence`), each fold's reduction reads its units' ranks once, and the
+    results come to the host in one copy at the end.
     """
     dev = resolve_device(device)
     if X.ndim != 3:
@@ -325,70 +360,93 @@ def fit_logistic(
     c_grid = tuple(float(c) for c in c_grid)
     if not c_grid or any(c <= 0 for c in c_grid):
         raise TomlensError(f"C grid {c_grid} is empty or not positive", "use positive C values")
+    every = check_every_steps(dev, check_every)
     n_classes = classes.numel()
     kk = 1 if n_classes == 2 else n_classes
     L = Y.shape[0]
     codes = as_codes(groups, n)
     folds = inner_folds(codes, n, cv, seed) if len(c_grid) > 1 else []
+    block = [0] * n  # each row's inner fold, on the host
+    for f, split in enumerate(folds):
+        for i in split.test.tolist():
+            block[i] = f
     # a unit with NaN or inf activations is fitted as zeros (cheap and harmless) and reported
     mag = X.abs().flatten(1).amax(1).to(torch.float64)  # [u]; NaN where a NaN is
-    non_finite = ~torch.isfinite(mag)
-    if bool(non_finite.any()):
-        X = torch.where(non_finite.view(u, 1, 1).to(X.device), torch.zeros((), dtype=X.dtype, device=X.device), X)
-    rescale = _safe_scale(torch.where(non_finite, 0.0, mag), n, dtype) if standardize else torch.ones(u, dtype=torch.float64)
+    non_finite = to_device(~torch.isfinite(mag), dev)
+    rescale = to_device(_safe_scale(torch.where(torch.isfinite(mag), mag, 0.0), n, dtype), dev) if standardize \
+        else torch.ones(u, dtype=torch.float64, device=dev)
 
     with cpu_threads_for(float(u) * n * d, dev):
-        coef = torch.zeros(L, u, kk, d, dtype=torch.float64)
-        intercept = torch.zeros(L, u, kk, dtype=torch.float64)
-        chosen = torch.zeros(L, u, dtype=torch.float64)
-        cv_acc = torch.zeros(L, u, len(c_grid), dtype=torch.float64) if folds else None
-        status = torch.zeros(L, u, dtype=torch.long)
-        iters = 0
+        coef = torch.zeros(L, u, kk, d, dtype=torch.float64, device=dev)
+        intercept = torch.zeros(L, u, kk, dtype=torch.float64, device=dev)
+        chosen = torch.zeros(L, u, dtype=torch.float64, device=dev)
+        cv_acc = torch.zeros(L, u, len(c_grid), dtype=torch.float64, device=dev)
+        status = torch.zeros(L, u, dtype=torch.long, device=dev)
+        iters = torch.zeros((), dtype=torch.long, device=dev)
+        ws = Workspace()  # Newton's scratch memory, reused by every solve of this call
         m_min = min((f.train.numel() for f in folds), default=n)
         for sl in _unit_chunks(u, n, d, L * kk, memory_budget):
-            Xc = X[sl].to(dev, dtype)
-            if bool((rescale[sl] != 1).any()):
-                Xc = Xc * rescale[sl].to(dev, dtype).view(-1, 1, 1)
+            Xc = to_device(X[sl], dev).to(dtype, copy=True)  # our own copy: scaled in place below
+            # rescaled (x 1 is exact), and zero where a unit is not finite: no host branch
+            Xc.mul_(rescale[sl].to(dtype).view(-1, 1, 1)).masked_fill_(non_finite[sl].view(-1, 1, 1), 0.0)
             uc = Xc.shape[0]
             sums = None
-            parts: list[tuple[Tensor, RowBasis | None]] = [(torch.arange(uc, device=dev), None)]
+            parts: list[tuple[list[int], RowBasis | None, list[int] | None]] = [(list(range(uc)), None, None)]
             if standardize:
-                block = torch.zeros(n, dtype=torch.long)
-                for f, split in enumerate(folds):
-                    block[split.test] = f
                 sums = BlockSums.of(Xc, block, max(len(folds), 1))
                 if low_rank and m_min < d:
-                    basis, small = RowBasis.of(Xc, max_rank=m_min)
+                    basis, small = RowBasis.of(Xc, max_rank=m_min, every=every)
                     # the basis keeps raw directions down to ~1e-6 of the largest: units whose
                     # standardisation blows up far smaller ones are reduced per fold instead
                     n_blk = sums.count.numel()
-                    includes = [torch.arange(n_blk) != f for f in range(len(folds))]
-                    small &= scale_spread(sums, includes + [torch.ones(n_blk, dtype=torch.bool)]) >= 1e-4
-                    lo, hi = small.nonzero().squeeze(1), (~small).nonzero().squeeze(1)
-                    parts = [(lo, basis.subset(lo)), (hi, None)] if lo.numel() else parts
-            for idx, part_basis in parts:
-                if idx.numel() == 0:
+                    includes = [[b for b in range(n_blk) if b != f] for f in range(len(folds))]
+                    small &= scale_spread(sums, includes + [list(range(n_blk))]) >= 1e-4
+                    flags, ranks = torch.stack([small.long(), basis.ranks]).tolist()  # one host read per chunk
+                    lo = [i for i, f in enumerate(flags) if f]
+                    hi = [i for i, f in enumerate(flags) if not f]
+                    if lo:
+                        lo_ranks = [ranks[i] for i in lo]
+                        parts = [(lo, basis.subset(to_device(lo, dev), max(lo_ranks)), lo_ranks), (hi, None, None)]
+            for idx_host, part_basis, part_ranks in parts:
+                if not idx_host:
                     continue
+                idx = to_device(idx_host, dev)
                 sub = None if sums is None else sums.subset(idx)
-                cf, ic, c_u, acc, it, st = _fit_units(Xc[idx], sub, part_basis, index, n_classes, folds,
-                                                      c_grid, max_iter, tol)
-                where = torch.arange(sl.start, sl.stop)[idx.cpu()]
-                coef[:, where] = cf.cpu()
-                intercept[:, where] = ic.cpu()
-                chosen[:, where] = c_u.cpu()
-                status[:, where] = st.cpu()
-                if acc is not None:
-                    cv_acc[:, where] = acc.cpu()
-                iters = max(iters, it)
-    coef *= rescale.cpu().view(1, u, 1, 1)  # weights on the rescaled features -> on the raw ones
-    status[:, non_finite.cpu()] = NON_FINITE_INPUT
+                fit = _fit_units(Xc[idx], sub, part_basis, part_ranks, index, n_classes, folds, c_grid, max_iter,
+                                 tol, every, ws)
+                where = to_device([sl.start + i for i in idx_host], dev)
+                coef[:, where] = fit.coef
+                intercept[:, where] = fit.intercept
+                chosen[:, where] = fit.C
+                status[:, where] = fit.status
+                if fit.cv_accuracy is not None:
+                    cv_acc[:, where] = fit.cv_accuracy
+                iters = torch.maximum(iters, fit.iters)
+        # the results come to the host once per call
+        coef, intercept, chosen, status, cv_acc, iters, rescale, non_finite = _to_host(
+            coef, intercept, chosen, status, cv_acc, iters, rescale, non_finite)
+    coef = coef * rescale.view(1, u, 1, 1)  # weights on the rescaled features -> on the raw ones
+    status = torch.where(non_finite.view(1, u), NON_FINITE_INPUT, status)
     failed = status >= SOLVER_FAILED
-    coef[failed] = torch.nan
-    intercept[failed] = torch.nan
-    chosen[failed] = torch.nan
+    nan = torch.tensor(torch.nan, dtype=torch.float64)
+    coef = torch.where(failed.view(L, u, 1, 1), nan, coef)
+    intercept = torch.where(failed.view(L, u, 1), nan, intercept)
+    chosen = torch.where(failed, nan, chosen)
     _warn_status(status, max_iter, tol)
     return LogisticFit(coef=coef, intercept=intercept, C=chosen, classes=classes,
-                       cv_accuracy=cv_acc, c_grid=c_grid, n_iter=iters, status=status)
+                       cv_accuracy=cv_acc if folds else None, c_grid=c_grid, n_iter=int(iters), status=status)
+
+
+def _to_host(*tensors: Tensor) -> list[Tensor]:
+    """The tensors on the host, in one copy (one wait on an accelerator, not one per tensor):
+    flattened into one float64 buffer (exact for the booleans, small integers and float64 here)."""
+    flat = torch.cat([t.reshape(-1).to(torch.float64) for t in tensors])
+    host = flat.cpu()
+    out, at = [], 0
+    for t in tensors:
+        out.append(host[at:at + t.numel()].view(t.shape).to(t.dtype, copy=True))  # no shared storage
+        at += t.numel()
+    return out
 
 
 def _safe_scale(mag: Float[Tensor, " u"], n: int, dtype: torch.dtype) -> Float[Tensor, " u"]:
@@ -430,8 +488,10 @@ class LogisticProbe(Probe):
 
     def __init__(self, C: float | Sequence[float] = C_GRID, *, cv: int = 4, seed: int = 0,
                  standardize: bool = True, device: str | torch.device | None = None,
-                 max_iter: int = 100, tol: float = 1e-6, dtype: torch.dtype = torch.float64):
+                 max_iter: int = 100, tol: float = 1e-6, dtype: torch.dtype = torch.float64,
+                 check_every: int | None = None):
         self.C = C
+        self.check_every = check_every
         self.dtype = dtype
         self.cv = cv
         self.seed = seed
@@ -448,7 +508,8 @@ class LogisticProbe(Probe):
             groups: Sequence[Any] | Tensor | None = None) -> LogisticProbe:
         res = fit_logistic(X, torch.as_tensor(y).unsqueeze(0), groups=groups, c_grid=self.c_grid,
                            cv=self.cv, seed=self.seed, standardize=self.standardize,
-                           device=self.device, max_iter=self.max_iter, tol=self.tol, dtype=self.dtype)
+                           device=self.device, max_iter=self.max_iter, tol=self.tol, dtype=self.dtype,
+                           check_every=self.check_every)
         return self._set(res, 0)
 
     def _set(self, res: LogisticFit, label: int) -> LogisticProbe:

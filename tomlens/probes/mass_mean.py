@@ -60,16 +60,20 @@ class MassMeanProbe(Probe):
             scale = proj.abs().amax(1, keepdim=True).clamp_min(1e-30)  # [u, 1, k]
             z = (proj / scale).permute(0, 2, 1).reshape(u * k, n, 1)
             y_ = T.to(dev).unsqueeze(0).expand(u, k, n).reshape(u * k, n, 1)
-            res = newton_logistic(z, y_, torch.full((u * k, 1), 1e-4, dtype=torch.float64, device=dev))
+            res = newton_logistic(z, y_, torch.full((u * k, 1), 1e-4, dtype=torch.float64, device=dev),
+                                  validate=False)  # one-vs-rest targets: 0/1 by construction
             a = res.beta[:, 0, 0].view(u, k) / scale.squeeze(1)
             b = res.beta[:, 0, 1].view(u, k)
         else:
             a = torch.ones(u, k, dtype=torch.float64, device=dev)
             b = torch.zeros(u, k, dtype=torch.float64, device=dev)
         # decision = a * (theta . x - theta . mid) + b  ->  linear map on raw activations
-        self.coef_ = (a.unsqueeze(2) * theta).cpu()
-        self.intercept_ = (b - a * (theta * mid).sum(-1)).cpu()
-        self.theta_ = theta.cpu()
+        coef = a.unsqueeze(2) * theta
+        intercept = b - a * (theta * mid).sum(-1)
+        host = torch.cat([coef.flatten(), intercept.flatten(), theta.flatten()]).cpu()  # one copy to the host
+        self.coef_ = host[:coef.numel()].view(coef.shape).clone()
+        self.intercept_ = host[coef.numel():coef.numel() + intercept.numel()].view(intercept.shape).clone()
+        self.theta_ = host[coef.numel() + intercept.numel():].view(theta.shape).clone()
         self.classes_ = classes
         return self
 

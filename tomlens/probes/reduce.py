@@ -17,11 +17,14 @@ split of every cross-validation fold gets its mean and scale without another pas
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
+
+from tomlens.devices import to_device
 
 
 @dataclass(frozen=True)
@@ -38,9 +41,10 @@ class BlockSums:
         return BlockSums(self.ref[idx], self.s1[idx], self.s2[idx], self.count)
 
     @classmethod
-    def of(cls, X: Float[Tensor, "u n d"], block: Int[Tensor, " n"], n_blocks: int) -> BlockSums:
+    def of(cls, X: Float[Tensor, "u n d"], block: Sequence[int], n_blocks: int) -> BlockSums:
+        """The sums of `X` over the blocks named by `block` (one block index per row, on the host)."""
         ref = X.mean(1)
-        onehot = torch.nn.functional.one_hot(block.to(X.device), n_blocks).T.to(X.dtype)  # [blk, n]
+        onehot = torch.nn.functional.one_hot(to_device(list(block), X.device), n_blocks).T.to(X.dtype)  # [blk, n]
         oh = onehot.unsqueeze(0).expand(X.shape[0], -1, -1)
         Y = X - ref.unsqueeze(1)
         s1 = torch.bmm(oh, Y)
@@ -49,10 +53,10 @@ class BlockSums:
         return cls(ref=ref, s1=s1, s2=s2, count=onehot.sum(1))
 
 
-def _moments(sums: BlockSums, include: Bool[Tensor, " blk"]) -> tuple[Tensor, Tensor, Tensor]:
+def _moments(sums: BlockSums, include: Sequence[int]) -> tuple[Tensor, Tensor, Tensor]:
     """Mean, population variance and scikit-learn's "indistinguishable from a constant" flag of
-    every feature over the rows of the blocks in `include` (float64, [u, d] each)."""
-    inc = include.to(sums.s1.device)
+    every feature over the rows of the blocks `include` (indices, on the host; float64, [u, d] each)."""
+    inc = to_device(list(include), sums.s1.device)
     n = sums.count.to(sums.s1.device)[inc].sum()
     m1 = sums.s1[:, inc].sum(1).to(torch.float64) / n
     m2 = sums.s2[:, inc].sum(1).to(torch.float64) / n
@@ -64,7 +68,7 @@ def _moments(sums: BlockSums, include: Bool[Tensor, " blk"]) -> tuple[Tensor, Te
     return mean, var, constant
 
 
-def scale_spread(sums: BlockSums, includes: list[Bool[Tensor, " blk"]]) -> Float[Tensor, " u"]:
+def scale_spread(sums: BlockSums, includes: Sequence[Sequence[int]]) -> Float[Tensor, " u"]:
     """Per unit, the smallest ratio of two non-constant features' standard deviations over the given
     block selections (training splits). Standardising multiplies a direction by up to its inverse,
     so a basis of the raw rows that drops directions below a relative size of `spread` misses some."""
@@ -97,11 +101,11 @@ class Standardiser:
     def fit(cls, X: Float[Tensor, "u m d"], enabled: bool = True) -> Standardiser:
         if not enabled:
             return cls.identity(X)
-        block = torch.zeros(X.shape[1], dtype=torch.long)
-        return cls.from_blocks(BlockSums.of(X, block, 1), torch.ones(1, dtype=torch.bool))
+        return cls.from_blocks(BlockSums.of(X, [0] * X.shape[1], 1), [0])
 
     @classmethod
-    def from_blocks(cls, sums: BlockSums, include: Bool[Tensor, " blk"]) -> Standardiser:
+    def from_blocks(cls, sums: BlockSums, include: Sequence[int]) -> Standardiser:
+        """Fitted on the rows of the blocks `include` (indices, on the host)."""
         mean, var, constant = _moments(sums, include)
         eps = torch.finfo(torch.float64).eps
         scale = var.sqrt()
@@ -155,13 +159,13 @@ class Reduced:
 
 
 def reduce_rows(Xs: Float[Tensor, "u n d"], train: Int[Tensor, " m"], *,
-                rank_tol: float | None = None) -> Reduced:
-    """Reduce standardised rows `Xs`, of which rows `train` are the training split.
+                rank_tol: float | None = None, every: int = 1) -> Reduced:
+    """Reduce standardised rows `Xs`, of which rows `train` (indices, on the host) are the training split.
 
     Uses the pivoted Cholesky of the Gram matrix when m < d (pivots chosen among training rows
     only), the features themselves otherwise. `rank_tol` (relative to the largest diagonal entry)
     decides when a residual direction counts as empty; by default it sits just above the rounding
-    noise of the Gram's dtype.
+    noise of the Gram's dtype. `every`: the solver's cadence (`tomlens.probes.cadence`): 1 reads after each column.
     """
     u, n, d = Xs.shape
     m = train.numel()
@@ -172,21 +176,26 @@ def reduce_rows(Xs: Float[Tensor, "u n d"], train: Int[Tensor, " m"], *,
     if Xs.dtype in (torch.float16, torch.bfloat16):
         Xs = Xs.float()
     K = torch.bmm(Xs, Xs.transpose(1, 2)).to(torch.float64)  # [u, n, n]
-    return pivoted_cholesky(K, train, rank_tol)
+    return pivoted_cholesky(K, train, rank_tol, every=every)
 
 
 def pivoted_cholesky(K: Float[Tensor, "u n n"], train: Int[Tensor, " m"], rank_tol: float,
-                     max_rank: int | None = None) -> Reduced:
+                     max_rank: int | None = None, every: int = 1) -> Reduced:
     """Batched pivoted (partial) Cholesky of the training block of `K`, extended to all rows.
 
     Units whose residual falls below `rank_tol` of their largest diagonal entry are finished; when
     half of the working batch is finished the rest goes on as a smaller batch, so a few units of
     high rank do not make every unit pay for their extra columns. With `max_rank` the
-    factorisation stops there; `Reduced.complete` says which units had finished by then."""
+    factorisation stops there; `Reduced.complete` says which units had finished by then.
+
+    With `every` = 1 (the CPU's cadence) the host reads after each column which units are still
+    live, stops when none is and compacts the batch. Otherwise (a GPU) it reads nothing until the
+    end: every column is computed, finished units adding zero columns, and the rank (the columns
+    before the first that no unit needed) is read once. The result is the same either way."""
     u, n, _ = K.shape
     dev = K.device
     m = train.numel()
-    train = train.to(dev)
+    train = to_device(train, dev)
     diag = K.diagonal(dim1=1, dim2=2)
     cand = torch.full((u, n), -torch.inf, dtype=torch.float64, device=dev)
     cand[:, train] = diag[:, train]
@@ -194,22 +203,29 @@ def pivoted_cholesky(K: Float[Tensor, "u n n"], train: Int[Tensor, " m"], rank_t
     Lt = torch.zeros(u, m, n, dtype=torch.float64, device=dev)  # row k = column k of L
     pivots = torch.zeros(u, m, dtype=torch.long, device=dev)
     act = torch.arange(u, device=dev)  # units in the working batch
+    n_act = u
     Kw, Lw, Pw, cw, fw = K, Lt, pivots, cand, floor
-    k = 0
     steps = m if max_rank is None else min(m, max_rank)
+    ask = every == 1
+    used = torch.zeros(steps, dtype=torch.bool, device=dev)  # column k: some unit was still live
+    k = steps  # columns computed
     for k in range(steps):
         val, p = cw.max(1)
         live = val > fw
-        n_live = int(live.sum())
-        if n_live == 0:
-            break
-        if n_live <= act.numel() // 2:  # compact: finished units keep what they have
-            if Lw is not Lt:
-                Lt[act], pivots[act] = Lw, Pw
-            keep = live.nonzero().squeeze(1)
-            act, Kw, Lw, Pw, cw, fw = act[keep], Kw[keep], Lw[keep], Pw[keep], cw[keep], fw[keep]
-            val, p, live = val[keep], p[keep], live[keep]
-        rows = torch.arange(act.numel(), device=dev)
+        if ask:
+            flags = live.tolist()  # the host read of this column (free on the CPU)
+            n_live = sum(flags)
+            if n_live == 0:
+                break
+            if n_live <= n_act // 2:  # compact: finished units keep what they have
+                if Lw is not Lt:
+                    Lt[act], pivots[act] = Lw, Pw
+                keep = to_device([i for i, f in enumerate(flags) if f], dev)
+                act, Kw, Lw, Pw, cw, fw = act[keep], Kw[keep], Lw[keep], Pw[keep], cw[keep], fw[keep]
+                val, p, live = val[keep], p[keep], live[keep]
+                n_act = n_live
+        used[k] = live.any()
+        rows = torch.arange(n_act, device=dev)
         row = Kw[rows, p, :]  # [a, n]
         if k:
             lp_k = Lw[rows, :k, p]  # [a, k]
@@ -224,10 +240,12 @@ def pivoted_cholesky(K: Float[Tensor, "u n n"], train: Int[Tensor, " m"], rank_t
         k = steps
     if Lw is not Lt:
         Lt[act], pivots[act] = Lw, Pw
+    # the rank: columns before the first no unit needed (a unit once finished stays finished)
+    r_used = k if ask else int(used[:k].sum())  # the one host read without `ask`
     complete = torch.ones(u, dtype=torch.bool, device=dev)
-    if k == steps and steps < m:
+    if r_used == steps and steps < m:
         complete[act] = ~(cw.max(1).values > fw)
-    r = max(k, 1)
+    r = max(r_used, 1)
     Lt = Lt[:, :r]
     pivots = pivots[:, :r]
     lp = torch.gather(Lt, 2, pivots.unsqueeze(1).expand(-1, r, -1)).transpose(1, 2)  # L[pivots, :]
@@ -255,15 +273,16 @@ class RowBasis:
     ranks: Int[Tensor, " u"]
 
     @classmethod
-    def of(cls, X: Float[Tensor, "u n d"], max_rank: int, rank_tol: float = 1e-12) -> tuple[RowBasis, Tensor]:
+    def of(cls, X: Float[Tensor, "u n d"], max_rank: int, rank_tol: float = 1e-12,
+           every: int = 1) -> tuple[RowBasis, Tensor]:
         """The basis of each unit's centred rows, and which units have rank <= `max_rank` (the
-        others are cut off there and must be reduced per fold instead)."""
+        others are cut off there and must be reduced per fold instead; a device mask)."""
         X = X.to(torch.float64)
         mean = X.mean(1)
         Xc = X - mean.unsqueeze(1)
         n = X.shape[1]
-        red = pivoted_cholesky(torch.bmm(Xc, Xc.transpose(1, 2)), torch.arange(n, device=X.device),
-                               rank_tol, max_rank=max_rank)
+        red = pivoted_cholesky(torch.bmm(Xc, Xc.transpose(1, 2)), torch.arange(n), rank_tol, max_rank=max_rank,
+                               every=every)
         A = red.Z
         ranks = red.ranks(A)
         xp = torch.gather(Xc, 1, red.pivots.unsqueeze(2).expand(-1, -1, Xc.shape[2]))
@@ -277,8 +296,9 @@ class RowBasis:
         orthonormal = (gram - eye).abs().amax((1, 2)) <= 1e-6
         return cls(mean=mean, B=Bt.transpose(1, 2), A=A * live.unsqueeze(1), ranks=ranks), red.complete & orthonormal
 
-    def subset(self, idx: Int[Tensor, " k"]) -> RowBasis:
-        r = max(int(self.ranks[idx].max()), 1)
+    def subset(self, idx: Int[Tensor, " k"], width: int) -> RowBasis:
+        """The units `idx`, cut to `width` columns (their largest rank, known on the host)."""
+        r = max(width, 1)
         return RowBasis(self.mean[idx], self.B[idx, :, :r], self.A[idx, :, :r], self.ranks[idx])
 
     def standardised(self, std: Standardiser, weights: bool = False

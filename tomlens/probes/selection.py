@@ -35,20 +35,21 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-import numpy as np
 import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
+from tomlens.devices import resolve_device, to_device
 from tomlens.errors import TomlensError
 from tomlens.probes import stats
-from tomlens.probes.base import Probe, scores_to_index
+from tomlens.probes.base import Probe
 from tomlens.probes.baselines import length_features, position_features
 from tomlens.probes.controls import (
     CELL_LEVELS, bag_of_words, choose_cell_level, condition_split, split_labels, type_cells, type_control_labels,
 )
 from tomlens.probes.logistic import LogisticProbe
 from tomlens.probes.mass_mean import MassMeanProbe
+from tomlens.probes.plan import PlanStage
 from tomlens.probes.splits import Split, fraction_split, group_codes, group_kfold
 from tomlens.probes.sweep import PROBES, ActivationsLike, SweepConfig, run_probe_sweep
 from tomlens.probes.targets import make_target
@@ -194,7 +195,7 @@ def _chance(y_train: Tensor, y_test: Tensor) -> float:
 
 def _new_probe(probe: str, cfg: SweepConfig, seed: int) -> Probe:
     if probe == "logistic":
-        return LogisticProbe(cfg.c_grid, cv=cfg.inner_folds, seed=seed, device=cfg.device)
+        return LogisticProbe(cfg.c_grid, cv=cfg.inner_folds, seed=seed, device=cfg.device, check_every=cfg.check_every)
     return MassMeanProbe(device=cfg.device)
 
 
@@ -220,8 +221,14 @@ def permute_labels(y: Int[Tensor, " n"], groups: Int[Tensor, " n"], n_perm: int,
     """`n_perm` permutations of `y`: within each group (design pairs conditions in a task) or across rows."""
     gen = torch.Generator().manual_seed(seed + 104729)
     out = y.unsqueeze(0).repeat(n_perm, 1)
-    blocks = [(groups == g).nonzero().squeeze(1) for g in torch.unique(groups)] if within \
-        else [torch.arange(y.numel())]
+    if within:  # each group's rows, in the order of the sorted group values (found on the host)
+        codes = groups.tolist()
+        rows_of: dict[int, list[int]] = {}
+        for i, c in enumerate(codes):
+            rows_of.setdefault(c, []).append(i)
+        blocks = [torch.tensor(rows_of[c], dtype=torch.long) for c in sorted(rows_of)]
+    else:
+        blocks = [torch.arange(y.numel())]
     for p in range(n_perm):
         for rows in blocks:
             out[p, rows] = y[rows[torch.randperm(rows.numel(), generator=gen)]]
@@ -230,33 +237,44 @@ def permute_labels(y: Int[Tensor, " n"], groups: Int[Tensor, " n"], n_perm: int,
 
 def pairs_conditions_within_groups(y: Tensor, groups: Tensor) -> bool:
     """Whether every group holds more than one label (then labels are permuted within groups)."""
-    return all(torch.unique(y[groups == g]).numel() > 1 for g in torch.unique(groups))
+    labels: dict[int, set[int]] = {}
+    for label, group in zip(y.tolist(), groups.tolist()):
+        labels.setdefault(group, set()).add(label)
+    return all(len(v) > 1 for v in labels.values())
 
 
 def _ridge_fold_correct(X: Float[Tensor, "u n d"], Y: Int[Tensor, "l n"], train: Tensor, test: Tensor,
                         classes: Tensor, ridge: float) -> Float[Tensor, "l u"]:
     """Right answers on `test` of a one-vs-rest ridge classifier per unit and label vector, fitted on
-    `train` in closed form (dual: an [n_train, n_train] solve per unit serves every label vector)."""
+    `train` in closed form (dual: an [n_train, n_train] solve per unit serves every label vector).
+    Everything on X's device (`Y`, `train`, `test` and `classes` there too); nothing is read back.
+
+    Binary labels need one column: the two one-vs-rest targets are each other's negatives, so are
+    their scores (exactly: the solve is linear and negation rounds symmetrically), and the argmax
+    of (-s, s) is class 1 exactly where s > 0."""
     Xtr, Xte = X[:, train].to(torch.float64), X[:, test].to(torch.float64)
     mean = Xtr.mean(1, keepdim=True)
     Xtr, Xte = Xtr - mean, Xte - mean
     K = Xtr @ Xtr.transpose(1, 2)  # [u, t, t]
     lam = ridge * K.diagonal(dim1=1, dim2=2).mean(1).clamp_min(1e-12)  # scale-free penalty per unit
-    K = K + lam[:, None, None] * torch.eye(K.shape[1], dtype=K.dtype)
-    T = (Y[:, train].unsqueeze(-1) == classes).to(torch.float64) * 2 - 1  # [l, t, c] one-vs-rest +-1
+    K = K + lam[:, None, None] * torch.eye(K.shape[1], dtype=K.dtype, device=K.device)
+    binary = classes.numel() == 2
+    cols = classes[1:] if binary else classes
+    T = (Y[:, train].unsqueeze(-1) == cols).to(torch.float64) * 2 - 1  # [l, t, c] one-vs-rest +-1
     T = T - T.mean(1, keepdim=True)
     L, t, c = T.shape
     rhs = T.permute(1, 0, 2).reshape(t, L * c)  # [t, l*c]
-    alpha = torch.linalg.solve(K, rhs.expand(K.shape[0], t, L * c))  # [u, t, l*c]
+    alpha = torch.linalg.solve_ex(K, rhs.expand(K.shape[0], t, L * c))[0]  # [u, t, l*c]; no host check
     scores = (Xte @ Xtr.transpose(1, 2)) @ alpha  # [u, te, l*c]
     scores = scores.reshape(K.shape[0], -1, L, c).permute(2, 0, 1, 3)  # [l, u, te, c]
-    pred = classes[scores.argmax(-1)]
+    pred = classes[(scores[..., 0] > 0).long()] if binary else classes[scores.argmax(-1)]
     return (pred == Y[:, test].unsqueeze(1)).to(torch.float64).sum(2)
 
 
 def max_statistic_null(units: Sequence[Float[Tensor, "_unit n d"]], y: Int[Tensor, " n"], groups: Int[Tensor, " n"],
                        *, folds: int, n_perm: int, seed: int = 0, within: bool | None = None, ridge: float = 1.0,
-                       unit_budget_bytes: float = 2.0**29) -> tuple[float, Float[Tensor, " perm"], str]:
+                       unit_budget_bytes: float = 2.0**29, device: str | torch.device | None = None
+                       ) -> tuple[float, Float[Tensor, " perm"], str]:
     """(observed max, permuted maxima, how labels were permuted): the best cross-fitted accuracy over
     all units (every row tested once on grouped folds) for the true labels and for each of `n_perm`
     permutations. p = (1 + #{perm max >= observed}) / (1 + n_perm).
@@ -264,28 +282,121 @@ def max_statistic_null(units: Sequence[Float[Tensor, "_unit n d"]], y: Int[Tenso
     The statistic is a ridge classifier's accuracy (penalty `ridge` x the mean squared norm of the
     centred training rows), not the logistic probe's: its closed form fits every permutation with
     one solve per unit and fold, so a thousand permutations cost about what one does. The test asks
-    whether any unit decodes the label better than the best of all units does by chance."""
+    whether any unit decodes the label better than the best of all units does by chance.
+
+    Runs on `device` (default: the GPU when there is one), a chunk of units at a time; the maxima
+    come back to the host once, at the end."""
+    dev = resolve_device(device)
     within = pairs_conditions_within_groups(y, groups) if within is None else within
     Y = torch.cat([y.unsqueeze(0), permute_labels(y, groups, n_perm, seed, within)])  # [1 + P, n]
     classes = torch.unique(y)
-    splits = group_kfold(groups, folds, seed)
-    best = torch.full((Y.shape[0],), -math.inf, dtype=torch.float64)
+    labels = y.tolist()
+    splits = [sp for sp in group_kfold(groups, folds, seed)
+              if len({labels[i] for i in sp.train.tolist()}) >= 2 and sp.test.numel()]
+    tested = sum(int(sp.test.numel()) for sp in splits)
+    on_dev = [(to_device(sp.train, dev), to_device(sp.test, dev)) for sp in splits]
+    Yd, classes_d = to_device(Y, dev), to_device(classes, dev)
+    best = torch.full((Y.shape[0],), -math.inf, dtype=torch.float64, device=dev)
     for X in units:
         u, n, d = X.shape
         per = max(1, int(unit_budget_bytes // max(n * max(d, n) * 8, 1)))
         for a in range(0, u, per):
-            Xc = X[a:a + per].cpu()
-            correct = torch.zeros(Y.shape[0], Xc.shape[0], dtype=torch.float64)
-            tested = 0
-            for sp in splits:
-                tr, te = sp.train, sp.test
-                if torch.unique(y[tr]).numel() < 2 or te.numel() == 0:
-                    continue
-                correct += _ridge_fold_correct(Xc, Y, tr, te, classes, ridge)
-                tested += int(te.numel())
+            Xc = to_device(X[a:a + per], dev)
+            correct = torch.zeros(Y.shape[0], Xc.shape[0], dtype=torch.float64, device=dev)
+            for tr, te in on_dev:
+                correct += _ridge_fold_correct(Xc, Yd, tr, te, classes_d, ridge)
             if tested:
                 best = torch.maximum(best, (correct / tested).amax(1))
+    best = best.cpu()
     return float(best[0]), best[1:], "within tasks" if within else "across rows"
+
+
+@dataclass
+class _Halves:
+    """The selection and evaluation stories of one target (rows with the target only), and the
+    selection sweep's settings; `withheld` says why no unit can be chosen ("" when one can)."""
+
+    sel: ActivationsLike
+    ev: ActivationsLike
+    tw_sel: ActivationsLike | None
+    tw_ev: ActivationsLike | None
+    rs: Tensor
+    re: Tensor
+    st_s: list[Stimulus]
+    st_e: list[Stimulus]
+    ys: Tensor
+    ye: Tensor
+    gs: Tensor
+    ge: Tensor
+    n_groups: int
+    folds: int
+    sweep_config: SweepConfig
+    withheld: str
+
+
+def _halves(acts: ActivationsLike, target: str, cfg: SweepConfig, seed: int, selection_fraction: float,
+            test_acts: ActivationsLike | None, twin_acts: ActivationsLike | None,
+            twin_test_acts: ActivationsLike | None) -> _Halves:
+    if test_acts is None:
+        split = selection_split(acts.stimuli, selection_fraction, seed, cfg.group_by)
+        sel, ev = _Rows(acts, split.train), _Rows(acts, split.test)
+        tw_sel = None if twin_acts is None else _Rows(twin_acts, split.train)
+        tw_ev = None if twin_acts is None else _Rows(twin_acts, split.test)
+    else:
+        sel, ev, tw_sel, tw_ev = acts, test_acts, twin_acts, twin_test_acts
+    ys_all, ks = make_target(sel.stimuli, target)
+    ye_all, ke = make_target(ev.stimuli, target)
+    rs, re_ = ks.nonzero().squeeze(1), ke.nonzero().squeeze(1)
+    st_s, st_e = [sel.stimuli[i] for i in rs.tolist()], [ev.stimuli[i] for i in re_.tolist()]
+    ys, ye = ys_all[rs], ye_all[re_]
+    gs, ge = group_codes(st_s, cfg.group_by), group_codes(st_e, cfg.group_by)
+    n_groups = int(torch.unique(gs).numel())
+    folds = min(cfg.folds, n_groups)
+    scfg = replace(_selection_sweep_config(cfg), folds=folds, inner_folds=min(cfg.inner_folds, max(2, folds - 1)))
+    withheld = ""
+    if torch.unique(ys).numel() < 2 or torch.unique(ye).numel() < 2:
+        withheld = "the selection or evaluation stories hold one class of the target only"
+    elif n_groups < 3:  # cross-fitting with C chosen inside each training split needs 3 groups
+        # withheld, not an error: the sweep's table is already computed and stays valid
+        withheld = (f"the selection half holds {n_groups} {cfg.group_by} group(s) with the target: "
+                    f"need >= 3 {cfg.group_by} groups in the selection half (give more stimuli, or a larger "
+                    "selection_fraction)")
+    return _Halves(sel, ev, tw_sel, tw_ev, rs, re_, st_s, st_e, ys, ye, gs, ge, n_groups, folds, scfg, withheld)
+
+
+def selection_stage(acts: ActivationsLike, target: str, *, sites: Sequence[str], position: str, seed: int = 0,
+                    selection_fraction: float = 0.5, n_permutations: int = DEFAULT_PERMUTATIONS,
+                    config: SweepConfig | None = None, probe: str = "logistic",
+                    test_acts: ActivationsLike | None = None, twin: bool = False) -> PlanStage:
+    """What `select_and_evaluate` (same arguments) will fit, for the plan: the sweep of every unit
+    on the selection stories, the chosen unit and its baselines refitted on them, and the null."""
+    from tomlens.probes.plan import FitShape, null_work
+    from tomlens.probes.sweep import lay_out_sweep
+    from tomlens.probes.sweep_plan import sweep_stages
+
+    cfg = config or SweepConfig()
+    h = _halves(acts, target, cfg, seed, selection_fraction, test_acts, None, None)
+    name = f"selection ({target})"
+    if h.withheld:
+        return PlanStage(name, f"nothing fitted: {h.withheld}")
+    layout = lay_out_sweep(h.sel, target, sites=list(sites), positions=(position,), probe=probe, seed=seed,
+                           config=h.sweep_config)
+    shapes = [s for st in sweep_stages(layout) for s in st.shapes]
+    units = sum(fs.units for fs in layout.targets[0].feature_sets if fs.features == "activations")
+    dim = max((fs.dim for fs in layout.targets[0].feature_sets), default=1)
+    refits = 6 + int(twin)  # the unit, bag of words, length, position, embeddings, control (+ random init)
+    grid = len(cfg.c_grid)
+    folds = min(cfg.inner_folds, h.n_groups) if grid > 1 else 0
+    shapes.append(FitShape(1, len(h.st_s), dim, dim, 1, grid, folds, count=refits, kind="baseline",
+                           solver="mass_mean" if probe == "mass_mean" else "logistic"))
+    n_classes = int(torch.unique(h.ys).numel())
+    labels = (n_permutations + 1) * (1 if n_classes == 2 else n_classes)
+    extra = null_work(units, len(h.st_s), dim, h.folds, labels) if n_permutations else 0.0
+    kind = next((fs.kind for fs in layout.targets[0].feature_sets if fs.features == "activations"), "")
+    return PlanStage(name, f"{units:,} units on {len(h.st_s)} selection prompts x {h.folds} folds "
+                     f"({sum(s.count for s in shapes[:-1]):,} fits), the chosen unit and its baselines refitted "
+                     f"({refits} fits of 1 unit), max-statistic null of {n_permutations:,} permutations "
+                     "(ridge: one solve per unit and fold serves them all)", shapes, extra, kind)
 
 
 def _selection_sweep_config(cfg: SweepConfig) -> SweepConfig:
@@ -328,19 +439,9 @@ def select_and_evaluate(
         notes.append(f"{n_permutations} permutations: the smallest possible p_max is 1 / {n_permutations + 1} = "
                      f"{1 / (1 + n_permutations):.3f}, not below alpha {alpha}, so no unit can be found: use at "
                      f"least {math.floor(1 / alpha)} permutations")
-    if test_acts is None:
-        split = selection_split(acts.stimuli, selection_fraction, seed, cfg.group_by)
-        sel, ev = _Rows(acts, split.train), _Rows(acts, split.test)
-        tw_sel = None if twin_acts is None else _Rows(twin_acts, split.train)
-        tw_ev = None if twin_acts is None else _Rows(twin_acts, split.test)
-    else:
-        sel, ev, tw_sel, tw_ev = acts, test_acts, twin_acts, twin_test_acts
-    ys_all, ks = make_target(sel.stimuli, target)
-    ye_all, ke = make_target(ev.stimuli, target)
-    rs, re_ = ks.nonzero().squeeze(1), ke.nonzero().squeeze(1)
-    st_s, st_e = [sel.stimuli[i] for i in rs.tolist()], [ev.stimuli[i] for i in re_.tolist()]
-    ys, ye = ys_all[rs], ye_all[re_]
-    gs, ge = group_codes(st_s, cfg.group_by), group_codes(st_e, cfg.group_by)
+    h = _halves(acts, target, cfg, seed, selection_fraction, test_acts, twin_acts, twin_test_acts)
+    sel, ev, tw_sel, tw_ev = h.sel, h.ev, h.tw_sel, h.tw_ev
+    rs, re_, st_s, st_e, ys, ye, gs, ge = h.rs, h.re, h.st_s, h.st_e, h.ys, h.ye, h.gs, h.ge
     result = SelectionResult(target=target, unit=None, selection_score=float("nan"), evaluation=None,
                              n_selection=len(st_s), n_evaluation=len(st_e))
 
@@ -348,20 +449,13 @@ def select_and_evaluate(
         result.verdict, result.reason, result.notes = WITHHELD, reason, notes
         return result
 
-    if torch.unique(ys).numel() < 2 or torch.unique(ye).numel() < 2:
-        return withhold("the selection or evaluation stories hold one class of the target only")
-    n_sel_groups = int(torch.unique(gs).numel())
-    if n_sel_groups < 3:  # cross-fitting with C chosen inside each training split needs 3 groups
-        # withheld, not an error: the sweep's table is already computed and stays valid
-        return withhold(f"the selection half holds {n_sel_groups} {cfg.group_by} group(s) with the target: "
-                        f"need >= 3 {cfg.group_by} groups in the selection half (give more stimuli, or a larger "
-                        "selection_fraction)")
-    folds = min(cfg.folds, n_sel_groups)
+    if h.withheld:
+        return withhold(h.withheld)
+    folds = h.folds
     if folds < cfg.folds:
-        notes.append(f"selection half has {n_sel_groups} groups: {folds} folds instead of {cfg.folds}")
-    scfg = replace(_selection_sweep_config(cfg), folds=folds, inner_folds=min(cfg.inner_folds, max(2, folds - 1)))
+        notes.append(f"selection half has {h.n_groups} groups: {folds} folds instead of {cfg.folds}")
     sweep = run_probe_sweep(sel, target, sites=list(sites), positions=(position,), probe=probe, seed=seed,
-                            config=scfg)
+                            config=h.sweep_config)
     t = sweep.table
     rows = t[(t["features"] == "activations") & (t["train_on"] == "all") & (t["eval_set"] == "all")
              & (t["metric"] == "accuracy")]
@@ -438,7 +532,7 @@ def select_and_evaluate(
         t1 = time.time()
         units = [_unit_matrix(sel, kind, position)[0][rs].transpose(0, 1).float().contiguous() for kind in sites]
         observed, perm_max, how = max_statistic_null(units, ys, gs, folds=folds, n_perm=n_permutations, seed=seed,
-                                                     unit_budget_bytes=cfg.unit_budget_bytes)
+                                                     unit_budget_bytes=cfg.unit_budget_bytes, device=cfg.device)
         result.observed_max, result.permutation, result.n_perm = observed, how, n_permutations
         result.p_max = float((1 + int((perm_max >= observed - 1e-12).sum())) / (1 + n_permutations))
         notes.append(f"permutation null: {n_permutations} permutations ({how}) of {result.n_units} units, ridge "

@@ -75,13 +75,18 @@ def group_codes(stimuli: Sequence[Stimulus], by: str = "task") -> Int[Tensor, " 
 def as_codes(groups: Sequence[Any] | Tensor | None, n: int) -> Int[Tensor, " n"]:
     """Integer codes for arbitrary group labels, numbered by first appearance (so folds do not
     depend on how groups are named); None makes every row its own group."""
+    return torch.tensor(_code_list(groups, n), dtype=torch.long)
+
+
+def _code_list(groups: Sequence[Any] | Tensor | None, n: int) -> list[int]:
+    """`as_codes` as a Python list (host work stays off tensors)."""
     if groups is None:
-        return torch.arange(n)
+        return list(range(n))
     values = groups.tolist() if isinstance(groups, Tensor) else list(groups)
     if len(values) != n:
         raise TomlensError(f"{len(values)} group labels for {n} rows", "pass one group label per row")
     first: dict[Any, int] = {}
-    return torch.tensor([first.setdefault(v, len(first)) for v in values], dtype=torch.long)
+    return [first.setdefault(v, len(first)) for v in values]
 
 
 def group_kfold(groups: Sequence[Any] | Tensor, n_splits: int = 5, seed: int = 0) -> list[Split]:
@@ -90,30 +95,30 @@ def group_kfold(groups: Sequence[Any] | Tensor, n_splits: int = 5, seed: int = 0
     Groups are shuffled by `seed`, then placed largest first into the fold with the fewest rows,
     so folds are balanced even when groups differ in size.
     """
-    codes = as_codes(groups, len(groups))
-    uniq, counts = torch.unique(codes, return_counts=True)
+    codes = np.asarray(_code_list(groups, len(groups)), dtype=np.int64)  # all on the host, in numpy
+    uniq, counts = np.unique(codes, return_counts=True)
     if n_splits < 2:
         raise TomlensError(f"n_splits={n_splits}", "use at least 2 folds")
-    if uniq.numel() < n_splits:
+    if uniq.size < n_splits:
         raise TomlensError(
-            f"{uniq.numel()} groups cannot fill {n_splits} grouped folds (a group is a task, or with "
+            f"{uniq.size} groups cannot fill {n_splits} grouped folds (a group is a task, or with "
             "group_by='template' every task sharing a template, with group_by='cue' every task sharing a cue "
             "phrasing; generated families have 4 templates)",
-            (f"use fewer folds (--folds {uniq.numel()} or less), group by task, or more stimuli"
-             if uniq.numel() >= 2 else "group by task, or use more stimuli (at least 2 groups are needed)"),
+            (f"use fewer folds (--folds {uniq.size} or less), group by task, or more stimuli"
+             if uniq.size >= 2 else "group by task, or use more stimuli (at least 2 groups are needed)"),
         )
     rng = np.random.default_rng(seed)
-    order = rng.permutation(uniq.numel())
-    order = order[np.argsort(-counts.numpy()[order], kind="stable")]
-    fold_of_group = np.zeros(uniq.numel(), dtype=np.int64)
+    order = rng.permutation(uniq.size)
+    order = order[np.argsort(-counts[order], kind="stable")]
+    fold_of_group = np.zeros(uniq.size, dtype=np.int64)
     load = np.zeros(n_splits, dtype=np.int64)
     for g in order:
         f = int(np.argmin(load))
         fold_of_group[g] = f
         load[f] += int(counts[g])
-    fold = torch.as_tensor(fold_of_group)[torch.searchsorted(uniq, codes)]
-    rows = torch.arange(codes.numel())
-    return [Split(train=rows[fold != f], test=rows[fold == f]) for f in range(n_splits)]
+    fold = fold_of_group[np.searchsorted(uniq, codes)]
+    return [Split(train=torch.from_numpy(np.flatnonzero(fold != f)), test=torch.from_numpy(np.flatnonzero(fold == f)))
+            for f in range(n_splits)]
 
 
 def holdout(groups: Sequence[Any] | Tensor, test_size: float = 0.2, seed: int = 0) -> Split:

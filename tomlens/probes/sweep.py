@@ -91,7 +91,9 @@ class SweepConfig:
 
     c_grid: tuple[float, ...] = C_GRID
     folds: int = 5  # outer grouped folds (held-out stories)
-    inner_folds: int = 4  # grouped folds inside each training split, to choose C
+    # grouped folds inside each training split, to choose C: 3 (4 until issue 26 item 7; 3 fits the default
+    # probe stage on 384 prompts in 5 minutes on 2 cores, and C is still chosen per unit by grouped CV)
+    inner_folds: int = 3
     evaluation: str = "crossfit"  # "crossfit": every story tested once; "holdout": the first fold only
     group_by: str = "task"  # "task", "template" or "cue" (no task and no template / cue phrasing on both sides)
     n_boot: int = 1000
@@ -107,6 +109,9 @@ class SweepConfig:
     device: str | None = None
     progress: bool = True
     unit_budget_bytes: float = 2.0**29  # activations per chunk of units
+    check_every: int | None = None  # Newton steps between host reads (None: `cadence.check_every`'s default)
+    show_plan: bool = True  # print the plan before fitting (with `progress`)
+    budget_minutes: float | None = None  # refuse a plan estimated above this, before any fit
 
     def __post_init__(self) -> None:
         if self.evaluation not in ("crossfit", "holdout"):
@@ -180,8 +185,9 @@ def _fit(probe: str, X: Tensor, Y: Tensor, groups: Tensor, cfg: SweepConfig, see
         warnings.simplefilter("ignore", ProbeFitWarning)
         if probe == "logistic":
             res = fit_logistic(X, Y, groups=groups, c_grid=cfg.c_grid, cv=cfg.inner_folds, seed=seed,
-                               device=cfg.device)
-            return [LogisticProbe.from_fit(res, i, cv=cfg.inner_folds, seed=seed, device=cfg.device)
+                               device=cfg.device, check_every=cfg.check_every)
+            return [LogisticProbe.from_fit(res, i, cv=cfg.inner_folds, seed=seed, device=cfg.device,
+                                           check_every=cfg.check_every)
                     for i in range(Y.shape[0])], res.C[0], res.status.amax(0)
         probes = [MassMeanProbe(device=cfg.device).fit(X, Y[i]) for i in range(Y.shape[0])]
     fitted = torch.stack([torch.isfinite(p.coef_).flatten(1).all(1) & torch.isfinite(p.intercept_).all(1)
@@ -331,8 +337,8 @@ def _paired_auroc_difference(a: Tensor, ya: Tensor, b: Tensor, yb: Tensor, group
                               seed: int) -> stats.Interval:
     """AUROC(a on labels ya) - AUROC(b on labels yb) on the same resampled test groups: the control
     is scored on its own labels, so `stats.bootstrap_auroc_difference` (one label vector) does not fit."""
-    w = stats.group_weights(groups.cpu(), cfg.n_boot, seed)
-    boot = stats.auroc(a, ya, w) - stats.auroc(b, yb, w)
+    codes, counts = stats.group_draws(groups.cpu(), cfg.n_boot, seed)
+    boot = stats.group_auroc(a, ya, codes, counts) - stats.group_auroc(b, yb, codes, counts)
     q = torch.tensor([(1 - cfg.level) / 2, 1 - (1 - cfg.level) / 2], dtype=boot.dtype)
     lo, hi = torch.nanquantile(boot, q, dim=0)
     return stats.Interval(stats.auroc(a, ya)[0] - stats.auroc(b, yb)[0], lo, hi)
@@ -378,7 +384,7 @@ def _rows_for(outcome: _Outcome, plan: _Plan, yte: Tensor, gte: Tensor, cfg: Swe
     classes = outcome.classes
     extra_labels = extra_labels or {}
     rows: list[dict[str, Any]] = []
-    C = _mode_c(outcome.C)
+    C = _mode_c(outcome.C).tolist()
     failed = (outcome.status >= SOLVER_FAILED).tolist()
     status = [FIT_STATUS[c] for c in outcome.status.tolist()]
     n_train = int(round(float(np.mean(outcome.n_train))))
@@ -399,32 +405,32 @@ def _rows_for(outcome: _Outcome, plan: _Plan, yte: Tensor, gte: Tensor, cfg: Swe
             au = stats.bootstrap_auroc(s[..., 0], yb, g, n_boot=cfg.n_boot, seed=seed, level=cfg.level)
             metrics.append(("auroc", au))
         chance = float(outcome.chance_correct[sel].mean())
+        n_groups = len(set(g.tolist()))
         for metric, est in metrics:
             ctrl = _extra_scores(outcome, "control", sel, extra_labels["control"], correct, y, metric, cfg, seed,
                                  gte) if "control" in extra_labels else None
             split = _extra_scores(outcome, "condition_split", sel, extra_labels["condition_split"], correct, y,
                                   metric, cfg, seed, gte) if "condition_split" in extra_labels else None
+            # every interval of this metric as host lists in one read, not one float() per unit
+            names = ["score", "ci_low", "ci_high"]
+            parts = [est]
+            if ctrl is not None:
+                names += ["control", "control_ci_low", "control_ci_high",
+                          "selectivity", "selectivity_ci_low", "selectivity_ci_high"]
+                parts += [ctrl[0], ctrl[1]]
+            if split is not None:
+                names += ["condition_split", "condition_split_ci_low", "condition_split_ci_high"]
+                parts.append(split[0])
+            values = torch.stack([torch.stack([iv.estimate, iv.low, iv.high]).to(torch.float64)
+                                  for iv in parts]).reshape(len(names), -1).T.tolist()  # [U][names]
             for ui, (layer, head) in enumerate(unit_keys):
                 row = {**common, "layer": layer, "head": head, "train_on": plan.train_on,
-                       "eval_set": eval_set, "metric": metric,
-                       "score": float(est.estimate[ui]), "ci_low": float(est.low[ui]),
-                       "ci_high": float(est.high[ui]),
+                       "eval_set": eval_set, "metric": metric, **dict(zip(names, values[ui])),
                        "chance": chance if metric == "accuracy" else 0.5,
                        "n_train": n_train, "n_test": int(sel.numel()),
-                       "n_test_groups": int(torch.unique(g).numel()), "C": float(C[ui]),
-                       "fit_status": status[ui]}
+                       "n_test_groups": n_groups, "C": C[ui], "fit_status": status[ui]}
                 if ctrl is not None:
-                    c_iv, sel_iv, c_chance = ctrl
-                    row.update(control=float(c_iv.estimate[ui]), control_ci_low=float(c_iv.low[ui]),
-                               control_ci_high=float(c_iv.high[ui]), control_chance=c_chance,
-                               selectivity=float(sel_iv.estimate[ui]),
-                               selectivity_ci_low=float(sel_iv.low[ui]),
-                               selectivity_ci_high=float(sel_iv.high[ui]))
-                if split is not None:
-                    s_iv = split[0]
-                    row.update(condition_split=float(s_iv.estimate[ui]),
-                               condition_split_ci_low=float(s_iv.low[ui]),
-                               condition_split_ci_high=float(s_iv.high[ui]))
+                    row["control_chance"] = ctrl[2]
                 if failed[ui]:  # no number from a probe (or control) that could not be fitted
                     row.update({k: float("nan") for k in _FIT_VALUES})
                 rows.append(row)
@@ -513,7 +519,85 @@ def _check_same_model(acts: ActivationsLike, test_acts: ActivationsLike) -> None
         )
 
 
-def run_probe_sweep(
+FeatureChunks = Callable[[], Iterator[tuple[Tensor, Tensor, list[tuple[int, int]]]]]
+
+
+@dataclass
+class FeatureSet:
+    """One set of features a target's probes are fitted on: the activations at a site kind or a
+    text baseline, its chunks of units (loaded when iterated), and its size for the plan."""
+
+    features: str  # "activations", "embeddings" or a text baseline ("bag_of_words", "length", "position")
+    kind: str  # the site kind ("" for text baselines)
+    chunks: FeatureChunks
+    keep_directions: bool
+    units: int
+    dim: int
+    rank: int  # the most columns a unit's reduced problem can have (d, or about d / heads per head)
+
+
+@dataclass
+class TargetLayout:
+    """One target laid out before any fit: its rows, labels, groups, train/test plans, extra label
+    vectors (control, condition split) and the feature sets its probes are fitted on."""
+
+    name: str
+    ktr: Tensor
+    kte: Tensor
+    st_tr: list[Stimulus]
+    st_te: list[Stimulus]
+    ytr: Tensor
+    gtr: Tensor
+    yte: Tensor
+    gte: Tensor
+    plans: list[_Plan]
+    extras: dict[str, tuple[Tensor, Tensor]]
+    blind: set[str]
+    feature_sets: list[FeatureSet]
+    common: dict[str, Any]
+
+    def fits(self, plan: _Plan) -> list[tuple[int, int]]:
+        """(training rows, label vectors fitted together) of every fit `plan` runs on one chunk:
+        one per split with two classes and two groups in training (plus, for a target of more than
+        two classes, one more fit of the binary extras, as `_run_plan` does)."""
+        out = []
+        binary = self.ytr.unique().numel() == 2
+        for split in plan.splits:
+            tr = split.train
+            if tr.numel() == 0 or split.test.numel() == 0:
+                continue
+            ys, gs = set(self.ytr[tr].tolist()), set(self.gtr[tr].tolist())
+            if len(ys) < 2 or len(gs) < 2:
+                continue
+            extra = sum(1 for lab, _ in self.extras.values() if len(set(lab[tr].tolist())) == 2)
+            k = 1 if binary else self.ytr.unique().numel()
+            out.extend([(int(tr.numel()), k + extra)] if binary else
+                       [(int(tr.numel()), k)] + ([(int(tr.numel()), extra)] if extra else []))
+        return out
+
+
+@dataclass
+class SweepLayout:
+    """Everything a sweep will fit, laid out (and checked) before the first fit."""
+
+    acts: ActivationsLike
+    test_acts: ActivationsLike | None
+    targets: list[TargetLayout]
+    kinds: list[str]
+    position: str
+    probe: str
+    seed: int
+    cfg: SweepConfig
+    notes: list[str]
+    variation: dict[str, pd.DataFrame]
+    names: list[str]  # the targets asked for
+
+    @property
+    def n_rows(self) -> int:
+        return len(self.acts.stimuli)
+
+
+def lay_out_sweep(
     acts: ActivationsLike,
     target: str | Sequence[str],
     *,
@@ -524,14 +608,10 @@ def run_probe_sweep(
     seed: int = 0,
     config: SweepConfig | None = None,
     **overrides: Any,
-) -> ProbeSweepResult:
-    """Probe every layer (and head) of the site kinds `sites` at the one position in `positions`
-    (a one-element sequence, as in `tomlens.runs.probes.ProbesConfig`) for one or more targets.
-
-    `config` (or keyword overrides of its fields, e.g. `folds=3`) sets the CV, controls and
-    intervals. Returns the tidy table, the directions of probes fitted on all rows (for patching
-    and steering) and provenance.
-    """
+) -> SweepLayout:
+    """Check the request and lay out every target's rows, plans, extra labels and feature sets
+    (`run_probe_sweep`'s arguments); nothing is fitted, and activations are read only for their
+    shapes. `tomlens.probes.sweep_plan` counts and times a layout."""
     cfg = replace(config or SweepConfig(), **overrides)
     if isinstance(sites, str) or isinstance(positions, str):
         raise TomlensError("sites and positions are sequences of names, not one string",
@@ -546,16 +626,12 @@ def run_probe_sweep(
     targets = [target] if isinstance(target, str) else list(target)
     for t in targets:
         get_target(t)
-    t0 = time.time()
-    dev = torch.device(cfg.device) if cfg.device is not None else default_device()
     train_st = list(acts.stimuli)
     test_st = list(test_acts.stimuli) if test_acts is not None else None
     if test_st is not None:
         _check_test_set(train_st, test_st)
         _check_same_model(acts, test_acts)
     test_name = "same" if test_st is None else f"stimuli:{stimuli_hash(test_st)}"
-    rows: list[dict[str, Any]] = []
-    directions: dict[str, Tensor] = {}
     notes: list[str] = []
     variation: dict[str, pd.DataFrame] = {}
     if cfg.group_by == "cue" and not any(s.meta.get("cue_id") not in (None, "")
@@ -565,6 +641,8 @@ def run_probe_sweep(
         n_groups = int(torch.unique(group_codes(train_st, "cue")).numel())
         notes.append(f"group_by=cue: {n_groups} cue group(s) (no cue phrasing and no story on both sides)"
                      + ("; too few for a selection half of 3 groups" if n_groups < 6 else ""))
+    shapes = {kind: _unit_shape(acts, kind, position) for kind in kinds}
+    laid: list[TargetLayout] = []
     for tname in targets:
         y_all, keep = make_target(train_st, tname)
         ktr = keep.nonzero().squeeze(1)
@@ -591,28 +669,101 @@ def run_probe_sweep(
                              "chance, as on order-only and the factorial)")
         common = {"position": position, "target": tname, "probe": probe, "test_set": test_name}
         extras, blind = _extras(st_tr, st_te if test_st is not None else None, ytr, plans, cfg, seed, tname, notes)
-        extra_te = {k: te for k, (_, te) in extras.items()}
 
-        # (features, site kind, chunks, keep directions): the activations at each site, then the baselines
-        feature_sets: list[tuple[str, str, Callable[[], Iterator[tuple[Tensor, Tensor, list[tuple[int, int]]]]], bool]] = []
+        # the activations at each site, then the baselines
+        feature_sets: list[FeatureSet] = []
         for kind in kinds:
-            feature_sets.append(("activations", kind,
-                                 _activation_chunks(acts, test_acts, kind, position, ktr, kte, cfg), True))
+            units, dim, rank = shapes[kind]
+            feature_sets.append(FeatureSet("activations", kind,
+                                           _activation_chunks(acts, test_acts, kind, position, ktr, kte, cfg), True,
+                                           units, dim, rank))
         if cfg.bow:
-            feature_sets.append(("bag_of_words", "", _bow_chunks(st_tr, st_te), False))
+            vocab = max(len(bag_of_words(st_tr)[1]), 1)
+            feature_sets.append(FeatureSet("bag_of_words", "", _bow_chunks(st_tr, st_te), False, 1, vocab, vocab))
         if cfg.length:
-            feature_sets.append(("length", "", _length_chunks(st_tr, st_te), False))
+            feature_sets.append(FeatureSet("length", "", _length_chunks(st_tr, st_te), False, 1, 2, 2))
         if cfg.position:
-            feature_sets.append(("position", "", _position_chunks(st_tr, st_te, position), False))
+            feature_sets.append(FeatureSet("position", "", _position_chunks(st_tr, st_te, position), False, 1, 2, 2))
         if cfg.embeddings:
             if _holds(acts, "resid_pre", 0, position) and (test_acts is None or _holds(test_acts, "resid_pre", 0, position)):
-                feature_sets.append(("embeddings", "resid_pre",
-                                     _embedding_chunks(acts, test_acts, position, ktr, kte), False))
+                _, dim, _ = _unit_shape(acts, "resid_pre", position)
+                feature_sets.append(FeatureSet("embeddings", "resid_pre",
+                                               _embedding_chunks(acts, test_acts, position, ktr, kte), False,
+                                               1, dim, dim))
             else:
                 notes.append("embeddings baseline not run: cache resid_pre:0")
+        laid.append(TargetLayout(tname, ktr, kte, st_tr, st_te, ytr, gtr, yte, gte, plans, extras, blind,
+                                 feature_sets, common))
+    return SweepLayout(acts, test_acts, laid, kinds, position, probe, seed, cfg, notes, variation, targets)
+
+
+def _unit_shape(acts: ActivationsLike, kind: str, position: str) -> tuple[int, int, int]:
+    """(units, d, rank bound) of a site kind: a layer's units have rank up to d, a head's output up
+    to d / heads (its d_head, for models whose heads split the residual width evenly)."""
+    X = acts.get(kind, position)
+    if X.ndim == 4:
+        _, nl, nh, d = X.shape
+        return nl * nh, d, max(1, d // nh)
+    if X.ndim == 3:
+        return X.shape[1], X.shape[2], X.shape[2]
+    raise TomlensError(f"activations of kind {kind!r} have shape {tuple(X.shape)}",
+                       "expected [n, layer, d] or [n, layer, head, d]")
+
+
+def run_probe_sweep(
+    acts: ActivationsLike,
+    target: str | Sequence[str],
+    *,
+    sites: Sequence[str] = ("resid_post", "head_out"),
+    positions: Sequence[str] = ("final",),
+    test_acts: ActivationsLike | None = None,
+    probe: str = "logistic",
+    seed: int = 0,
+    config: SweepConfig | None = None,
+    **overrides: Any,
+) -> ProbeSweepResult:
+    """Probe every layer (and head) of the site kinds `sites` at the one position in `positions`
+    (a one-element sequence, as in `tomlens.runs.probes.ProbesConfig`) for one or more targets.
+
+    `config` (or keyword overrides of its fields, e.g. `folds=3`) sets the CV, controls and
+    intervals. Returns the tidy table, the directions of probes fitted on all rows (for patching
+    and steering) and provenance.
+
+    Before fitting, with `progress` and `show_plan` on, it prints its plan (`sweep_plan`: the fits
+    of each feature set and the estimated time, from one small timed fit per site kind); with
+    `budget_minutes` it refuses a plan whose estimate exceeds that, before any fit.
+    """
+    layout = lay_out_sweep(acts, target, sites=sites, positions=positions, test_acts=test_acts, probe=probe,
+                           seed=seed, config=config, **overrides)
+    cfg = layout.cfg
+    if (cfg.progress and cfg.show_plan) or cfg.budget_minutes is not None:
+        from tomlens.probes.sweep_plan import sweep_plan, time_fits
+
+        plan = sweep_plan(layout)
+        time_fits(plan, layout)
+        if cfg.progress and cfg.show_plan:
+            print("\n".join(plan.lines()))
+        plan.check_budget()
+    return fit_layout(layout)
+
+
+def fit_layout(layout: SweepLayout) -> ProbeSweepResult:
+    """Fit and score everything `layout` lays out (the body of `run_probe_sweep`)."""
+    cfg, acts, test_acts = layout.cfg, layout.acts, layout.test_acts
+    probe, seed, position = layout.probe, layout.seed, layout.position
+    t0 = time.time()
+    dev = torch.device(cfg.device) if cfg.device is not None else default_device()
+    rows: list[dict[str, Any]] = []
+    directions: dict[str, Tensor] = {}
+    notes = list(layout.notes)
+    for tl in layout.targets:
+        tname, plans, extras, blind = tl.name, tl.plans, tl.extras, tl.blind
+        ytr, gtr, yte, gte = tl.ytr, tl.gtr, tl.yte, tl.gte
+        extra_te = {k: te for k, (_, te) in extras.items()}
         n_fits = sum(len(p.splits) for p in plans) + int(cfg.directions)
-        for features, kind, chunks, keep_dirs in feature_sets:
-            for Xtr, Xte, unit_keys in chunks():
+        for fs in tl.feature_sets:
+            features, kind = fs.features, fs.kind
+            for Xtr, Xte, unit_keys in fs.chunks():
                 bar = _progress(n_fits, cfg.progress, f"{tname} {kind or features} layers {unit_keys[0][0]}-{unit_keys[-1][0]}")
                 with cpu_threads_for(float(Xtr.numel()), dev):
                     for plan in plans:
@@ -622,12 +773,12 @@ def run_probe_sweep(
                                          "(no training split with two classes)")
                             continue
                         new = _rows_for(outcome, plan, yte, gte, cfg, seed, unit_keys,
-                                        {**common, "features": features, "kind": kind}, extra_te)
+                                        {**tl.common, "features": features, "kind": kind}, extra_te)
                         if plan.train_on in blind:  # a control that cannot fail gives no number
                             for r in new:
                                 r.update({k: float("nan") for k in _CONTROL_VALUES})
                         rows.extend(new)
-                    if cfg.directions and keep_dirs:
+                    if cfg.directions and fs.keep_directions:
                         bar.update()
                         _collect_directions(directions, probe, Xtr, ytr, gtr, cfg, seed, tname, kind,
                                             position, unit_keys)
@@ -641,12 +792,13 @@ def run_probe_sweep(
     if note:
         notes.append(note)
     meta = {
-        "provenance": _provenance(acts, test_acts, cfg, seed, probe, targets, kinds, position, time.time() - t0),
+        "provenance": _provenance(acts, test_acts, cfg, seed, probe, layout.names, layout.kinds, position,
+                                  time.time() - t0),
         "notes": sorted(set(notes)),
-        "targets": {t: get_target(t).description for t in targets},
+        "targets": {t: get_target(t).description for t in layout.names},
         "fit_status_codes": list(FIT_STATUS),  # the codes of the directions' fit_status tensors
         # per target and condition of the training set: whether the label varies there (`targets.label_variation`)
-        "label_variation": {t: v.to_dict(orient="records") for t, v in variation.items()},
+        "label_variation": {t: v.to_dict(orient="records") for t, v in layout.variation.items()},
     }
     return ProbeSweepResult(table=table.reset_index(drop=True), directions=directions, metadata=meta)
 

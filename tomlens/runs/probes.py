@@ -10,10 +10,17 @@ reported on the other half, with a max-statistic permutation null (`tomlens.prob
 that held-out result and its verdict lead the description. With `random_twin`, the same stimuli
 are cached and swept on `random:<model>` (same architecture, fresh weights, same seed), and its
 score joins the table as the baseline `baseline_random_init`.
+
+Before the first fit the stage prints its plan (`stage_plan`): the fits of the sweep, its
+baselines, the twin and the selection, with the time each will take, from one small fit per site
+kind timed on this machine (`tomlens.probes.plan`); `budget_minutes` (default 60) refuses a plan
+estimated over it, before any fit. As each stage ends it says how long it took against its
+estimate; `result.json` keeps both under "plan".
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -23,27 +30,33 @@ import pandas as pd
 from torch import Tensor
 
 from tomlens.activations import cache_activations
+from tomlens.devices import default_device
 from tomlens.errors import TomlensError
 from tomlens.hooks.sites import KINDS
 from tomlens.models.positions import parse_selectors
 from tomlens.probes.baselines import add_best_baseline
 from tomlens.probes.logistic import C_GRID
 from tomlens.probes.selection import DEFAULT_PERMUTATIONS, EMBEDDINGS_KIND, FOUND, SelectionResult, \
-    select_and_evaluate
+    select_and_evaluate, selection_stage
 from tomlens.probes.splits import GROUPINGS as SPLIT_GROUPINGS
-from tomlens.probes.sweep import PROBES, ProbeSweepResult, SweepConfig, read_probe_sweep, run_probe_sweep, \
-    write_probe_sweep
+from tomlens.probes.plan import PlanStage, ProbePlan
+from tomlens.probes.sweep import PROBES, ProbeSweepResult, SweepConfig, SweepLayout, fit_layout, lay_out_sweep, \
+    read_probe_sweep, run_probe_sweep, write_probe_sweep
+from tomlens.probes.sweep_plan import sweep_stages, time_fits
 from tomlens.probes.targets import get_target
 from tomlens.models import provenance
 from tomlens.runs.base import ModelSpec, StimuliSpec, split_items
 from tomlens.provenance import run_manifest
 from tomlens.runs.files import begin_save, finish_save, read_finished
 from tomlens.stimuli.records import stimuli_hash
+from tomlens.timing import format_seconds
 
 EVALUATIONS = ("crossfit", "holdout")
 GROUPINGS = tuple(SPLIT_GROUPINGS)  # task, template (and cue phrasing where the splits know it)
 TWIN_KEYS = ["kind", "layer", "head", "position", "target", "train_on", "eval_set", "metric"]
 FORMATS = ("parquet", "csv")
+DEFAULT_BUDGET_MINUTES = 60.0
+TWIN, TWIN_CACHE = "random twin", "twin caching"  # the plan's stage names for the random-init twin
 
 
 def _one_of(name: str, value: str, allowed: tuple[str, ...]) -> None:
@@ -65,7 +78,7 @@ class ProbesConfig:
     probe: str = "logistic"
     store: str | None = None  # activation store root
     folds: int = 5
-    inner_folds: int = 4
+    inner_folds: int = 3  # see SweepConfig.inner_folds
     evaluation: str = "crossfit"
     group_by: str = "task"
     c_grid: tuple[float, ...] | None = None  # None: C_GRID
@@ -82,6 +95,8 @@ class ProbesConfig:
     # sweep random:<model> too (baseline_random_init): the issue lists the random-init model among
     # every table's baselines, so it is on by default (a tiny model's twin is itself: said in a note)
     random_twin: bool = True
+    # refuse, before any fit, a plan whose estimated time exceeds this many minutes (None: no limit)
+    budget_minutes: float | None = DEFAULT_BUDGET_MINUTES
 
     def __post_init__(self) -> None:
         if self.stimuli is None:
@@ -115,6 +130,8 @@ class ProbesConfig:
                                "use a fraction strictly between 0 and 1 (e.g. 0.5)")
         if int(self.n_permutations) < 0:
             raise TomlensError(f"n_permutations = {self.n_permutations}", "use 0 (no null: always withheld) or more")
+        if self.budget_minutes is not None and not float(self.budget_minutes) > 0:
+            raise TomlensError(f"budget_minutes = {self.budget_minutes}", "use a positive number of minutes, or none")
 
     @property
     def position(self) -> str:
@@ -222,7 +239,7 @@ def sweep_config(config: ProbesConfig, *, progress: bool = True) -> SweepConfig:
     return SweepConfig(c_grid=config.c_grid or C_GRID, folds=config.folds, inner_folds=config.inner_folds,
                        evaluation=config.evaluation, group_by=config.group_by, n_boot=config.n_boot,
                        controls=config.controls, bow=config.bow, conditions=config.conditions,
-                       device=config.model.device, progress=progress)
+                       device=config.model.device, progress=progress, show_plan=False)
 
 
 def cache_sites(config: ProbesConfig) -> str:
@@ -234,9 +251,11 @@ def cache_sites(config: ProbesConfig) -> str:
 
 
 def _scores_only(cfg: SweepConfig) -> SweepConfig:
-    """The sweep settings for a random-init twin: activation rows only (the main sweep has the rest)."""
+    """The sweep settings for a random-init twin: activation rows and the target only (the main
+    sweep has the rest; only the twin's score is merged, so fitting its control task's labels
+    too would double its Newton work for columns nobody reads)."""
     names = {f.name for f in fields(SweepConfig)}
-    off = ("bow", "length", "position", "embeddings", "condition_split", "directions")
+    off = ("bow", "length", "position", "embeddings", "condition_split", "directions", "controls")
     return replace(cfg, **{k: False for k in off if k in names})
 
 
@@ -269,9 +288,11 @@ def twin_spec(config: ProbesConfig) -> ModelSpec:
 
 
 def run(config: ProbesConfig, *, model: Any = None, progress: bool = True) -> ProbesResult:
-    """Cache the activations that are missing, run the probe sweep, then (by default) choose the
-    best unit on selection stories and report it on evaluation stories; with `random_twin`, the
-    same on random:<model>, merged as a baseline."""
+    """Cache the activations that are missing, print the plan (every fit of the sweep, its
+    baselines, the random-init twin and the selection, with the estimated time; refused before any
+    fit when over `budget_minutes`), run the probe sweep, then (by default) choose the best unit on
+    selection stories and report it on evaluation stories; with `random_twin`, the same on
+    random:<model>, merged as a baseline. Each stage says when it is done and how long it took."""
     assert config.stimuli is not None  # checked in ProbesConfig
     stimuli = config.stimuli.load()  # bad files fail before the model loads
     test = config.test_stimuli.load() if config.test_stimuli is not None else None
@@ -283,11 +304,20 @@ def run(config: ProbesConfig, *, model: Any = None, progress: bool = True) -> Pr
         return cache_activations(m, st, sites, [config.position], store=config.store,
                                  batch_size=config.batch_size, progress=progress)
 
+    t0 = time.perf_counter()
     acts = cache(model, stimuli)
     test_acts = None if test is None else cache(model, test)
+    cache_seconds = None if acts.reused and (test_acts is None or test_acts.reused) else time.perf_counter() - t0
     scfg = sweep_config(config, progress=progress)
-    sweep = run_probe_sweep(acts, list(config.targets), sites=list(config.sites), positions=config.positions,
-                            test_acts=test_acts, probe=config.probe, seed=config.seed, config=scfg)
+    layout = lay_out_sweep(acts, list(config.targets), sites=list(config.sites), positions=config.positions,
+                           test_acts=test_acts, probe=config.probe, seed=config.seed, config=scfg)
+    plan = stage_plan(config, layout, cache_seconds)
+    time_fits(plan, layout)
+    print("\n".join(plan.lines()), flush=True)  # always: what the run costs is said before it costs it
+    plan.check_budget()
+    clock = _Clock(plan)
+    sweep = fit_layout(layout)
+    clock.done("sweep", "baselines")
     twin_acts = twin_test = None
     notes = list(sweep.metadata.get("notes", []))
     if config.random_twin:
@@ -304,6 +334,7 @@ def run(config: ProbesConfig, *, model: Any = None, progress: bool = True) -> Pr
                      + (" - the model is random-init itself, so its twin is the same model"
                         if config.model.name.startswith(("random:", "tiny-")) else ""))
         sweep.metadata["notes"] = sorted(set(notes))
+        clock.done(TWIN_CACHE, TWIN)
     selection: dict[str, SelectionResult] = {}
     if config.selection:
         for target in config.targets:
@@ -312,12 +343,69 @@ def run(config: ProbesConfig, *, model: Any = None, progress: bool = True) -> Pr
                 selection_fraction=config.selection_fraction, n_permutations=config.n_permutations,
                 config=replace(scfg, progress=False), probe=config.probe, test_acts=test_acts,
                 twin_acts=twin_acts, twin_test_acts=twin_test)
+            clock.done(f"selection ({target})")
     summary = {"rows": len(sweep.table), "targets": list(config.targets), "sites": list(config.sites),
                "position": config.position, "activations": str(acts.path),
                "test_activations": None if test_acts is None else str(test_acts.path),
                "directions": bool(sweep.directions), "notes": list(sweep.metadata.get("notes", [])),
                "selection": {t: {"unit": r.site, "verdict": r.verdict, "reason": r.reason,
-                                 "found": r.verdict == FOUND} for t, r in selection.items()}}
+                                 "found": r.verdict == FOUND} for t, r in selection.items()},
+               "plan": {**plan.to_dict(), "measured_seconds": clock.measured}}
     extra = None if test is None else {"test_stimuli_hash": stimuli_hash(test)}
     manifest = run_manifest(model, config, stimuli_hash=stimuli_hash(stimuli), extra=extra)
     return ProbesResult(sweep=sweep, summary=summary, config=config, manifest=manifest, selection=selection)
+
+
+
+def stage_plan(config: ProbesConfig, layout: SweepLayout, cache_seconds: float | None) -> ProbePlan:
+    """The plan of the whole stage (not yet timed: `sweep_plan.time_fits`): the sweep and its
+    baselines as `layout` lays them out, the random-init twin (the same units, plans and folds,
+    target only), and per target the selection; caching the twin is priced at what caching the
+    model took (`cache_seconds`, None when the model's activations came from the store)."""
+    cfg = layout.cfg
+    stages = sweep_stages(layout)
+    if config.random_twin:
+        twin = lay_out_sweep(layout.acts, list(config.targets), sites=list(config.sites),
+                             positions=config.positions, test_acts=layout.test_acts, probe=config.probe,
+                             seed=config.seed, config=_scores_only(cfg))
+        name = twin_spec(config).name
+        stages.append(PlanStage(TWIN_CACHE, f"caching {name} activations" + (
+            ", about as long as the model's took" if cache_seconds is not None else
+            " (not estimated: the model's own came from the store)"), seconds=cache_seconds))
+        st = sweep_stages(twin, baselines=False)[0]
+        stages.append(PlanStage(TWIN, f"the same sweep on {name}, target only: {st.fits:,} fits", st.shapes))
+    if config.selection:
+        for target in config.targets:
+            stages.append(selection_stage(
+                layout.acts, target, sites=list(config.sites), position=config.position, seed=config.seed,
+                selection_fraction=config.selection_fraction, n_permutations=config.n_permutations,
+                config=replace(cfg, progress=False), probe=config.probe, test_acts=layout.test_acts,
+                twin=config.random_twin))
+    dev = cfg.device or str(default_device())
+    header = (f"probe plan ({layout.n_rows} prompts; {', '.join(config.targets)} at {config.position}; "
+              f"{config.folds} folds, {config.evaluation}; device {dev}):")
+    budget = None if config.budget_minutes is None else 60.0 * config.budget_minutes
+    return ProbePlan(stages, header, budget_seconds=budget)
+
+
+class _Clock:
+    """Says, as each stage ends, how long it took against its estimate and what is left."""
+
+    def __init__(self, plan: ProbePlan) -> None:
+        self.plan = plan
+        self.t = time.perf_counter()
+        self.measured: dict[str, float] = {}
+        self.left = {s.name for s in plan.stages}
+
+    def done(self, *names: str) -> None:
+        now = time.perf_counter()
+        took, self.t = now - self.t, now
+        stages = [s for s in self.plan.stages if s.name in names]
+        self.measured[" + ".join(names)] = round(took, 1)
+        self.left -= set(names)
+        est = [self.plan.seconds(s) for s in stages]
+        eta = f" (estimated {format_seconds(sum(e for e in est if e is not None))})" if any(
+            e is not None for e in est) else ""
+        rest = [self.plan.seconds(s) for s in self.plan.stages if s.name in self.left]
+        left = f"; about {format_seconds(sum(r for r in rest if r is not None))} left" if self.left else ""
+        print(f"probe: {' + '.join(names)} done in {format_seconds(took)}{eta}{left}", flush=True)
