@@ -47,7 +47,7 @@ from tomlens.probes.baselines import length_features, position_features
 from tomlens.probes.controls import (
     CELL_LEVELS, bag_of_words, choose_cell_level, condition_split, split_labels, type_cells, type_control_labels,
 )
-from tomlens.probes.logistic import LogisticProbe
+from tomlens.probes.logistic import LogisticProbe, cpu_threads_for
 from tomlens.probes.mass_mean import MassMeanProbe
 from tomlens.probes.plan import PlanStage
 from tomlens.probes.splits import Split, fraction_split, group_codes, group_kfold
@@ -264,7 +264,11 @@ def _ridge_fold_correct(X: Float[Tensor, "u n d"], Y: Int[Tensor, "l n"], train:
     T = T - T.mean(1, keepdim=True)
     L, t, c = T.shape
     rhs = T.permute(1, 0, 2).reshape(t, L * c)  # [t, l*c]
-    alpha = torch.linalg.solve_ex(K, rhs.expand(K.shape[0], t, L * c))[0]  # [u, t, l*c]; no host check
+    # one CPU thread for the LU: torch runs a batch of them in parallel and MKL's getrf starts its own
+    # threads inside each; once the process has changed its thread count (`cpu_threads_for` does),
+    # that nesting stalls on 2 threads (a 7 s null ran for over 8 minutes). Cheap alone: 0.4 s here.
+    with cpu_threads_for(0.0, K.device):
+        alpha = torch.linalg.solve_ex(K, rhs.expand(K.shape[0], t, L * c))[0]  # [u, t, l*c]; no host check
     scores = (Xte @ Xtr.transpose(1, 2)) @ alpha  # [u, te, l*c]
     scores = scores.reshape(K.shape[0], -1, L, c).permute(2, 0, 1, 3)  # [l, u, te, c]
     pred = classes[(scores[..., 0] > 0).long()] if binary else classes[scores.argmax(-1)]
