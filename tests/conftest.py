@@ -58,12 +58,7 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
     )
 
 
-def _clean(model: Any) -> Any:
-    """A shared model handed to a test: no hooks left by an earlier test, eval mode, left padding."""
-    model.reset_hooks(including_permanent=True)
-    model.eval()
-    model.tokenizer.padding_side = "left"
-    return model
+from helpers import clean_model as _clean  # noqa: E402  (also used by the gpu tier's own fixtures)
 
 
 @pytest.fixture(scope="session")

@@ -114,3 +114,11 @@ class TensorActivations:
 
     def layers(self, kind: str) -> list[int]:
         return next(list(range(t.shape[1])) for (k, _), t in self.tensors.items() if k == kind)
+
+
+def clean_model(model: Any) -> Any:
+    """A shared model handed to a test: no hooks left by an earlier test, eval mode, left padding."""
+    model.reset_hooks(including_permanent=True)
+    model.eval()
+    model.tokenizer.padding_side = "left"
+    return model

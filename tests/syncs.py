@@ -137,3 +137,17 @@ def tiny_with_layers(name: str, n_layers: int, folder: Any) -> Any:
     config.save_pretrained(folder)
     embedded.load_tokenizer(tiny.tokenizer_dir()).save_pretrained(folder)
     return load_model(f"random:{folder}", dtype="float32", device="cpu")
+
+
+def count_of(fn: Any) -> tuple[int, str]:
+    """(total, summary) of the syncs one call of `fn()` makes."""
+    with count_syncs() as c:
+        fn()
+    return c.total, c.summary()
+
+
+def assert_same_and_small(counts: dict[Any, tuple[int, str]], bound: int) -> None:
+    """Every size gave the same count (it grows with nothing), and that count is at most `bound`."""
+    totals = {k: v[0] for k, v in counts.items()}
+    assert len(set(totals.values())) == 1, counts
+    assert next(iter(totals.values())) <= bound, counts

@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 import torch
 
-from helpers import short_pairs
+from helpers import clean_model as _clean, short_pairs
 from tomlens.activations import cache_activations
 from tomlens.behaviour import score, score_options
 from tomlens.models import encode, load_model, load_tokenizer, tiny
@@ -56,13 +56,6 @@ def assert_near(got: torch.Tensor, want: torch.Tensor, dtype: str, *, rel16: flo
         return
     err = float((got - want).norm() / want.norm().clamp_min(1e-30))
     assert err <= rel16, f"{what}: bf16 on CUDA is {err:.3g} off the CPU's fp32 (relative), allowed {rel16}"
-
-
-def _clean(model: Any) -> Any:
-    model.reset_hooks(including_permanent=True)
-    model.eval()
-    model.tokenizer.padding_side = "left"
-    return model
 
 
 @pytest.fixture(scope="module")

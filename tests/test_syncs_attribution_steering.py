@@ -17,12 +17,12 @@ What is left per call is a fixed handful, itemised at each bound; most of it rea
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
 from helpers import short_pairs
-from syncs import count_syncs, tiny_with_layers
+from syncs import assert_same_and_small, count_of, tiny_with_layers
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tomlens.errors import TomlensError
@@ -79,18 +79,6 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Any]:
     return out
 
 
-def _count(fn: Callable[[], Any]) -> tuple[int, str]:
-    with count_syncs() as c:
-        fn()
-    return c.total, c.summary()
-
-
-def _same_and_small(counts: dict[Any, tuple[int, str]], bound: int) -> None:
-    totals = {k: v[0] for k, v in counts.items()}
-    assert len(set(totals.values())) == 1, counts
-    assert next(iter(totals.values())) <= bound, counts
-
-
 # (pairs, pairs per group): one pair, three in one group, three in groups of one
 PAIRINGS = ((1, 8), (3, 8), (3, 1))
 ATTRIBUTION = {
@@ -107,10 +95,10 @@ def test_attribution_makes_the_same_few_syncs_whatever_the_pairs_and_depth(model
     for n_layers, model in models.items():
         for n, per_group in PAIRINGS:
             pairs = short_pairs(model.tokenizer, n)
-            counts[(n_layers, n, per_group)] = _count(lambda: attribution_patching(
+            counts[(n_layers, n, per_group)] = count_of(lambda: attribution_patching(
                 model, pairs, sites={"heads": ("all", "final"), "resid": ("each",), "mlp": ("all",)},
                 batch_pairs=per_group, progress=False, **ATTRIBUTION[method]))
-    _same_and_small(counts, ATTRIBUTION_BOUND)
+    assert_same_and_small(counts, ATTRIBUTION_BOUND)
 
 
 def test_atp_star_estimates_make_the_same_few_syncs_whatever_the_pairs_and_depth(models: dict[int, Any]) -> None:
@@ -118,10 +106,10 @@ def test_atp_star_estimates_make_the_same_few_syncs_whatever_the_pairs_and_depth
     for n_layers, model in models.items():
         for n, per_group in PAIRINGS:
             pairs = short_pairs(model.tokenizer, n)
-            counts[(n_layers, n, per_group)] = _count(lambda: atp_star(
+            counts[(n_layers, n, per_group)] = count_of(lambda: atp_star(
                 model, pairs, sites=("heads", "q", "k", "resid"), graddrop=True, batch_pairs=per_group,
                 progress=False))
-    _same_and_small(counts, ATP_STAR_BOUND)
+    assert_same_and_small(counts, ATP_STAR_BOUND)
 
 
 def test_search_makes_the_same_few_syncs_whatever_the_pairs_and_depth(models: dict[int, Any]) -> None:
@@ -137,8 +125,8 @@ def test_search_makes_the_same_few_syncs_whatever_the_pairs_and_depth(models: di
                              batch_pairs=per_group, progress=False)
                 assert res.settings["rounds"] == 1 and res.verified_as.count("sample") == 6
 
-            counts[(n_layers, n, per_group)] = _count(go)
-    _same_and_small(counts, SEARCH_BOUND)
+            counts[(n_layers, n, per_group)] = count_of(go)
+    assert_same_and_small(counts, SEARCH_BOUND)
 
 
 def test_the_search_still_refuses_scores_it_cannot_rebuild() -> None:
@@ -197,8 +185,8 @@ def test_a_steered_forward_makes_no_sync_whatever_the_batch_and_depth(models: di
                 with torch.inference_mode(), steering(model, dirs, 2.0, **kw):
                     model(batch.input_ids, **batch.forward_kwargs())
 
-            counts[(n_layers, n)] = _count(go)
-    _same_and_small(counts, STEERED_FORWARD_BOUND)
+            counts[(n_layers, n)] = count_of(go)
+    assert_same_and_small(counts, STEERED_FORWARD_BOUND)
 
 
 class _CrossDeviceCopies(TorchDispatchMode):
@@ -242,12 +230,12 @@ def test_dose_response_makes_the_same_few_syncs_whatever_the_batch_and_depth(mod
         for n in (8, 16):
             rows = stimuli[:n]
             sources = paired_sources(model, rows, list(range(n_layers)), progress=False) if mode == "patch" else None
-            counts[(n_layers, n)] = _count(lambda: dose_response(
+            counts[(n_layers, n)] = count_of(lambda: dose_response(
                 model, rows, dirs, [-2.0, 0.0, 1.0, 2.0], mode=mode, batch_size=n, progress=False, sources=sources))
             # several batches a call: nothing per batch either
-            counts[(n_layers, n, "batches of 3")] = _count(lambda: dose_response(
+            counts[(n_layers, n, "batches of 3")] = count_of(lambda: dose_response(
                 model, rows, dirs, [-2.0, 0.0, 1.0, 2.0], mode=mode, batch_size=3, progress=False, sources=sources))
-    _same_and_small(counts, DOSE_BOUND)
+    assert_same_and_small(counts, DOSE_BOUND)
 
 
 def test_fitting_directions_makes_the_same_few_syncs_whatever_the_stories_and_depth(models: dict[int, Any],
@@ -255,9 +243,9 @@ def test_fitting_directions_makes_the_same_few_syncs_whatever_the_stories_and_de
     counts = {}
     for n_layers, model in models.items():
         for n in (8, 16):
-            counts[(n_layers, n)] = _count(lambda: fit_directions(
+            counts[(n_layers, n)] = count_of(lambda: fit_directions(
                 model, stimuli[:n], layers=list(range(n_layers)), n_random=3 + n // 8, progress=False))
-    _same_and_small(counts, FIT_BOUND)
+    assert_same_and_small(counts, FIT_BOUND)
 
 
 def test_the_steering_stage_makes_the_same_few_syncs_whatever_the_tasks_and_depth(models: dict[int, Any]) -> None:
@@ -265,8 +253,8 @@ def test_the_steering_stage_makes_the_same_few_syncs_whatever_the_tasks_and_dept
     for n_layers, model in models.items():
         for n in (8, 16):
             config = SteeringConfig(stimuli=StimuliSpec(family="order-only", n=n), n_random=3, alphas=(-2.0, 0.0, 2.0))
-            counts[(n_layers, n)] = _count(lambda: run(config, model=model, progress=False))
-    _same_and_small(counts, STAGE_BOUND)
+            counts[(n_layers, n)] = count_of(lambda: run(config, model=model, progress=False))
+    assert_same_and_small(counts, STAGE_BOUND)
 
 
 def test_a_direction_with_nan_entries_is_refused_where_it_is_used(models: dict[int, Any], stimuli: list[Any]) -> None:

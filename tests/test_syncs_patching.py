@@ -9,12 +9,12 @@ What is left per call is host data that a CUDA run would not wait on (see each b
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
 from helpers import short_pairs
-from syncs import count_syncs, tiny_with_layers
+from syncs import assert_same_and_small, count_of, count_syncs, tiny_with_layers
 
 from tomlens.hooks.attention import check_scores, score_error
 from tomlens.models.positions import resolve_positions
@@ -45,18 +45,6 @@ def _models(load_tiny: Any, tmp_path: Any) -> list[Any]:
     return models
 
 
-def _count(fn: Callable[[], Any]) -> tuple[int, str]:
-    with count_syncs() as c:
-        fn()
-    return c.total, c.summary()
-
-
-def _same_and_small(counts: dict[Any, tuple[int, str]], bound: int) -> None:
-    totals = {k: v[0] for k, v in counts.items()}
-    assert len(set(totals.values())) == 1, counts
-    assert next(iter(totals.values())) <= bound, counts
-
-
 SWEEPS: dict[str, dict[str, Any]] = {
     "heads": {"sites": ("heads",)},  # every head at all positions
     "resid": {"sites": ("resid",)},  # the residual stream at every token ("each")
@@ -72,9 +60,9 @@ def test_exact_patching_makes_the_same_few_syncs_whatever_the_pairs_and_depth(lo
     for model in _models(load_tiny, tmp_path):
         for n in (1, 3):
             pairs = short_pairs(model.tokenizer, n)
-            counts[(model.cfg.n_layers, n)] = _count(
+            counts[(model.cfg.n_layers, n)] = count_of(
                 lambda: exact_patching(model, pairs, progress=False, **SWEEPS[sweep]))
-    _same_and_small(counts, EXACT_BOUND)
+    assert_same_and_small(counts, EXACT_BOUND)
 
 
 def test_nothing_waits_between_groups_forwards_or_chunks(load_tiny: Any) -> None:
@@ -89,9 +77,9 @@ def test_nothing_waits_between_groups_forwards_or_chunks(load_tiny: Any) -> None
         "a few rows per forward": {"memory_mb": 1.0},
         "a stage chunk per two runs": {"chunk_runs": 2},
     }
-    counts = {name: _count(lambda: exact_patching(model, pairs, sites=("heads", "resid"), progress=False, **kw))
+    counts = {name: count_of(lambda: exact_patching(model, pairs, sites=("heads", "resid"), progress=False, **kw))
               for name, kw in settings.items()}
-    _same_and_small(counts, EXACT_BOUND)
+    assert_same_and_small(counts, EXACT_BOUND)
 
 
 def test_top_k_recovery_makes_the_same_few_syncs_whatever_the_pairs_and_depth(load_tiny: Any,
@@ -102,9 +90,9 @@ def test_top_k_recovery_makes_the_same_few_syncs_whatever_the_pairs_and_depth(lo
         ranking = [(last, 0), (0, 1), (last, 2)]
         for n, batch_pairs in ((1, 8), (3, 8), (3, 1)):
             pairs = short_pairs(model.tokenizer, n)
-            counts[(model.cfg.n_layers, n, batch_pairs)] = _count(lambda: topk_recovery(
+            counts[(model.cfg.n_layers, n, batch_pairs)] = count_of(lambda: topk_recovery(
                 model, pairs, ranking, k_max=2, n_random=4, n_boot=20, batch_pairs=batch_pairs, progress=False))
-    _same_and_small(counts, TOPK_BOUND)
+    assert_same_and_small(counts, TOPK_BOUND)
 
 
 @pytest.mark.parametrize("mode", ["final", "all"])
@@ -115,9 +103,9 @@ def test_mean_ablation_makes_the_same_few_syncs_whatever_the_pairs_and_depth(loa
         ranking = [(model.cfg.n_layers - 1, 0), (0, 1)]
         for n, batch_pairs in ((1, 8), (3, 8), (3, 1)):
             pairs = short_pairs(model.tokenizer, n)
-            counts[(model.cfg.n_layers, n, batch_pairs)] = _count(lambda: mean_ablation(
+            counts[(model.cfg.n_layers, n, batch_pairs)] = count_of(lambda: mean_ablation(
                 model, pairs, ranking, ks=[1, 2], n_random=3, mode=mode, batch_pairs=batch_pairs, progress=False))
-    _same_and_small(counts, ABLATION_BOUND)
+    assert_same_and_small(counts, ABLATION_BOUND)
 
 
 def test_the_host_plan_of_a_group_is_what_the_device_batch_says(load_tiny: Any) -> None:
