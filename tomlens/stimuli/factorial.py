@@ -41,6 +41,7 @@ from tomlens.errors import TomlensError
 from tomlens.stimuli import lexicon
 from tomlens.stimuli.false_belief import balanced_flags
 from tomlens.stimuli.records import Span, Stimulus, find_mentions
+from tomlens.stimuli.shortcuts import Contrast, Rule
 
 FAMILY = "false-belief-factorial"
 PREFIX = "fbf"
@@ -89,7 +90,7 @@ TEMPLATES: tuple[Template, ...] = (
        "trowel spade sprayer glove", "bucket bin basket sack"),
     _t("library", "library", "{P} and {A} work at the library desk, which has a {LA} on one side and a {LB} on the other.",
        "book bookmark map magazine notebook", "drawer cart box basket cabinet"),
-    _t("campsite", "tent", "{P} and {A} set up camp, unpacking a {LA} and a {LB} beside the tent.",
+    _t("campsite", "campsite", "{P} and {A} set up camp, unpacking a {LA} and a {LB} beside the tent.",
        "flashlight compass map knife lighter", "backpack bag cooler box bucket"),
     _t("beach", "beach", "{P} and {A} spend the day at the beach with a {LA} and a {LB} on the sand.",
        "frisbee towel ball book sunscreen", "bag cooler bucket basket"),
@@ -105,9 +106,9 @@ TEMPLATES: tuple[Template, ...] = (
        "beaker pipette thermometer magnet", "drawer cabinet tray fridge box"),
     _t("gym", "gym", "{P} and {A} train in the gym, where a {LA} and a {LB} stand by the wall.",
        "ball whistle stopwatch racket towel", "bag cart basket bin box"),
-    _t("car", "car", "{P} and {A} are on a road trip, and their car has a {LA} and a {LB}.",
+    _t("car", "car", "{P} and {A} stop for a break on a road trip, and their car holds a {LA} and a {LB}.",
        "phone wallet map charger", "console trunk bag box"),
-    _t("hotel", "hotel room", "{P} and {A} check into a hotel room that has a {LA} and a {LB}.",
+    _t("hotel", "hotel room", "{P} and {A} unpack in their hotel room, next to a {LA} and a {LB}.",
        "passport wallet key watch", "safe drawer closet bag purse"),
     _t("playroom", "playroom", "{P} and {A} tidy the playroom, which has a {LA} under the window and a {LB} by the door.",
        "doll teddy rattle puzzle ball", "box basket chest closet tub"),
@@ -117,7 +118,7 @@ TEMPLATES: tuple[Template, ...] = (
        "parcel letter stamp envelope", "bag box tray sack cabinet"),
     _t("barn", "barn", "{P} and {A} feed the animals in the barn, where a {LA} stands by a {LB}.",
        "lantern brush rope bell", "barrel sack bucket chest box"),
-    _t("boat", "cabin", "{P} and {A} are sailing, and the cabin of their boat has a {LA} and a {LB}.",
+    _t("boat", "cabin", "{P} and {A} are aboard their moored boat, whose cabin has a {LA} and a {LB}.",
        "rope compass lantern map", "trunk chest bag box"),
     _t("living", "living room", "{P} and {A} relax in the living room, which has a {LA} by the sofa and a {LB} by the door.",
        "remote book magazine candle photo", "basket drawer cabinet box chest"),
@@ -125,7 +126,7 @@ TEMPLATES: tuple[Template, ...] = (
        "photo diary letter medal album", "trunk chest box drawer case"),
     _t("laundry", "laundry room", "{P} and {A} fold clothes in the laundry room, next to a {LA} and a {LB}.",
        "sock shirt scarf towel", "hamper basket dryer drawer bag"),
-    _t("workshop", "workshop", "{P} and {A} build a shelf in the workshop, with a {LA} and a {LB} on the bench.",
+    _t("workshop", "workshop", "{P} and {A} build a shelf in the workshop, with a {LA} and a {LB} by the bench.",
        "chisel clamp hammer level", "toolbox drawer bucket bin"),
     _t("station", "station", "{P} and {A} wait at the station with a {LA} and a {LB} at their feet.",
        "ticket wallet book umbrella", "bag backpack purse basket"),
@@ -137,7 +138,7 @@ TEMPLATES: tuple[Template, ...] = (
 PLACE: tuple[str, ...] = (
     "{P} puts the {obj} in the {L1}, not the {L2}.",
     "{P} places the {obj} inside the {L1} instead of the {L2}.",
-    "{P} picks the {L1} over the {L2} for the {obj}.",
+    "{P} stores the {obj} in the {L1} rather than the {L2}.",
     "{P} tucks the {obj} into the {L1} and not the {L2}.",
 )
 # Knowledge-setting sentences, paired by index: ABSENCE[i] and PRESENCE[i] have the same slots and
@@ -149,26 +150,26 @@ PLACE: tuple[str, ...] = (
 # decode belief; which sentence comes first is balanced across tasks. Slots: {P}, {Pp}, {room}, {place}.
 ABSENCE: tuple[str, ...] = (
     "{P} wanders out on an errand.",
-    "{P} steps outside to take a call.",
+    "{P} steps away to answer a call.",
     "{P} leaves the {room} for a few minutes.",
-    "{P} goes upstairs and falls asleep.",
+    "{P} lies down and falls asleep.",
     "{P} heads off to {place} alone.",
     "{P} has {Pp} back turned and notes nothing.",
-    "{P} is out in the garden for a while.",
-    "{P} heads away for a walk.",
-    "{P} closes {Pp} eyes and dozes off.",
+    "{P} is away for quite a while.",
+    "{P} heads out for a long walk.",
+    "{P} shuts {Pp} eyes and dozes off.",
     "{P} is busy somewhere else.",
 )
 PRESENCE: tuple[str, ...] = (
     "{P} stays and watches it all.",
-    "{P} stays inside and sees it all.",
-    "{P} stays in the {room} and watches all.",
-    "{P} sits close and sees everything.",
-    "{P} skips {place} to stay here.",
+    "{P} stays close and sees it all.",
+    "{P} never leaves the {room} and sees it.",
+    "{P} sits close and watches all.",
+    "{P} skips {place} and stays on.",
     "{P} has {Pp} eyes open and sees everything.",
-    "{P} is right by them and sees it all.",
-    "{P} stays put and sees it.",
-    "{P} watches on with {Pp} eyes open.",
+    "{P} is nearby and sees it all.",
+    "{P} stays put and sees it all.",
+    "{P} looks on, {Pp} eyes wide open.",
     "{P} observes it all happen.",
 )
 # The move, as pairs of orderings of the same words: [0] ends on the end location (recent mention
@@ -177,8 +178,7 @@ MOVE: tuple[tuple[str, str], ...] = (
     ("{A} moves the {obj} from the {L1} to the {L2}.", "{A} moves the {obj} to the {L2} from the {L1}."),
     ("{A} carries the {obj} away from the {L1}, over to the {L2}.",
      "{A} carries the {obj} over to the {L2}, away from the {L1}."),
-    ("{A} takes the {obj} out of the {L1} and into the {L2}.",
-     "{A} takes the {obj} into the {L2} and out of the {L1}."),
+    ("{A} transfers the {obj} from the {L1} into the {L2}.", "{A} transfers the {obj} into the {L2} from the {L1}."),
     ("{A} shifts the {obj} over from the {L1} to the {L2}.", "{A} shifts the {obj} over to the {L2} from the {L1}."),
 )
 # After the move: the protagonist wants the object (names no location, reads right in both states).
@@ -450,3 +450,44 @@ def false_belief_factorial(n: int = 20, seed: int = 0,
                            "pass prompt_types=['belief'], ['reality'] or leave it out")
     chosen = tuple(prompt_types) if prompt_types is not None else PROMPT_TYPES
     return [s for task in make_factorial_tasks(n, seed) for s in task_stimuli(task, chosen)]
+
+
+# ---- what `tomlens audit` checks on this family ------------------------------------------------
+
+
+def _belief_prompt_state(s: Stimulus) -> str | None:
+    """The knowledge state of a belief prompt (reality prompts ask where the object is, so the
+    state is not their answer's contrast)."""
+    return s.meta.get("knowledge_state") if s.prompt_type == "belief" else None
+
+
+def _protagonist_cue_position(s: Stimulus) -> str | None:
+    """Whether the protagonist's cue sentence is the first or the second of the two (the second is
+    the one just before the move): a reader who took "the sentence nearest the move is about the
+    protagonist" as a cue would read this."""
+    if "cue" not in s.spans or "contrast" not in s.spans:
+        return None
+    return "first" if s.spans["cue"].start == s.spans["contrast"].start else "second"
+
+
+def _cue_before_move(s: Stimulus) -> str | None:
+    """Absence or presence: the kind of the cue sentence just before the move, whoever it is
+    about (the last presence/absence cue, read from the design instead of a word list)."""
+    state, order = s.meta.get("knowledge_state"), s.meta.get("cue_order")
+    if state not in CUE_KINDS or order not in ("absence_first", "presence_first"):
+        return None
+    return "presence" if order == "absence_first" else "absence"
+
+
+CONTRASTS: tuple[Contrast, ...] = (
+    Contrast("false vs true belief (belief prompts)", _belief_prompt_state,
+             "the protagonist was away (false belief) or saw the move (true belief), on the 16 "
+             "belief prompts of each task"),
+)
+RULES: tuple[Rule, ...] = (
+    Rule("protagonist's cue sentence position", _protagonist_cue_position,
+         "whether the sentence about the protagonist comes first or second of the two cue "
+         "sentences (the names trade places between the states; the order is balanced per block)"),
+    Rule("cue just before the move", _cue_before_move,
+         "absence or presence: the sentence nearest the move, whoever it is about"),
+)
