@@ -1,0 +1,93 @@
+"""Which contrasts a set is audited on, and which family rules join the generic battery.
+
+Every set gets the contrasts any labelled set has: the keyed option's position (chance 0.5 by
+design: a set whose answer is mostly the first option is biased whatever the model does) and, where
+the rows carry world-state and belief labels, false vs true belief. A built-in family adds what its
+generator module declares (`CONTRASTS` / `RULES`, or `CONTRASTS_BY_FAMILY` / `RULES_BY_FAMILY` where
+one module holds several families); a user adds more with `register_contrast` / `register_rule`.
+A user file whose rows name a built-in family gets that family's contrasts and rules, each applied
+to the rows it can read.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Sequence
+from types import ModuleType
+
+from tomlens.stimuli import FAMILIES
+from tomlens.stimuli.records import Stimulus
+from tomlens.stimuli.shortcuts import Contrast, Rule
+
+_EXTRA_CONTRASTS: dict[str, list[Contrast]] = {}
+_EXTRA_RULES: dict[str, list[Rule]] = {}
+MAX_CONDITIONS = 8  # more conditions than this make "condition" a catalogue, not a contrast
+
+
+def _answer_position(s: Stimulus) -> int:
+    return s.answer_index
+
+
+def _belief_label(s: Stimulus) -> str | None:
+    if s.world_state is None or s.protagonist_belief is None:
+        return None
+    return "false belief" if s.belief_differs else "true belief"
+
+
+def _condition(s: Stimulus) -> str | None:
+    return s.condition or None
+
+
+ANSWER_POSITION = Contrast("keyed option position", _answer_position,
+                           "which of the two options is keyed (a set's answer should not sit in one place)",
+                           chance=0.5)
+BELIEF = Contrast("false vs true belief", _belief_label,
+                  "stories where the protagonist's belief differs from the world, against those where it agrees")
+CONDITION = Contrast("condition", _condition, "the set's conditions, told apart")
+
+
+def register_contrast(family: str, contrast: Contrast) -> None:
+    """Audit `family`'s sets (built-in or a user's, by `Stimulus.family`) on one more contrast."""
+    _EXTRA_CONTRASTS.setdefault(family, []).append(contrast)
+
+
+def register_rule(family: str, rule: Rule) -> None:
+    """Try one more shortcut rule on `family`'s sets."""
+    _EXTRA_RULES.setdefault(family, []).append(rule)
+
+
+def _module(family: str) -> ModuleType | None:
+    if family in FAMILIES:
+        return importlib.import_module(FAMILIES[family][0])
+    if family == "bigtom":
+        return importlib.import_module("tomlens.stimuli.bigtom")
+    return None
+
+
+def _declared(family: str, single: str, by_family: str) -> list:
+    module = _module(family)
+    if module is None:
+        return []
+    per_family = getattr(module, by_family, None)
+    if per_family is not None:
+        return list(per_family.get(family, ()))
+    return list(getattr(module, single, ()))
+
+
+def family_contrasts(family: str) -> list[Contrast]:
+    """What `family` declares and what was registered for it, in that order."""
+    return _declared(family, "CONTRASTS", "CONTRASTS_BY_FAMILY") + _EXTRA_CONTRASTS.get(family, [])
+
+
+def family_rules(family: str) -> list[Rule]:
+    return _declared(family, "RULES", "RULES_BY_FAMILY") + _EXTRA_RULES.get(family, [])
+
+
+def contrasts_for(family: str, stimuli: Sequence[Stimulus]) -> list[Contrast]:
+    """The contrasts to audit one family's rows on: the generic two, the family's own, and, for a
+    family that declares none, its conditions (when there are 2 to `MAX_CONDITIONS` of them)."""
+    own = family_contrasts(family)
+    out = [ANSWER_POSITION, BELIEF, *own]
+    if not own and 2 <= len({s.condition for s in stimuli}) <= MAX_CONDITIONS:
+        out.append(CONDITION)
+    return out

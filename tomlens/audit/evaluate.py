@@ -1,0 +1,150 @@
+"""Score one heuristic on one contrast: task-held-out folds, a cluster interval, a verdict.
+
+Why these choices:
+- Folds hold out whole tasks. Prompts of one task share their names, objects and frame, so a
+  heuristic scored on a task it was fitted on would learn the task, not the cue.
+- The cue -> class mapping (and the bag's classifier) is fitted on the training tasks only; a rule
+  never states what it predicts, so a rule that happens to point the wrong way is not "below
+  chance" by construction, and one that points the right way has earned it on unseen tasks.
+- The interval is a normal interval with a cluster-robust (task) standard error, at the battery's
+  Bonferroni-corrected level: a battery of some 40 rows at 95% each would call two of them shortcuts
+  on a perfect set. A bootstrap at that level would need tens of thousands of draws per row.
+- Accuracy is balanced (each class weighs the same, chance 1/classes) unless the contrast states
+  its chance: a contrast such as the keyed option's position is balanced *by design*, and its
+  imbalance is the shortcut, so there plain accuracy is scored against the stated chance.
+- Logistic regression by liblinear (one-vs-rest for more classes): lbfgs took 20 s per fold on a
+  512-row trigram bag, liblinear 0.1 s.
+- Verdict "shortcut" when the interval lies above chance; an n-gram bag is also a shortcut above
+  `BAG_CEILING` (a bag that reads 0.7 of a contrast is a confound however wide its interval).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from scipy import stats
+from sklearn.linear_model import LogisticRegression
+from sklearn.multiclass import OneVsRestClassifier
+
+
+N_FOLDS = 5
+MIN_TASKS = 8  # fewer held-out tasks than this cannot tell a cue from luck
+BAG_CEILING = 0.60
+_EPS = 1e-9  # an exact-chance row (every task scored alike) must not read as above or below by rounding
+SHORTCUT, AT_CHANCE, BELOW, TOO_FEW = "shortcut", "at chance", "below chance", "too few tasks"
+
+
+@dataclass(frozen=True)
+class Score:
+    """Held-out accuracy of one heuristic on one contrast, with its interval over tasks."""
+
+    accuracy: float
+    ci_low: float
+    ci_high: float
+    n_rows: int
+    n_tasks: int
+
+
+def task_folds(tasks: Sequence[str], seed: int, n_folds: int = N_FOLDS) -> np.ndarray:
+    """The fold of each row: whole tasks, shuffled by `seed`, dealt round-robin into folds."""
+    unique = sorted(set(tasks))
+    order = np.random.default_rng(seed).permutation(len(unique))
+    fold_of = {unique[j]: i % min(n_folds, len(unique)) for i, j in enumerate(order)}
+    return np.array([fold_of[t] for t in tasks])
+
+
+def class_weights(labels: Sequence[Hashable], balanced: bool) -> np.ndarray:
+    """Each row's weight: 1 / (classes x its class's rows) when balanced (so every class weighs the
+    same and the weights sum to 1), else 1 / rows."""
+    if not balanced:
+        return np.full(len(labels), 1.0 / len(labels))
+    counts = Counter(labels)
+    return np.array([1.0 / (len(counts) * counts[v]) for v in labels])
+
+
+def _best(votes: dict[Hashable, float]) -> Hashable:
+    top = max(votes.values())
+    return min((label for label, w in votes.items() if w == top), key=repr)  # ties: a fixed pick
+
+
+def _predict_cue(values: list[Hashable | None], labels: list[Hashable], weights: np.ndarray,
+                 train: np.ndarray, test: np.ndarray) -> list[Hashable]:
+    """Each cue value's (weighted) majority class on the training rows; absent or unseen values get
+    the training rows' majority class."""
+    overall: dict[Hashable, float] = {}
+    by_value: dict[Hashable, dict[Hashable, float]] = {}
+    for i in train:
+        overall[labels[i]] = overall.get(labels[i], 0.0) + weights[i]
+        if values[i] is not None:
+            votes = by_value.setdefault(values[i], {})
+            votes[labels[i]] = votes.get(labels[i], 0.0) + weights[i]
+    default = _best(overall)
+    mapping = {v: _best(votes) for v, votes in by_value.items()}
+    return [mapping.get(values[i], default) if values[i] is not None else default for i in test]
+
+
+def _predict_bag(X: Any, labels: list[Hashable], balanced: bool, train: np.ndarray,
+                 test: np.ndarray) -> list[Hashable]:
+    y = [labels[i] for i in train]
+    if len(set(y)) == 1:
+        return [y[0]] * len(test)
+    keys = sorted(set(y), key=repr)
+    clf = LogisticRegression(C=1.0, solver="liblinear", class_weight="balanced" if balanced else None)
+    model = clf if len(keys) == 2 else OneVsRestClassifier(clf)
+    model.fit(X[train], [keys.index(v) for v in y])
+    return [keys[int(k)] for k in model.predict(X[test])]
+
+
+def held_out_correct(features: list[Hashable | None] | Any, labels: list[Hashable], folds: np.ndarray,
+                     *, balanced: bool = True) -> np.ndarray:
+    """Whether each row's held-out prediction is its label. `features` is a cue value per row (a
+    list) or a feature matrix (rows x features, dense or sparse); fitted with balanced classes if asked."""
+    correct = np.zeros(len(labels), dtype=bool)
+    weights = class_weights(labels, balanced)
+    for fold in np.unique(folds):
+        test, train = np.flatnonzero(folds == fold), np.flatnonzero(folds != fold)
+        if len(train) == 0:
+            continue
+        if isinstance(features, list):
+            predicted = _predict_cue(features, labels, weights, train, test)
+        else:
+            predicted = _predict_bag(features, labels, balanced, train, test)
+        correct[test] = [p == labels[i] for p, i in zip(predicted, test)]
+    return correct
+
+
+def cluster_interval(correct: np.ndarray, tasks: Sequence[str], level: float,
+                     weights: np.ndarray | None = None) -> Score:
+    """(Weighted) accuracy with a normal interval whose standard error treats tasks as the sampled
+    units: a ratio estimator over task totals."""
+    index = {t: i for i, t in enumerate(sorted(set(tasks)))}
+    t_idx = np.array([index[t] for t in tasks])
+    w = np.ones(len(correct)) if weights is None else weights
+    total = np.bincount(t_idx, weights=w * correct)
+    count = np.bincount(t_idx, weights=w)
+    n, acc = len(count), float(total.sum() / count.sum())
+    if n < 2:
+        return Score(acc, float("nan"), float("nan"), len(correct), n)
+    resid = total - acc * count
+    se = float(np.sqrt(n / (n - 1) * (resid**2).sum()) / count.sum())
+    z = float(stats.norm.ppf(0.5 + level / 2))
+    return Score(acc, max(0.0, acc - z * se), min(1.0, acc + z * se), len(correct), n)
+
+
+def verdict(score: Score, chance: float, *, ngram_bag: bool) -> str:
+    if score.n_tasks < MIN_TASKS:
+        return TOO_FEW
+    if score.ci_low > chance + _EPS or (ngram_bag and score.accuracy > max(BAG_CEILING, chance + 0.10)):
+        return SHORTCUT
+    if score.ci_high < chance - _EPS:
+        return BELOW
+    return AT_CHANCE
+
+
+def chance_of(labels: Sequence[Hashable], fixed: float | None) -> float:
+    """The contrast's stated chance, else that of balanced accuracy: 1 / classes."""
+    return fixed if fixed is not None else 1.0 / len(set(labels))
