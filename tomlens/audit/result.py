@@ -13,7 +13,7 @@ from typing import Any
 
 import pandas as pd
 
-from tomlens.audit.evaluate import SHORTCUT, TOO_FEW
+from tomlens.audit.evaluate import AT_CHANCE, SHORTCUT, TOO_FEW
 
 
 @dataclass(frozen=True)
@@ -81,15 +81,18 @@ class AuditReport:
     def frame(self) -> pd.DataFrame:
         return pd.DataFrame([asdict(r) for r in self.rows], columns=list(AuditRow.__dataclass_fields__))
 
-    def table(self) -> str:
-        """The rows as a fixed-width table, shortcuts first within each contrast."""
-        if not self.rows:
+    def table(self, *, only_flagged: bool = False) -> str:
+        """The rows as a fixed-width table, shortcuts first within each contrast (`only_flagged`: the
+        rows not at chance, and no list of what was skipped)."""
+        rows = [r for r in self.rows if r.verdict != AT_CHANCE] if only_flagged else list(self.rows)
+        if not rows:
             return self.verdict()
         lines = [f"{'family':<24} {'contrast':<34} {'heuristic':<34} {'acc':>5} {'interval':>13} {'chance':>6}  verdict"]
-        for r in sorted(self.rows, key=lambda r: (r.family, r.contrast, r.verdict != SHORTCUT, r.heuristic)):
+        for r in sorted(rows, key=lambda r: (r.family, r.contrast, r.verdict != SHORTCUT, r.heuristic)):
             lines.append(f"{r.family[:24]:<24} {r.contrast[:34]:<34} {r.heuristic[:34]:<34} {r.accuracy:>5.2f} "
                          f"[{r.ci_low:.2f}, {r.ci_high:.2f}] {r.chance:>6.2f}  {r.verdict}")
-        return "\n".join([*lines, *(f"skipped: {s}" for s in self.skipped), self.verdict()])
+        skipped = () if only_flagged else self.skipped
+        return "\n".join([*lines, *(f"skipped: {s}" for s in skipped), self.verdict()])
 
     def to_dict(self) -> dict[str, Any]:
         return {"rows": [asdict(r) for r in self.rows], "skipped": list(self.skipped), "level": self.level,

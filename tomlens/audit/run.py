@@ -151,9 +151,9 @@ def sample_per_task(stimuli: Sequence[Stimulus], k: int, seed: int = 0) -> list[
     if k < 1:
         raise TomlensError(f"--per-task {k} must be at least 1", "pass 1 or more, or leave it out")
     rng = np.random.default_rng(seed)
-    by_task: dict[str, list[int]] = {}
+    by_task: dict[tuple[str, str], list[int]] = {}
     for i, s in enumerate(stimuli):
-        by_task.setdefault(_task(s), []).append(i)
+        by_task.setdefault((s.family, _task(s)), []).append(i)
     keep: set[int] = set()
     for idx in by_task.values():
         keep.update(idx if len(idx) <= k else rng.choice(idx, size=k, replace=False).tolist())

@@ -13,6 +13,7 @@ from typing import Any
 
 import pandas as pd
 
+from tomlens.report.audit import audit_sections
 from tomlens.report.findings import HEAD_NOTE, Finding, experiment_findings, layer_words, model_names
 from tomlens.report.html import Section, write_report
 
@@ -88,8 +89,20 @@ def write_experiment_figures(result: Any) -> dict[tuple[int, str], Figures]:
 
 def _behaviour_sections(res: Any) -> list[Section]:
     sections = [Section("Behaviour", "Accuracy per family, condition and prompt type, with 95% intervals from "
-                        "resampling whole tasks (prompts of one task are not independent).",
+                        "resampling whole tasks (prompts of one task are not independent). Every table gives its "
+                        "cells' option mass: mean_option_mass_first is the next-word probability of the two "
+                        "options' first tokens, mean_option_mass that of the whole options; low_option_mass marks "
+                        f"a cell under {_min_mass(res):g}, where the model would more likely say neither option "
+                        "and a two-way score describes a choice it mostly would not make.",
                         tables=[res.accuracy] + ([res.strict] if len(res.strict) else []))]
+    first_words = getattr(res, "first_word", None)
+    if first_words is not None and len(first_words):
+        sections.append(Section("Behaviour: the first word of a greedy completion (Kosinski)",
+                                "Kosinski's scoring of the unexpected-transfer and unexpected-contents tasks: the "
+                                "model writes, and its answer is right only when its first word is the keyed "
+                                "option's; an answer that names neither option (off_key) is wrong. His strict rule "
+                                "over these answers is the strict table's 'first word (greedy)' rows.",
+                                tables=[first_words]))
     gated = getattr(res, "reality_gated", None)
     if gated is not None and len(gated):
         sections.append(Section("Behaviour: belief accuracy gated on the reality prompt",
@@ -106,10 +119,17 @@ def _behaviour_sections(res: Any) -> list[Section]:
                                 "interval and are no evidence either way.",
                                 tables=[effect]))
     if len(res.object_bias):
+        k0 = getattr(res, "k0_check", None)
         sections.append(Section("Behaviour: object bias per cell (Ruis et al.)",
-                                "o_b per cell with its 95% interval, and the selective-encoding criterion "
-                                "(inanimate equal to control by a TOST equivalence test).",
-                                tables=[res.object_bias] + ([res.selective] if len(res.selective) else [])))
+                                "o_b per cell with its 95% interval and the unclassified share (the probability on "
+                                "neither target, which o_b, normalised over the two, leaves out); the k = 0 check "
+                                "(with no habituation nothing marks a goal, so o_b should sit near 0.5: near_half "
+                                "by a TOST against 0.5); and the selective-encoding criterion as the paper states "
+                                "it (animate distinct from inanimate and from control, inanimate equal to control by "
+                                "a TOST equivalence test), with the direction the animate case differs in "
+                                "(passes_object_bias: toward the goal object).",
+                                tables=[res.object_bias] + ([k0] if k0 is not None and len(k0) else [])
+                                + ([res.selective] if len(res.selective) else [])))
     batteries = getattr(res, "batteries", None) or {}
     if batteries:
         overview = pd.DataFrame([{"family": family, "source": BATTERY_SOURCES.get(family, ""), "rows": len(df)}
@@ -121,6 +141,14 @@ def _behaviour_sections(res: Any) -> list[Section]:
                                 "some tasks, another scoring rule: it is a reference, not a target.",
                                 tables=[overview, *batteries.values()]))
     return sections
+
+
+def _min_mass(res: Any) -> float:
+    """The option-mass threshold the behaviour run flagged cells by."""
+    from tomlens.behaviour.aggregates import MIN_OPTION_MASS
+
+    config = getattr(res, "config", None)
+    return float(getattr(config, "min_option_mass", MIN_OPTION_MASS))
 
 
 # Where each battery's design comes from (the summaries' `paper` columns cite the same).
@@ -344,6 +372,8 @@ def write_experiment_report(result: Any, out: str | Path,
     for i, (name, run) in enumerate(zip(names, result.runs)):
         stage_sections: list[Section] = []
         r = run.results
+        if "audit" in r:
+            stage_sections += audit_sections(r["audit"])
         if "behaviour" in r:
             stage_sections += _behaviour_sections(r["behaviour"])
         if "cache" in r:

@@ -157,6 +157,16 @@ def _bias_check(acc: pd.DataFrame, gated: Any, family: str) -> tuple[bool, str]:
     return ok, ", ".join(words)
 
 
+def _mass_note(r: Any) -> str:
+    """"; ..." saying a cell's options get little of the next word (its `low_option_mass` flag), or
+    "": a finding about a choice the model would mostly not make must say so."""
+    if not bool(getattr(r, "low_option_mass", False)):
+        return ""
+    mass = getattr(r, "mean_option_mass_first", float("nan"))
+    return (f"; flagged: the two options get {_num(mass, '.2g')} of the next word's probability, so the model "
+            "would more likely say neither")
+
+
 def behaviour_findings(res: Any, model: str = "") -> list[Finding]:
     """Per family, the belief question of false-belief stories against chance (task-bootstrap
     interval), then the paired false- minus true-belief effect of every knowledge contrast (the
@@ -195,8 +205,8 @@ def behaviour_findings(res: Any, model: str = "") -> list[Finding]:
                     continue
                 out.append(Finding(f"the model answers {what} right {nums}, {side} chance ({chance:.2f})", "found",
                                    f"the 95% interval from resampling whole tasks lies {side} chance; {holm_s}"
-                                   + (f"; not a start-answer bias: {bias}" if side == "above" else ""),
-                                   model, "behaviour"))
+                                   + (f"; not a start-answer bias: {bias}" if side == "above" else "")
+                                   + _mass_note(r), model, "behaviour"))
             else:
                 why = (f"the 95% interval includes chance ({chance:.2f})" if not (r.ci_low > chance or r.ci_high < chance)
                        else f"{holm_s} is not below {ALPHA}")
@@ -225,7 +235,7 @@ def behaviour_findings(res: Any, model: str = "") -> list[Finding]:
                 sign = "raises" if r.ci_low > 0 else "lowers"
                 out.append(Finding(f"false belief {sign} {what} by {nums}", "found",
                                    "paired within tasks; the 95% interval from resampling whole tasks excludes 0; "
-                                   f"{holm_s}", model, "behaviour"))
+                                   f"{holm_s}{_mass_note(r)}", model, "behaviour"))
             else:
                 why = "the 95% interval includes 0" if not (r.ci_low > 0 or r.ci_high < 0) \
                     else f"{holm_s} is not below {ALPHA}"
@@ -454,14 +464,19 @@ def validation_findings(res: Any, model: str = "") -> list[Finding]:
 
 def experiment_findings(result: Any) -> list[Finding]:
     """Every claim of an experiment run (`tomlens.runs.experiment.ExperimentResult`), model by model
-    and stage by stage; stages that make no claim (cache, pairs) add none."""
+    and stage by stage; stages that make no claim (cache, pairs) add none. With an audit stage, a
+    behaviour or probe claim on a family that a text shortcut explains is withheld, naming it."""
+    from tomlens.report.audit import withhold_explained
+
     out: list[Finding] = []
     for name, run in zip(model_names(result), result.runs):
         r, n_layers = run.results, _n_layers(run)
+        audited: list[Finding] = []
         if "behaviour" in r:
-            out += behaviour_findings(r["behaviour"], name)
+            audited += behaviour_findings(r["behaviour"], name)
         if "probes" in r:
-            out += probe_findings(r["probes"], name, n_layers)
+            audited += probe_findings(r["probes"], name, n_layers)
+        out += withhold_explained(audited, r["audit"].report) if "audit" in r else audited
         if "patching" in r:
             out += patching_findings(r["patching"], name)
         if "steering" in r:

@@ -30,8 +30,9 @@ from tomlens.runs.base import ModelSpec, config_from_dict, config_hash, config_t
 from tomlens.runs.files import CONFIG, INPUTS, MANIFEST, RESULT, begin_save
 
 # Pipeline order; each stage is `tomlens.runs.<stage>` with these config and result classes.
-STAGES: tuple[str, ...] = ("behaviour", "cache", "probes", "pairs", "patching", "steering", "validate")
+STAGES: tuple[str, ...] = ("audit", "behaviour", "cache", "probes", "pairs", "patching", "steering", "validate")
 STAGE_CLASSES: dict[str, tuple[str, str]] = {
+    "audit": ("AuditConfig", "AuditResult"),
     "behaviour": ("BehaviourConfig", "BehaviourResult"),
     "cache": ("CacheConfig", "CacheResult"),
     "probes": ("ProbesConfig", "ProbesResult"),
@@ -41,7 +42,7 @@ STAGE_CLASSES: dict[str, tuple[str, str]] = {
     "validate": ("ValidateConfig", "ValidationResult"),
 }
 TOP_LEVEL_KEYS: tuple[str, ...] = ("name", "description", "seed", "model", "models", *STAGES)
-TOKENIZER_ONLY = frozenset({"pairs"})  # stages that need no weights when no model is loaded yet
+TOKENIZER_ONLY = frozenset({"audit", "pairs"})  # stages that need no weights when no model is loaded yet
 PROBES_TABLE = "probes"  # `patching.probe_table = "probes"`: the probes stage's table, same model
 PATH_KEYS = frozenset({"path", "pairs_path", "probe_table", "directions_path"})  # config keys that name an input file
 
@@ -207,6 +208,8 @@ class ExperimentConfig:
         if "seed" in names and "seed" not in table:
             table["seed"] = self.seed
         table["model"] = config_to_dict(model)
+        if stage == "audit" and "stimuli" not in table:
+            table["stimuli"] = self.audited_sets()
         if stage == "patching":
             if "pairs" not in table and "pairs_path" not in table and "pairs" in self.stages:
                 table["pairs"] = config_to_dict(self.stage_config("pairs", model))
@@ -215,6 +218,14 @@ class ExperimentConfig:
             if table.get("probe_table") == PROBES_TABLE and folders is not None:
                 table["probe_table"] = str(probe_table_file(folders["probes"], self.stage_config("probes", model)))
         return config_from_dict(config_cls, table, where=stage)
+
+    def audited_sets(self) -> list[Any]:
+        """What `[audit]` without stimuli audits: the behaviour stage's sets and the probes stage's."""
+        sets: list[Any] = list(self.stages.get("behaviour", {}).get("stimuli", ()))
+        for key in ("stimuli", "test_stimuli"):
+            if self.stages.get("probes", {}).get(key):
+                sets.append(self.stages["probes"][key])
+        return sets
 
     def to_dict(self) -> dict[str, Any]:
         """The resolved experiment (every default filled in) as plain values; `from_dict` reads it back."""

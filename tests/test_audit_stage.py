@@ -1,0 +1,82 @@
+"""The audit as a stage of `tomlens run` and in the report: which sets it audits, what it saves, and
+the findings it withholds."""
+
+from __future__ import annotations
+
+import pytest
+
+from tomlens.audit import AuditReport, AuditRow
+from tomlens.errors import TomlensError
+from tomlens.report.audit import audit_sections, withhold_explained
+from tomlens.report.findings import Finding
+from tomlens.runs.audit import AuditConfig, AuditResult, run
+from tomlens.runs.base import StimuliSpec
+from tomlens.runs.experiment import ExperimentConfig
+
+pytestmark = pytest.mark.unit
+
+
+def _row(family: str, verdict: str, acc: float = 1.0) -> AuditRow:
+    return AuditRow(family, "condition", "2-gram bag (story)", "generic", acc, acc - 0.05, min(acc + 0.05, 1.0),
+                    0.5, 128, 64, verdict)
+
+
+def test_an_audit_section_of_an_experiment_audits_the_behaviour_and_probe_sets():
+    config = ExperimentConfig.from_dict({
+        "name": "audit-sets", "model": {"name": "tiny-llama"}, "audit": {},
+        "behaviour": {"stimuli": [{"family": "order-only", "n": 4}, {"family": "indirect-request", "n": 4}]},
+        "probes": {"stimuli": {"family": "order-only", "n": 8, "seed": 1}},
+    })
+    audit = config.stage_config("audit", config.models[0])
+    assert [(s.family, s.n, s.seed) for s in audit.stimuli] == [
+        ("order-only", 4, 0), ("indirect-request", 4, 0), ("order-only", 8, 1)]
+    # generated families are audited at min_tasks at least; one entry per family x seed x options
+    assert [(s.family, s.n, s.seed) for s in audit.audited_specs()] == [
+        ("order-only", 64, 0), ("indirect-request", 64, 0), ("order-only", 64, 1)]
+
+
+def test_the_stage_runs_without_a_model_and_round_trips(tmp_path):
+    config = AuditConfig(stimuli=(StimuliSpec(family="order-only", n=4),), min_tasks=16, per_task=2)
+    result = run(config, progress=False)
+    assert result.report.families == ("order-only",)
+    assert result.report.rows and all(r.n_tasks == 16 for r in result.report.rows)
+    again = AuditResult.load(result.save(tmp_path / "audit"))
+    assert again.report.rows == result.report.rows and again.config == config
+    assert "no shortcut found" in again.describe() or "SHORTCUTS" in again.describe()
+
+
+@pytest.mark.parametrize("bad,words", [({"min_tasks": 4}, "below 8"), ({"per_task": 0}, "at least 1"),
+                                       ({"alpha": 1.5}, "not in")])
+def test_bad_settings_are_named(bad, words):
+    with pytest.raises(TomlensError, match=words):
+        AuditConfig(stimuli=(StimuliSpec(family="order-only"),), **bad)
+
+
+def test_a_stage_without_stimuli_says_what_to_add():
+    with pytest.raises(TomlensError, match="no stimuli"):
+        run(AuditConfig(), progress=False)
+
+
+def test_a_found_claim_on_an_explained_family_is_withheld_naming_the_heuristic():
+    report = AuditReport((_row("unexpected-contents", "shortcut"), _row("order-only", "at chance", 0.5)),
+                         families=("unexpected-contents", "order-only"))
+    findings = [
+        Finding("the model answers the belief question of unexpected-contents false-belief stories right 0.9",
+                "found", "interval above chance", "m", "behaviour"),
+        Finding("protagonist belief is linearly decodable at 0.8 on held-out order-only stories", "found",
+                "above baselines", "m", "probes"),
+        Finding("heads L1H2 carry unexpected-contents belief", "found", "recovery", "m", "patching"),
+    ]
+    out = withhold_explained(findings, report)
+    assert out[0].status == "withheld" and out[0].claim.startswith("whether the model answers")
+    assert "2-gram bag (story) tells condition apart at 1.00" in out[0].test and "was: interval" in out[0].test
+    assert out[1] == findings[1]  # its family is at chance
+    assert out[2] == findings[2]  # patching is not judged by the text audit
+
+
+def test_the_report_section_states_the_verdict_and_shows_only_rows_off_chance():
+    report = AuditReport((_row("unexpected-contents", "shortcut"), _row("order-only", "at chance", 0.5)),
+                         families=("unexpected-contents", "order-only"))
+    [section] = audit_sections(AuditResult(AuditConfig(), report))
+    assert "SHORTCUTS: 1 of 2 rows" in section.text
+    assert list(section.tables[0]["family"]) == ["unexpected-contents"]

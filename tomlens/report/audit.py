@@ -1,0 +1,53 @@
+"""The shortcut audit in a report: its section, and the findings it withholds.
+
+A behaviour or probe number on a family whose contrasts a text heuristic tells apart could come from
+that heuristic. Such a finding is withheld, with the heuristic named and its held-out accuracy, and
+stays visible as withheld (never dropped), so a reader sees what was claimed and why it is not
+claimed now. A finding is matched to a family by the family's name in its sentence: every behaviour
+and probe finding names the stories it is about.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import replace
+from typing import Any, Sequence
+
+from tomlens.report.findings import Finding
+from tomlens.report.html import Section
+
+AUDITED_STAGES = frozenset({"behaviour", "probes"})
+
+
+def _names_family(finding: Finding, family: str) -> bool:
+    return re.search(rf"(?<![\w-]){re.escape(family)}(?![\w-])", finding.claim + " " + finding.test) is not None
+
+
+def withhold_explained(findings: Sequence[Finding], report: Any) -> list[Finding]:
+    """`findings` with each found behaviour or probe claim on a family that a shortcut explains
+    turned into a withheld one, naming the strongest shortcut and how many more there are."""
+    out = []
+    for f in findings:
+        families = [fam for fam in report.families if _names_family(f, fam)] if f.stage in AUDITED_STAGES else []
+        rows = sorted((r for fam in families for r in report.explaining(fam)), key=lambda r: -r.accuracy)
+        if f.status != "found" or not rows:
+            out.append(f)
+            continue
+        more = f"; {len(rows) - 1} more shortcut rows in the audit" if len(rows) > 1 else ""
+        out.append(replace(f, claim=f"whether {f.claim}", status="withheld",
+                           test=f"the shortcut audit: {rows[0].sentence()}{more}, so this number could come from "
+                                f"that cue rather than from tracking anyone's mind (was: {f.test})"))
+    return out
+
+
+def audit_sections(res: Any) -> list[Section]:
+    """The verdict and the rows that are not at chance; every row is in the stage's audit.json."""
+    report = res.report
+    frame = report.frame()
+    shown = frame[frame["verdict"] != "at chance"] if len(frame) else frame
+    text = ("Each contrast of the sets this run's findings are made on (false vs true belief, the keyed "
+            "option's position, each family's own contrasts) was tried against text heuristics that track "
+            "nobody's mind: bags of n-grams, length, option order and mentions, the last presence or absence "
+            "cue, and each family's registered rules, with whole tasks held out. Verdict: "
+            f"{report.verdict()}. Rows not at chance are shown; a finding on a family listed here is withheld.")
+    return [Section("Shortcut audit", text, tables=[shown] if len(shown) else [])]

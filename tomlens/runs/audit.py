@@ -1,0 +1,106 @@
+"""The audit stage: the shortcut battery on the sets an experiment's findings are made on.
+
+In an experiment file `[audit]` with no `stimuli` audits the behaviour and probes stages' sets. A
+generated family is audited at `min_tasks` tasks at least (its own seed and options): a generator's
+shortcuts do not depend on how many tasks a run draws, and eight tasks cannot tell a cue from luck.
+A file is audited as it is. No model is loaded. The report's findings read `AuditResult.report` and
+flag every behaviour or probe finding whose family a shortcut explains.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tomlens.errors import TomlensError
+from tomlens.runs.base import ModelSpec, StimuliSpec, config_from_dict
+
+__all__ = ["AuditConfig", "AuditResult", "run"]
+REPORT_FILE = "audit.json"
+
+
+@dataclass(frozen=True)
+class AuditConfig:
+    """Which sets to audit and how finely. `per_task` keeps at most that many prompts of each task
+    (the task is the unit either way; it bounds the time on large families)."""
+
+    model: ModelSpec = field(default_factory=ModelSpec)  # recorded only: the audit reads text
+    stimuli: tuple[StimuliSpec, ...] = ()
+    min_tasks: int = 64
+    per_task: int | None = 4
+    alpha: float = 0.05
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        stimuli = self.stimuli
+        if isinstance(stimuli, (StimuliSpec, Mapping)):
+            stimuli = (stimuli,)
+        object.__setattr__(self, "stimuli", tuple(
+            config_from_dict(StimuliSpec, s, where=f"audit.stimuli[{i}]") if isinstance(s, Mapping) else s
+            for i, s in enumerate(stimuli)))
+        if self.min_tasks < 8:
+            raise TomlensError(f"audit min_tasks = {self.min_tasks} is below 8",
+                               "use 64 (fewer held-out tasks cannot tell a cue from luck)")
+        if self.per_task is not None and self.per_task < 1:
+            raise TomlensError(f"audit per_task = {self.per_task} must be at least 1", "use 1 or more, or leave it out")
+        if not 0 < self.alpha < 1:
+            raise TomlensError(f"audit alpha = {self.alpha} is not in (0, 1)", "use e.g. 0.05")
+
+    def audited_specs(self) -> list[StimuliSpec]:
+        """The specs as audited: generated families at `min_tasks` tasks at least, each family once
+        per (seed, options)."""
+        out: dict[str, StimuliSpec] = {}
+        for spec in self.stimuli:
+            if spec.family is not None and spec.family != "bigtom":
+                spec = dataclasses.replace(spec, n=max(spec.n or 0, self.min_tasks))
+            out.setdefault(repr((spec.family, spec.path, spec.seed, sorted(dict(spec.options).items()))), spec)
+        return list(out.values())
+
+
+@dataclass
+class AuditResult:
+    config: AuditConfig
+    report: Any  # tomlens.audit.AuditReport
+
+    def describe(self) -> str:
+        """The rows that are not at chance and the verdict (`tomlens audit` prints every row)."""
+        return self.report.table(only_flagged=True)
+
+    def save(self, out: str | Path) -> Path:
+        from tomlens.provenance import run_manifest
+        from tomlens.runs.files import begin_save, finish_save
+
+        out = begin_save(out)
+        self.report.write(out / REPORT_FILE)
+        manifest = run_manifest(None, self.config, stimuli_hash=self.report.stimuli_hash)
+        return finish_save(out, self.config, manifest, {"verdict": self.report.verdict(),
+                                                          "shortcuts": len(self.report.shortcuts),
+                                                          "rows": len(self.report.rows)})
+
+    @classmethod
+    def load(cls, out: str | Path) -> AuditResult:
+        from tomlens.audit import AuditReport
+        from tomlens.runs.files import read_finished
+
+        folder, config, _, _ = read_finished(out, AuditConfig)
+        return cls(config or AuditConfig(), AuditReport.read(folder / REPORT_FILE))
+
+
+def run(config: AuditConfig, *, model: Any = None, progress: bool = True) -> AuditResult:
+    """Audit every set of `config` (one report over all of them; rows are per family)."""
+    from tomlens.audit import audit_stimuli, sample_per_task
+
+    if not config.stimuli:
+        raise TomlensError("the audit stage has no stimuli",
+                           "add [[audit.stimuli]] entries, or a behaviour or probes stage for it to audit")
+    stimuli = [s for spec in config.audited_specs() for s in spec.load()]
+    if config.per_task is not None:
+        stimuli = sample_per_task(stimuli, config.per_task, seed=config.seed)
+    if progress:
+        families = sorted({s.family for s in stimuli})
+        print(f"audit: {len(stimuli)} prompts of {len(families)} families ({', '.join(families)}), "
+              f"about {max(1, len(stimuli) // 40)} s", flush=True)
+    return AuditResult(config, audit_stimuli(stimuli, seed=config.seed, alpha=config.alpha))
