@@ -24,8 +24,10 @@ _EXTRA_RULES: dict[str, list[Rule]] = {}
 MAX_CONDITIONS = 8  # more conditions than this make "condition" a catalogue, not a contrast
 
 
-def _answer_position(s: Stimulus) -> int:
-    return s.answer_index
+def _answer_position(s: Stimulus) -> int | None:
+    """Belief (and goal) prompts only: a reality prompt's answer is the world by design, so pooling
+    it would make "the last-mentioned place" look like a shortcut of every transfer story."""
+    return None if s.prompt_type == "reality" else s.answer_index
 
 
 def _belief_label(s: Stimulus) -> str | None:
@@ -39,7 +41,7 @@ def _condition(s: Stimulus) -> str | None:
 
 
 ANSWER_POSITION = Contrast("keyed option position", _answer_position,
-                           "which of the two options is keyed (a set's answer should not sit in one place)",
+                           "which of the two options is keyed on belief and goal prompts (an answer should not sit in one place)",
                            chance=0.5)
 BELIEF = Contrast("false vs true belief", _belief_label,
                   "stories where the protagonist's belief differs from the world, against those where it agrees")
