@@ -199,19 +199,74 @@ def test_tost_equivalence():
         aggregates.equivalence_test(a, b, margin=0.0)
 
 
-def _goal_table(o_b: dict[str, float], n: int = 30, seed: int = 0) -> pd.DataFrame:
+def _goal_table(o_b: dict[str, float], n: int = 30, seed: int = 0, k: int = 6,
+                mass: float | None = None) -> pd.DataFrame:
     rng = np.random.default_rng(seed)
     rows = []
     for case, mean in o_b.items():
         for i in range(n):
             p_obj = float(np.clip(mean + rng.normal(0, 0.05), 0.01, 0.99))
             obj_first = i % 2 == 0
-            rows.append({"prompt_type": "goal", "test_case": case, "k": 6, "target_type": "pillar",
-                         "anim_denotation": False, "object_target": "second",
+            rows.append({"prompt_type": "goal", "test_case": case, "k": k, "target_type": "pillar",
+                         "anim_denotation": False, "object_target": "second", "task_id": f"t{i}",
                          "option_a": "second" if obj_first else "first",
                          "option_b": "first" if obj_first else "second",
-                         "p_a": p_obj if obj_first else 1 - p_obj})
+                         "p_a": p_obj if obj_first else 1 - p_obj,
+                         **({} if mass is None else {"option_mass_first": mass, "option_mass": mass * 0.9})})
     return pd.DataFrame(rows)
+
+
+def test_goal_cells_report_the_unclassified_share_and_flag_little_mass():
+    """o_b is normalised over the two targets; the share on neither is reported beside it, and a
+    cell whose targets get under `min_mass` of the next word is flagged."""
+    means = {"animate": 0.8, "inanimate": 0.3, "control": 0.3}
+    ob = aggregates.object_bias_table(_goal_table(means, mass=0.2))
+    assert ob["unclassified"].tolist() == pytest.approx([0.8] * 3)
+    assert ob["unclassified_whole"].tolist() == pytest.approx([0.82] * 3)
+    assert ob["low_option_mass"].all()
+    assert not aggregates.object_bias_table(_goal_table(means, mass=0.2), min_mass=0.1)["low_option_mass"].any()
+    sel = aggregates.selective_encoding(_goal_table(means, mass=0.7)).iloc[0]
+    assert sel.unclassified == pytest.approx(0.3) and not sel.low_option_mass and sel.passes
+    # a table scored before option mass was recorded: nan, never a flag
+    old = aggregates.object_bias_table(_goal_table(means))
+    assert old["unclassified"].isna().all() and not old["low_option_mass"].any()
+
+
+@pytest.mark.parametrize("o_b,near", [(0.5, True), (0.8, False)])
+def test_k0_check_says_whether_unhabituated_object_bias_sits_near_one_half(o_b, near):
+    df = _goal_table({"animate": o_b, "control": o_b}, k=0)
+    check = aggregates.k0_check(pd.concat([df, _goal_table({"animate": 0.9}, k=3)]))
+    assert set(check["test_case"]) == {"animate", "control"}  # only k = 0 rows are checked
+    assert check["near_half"].tolist() == [near, near]
+    assert (check["low"] <= check["o_b"]).all() and (check["o_b"] <= check["high"]).all()
+    assert check["n_items"].tolist() == [30, 30]
+    assert aggregates.k0_check(_goal_table({"animate": 0.5}, k=2)).empty
+
+
+def test_every_table_reports_its_cells_option_mass_and_flags_little_of_it():
+    rows = []
+    for t in range(4):
+        for cond, mass in (("false_belief", 0.9), ("true_belief", 0.1)):
+            rows.append({"id": f"{t}{cond}", "family": "f", "condition": cond, "prompt_type": "belief",
+                         "task_id": f"t{t}", "correct": True, "p_answer": 0.7,
+                         "option_mass_first": mass, "option_mass": mass / 2})
+    df = pd.DataFrame(rows)
+    acc = aggregates.accuracy_table(df, n_boot=20)
+    assert acc["mean_option_mass_first"].tolist() == pytest.approx([0.9, 0.1])
+    assert acc["mean_option_mass"].tolist() == pytest.approx([0.45, 0.05])
+    assert acc["low_option_mass"].tolist() == [False, True]
+    assert aggregates.accuracy_table(df, n_boot=20, min_mass=0.05)["low_option_mass"].tolist() == [False, False]
+    strict = aggregates.strict_task_pass(df)
+    assert strict["mean_option_mass_first"].iloc[0] == pytest.approx(0.5) and strict["scoring"].iloc[0] == "two-way log-prob"
+    with pytest.raises(TomlensError, match="share of probability"):
+        aggregates.accuracy_table(df, min_mass=1.5)
+
+
+def test_strict_rule_fails_a_task_with_an_unanswered_prompt():
+    df = pd.DataFrame({"family": ["f"] * 4, "task_id": ["a", "a", "b", "b"],
+                       "correct_first_word": [True, True, True, None]})
+    strict = aggregates.strict_task_pass(df, "correct_first_word", scoring="first word")
+    assert strict["solved"].tolist() == [1] and strict["scoring"].tolist() == ["first word"]
 
 
 def test_object_bias_is_orientation_free():
@@ -224,17 +279,23 @@ def test_object_bias_is_orientation_free():
     assert row.ci_low < row.o_b < row.ci_high
 
 
-@pytest.mark.parametrize("means,expected", [
-    ({"animate": 0.8, "inanimate": 0.3, "control": 0.3}, True),
-    ({"animate": 0.8, "inanimate": 0.3, "control": 0.8}, False),  # control looks like animate
-    ({"animate": 0.5, "inanimate": 0.5, "control": 0.5}, False),  # no bias anywhere
-    ({"animate": 0.2, "inanimate": 0.6, "control": 0.6}, False),  # animate leans to the location
-    ({"animate": 0.46, "inanimate": 0.35, "control": 0.38}, True),  # a small but clear difference
-    ({"animate": 0.8, "inanimate": 0.3, "control": 0.45}, False),  # inanimate and control differ
+@pytest.mark.parametrize("means,passes,direction", [
+    ({"animate": 0.8, "inanimate": 0.3, "control": 0.3}, True, "object"),
+    ({"animate": 0.8, "inanimate": 0.3, "control": 0.8}, False, "none"),  # control looks like animate
+    ({"animate": 0.5, "inanimate": 0.5, "control": 0.5}, False, "none"),  # no bias anywhere
+    # animate leans to the location: distinct from both, which is the paper's (two-sided) criterion,
+    # but not toward the goal object
+    ({"animate": 0.2, "inanimate": 0.6, "control": 0.6}, True, "location"),
+    ({"animate": 0.46, "inanimate": 0.35, "control": 0.38}, True, "object"),  # a small but clear difference
+    ({"animate": 0.8, "inanimate": 0.3, "control": 0.45}, False, "object"),  # inanimate and control differ
 ])
-def test_selective_encoding_criterion(means, expected):
+def test_selective_encoding_criterion_is_two_sided_and_reports_the_direction(means, passes, direction):
     sel = aggregates.selective_encoding(_goal_table(means))
-    assert len(sel) == 1 and bool(sel.iloc[0].passes) is expected
+    assert len(sel) == 1
+    row = sel.iloc[0]
+    assert bool(row.passes) is passes and row.direction == direction
+    assert bool(row.animate_distinct) is (direction != "none")
+    assert bool(row.passes_object_bias) is (passes and direction == "object")
 
 
 def test_selective_encoding_needs_equivalence_shown_not_a_point_margin():

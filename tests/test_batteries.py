@@ -69,3 +69,19 @@ def test_headline_keeps_the_papers_cells_and_flags_and_drops_prose():
     top, what = headline(plain)
     assert what == "the first rows" and len(top) == HEADLINE_ROWS and 30 in set(top["cell"])  # flags kept
     assert headline(pd.DataFrame(columns=["cell", "value"]))[0].empty
+
+
+def test_battery_summaries_get_the_runs_option_mass_threshold(monkeypatch):
+    """A summary that takes `min_mass` gets the run's threshold, to flag its own cells with
+    `aggregates.option_mass_columns`; one that does not is called as before."""
+    from tomlens.behaviour import batteries
+    from tomlens.behaviour.aggregates import option_mass_columns
+
+    def summary(df: pd.DataFrame, *, n_boot: int = 1000, min_mass: float = 0.5) -> pd.DataFrame:
+        return pd.DataFrame([{"cell": "all", **option_mass_columns(df, min_mass)}])
+
+    monkeypatch.setitem(batteries.BATTERIES, "kosoy", summary)
+    table = pd.DataFrame({"family": ["kosoy"] * 2, "option_mass_first": [0.3, 0.5], "option_mass": [0.2, 0.4]})
+    assert bool(battery_summaries(table, min_mass=0.5)["kosoy"]["low_option_mass"].iloc[0])
+    got = battery_summaries(table, min_mass=0.3)["kosoy"].iloc[0]
+    assert not got.low_option_mass and got.mean_option_mass_first == 0.4

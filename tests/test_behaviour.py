@@ -173,3 +173,30 @@ def test_behave_cli_passes_n_boot_and_rejects_a_bad_one(tmp_path, capsys):
     capsys.readouterr()
     assert main([*base, "--out", str(tmp_path / "bad"), "--n-boot", "0"]) == 2
     assert "n_boot = 0" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_first_word_scoring_runs_on_the_embedded_model(smollm2):
+    """Kosinski's first-word mode end to end on SmolLM2-135M, one task of each of his families
+    (16 prompts each): every prompt gets a greedy first word, right exactly when it is the keyed
+    option's, off-key answers wrong, and his strict rule is applied to the first words. The model
+    answers some reality prompts with a word that is neither option (the two-way choice still
+    calls them right): what the first-word scoring is for."""
+    from tomlens.behaviour.first_word import first_word
+    from tomlens.runs.behaviour import run_behaviour
+    from tomlens.stimuli import generate
+
+    stimuli = generate("unexpected-transfer", n=1, seed=0) + generate("unexpected-contents", n=1, seed=0)
+    result = run_behaviour(smollm2, stimuli, progress=False, n_boot=50, scoring="first-word")
+    t = result.table
+    assert t["first_word"].notna().all() and len(t) == 32
+    keyed = t["answer"].map(lambda a: first_word(a).casefold())
+    said = t["first_word"].str.casefold()
+    assert (t["correct_first_word"].astype(bool) == (said == keyed)).all()
+    on_key = said.isin(t["option_a"].str.casefold()) | said.isin(t["option_b"].str.casefold())
+    assert (t["off_key"].astype(bool) == ~on_key).all()
+    assert on_key.any() and (t["off_key"].astype(bool) & t["correct"].astype(bool)).any()
+    strict = result.strict
+    assert set(strict["scoring"]) == {"two-way log-prob", "first word (greedy)"}
+    assert set(strict["family"]) == {"unexpected-transfer", "unexpected-contents"}
+    assert len(result.first_word) == 16 and result.first_word["off_key"].between(0, 1).all()

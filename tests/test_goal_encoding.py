@@ -12,14 +12,18 @@ from tomlens.stimuli import generate, stimuli_hash
 from tomlens.stimuli.goal_encoding import FRUITS, MOVERS, ORDINALS, goal_encoding
 
 SCENE = re.compile(
-    r"There is an? (\w+) on the first pillar, an? (\w+) on the second pillar, and an? (\w+) on "
-    r"the third pillar\."
+    r"There is an? (\w+) on the (\w+) pillar, an? (\w+) on the (\w+) pillar, and an? (\w+) on the (\w+) pillar\."
 )
 
 
 def _parse(text: str):
-    """Independent reading of a prompt: the scenes and the habituation reaches."""
-    scenes = [list(m.groups()) for m in SCENE.finditer(text)]
+    """Independent reading of a prompt: the scenes (fruits by pillar, whichever order a scene lists
+    them in) and the habituation reaches."""
+    scenes = []
+    for m in SCENE.finditer(text):
+        fruit_at = {m.group(2 * j + 2): m.group(2 * j + 1) for j in range(3)}
+        assert list(fruit_at) in (list(ORDINALS), list(ORDINALS)[::-1])
+        scenes.append([fruit_at[o] for o in ORDINALS])
     reaches = re.findall(r"(?:grasps|touches) the (?:item on the (\w+) pillar|(\w+))\.", text)
     return scenes, [a or b for a, b in reaches]
 
@@ -48,12 +52,16 @@ def test_counts_per_cell_and_shared_task_ids():
         assert len(group) == 3 * len(ks) * 4
         assert len({s.meta["goal_object"] for s in group}) == 1
         assert len({s.meta["habituated_location"] for s in group}) == 1
-        assert len({s.reversed for s in group}) == 1
+        # the option order alternates from cell to cell within an item, shared by a cell's test cases
+        assert Counter(s.answer_index for s in group) == {0: len(group) // 2, 1: len(group) // 2}
+        by_cell = Counter((s.meta["k"], s.template_id, s.reversed) for s in group)
+        assert len(by_cell) == len(ks) * 4 and set(by_cell.values()) == {3}
     assert all(s.prompt_type == "goal" and s.condition == s.meta["test_case"] for s in stims)
 
 
-def test_targets_are_the_object_and_location_bias_continuations():
-    for s in goal_encoding(12, 3, ks=(0, 2, 6)):
+@pytest.mark.parametrize("habituation_reach", ["crossed", "ruis"])
+def test_targets_are_the_object_and_location_bias_continuations(habituation_reach):
+    for s in goal_encoding(12, 3, ks=(0, 2, 6), habituation_reach=habituation_reach):
         m = s.meta
         scenes, reaches = _parse(s.text)
         assert len(scenes) == m["k"] + 1 and len(reaches) == m["k"]
@@ -75,8 +83,10 @@ def test_targets_are_the_object_and_location_bias_continuations():
         # habituations: goal always on the habituated pillar, reached there
         for scene in scenes[:-1]:
             assert scene[hab] == m["goal_object"]
+        # Ruis et al.'s reaches name what the test asks for; crossed ones name the other kind
+        names_pillar = (m["target_type"] == "pillar") == (habituation_reach == "ruis")
         for scene, reach in zip(scenes[:-1], reaches):
-            assert reach == (ORDINALS[hab] if m["target_type"] == "pillar" else m["goal_object"])
+            assert reach == (ORDINALS[hab] if names_pillar else m["goal_object"])
         # the two other fruits swap from one habituation to the next
         for s1, s2 in zip(scenes[:-1], scenes[1:-1]):
             others = [p for p in range(3) if p != hab]
@@ -89,6 +99,22 @@ def test_targets_are_the_object_and_location_bias_continuations():
         assert s.span_text("protagonist") == m["agent"]
         assert s.spans["contrast"].end == len(s.text) == s.spans["query"].end
         assert s.spans["object"].start > s.text.rfind("There is")
+        first = SCENE.search(s.text).group(2)
+        assert first == ("third" if m["scene_order"] == "descending" else "first")
+
+
+def test_scene_order_and_option_order_vary_within_an_item_and_independently():
+    """Each item lists its pillars both ways and keys both option positions, and neither order
+    follows the other: which target a scene names first is no cue of the answer's position."""
+    stims = goal_encoding(24, 0, ks=(1, 2))
+    for task in {s.task_id for s in stims}:
+        group = [s for s in stims if s.task_id == task]
+        assert Counter(s.meta["scene_order"] for s in group) == {"ascending": 12, "descending": 12}
+        cell = {(s.meta["k"], s.template_id): (s.meta["scene_order"], s.reversed) for s in group}
+        assert all(len({(x.meta["scene_order"], x.reversed) for x in group
+                        if (x.meta["k"], x.template_id) == key}) == 1 for key in cell)  # a cell's cases agree
+    joint = Counter((s.meta["scene_order"], s.reversed) for s in stims)
+    assert len(joint) == 4 and max(joint.values()) <= 1.5 * min(joint.values())
 
 
 def test_k0_has_no_habituation_sentences():
@@ -180,12 +206,12 @@ def test_manner_scope_test_and_adverb_overrides():
                 assert span.start <= start and a[:span.start] == c[:span.start]
                 assert s.text.count("accidentally") == 1
     matched = goal_encoding(1, 0, ks=(1,), wording="matched", animate_adverb=None,
-                            test_cases=("animate",), target_types=("fruit",),
+                            test_cases=("animate",), target_types=("pillar",),
                             anim_denotations=(False,))
     (s,) = matched
     assert f"{s.meta['agent']} deliberately grasps the {s.meta['goal_object']}." in s.text
     (s,) = goal_encoding(1, 0, ks=(1,), animate_adverb="purposely", test_cases=("animate",),
-                         target_types=("fruit",), anim_denotations=(False,))
+                         target_types=("pillar",), anim_denotations=(False,))
     assert f"{s.meta['agent']} purposely grasps the {s.meta['goal_object']}." in s.text
     assert goal_encoding(1, 0, ks=2, test_cases="control", target_types="pillar",
                          anim_denotations=True) == [
@@ -202,3 +228,42 @@ def test_bad_options_raise(kwargs):
     args = {"n": 2, "seed": 0, **kwargs}
     with pytest.raises(TomlensError):
         goal_encoding(**args)
+
+
+def _mentions(s, option: str) -> int:
+    return len(re.findall(rf"\b{option}\b", s.text[: s.spans["query"].start]))
+
+
+def test_crossed_reaches_repeat_no_option_and_ruis_reaches_repeat_one():
+    """By default no option is the word the habituation reaches repeat (every option is named once
+    per scene); with Ruis et al.'s reaches one is, k more times: the ordinal of the habituated
+    pillar (the location answer) or the goal fruit (the object answer)."""
+    from tomlens.stimuli.goal_encoding import reach_named_option
+
+    for s in goal_encoding(6, 5, ks=(0, 3)):
+        k = s.meta["k"]
+        assert [_mentions(s, o) for o in s.options] == [k + 1, k + 1]
+        assert reach_named_option(s) is None and s.meta["habituation_reach"] == "crossed"
+    for s in goal_encoding(6, 5, ks=(3,), habituation_reach="ruis"):
+        repeated = s.meta["location_target"] if s.meta["target_type"] == "pillar" else s.meta["object_target"]
+        assert _mentions(s, repeated) == 7 and reach_named_option(s) == s.options.index(repeated)
+    with pytest.raises(TomlensError, match="habituation_reach"):
+        goal_encoding(1, 0, habituation_reach="both")
+
+
+def test_the_family_declares_its_audit_contrasts_and_rules():
+    from tomlens.stimuli import goal_encoding as module
+
+    stims = goal_encoding(12, 0, ks=(1, 2))
+    for contrast in module.CONTRASTS:
+        labels = [contrast.label(s) for s in stims]
+        kept = [x for x in labels if x is not None]
+        assert len(kept) == len(stims) // 2 and Counter(kept) == {0: len(kept) // 2, 1: len(kept) // 2}
+        assert contrast.chance == 0.5
+    (rule,) = module.RULES
+    assert {rule.feature(s) for s in stims} == {None}
+    ruis = goal_encoding(12, 0, ks=(2,), habituation_reach="ruis")
+    pillar, fruit = (module.CONTRASTS[i] for i in (0, 1))
+    # on Ruis et al.'s reaches the rule gives the keyed answer away: never on pillars, always on fruits
+    assert all(rule.feature(s) != pillar.label(s) for s in ruis if pillar.label(s) is not None)
+    assert all(rule.feature(s) == fruit.label(s) for s in ruis if fruit.label(s) is not None)

@@ -3,14 +3,20 @@ log-probs stay on the device and come to the host in one move per call, so the c
 does not grow with the number of prompts or the depth of the model.
 
 Before the change, `score_options` read each option's log-probs back with one `.tolist()`:
-16 syncs for 8 stimuli, 32 for 16 (2 options each), on every tiny model."""
+16 syncs for 8 stimuli, 32 for 16 (2 options each), on every tiny model. Recording the option mass
+(issue 27) added none: it is exp of the log-probs that one move brings back.
+
+Kosinski's first-word decoding reads the batch's new tokens once per generated token (whether a
+row's word has ended depends on them), for the whole batch: the count is the number of decoding
+steps, whatever the number of rows."""
 
 from __future__ import annotations
 
 import pytest
 from syncs import count_syncs, tiny_with_layers
 
-from tomlens.behaviour.scoring import score_options
+from tomlens.behaviour.first_word import greedy_first_words
+from tomlens.behaviour.scoring import score, score_options
 from tomlens.models.tokens import option_first_tokens
 from tomlens.stimuli.records import Stimulus
 
@@ -64,3 +70,33 @@ def test_option_first_tokens_reads_only_the_tokenizer(load_tiny):
             table = option_first_tokens(model, stimuli, [s.options for s in stimuli])
         assert c.total == 0, c.summary()
         assert table.shape == (n, 2) and table.device.type == "cpu"
+
+
+def test_score_with_option_mass_adds_no_sync(load_tiny):
+    """The per-prompt table (option mass included) costs the same one move as the scores alone."""
+    model = load_tiny("tiny-llama")
+    score(model, _stimuli(8), progress=False)
+    for n in (8, 16):
+        with count_syncs() as c:
+            table = score(model, _stimuli(n), progress=False)
+        assert c.total <= SCORING_SYNCS, c.summary()
+        assert table["option_mass_first"].between(0, 1).all()
+
+
+def _decoding_syncs(model, prompts: list[str], batch_size: int) -> tuple[int, int]:
+    """(syncs of one `greedy_first_words` call, its decoding steps: the most tokens any row took,
+    plus one where a row stopped at its end token, which is read but not kept)."""
+    greedy_first_words(model, prompts, batch_size=batch_size, progress=False)  # warm-up outside the count
+    with count_syncs() as c:
+        got = greedy_first_words(model, prompts, batch_size=batch_size, progress=False)
+    steps = max(g.n_new_tokens + (g.stop == "eos") for g in got)
+    return c.total, steps
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gpt2"])
+def test_first_word_decoding_reads_once_per_step_for_the_whole_batch(name, load_tiny):
+    model = load_tiny(name)
+    prompts = [text for text, _ in STORIES]
+    few, steps = _decoding_syncs(model, prompts, batch_size=16)
+    many, steps_many = _decoding_syncs(model, prompts * 4, batch_size=16)  # 4x the rows, the same steps
+    assert steps == steps_many and few == many == steps, (few, many, steps)

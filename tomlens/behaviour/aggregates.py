@@ -11,10 +11,17 @@ interval over prompts here is therefore a bootstrap that resamples whole tasks (
   only where belief answers are states or places, with label controls kept apart;
 - Kosinski's strict rule: a task counts only when every one of its prompts is right (tasks are
   independent units, so a Wilson interval over tasks is the right one there);
-- Ruis et al.'s object bias o_b = p(obj) / (p(obj) + p(loc)) per cell and their
-  selective-encoding criterion (animate differs from inanimate and control, which are equivalent
-  by a TOST equivalence test);
+- Ruis et al.'s object bias o_b = p(obj) / (p(obj) + p(loc)) per cell with the unclassified share
+  (the probability on neither target, which o_b leaves out), a k = 0 check (with no habituation
+  nothing marks a goal, so o_b should sit near 0.5) and their selective-encoding criterion
+  (animate *distinct* from inanimate and from control, two-sided as the paper asks, with the
+  direction reported; inanimate and control equivalent by a TOST equivalence test);
 - probability curves over sentence prefixes (Kosinski's Figures 1-2).
+
+Every table here also says how much of the model's probability its cell's options got
+(`mean_option_mass_first`, `mean_option_mass`; `tomlens.behaviour.scoring`) and flags a cell whose
+options get less than `min_mass` of the next-word probability (`low_option_mass`): there a two-way
+score describes a choice the model would mostly not make.
 """
 
 from __future__ import annotations
@@ -34,6 +41,38 @@ Z95 = 1.959963984540054
 # a false-belief story is paired with the true-belief story that agrees on all of them.
 PAIR_FACTORS: tuple[str, ...] = ("first_mention", "recent_mention", "knowledge_cue")
 FALSE_BELIEF = "false_belief"
+# How a strict-rule row was scored (`strict_task_pass`'s `scoring` column).
+TWO_WAY = "two-way log-prob"
+
+
+# A cell is flagged when its options get less than this share of the next-word probability on
+# average. Why one half: below it the model is more likely to write something other than either
+# option than to write one of them, so "neither" is its likeliest answer and p(a) / (p(a) + p(b))
+# describes the minority of what it would say. The value is a parameter (`min_mass`, the behaviour
+# run's `min_option_mass`, `tomlens behave --min-option-mass`): a study of base models on
+# completion prompts may want a lower bar, one of instruction-tuned models a higher one.
+MIN_OPTION_MASS = 0.5
+MASS_COLUMNS: tuple[str, ...] = ("mean_option_mass_first", "mean_option_mass", "low_option_mass")
+
+
+def check_min_mass(min_mass: float) -> float:
+    """`min_mass` as a float, or a TomlensError when it is no share of probability."""
+    if not 0 <= float(min_mass) <= 1:
+        raise TomlensError(f"min_mass = {min_mass} is not a share of probability",
+                           f"use a value from 0 to 1, e.g. {MIN_OPTION_MASS}")
+    return float(min_mass)
+
+
+def option_mass_columns(g: pd.DataFrame, min_mass: float = MIN_OPTION_MASS) -> dict[str, float | bool]:
+    """A cell's mean option mass (first token and whole continuation) and whether its options get
+    less than `min_mass` of the next-word probability; a table scored before option mass was
+    recorded has no mass (nan) and no flag."""
+    first = g["option_mass_first"].astype(float) if "option_mass_first" in g else pd.Series(dtype=float)
+    whole = g["option_mass"].astype(float) if "option_mass" in g else pd.Series(dtype=float)
+    mean_first = float(first.mean()) if first.notna().any() else float("nan")
+    mean_whole = float(whole.mean()) if whole.notna().any() else float("nan")
+    return {"mean_option_mass_first": mean_first, "mean_option_mass": mean_whole,
+            "low_option_mass": bool(mean_first < check_min_mass(min_mass))}
 
 
 def wilson_interval(k: int, n: int, z: float = Z95) -> tuple[float, float]:
@@ -89,14 +128,16 @@ def per_task(values: pd.Series, tasks: pd.Series) -> tuple[np.ndarray, np.ndarra
 
 
 def accuracy_table(df: pd.DataFrame, by: tuple[str, ...] = ("family", "condition", "prompt_type"),
-                   column: str = "correct", *, n_boot: int = 1000, seed: int = 0) -> pd.DataFrame:
-    """Accuracy per group with a 95% interval from a bootstrap over tasks (whole tasks resampled).
+                   column: str = "correct", *, n_boot: int = 1000, seed: int = 0,
+                   min_mass: float = MIN_OPTION_MASS) -> pd.DataFrame:
+    """Accuracy per group with a 95% interval from a bootstrap over tasks (whole tasks resampled),
+    and the group's option mass (`option_mass_columns`).
 
     No Wilson interval here: the prompts of a task are not independent, so a binomial interval
     over prompts would be too narrow. `n` counts prompts, `n_tasks` the resampled units (a row
     without a `task_id` is its own unit); a group from one task has no interval (nan).
     """
-    cols = [*by, "n", "n_tasks", "accuracy", "ci_low", "ci_high", "mean_p_answer"]
+    cols = [*by, "n", "n_tasks", "accuracy", "ci_low", "ci_high", "mean_p_answer", *MASS_COLUMNS]
     if df.empty:
         return pd.DataFrame(columns=cols)
     tasks = task_of(df)
@@ -107,7 +148,7 @@ def accuracy_table(df: pd.DataFrame, by: tuple[str, ...] = ("family", "condition
         lo, hi = task_bootstrap(total, count, n_boot=n_boot, rng=_cell_rng(seed, key))
         rows.append({**dict(zip(by, key)), "n": len(g), "n_tasks": len(total),
                      "accuracy": float(g[column].astype(float).mean()), "ci_low": lo, "ci_high": hi,
-                     "mean_p_answer": float(g["p_answer"].mean())})
+                     "mean_p_answer": float(g["p_answer"].mean()), **option_mass_columns(g, min_mass)})
     return pd.DataFrame(rows, columns=cols)
 
 
@@ -128,7 +169,7 @@ def _story_keys(df: pd.DataFrame) -> pd.Series:
 
 
 def reality_gated_accuracy(df: pd.DataFrame, *, by: tuple[str, ...] = ("family", "condition"),
-                           n_boot: int = 1000, seed: int = 0) -> pd.DataFrame:
+                           n_boot: int = 1000, seed: int = 0, min_mass: float = MIN_OPTION_MASS) -> pd.DataFrame:
     """Belief accuracy counted only on stories whose reality prompt the model answers right.
 
     A belief prompt is kept when every reality prompt of its story is right and dropped when one
@@ -136,10 +177,10 @@ def reality_gated_accuracy(df: pd.DataFrame, *, by: tuple[str, ...] = ("family",
     `accuracy` is belief accuracy on the kept prompts; `joint_accuracy` scores a dropped prompt as
     wrong (Kosoy et al.: failing the control scores 0); `ungated_accuracy` is the plain rate on the
     same matched prompts. Intervals resample whole tasks. Pass `by=("family", "task_id",
-    "condition")` for one row per task and condition.
+    "condition")` for one row per task and condition. The option mass is the matched belief prompts'.
     """
     cols = [*by, "n_belief", "n_kept", "n_dropped", "n_unmatched", "n_tasks", "accuracy", "ci_low",
-            "ci_high", "joint_accuracy", "joint_ci_low", "joint_ci_high", "ungated_accuracy"]
+            "ci_high", "joint_accuracy", "joint_ci_low", "joint_ci_high", "ungated_accuracy", *MASS_COLUMNS]
     d = _unprefixed(df)
     d = d[d["prompt_type"].isin(["reality", "belief"])]
     if d.empty:
@@ -173,7 +214,7 @@ def reality_gated_accuracy(df: pd.DataFrame, *, by: tuple[str, ...] = ("family",
                      "accuracy": float(kept["correct"].astype(float).mean()) if len(kept) else float("nan"),
                      "ci_low": lo, "ci_high": hi, "joint_accuracy": float(joint.mean()),
                      "joint_ci_low": jlo, "joint_ci_high": jhi,
-                     "ungated_accuracy": float(correct.mean())})
+                     "ungated_accuracy": float(correct.mean()), **option_mass_columns(matched, min_mass)})
     return pd.DataFrame(rows, columns=cols)
 
 
@@ -228,7 +269,8 @@ def _state_rows(d: pd.DataFrame) -> pd.DataFrame:
     return d[family.isin(STATE_FAMILIES) | user_ok]
 
 
-def knowledge_state_effect(df: pd.DataFrame, *, n_boot: int = 1000, seed: int = 0) -> pd.DataFrame:
+def knowledge_state_effect(df: pd.DataFrame, *, n_boot: int = 1000, seed: int = 0,
+                           min_mass: float = MIN_OPTION_MASS) -> pd.DataFrame:
     """Jones, Trott & Bergen's knowledge-state effect on belief prompts, paired story by story.
 
     Only for families whose belief answers are states or places (STATE_FAMILIES, and user rows
@@ -245,10 +287,11 @@ def knowledge_state_effect(df: pd.DataFrame, *, n_boot: int = 1000, seed: int = 
     control changes the start itself (the contents family's correct label). One row per family x
     control: n_pairs, n_tasks, the effect with a task-bootstrap 95% interval (nan with fewer than
     MIN_EFFECT_TASKS tasks, and `few_tasks` True), the share of tasks whose mean paired difference
-    is positive, and the mean log-odds in each condition.
+    is positive, and the mean log-odds in each condition; the option mass is the mean over the
+    pairs' two rows (each pair's false-belief side counted as its stories' mean).
     """
     cols = ["family", "contrast", "contrast_kind", "n_pairs", "n_tasks", "effect", "ci_low", "ci_high",
-            "few_tasks", "share_tasks_positive", "logodds_false_belief", "logodds_true_belief"]
+            "few_tasks", "share_tasks_positive", "logodds_false_belief", "logodds_true_belief", *MASS_COLUMNS]
     d = _unprefixed(df)
     need = {"option_a", "option_b", "logp_a", "logp_b", "answer", "condition", "family", "prompt_type"}
     if d.empty or not need <= set(d.columns):
@@ -267,7 +310,9 @@ def knowledge_state_effect(df: pd.DataFrame, *, n_boot: int = 1000, seed: int = 
         return pd.DataFrame(columns=cols)
     fb = fb.assign(_start=fb["_belief"])
     fb = fb.assign(_lo=_log_odds(fb, fb["_start"]))
-    fb_one = fb.groupby(keys, sort=False).agg(_start=("_start", "first"), _lo_fb=("_lo", "mean"))
+    masses = [c for c in ("option_mass_first", "option_mass") if c in fb]
+    fb_one = fb.groupby(keys, sort=False).agg(_start=("_start", "first"), _lo_fb=("_lo", "mean"),
+                                              **{f"_fb_{c}": (c, "mean") for c in masses})
     m = tb.merge(fb_one.reset_index(), on=keys, how="inner")
     m = m[m["_belief"] != m["_start"]]  # the control must call for the other answer
     m["_lo_tb"] = _log_odds(m, m["_start"])
@@ -286,29 +331,37 @@ def knowledge_state_effect(df: pd.DataFrame, *, n_boot: int = 1000, seed: int = 
         else:
             lo, hi = task_bootstrap(total, count, n_boot=n_boot,
                                     rng=_cell_rng(seed, ("ks", family, contrast)))
+        both = pd.DataFrame({c: np.concatenate([g[c].to_numpy(float), g[f"_fb_{c}"].to_numpy(float)])
+                             for c in masses})
         rows.append({"family": family, "contrast": contrast, "contrast_kind": kind, "n_pairs": len(g),
                      "n_tasks": len(total), "effect": float(g["_diff"].mean()), "ci_low": lo, "ci_high": hi,
                      "few_tasks": few, "share_tasks_positive": float(np.mean(total / count > 0)),
                      "logodds_false_belief": float(g["_lo_fb"].mean()),
-                     "logodds_true_belief": float(g["_lo_tb"].mean())})
+                     "logodds_true_belief": float(g["_lo_tb"].mean()), **option_mass_columns(both, min_mass)})
     return pd.DataFrame(rows, columns=cols)
 
 
-def strict_task_pass(df: pd.DataFrame, column: str = "correct") -> pd.DataFrame:
-    """Kosinski's rule per family: a task is solved only when all its prompts are right.
+def strict_task_pass(df: pd.DataFrame, column: str = "correct", *, scoring: str = TWO_WAY,
+                     min_mass: float = MIN_OPTION_MASS) -> pd.DataFrame:
+    """Kosinski's rule per family: a task is solved only when all its prompts are right by
+    `column` (`correct`: the two-way log-prob choice; `correct_first_word`: the first word of a
+    greedy completion, `tomlens.behaviour.first_word`), named in the `scoring` column.
 
-    Chance is 0.5 ** (prompts per task): 1/65,536 for the 16-prompt false-belief tasks. The
+    Chance is 0.5 ** (prompts per task) for a two-way choice: 1/65,536 for the 16-prompt
+    false-belief tasks (first-word answers can also be off-key, so there it is lower still). The
     interval is Wilson's over tasks, which are independent units (each its own names and places).
+    A row whose `column` is missing (a prompt the scoring did not answer) fails its task.
     """
     rows = []
     for family, g in df.groupby("family", sort=True):
-        per_task = g.groupby("task_id")[column].agg(["all", "size"])
+        right = g[column].astype(object).where(g[column].notna(), False).astype(bool)
+        per_task = right.groupby(g["task_id"]).agg(["all", "size"])
         k, n = int(per_task["all"].sum()), len(per_task)
         lo, hi = wilson_interval(k, n)
         prompts = int(per_task["size"].median())
-        rows.append({"family": family, "tasks": n, "solved": k, "fraction_solved": k / n,
+        rows.append({"family": family, "scoring": scoring, "tasks": n, "solved": k, "fraction_solved": k / n,
                      "ci_low": lo, "ci_high": hi, "prompts_per_task": prompts,
-                     "chance": 0.5**prompts})
+                     "chance": 0.5**prompts, **option_mass_columns(g, min_mass)})
     return pd.DataFrame(rows)
 
 
@@ -321,10 +374,27 @@ def object_bias(df: pd.DataFrame) -> pd.Series:
 GOAL_CELL = ("target_type", "anim_denotation", "k", "test_case")
 
 
-def object_bias_table(df: pd.DataFrame, *, n_boot: int = 1000, seed: int = 0) -> pd.DataFrame:
-    """Mean o_b per cell (target type x animacy wording x k x test case), sd and bootstrap 95% CI."""
+def _goal_rows(df: pd.DataFrame) -> pd.DataFrame:
     goal = df[df["prompt_type"] == "goal"].copy()
     goal["o_b"] = object_bias(goal)
+    return goal
+
+
+def unclassified_columns(g: pd.DataFrame) -> dict[str, float]:
+    """The share of the model's probability on neither target (Ruis et al. count answers that name
+    neither as unclassified; o_b, normalised over the two, hides them): one minus the targets'
+    next-word mass, and one minus the whole targets' mass (nan for a table without option mass)."""
+    mass = option_mass_columns(g)
+    return {"unclassified": 1 - mass["mean_option_mass_first"], "unclassified_whole": 1 - mass["mean_option_mass"]}
+
+
+def object_bias_table(df: pd.DataFrame, *, n_boot: int = 1000, seed: int = 0,
+                      min_mass: float = MIN_OPTION_MASS) -> pd.DataFrame:
+    """Mean o_b per cell (target type x animacy wording x k x test case), sd and bootstrap 95% CI,
+    the cell's unclassified share and option mass, flagged where the targets get less than
+    `min_mass` of the next word: there o_b describes a choice between two answers the model would
+    mostly not give."""
+    goal = _goal_rows(df)
     rng = np.random.default_rng(seed)
     rows = []
     for key, g in goal.groupby(list(GOAL_CELL), sort=True):
@@ -333,8 +403,39 @@ def object_bias_table(df: pd.DataFrame, *, n_boot: int = 1000, seed: int = 0) ->
         rows.append({**dict(zip(GOAL_CELL, key)), "n": len(v), "o_b": float(v.mean()),
                      "sd": float(v.std(ddof=1)) if len(v) > 1 else 0.0,
                      "ci_low": float(np.quantile(boots, 0.025)),
-                     "ci_high": float(np.quantile(boots, 0.975))})
+                     "ci_high": float(np.quantile(boots, 0.975)),
+                     **unclassified_columns(g), **option_mass_columns(g, min_mass)})
     return pd.DataFrame(rows)
+
+
+# How far from 0.5 the k = 0 object bias may sit and still count as "near 0.5" (TOST margin).
+K0_MARGIN = 0.1
+
+
+def k0_check(df: pd.DataFrame, *, margin: float = K0_MARGIN, alpha: float = 0.05,
+             min_mass: float = MIN_OPTION_MASS) -> pd.DataFrame:
+    """o_b at k = 0 per target type x animacy wording x test case, tested for equivalence with 0.5.
+
+    With no habituation reach nothing in the story marks the goal fruit or the habituated pillar
+    (the generator cycles the placements and alternates the option order), so a model with no
+    bias for a position, an ordinal word or a fruit name sits at 0.5. A k = 0 o_b away from 0.5 is
+    a bias the k > 0 cells carry too: read their o_b against it, not against 0.5. `near_half` is a
+    one-sample TOST over items (o_b averaged per task) that their mean is within +/- `margin` of
+    0.5; few or noisy items cannot show it. Each row also gives its unclassified share and option
+    mass. Empty without k = 0 prompts."""
+    cols = ["target_type", "anim_denotation", "test_case", "n_items", "o_b", "low", "high", "p", "margin",
+            "near_half", "unclassified", "unclassified_whole", *MASS_COLUMNS]
+    goal = _goal_rows(df)
+    goal = goal[goal["k"].astype(float) == 0] if "k" in goal else goal.iloc[0:0]
+    rows = []
+    for (tt, anim, case), g in goal.groupby(["target_type", "anim_denotation", "test_case"], sort=True):
+        items = g.groupby(task_of(g).to_numpy())["o_b"].mean().to_numpy(float)
+        eq = equivalence_test(items, np.full_like(items, 0.5), margin=margin, alpha=alpha)
+        rows.append({"target_type": tt, "anim_denotation": bool(anim), "test_case": case, "n_items": len(items),
+                     "o_b": float(items.mean()), "low": eq.low + 0.5, "high": eq.high + 0.5, "p": eq.p,
+                     "margin": margin, "near_half": bool(eq.equivalent), **unclassified_columns(g),
+                     **option_mass_columns(g, min_mass)})
+    return pd.DataFrame(rows, columns=cols)
 
 
 @dataclass(frozen=True)
@@ -375,7 +476,13 @@ def equivalence_test(a: np.ndarray, b: np.ndarray, *, margin: float, alpha: floa
 
 @dataclass(frozen=True)
 class SelectiveEncoding:
-    """Ruis et al.'s criterion for one (target type, animacy wording, k) group."""
+    """Ruis et al.'s criterion for one (target type, animacy wording, k) group.
+
+    `passes` is the paper's criterion: the animate case distinct from both others (each paired
+    interval excludes 0, on the same side) and inanimate equivalent to control. `direction` says
+    which way the animate case differs ("object", "location" or "none"); `passes_object_bias` also
+    asks that it be toward the goal object, as a goal encoder's should (Woodward's infants look
+    longer at the new-goal event). `unclassified` is the group's probability on neither target."""
 
     target_type: str
     anim_denotation: bool
@@ -392,7 +499,13 @@ class SelectiveEncoding:
     equivalence_high: float
     equivalence_p: float
     inanimate_equals_control: bool
+    animate_distinct: bool
+    direction: str
     passes: bool
+    passes_object_bias: bool
+    unclassified: float
+    mean_option_mass_first: float
+    low_option_mass: bool
 
 
 def _paired_diff_ci(a: np.ndarray, b: np.ndarray, rng: np.random.Generator, n_boot: int) -> tuple[float, float]:
@@ -413,18 +526,30 @@ def _by_item(g: pd.DataFrame) -> pd.DataFrame:
     return g.pivot_table(index="item", columns="test_case", values="o_b", aggfunc="mean").dropna()
 
 
+def _side(ci: tuple[float, float]) -> int:
+    """+1 when an interval lies above 0, -1 below, 0 when it covers 0."""
+    return 1 if ci[0] > 0 else -1 if ci[1] < 0 else 0
+
+
+def animate_direction(vs_inanimate: tuple[float, float], vs_control: tuple[float, float]) -> str:
+    """Which way the animate case is distinct from both others: "object" (more object bias than
+    both), "location" (less than both), or "none" (not distinct from one, or on opposite sides)."""
+    a, b = _side(vs_inanimate), _side(vs_control)
+    return "object" if a == b == 1 else "location" if a == b == -1 else "none"
+
+
 def selective_encoding(df: pd.DataFrame, *, margin: float = 0.1, alpha: float = 0.05,
-                       n_boot: int = 1000, seed: int = 0) -> pd.DataFrame:
-    """Ruis et al.'s criterion per target type x animacy wording x k: the animate agent shows *more*
-    object bias than both the inanimate agent and the accidental control (paired bootstrap 95%
-    interval of each difference above 0, resampling items), and inanimate and control are
-    *equivalent*: a paired TOST at `alpha` shows their mean o_b difference inside +/- `margin`
-    (its 90% t interval lies inside [-margin, margin]). "Not significantly different" would pass
-    on too few items; equivalence has to be shown, so few or noisy items fail. The direction
-    matters: an animate agent with *less* object bias (leaning to the location) is not goal
-    encoding."""
-    goal = df[df["prompt_type"] == "goal"].copy()
-    goal["o_b"] = object_bias(goal)
+                       n_boot: int = 1000, seed: int = 0, min_mass: float = MIN_OPTION_MASS) -> pd.DataFrame:
+    """Ruis et al.'s criterion per target type x animacy wording x k: the animate agent's o_b is
+    *distinct* from both the inanimate agent's and the accidental control's (paired bootstrap 95%
+    interval of each difference excluding 0, both on the same side, resampling items), and
+    inanimate and control are *equivalent*: a paired TOST at `alpha` shows their mean o_b
+    difference inside +/- `margin` (its 90% t interval lies inside [-margin, margin]). "Not
+    significantly different" would pass on too few items; equivalence has to be shown, so few or
+    noisy items fail. `passes` is that two-sided criterion, the paper's; `passes_object_bias`
+    adds the goal direction (animate above both), which an animate agent leaning to the location
+    does not meet. Each group also reports its unclassified share and option mass."""
+    goal = _goal_rows(df)
     rng = np.random.default_rng(seed)
     out = []
     for (tt, anim, k), g in goal.groupby(["target_type", "anim_denotation", "k"], sort=True):
@@ -437,26 +562,35 @@ def selective_encoding(df: pd.DataFrame, *, margin: float = 0.1, alpha: float = 
         ac = _paired_diff_ci(v["animate"], v["control"], rng, n_boot)
         ic = _paired_diff_ci(v["inanimate"], v["control"], rng, n_boot)
         eq = equivalence_test(v["inanimate"], v["control"], margin=margin, alpha=alpha)
-        passes = ai[0] > 0 and ac[0] > 0 and eq.equivalent
+        direction = animate_direction(ai, ac)
+        distinct = direction != "none"
+        mass = option_mass_columns(g, min_mass)
         out.append(asdict(SelectiveEncoding(
             tt, bool(anim), int(k), len(wide), m["animate"], m["inanimate"], m["control"], ai, ac, ic,
-            margin, eq.low, eq.high, eq.p, bool(eq.equivalent), bool(passes))))
+            margin, eq.low, eq.high, eq.p, bool(eq.equivalent), distinct, direction,
+            bool(distinct and eq.equivalent), bool(direction == "object" and eq.equivalent),
+            unclassified_columns(g)["unclassified"], mass["mean_option_mass_first"],
+            bool(mass["low_option_mass"]))))
     return pd.DataFrame(out)
 
 
-def prefix_curves(df: pd.DataFrame) -> pd.DataFrame:
+def prefix_curves(df: pd.DataFrame, *, min_mass: float = MIN_OPTION_MASS) -> pd.DataFrame:
     """Mean probability of the reference answer (starting location / label word) and of the
     correct answer at each sentence prefix, per family, story family (transfer and contents
-    stories kept apart), condition and prompt type."""
+    stories kept apart), condition and prompt type, with each point's option mass: after an early
+    prefix the options may get little of the next word, and the curve's two-way probability then
+    says little about what the model expects."""
     tr = df[df["prefix_index"].notna()].copy() if "prefix_index" in df else df.iloc[0:0].copy()
     keys = ["family", "story_family", "condition", "prompt_type", "prefix_index"]
     if tr.empty:
-        return pd.DataFrame(columns=keys + ["p_reference", "p_answer", "n"])
+        return pd.DataFrame(columns=keys + ["p_reference", "p_answer", "n", *MASS_COLUMNS])
     if "story_family" not in tr:
         tr["story_family"] = tr["family"]
     tr["story_family"] = tr["story_family"].fillna(tr["family"])
     ref_is_a = tr["option_a"] == tr["reference_state"]
     tr["p_reference"] = np.where(ref_is_a, tr["p_a"], 1 - tr["p_a"])
-    g = tr.groupby(keys, sort=True)
-    return g.agg(p_reference=("p_reference", "mean"), p_answer=("p_answer", "mean"),
-                 n=("id", "size")).reset_index()
+    rows = []
+    for key, g in tr.groupby(keys, sort=True):
+        rows.append({**dict(zip(keys, key)), "p_reference": float(g["p_reference"].mean()),
+                     "p_answer": float(g["p_answer"].mean()), "n": len(g), **option_mass_columns(g, min_mass)})
+    return pd.DataFrame(rows, columns=keys + ["p_reference", "p_answer", "n", *MASS_COLUMNS])

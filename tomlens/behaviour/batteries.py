@@ -11,6 +11,7 @@ from typing import Any, Callable, Sequence
 import pandas as pd
 
 from tomlens.behaviour import epitome, kosoy, motomqa
+from tomlens.behaviour.aggregates import MIN_OPTION_MASS
 from tomlens.stimuli.records import Stimulus
 
 
@@ -53,9 +54,11 @@ def enrich_table(model: Any, stimuli: Sequence[Stimulus], table: pd.DataFrame, *
     return table
 
 
-def battery_summaries(df: pd.DataFrame, *, n_boot: int = 1000, seed: int = 0) -> dict[str, pd.DataFrame]:
-    """The summary of every battery family present in a behaviour table; the run's `n_boot` and
-    `seed` go to each summary function that accepts them."""
+def battery_summaries(df: pd.DataFrame, *, n_boot: int = 1000, seed: int = 0,
+                      min_mass: float = MIN_OPTION_MASS) -> dict[str, pd.DataFrame]:
+    """The summary of every battery family present in a behaviour table; the run's `n_boot`,
+    `seed` and option-mass threshold `min_mass` go to each summary function that accepts them (a
+    summary reports its cells' option mass with `aggregates.option_mass_columns(cell, min_mass)`)."""
     if "family" not in df.columns:
         return {}
     present = set(df["family"].astype(str))
@@ -63,7 +66,7 @@ def battery_summaries(df: pd.DataFrame, *, n_boot: int = 1000, seed: int = 0) ->
     for family, fn in BATTERIES.items():
         if family in present:
             params = inspect.signature(fn).parameters
-            kwargs = {k: v for k, v in (("n_boot", n_boot), ("seed", seed)) if k in params}
+            kwargs = {k: v for k, v in (("n_boot", n_boot), ("seed", seed), ("min_mass", min_mass)) if k in params}
             out[family] = fn(df[df["family"] == family], **kwargs)
     return out
 

@@ -3,6 +3,15 @@
 Both options are scored as `text + " " + option`; the continuation tokens are found through the
 tokenizer's character offsets (every token starting at or after the end of the prompt), so the
 leading space and multi-token words are handled the same way for every tokenizer.
+
+p(a) / (p(a) + p(b)) says which option a model prefers, not whether it would say either: a model
+that puts 2% of its next-token mass on the two options looks as decided as one that puts 95% there.
+So every row also records the *option mass*, how much of the model's probability the two options
+get: `option_mass_first`, the next-token probability of the options' first tokens (a token two
+options share counted once), which is what decides the first word the model would write, and
+`option_mass`, the probability of the two whole continuations (exp of each option's summed token
+log-probs, added). Both are exp of the log-probs the one move per call already brings to the host,
+so they cost the GPU no extra wait.
 """
 
 from __future__ import annotations
@@ -50,11 +59,13 @@ def story_id(s: Stimulus) -> str | None:
 
 @dataclass(frozen=True)
 class OptionScore:
-    """Log-probabilities of one continuation: summed over its tokens and of its first token."""
+    """Log-probabilities of one continuation: summed over its tokens and of its first token, whose
+    id is `first_token` (-1 where unknown), so two options that begin alike are not counted twice."""
 
     logp_sum: float
     logp_first: float
     n_tokens: int
+    first_token: int = -1
 
 
 def _continuation_logprobs(
@@ -116,16 +127,17 @@ def _plan(tokenizer, stimuli: Sequence[Stimulus]) -> list[_Job]:
 
 
 def _batch_targets(chunk: Sequence[_Job], pad: Sequence[int], lengths: Sequence[int]
-                   ) -> tuple[list[list[int]], list[tuple[int, int, int]]]:
+                   ) -> tuple[list[list[int]], list[tuple[int, int, int, int]]]:
     """The host table of a batch's scored tokens, `[rows, positions, tokens]` (positions predict the
-    token: one before it), and per (stimulus, option) its key and how many tokens it spans, in order.
+    token: one before it), and per (stimulus, option) its key, how many tokens it spans and its
+    first token's id, in order.
 
     Built from the tokenizer's pads and lengths alone (a left-padded row ends at `pad + length`),
     so nothing is read from the device to know where an option sits."""
     rows: list[int] = []
     positions: list[int] = []
     tokens: list[int] = []
-    spans: list[tuple[int, int, int]] = []
+    spans: list[tuple[int, int, int, int]] = []
     for row, job in enumerate(chunk):
         end = pad[row] + lengths[row]
         for i, j, toks in job.wants:
@@ -133,7 +145,7 @@ def _batch_targets(chunk: Sequence[_Job], pad: Sequence[int], lengths: Sequence[
             rows += [row] * len(toks)
             positions += range(start - 1, start - 1 + len(toks))
             tokens += toks
-            spans.append((i, j, len(toks)))
+            spans.append((i, j, len(toks), toks[0]))
     return [rows, positions, tokens], spans
 
 
@@ -149,7 +161,7 @@ def score_options(
     """
     jobs = sorted(_plan(model.tokenizer, stimuli), key=lambda j: len(j.text))
     logps: list[Tensor] = []  # per finished batch, its targets' log-probs, still on the device
-    spans: list[tuple[int, int, int]] = []  # (stimulus, option, n tokens), in the order of logps
+    spans: list[tuple[int, int, int, int]] = []  # (stimulus, option, n tokens, first token), in the order of logps
     batch_size = max(1, int(batch_size))
     bar = tqdm(total=len(jobs), desc="scoring", unit="seq", disable=not progress)
     done = 0
@@ -179,14 +191,15 @@ def score_options(
     return [(scores[(i, 0)], scores[(i, 1)]) for i in range(len(stimuli))]
 
 
-def _option_scores(logps: list[float], spans: Sequence[tuple[int, int, int]]) -> dict[tuple[int, int], OptionScore]:
+def _option_scores(logps: list[float], spans: Sequence[tuple[int, int, int, int]]
+                   ) -> dict[tuple[int, int], OptionScore]:
     """Each (stimulus, option)'s `OptionScore` from the flat host list of token log-probs, cut at
-    `spans` (stimulus, option, n tokens) in order."""
+    `spans` (stimulus, option, n tokens, first token id) in order."""
     scores: dict[tuple[int, int], OptionScore] = {}
     at = 0
-    for i, j, n in spans:
+    for i, j, n, first in spans:
         lps = logps[at : at + n]
-        scores[(i, j)] = OptionScore(sum(lps), lps[0], n)
+        scores[(i, j)] = OptionScore(sum(lps), lps[0], n, first)
         at += n
     return scores
 
@@ -196,11 +209,27 @@ def _p_first_of_two(la: float, lb: float) -> float:
     return 1.0 / (1.0 + math.exp(lb - la))
 
 
+def option_mass_first(a: OptionScore, b: OptionScore) -> float:
+    """Next-token probability of the two options' first tokens: what share of the model's next word
+    goes to either option. A first token both options share is one event, counted once."""
+    if a.first_token >= 0 and a.first_token == b.first_token:
+        return math.exp(a.logp_first)
+    return math.exp(a.logp_first) + math.exp(b.logp_first)
+
+
+def option_mass(a: OptionScore, b: OptionScore) -> float:
+    """Probability of the two whole continuations, p(" " + a) + p(" " + b) (each the product of its
+    tokens' probabilities). Multi-token options get less of it than their first tokens do, so it is
+    no threshold's input; it says how much of what the model would write the options spell out."""
+    return math.exp(a.logp_sum) + math.exp(b.logp_sum)
+
+
 def score(
     model, stimuli: Sequence[Stimulus], *, batch_size: int = 8, progress: bool = True
 ) -> pd.DataFrame:
     """One row per stimulus: both options' log-probs, the two-way normalised probability of each
-    option (whole word and first token) and whether the model prefers the correct answer."""
+    option (whole word and first token), whether the model prefers the correct answer, and the
+    option mass (`option_mass_first`, `option_mass`: module docstring)."""
     rows = []
     for s, (a, b) in zip(stimuli, score_options(model, stimuli, batch_size=batch_size, progress=progress)):
         p_a = _p_first_of_two(a.logp_sum, b.logp_sum)
@@ -220,6 +249,7 @@ def score(
             "p_a": p_a, "p_a_first": p_a_first,
             "p_answer": p_answer, "p_answer_first": p_answer_first,
             "correct": p_answer > 0.5, "correct_first": p_answer_first > 0.5,
+            "option_mass_first": option_mass_first(a, b), "option_mass": option_mass(a, b),
             "story_id": story_id(s),
         }
         for key in META_COLUMNS:

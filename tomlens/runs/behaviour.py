@@ -12,7 +12,8 @@ from typing import Any
 
 import pandas as pd
 
-from tomlens.behaviour import aggregates
+from tomlens.behaviour import aggregates, first_word
+from tomlens.behaviour.aggregates import MIN_OPTION_MASS
 from tomlens.behaviour.batteries import battery_summaries, enrich_table, headline
 from tomlens.behaviour.scoring import score
 from tomlens.errors import TomlensError
@@ -23,7 +24,8 @@ from tomlens.runs.files import begin_save, finish_save, read_finished
 from tomlens.stimuli.records import Stimulus, stimuli_hash
 
 # Optional tables: written only when non-empty (an empty one is absent, and loads back empty).
-_OPTIONAL = ("strict", "object_bias", "selective", "prefix_curves", "reality_gated", "knowledge_state")
+_OPTIONAL = ("strict", "object_bias", "selective", "prefix_curves", "reality_gated", "knowledge_state",
+             "k0_check", "first_word")
 # File names where they differ from the field's.
 _FILES = {"knowledge_state": "knowledge_state_effect"}
 # Interval columns of `selective` hold (low, high) tuples, which a CSV holds as their text.
@@ -40,16 +42,26 @@ def _read_optional(path: Path) -> pd.DataFrame:
     return df
 
 
+# How answers are scored: both options' log-probs (every family), or that plus Kosinski's first
+# word of a greedy completion on his two families (`tomlens.behaviour.first_word`).
+SCORINGS: tuple[str, ...] = ("logprob", "first-word")
+
+
 @dataclass(frozen=True)
 class BehaviourConfig:
     """Which model scores which stimuli; `seed` and `n_boot` drive the aggregates' bootstrap
-    intervals (whole tasks resampled)."""
+    intervals (whole tasks resampled). `scoring = "first-word"` adds Kosinski's first-word answers
+    (and his strict rule over them) to the log-prob scores; `min_option_mass` is the share of the
+    next word's probability below which a table flags a cell's options as getting little of it
+    (`tomlens.behaviour.aggregates.MIN_OPTION_MASS` says why one half)."""
 
     model: ModelSpec = ModelSpec()
     stimuli: tuple[StimuliSpec, ...] = ()
     batch_size: int = 8
     seed: int = 0
     n_boot: int = 1000
+    scoring: str = "logprob"
+    min_option_mass: float = MIN_OPTION_MASS
 
     def __post_init__(self) -> None:
         stimuli = self.stimuli
@@ -65,6 +77,15 @@ class BehaviourConfig:
             raise TomlensError(f"batch_size = {self.batch_size} must be at least 1", "use batch_size = 1 or more")
         if self.n_boot < 1:
             raise TomlensError(f"n_boot = {self.n_boot} must be at least 1", "use e.g. n_boot = 1000")
+        check_scoring(self.scoring)
+        aggregates.check_min_mass(self.min_option_mass)
+
+
+def check_scoring(scoring: str) -> str:
+    if scoring not in SCORINGS:
+        raise TomlensError(f"scoring = {scoring!r} is not one of {', '.join(SCORINGS)}",
+                           'use scoring = "logprob" (both options\' log-probs) or "first-word" (Kosinski\'s)')
+    return scoring
 
 
 @dataclass(frozen=True)
@@ -81,6 +102,8 @@ class BehaviourResult:
     reality_gated: pd.DataFrame = field(default_factory=pd.DataFrame)  # belief accuracy on reality-right stories
     knowledge_state: pd.DataFrame = field(default_factory=pd.DataFrame)  # paired FB - TB log-odds effect
     batteries: dict[str, pd.DataFrame] = field(default_factory=dict)  # family -> its paper's summary table
+    k0_check: pd.DataFrame = field(default_factory=pd.DataFrame)  # goal encoding's o_b at k = 0 against 0.5
+    first_word: pd.DataFrame = field(default_factory=pd.DataFrame)  # Kosinski's first-word accuracy per cell
 
     def save(self, out: str | Path) -> Path:
         """prompts.parquet, accuracy.csv, the non-empty optional tables (reality_gated.csv and
@@ -112,13 +135,14 @@ class BehaviourResult:
                    summary=summary, config=config, manifest=manifest, batteries=batteries, **optional)
 
     def describe(self) -> str:
-        """Accuracy with task-bootstrap intervals, Kosinski's strict table, reality-gated belief
-        accuracy, the knowledge-state effect and the selective-encoding verdicts, when present."""
-        text = format_accuracy(self.accuracy)
-        if len(self.strict):
-            text += "\n" + self.strict.to_string(index=False)
-        for block in (format_gated(self.reality_gated), format_knowledge_state(self.knowledge_state),
-                      format_selective(self.selective)):
+        """Accuracy with task-bootstrap intervals and option mass, Kosinski's first-word accuracy and
+        strict table, reality-gated belief accuracy, the knowledge-state effect, goal encoding's
+        unclassified share, k = 0 check and selective-encoding verdicts, when present."""
+        min_mass = self.config.min_option_mass if self.config is not None else MIN_OPTION_MASS
+        text = format_accuracy(self.accuracy, min_mass)
+        for block in (format_first_word(self.first_word, min_mass), format_strict(self.strict),
+                      format_gated(self.reality_gated), format_knowledge_state(self.knowledge_state),
+                      format_object_bias(self.object_bias, self.k0_check), format_selective(self.selective)):
             if block:
                 text += "\n" + block
         for family, df in sorted(self.batteries.items()):  # one order, before and after a reload
@@ -141,19 +165,93 @@ def _iv(lo: float, hi: float, fmt: str = ".2f") -> str:
 FEW_TASKS = 5
 
 
-def format_accuracy(acc: pd.DataFrame) -> str:
+def _mass(r: Any) -> tuple[str, bool]:
+    """A row's mean first-token option mass as text, and whether it is flagged low ("" and False
+    for a table scored before option mass was recorded)."""
+    mass = getattr(r, "mean_option_mass_first", float("nan"))
+    if mass is None or isinstance(mass, float) and math.isnan(mass):
+        return "", False
+    low = bool(getattr(r, "low_option_mass", False))
+    return f"{mass:.2g}{' !' if low else ''}", low
+
+
+def mass_note(min_mass: float) -> str:
+    """The footnote of a flagged cell: what the flag means and what it does to the score."""
+    return (f"! the options get under {min_mass:g} of the next word's probability: the model would more likely "
+            "say neither, so a two-way score describes a choice it mostly would not make")
+
+
+def format_accuracy(acc: pd.DataFrame, min_mass: float = MIN_OPTION_MASS) -> str:
     """One line per family x condition x prompt type: prompts, tasks and accuracy with its 95%
-    interval from a bootstrap over tasks; rows with fewer than FEW_TASKS tasks are marked *."""
-    lines = [f"{'family':<24}{'condition':<16}{'prompt':<9}{'n':>5}{'tasks':>6}  accuracy [95% CI] (whole tasks resampled)"]
-    few = False
+    interval from a bootstrap over tasks, and the mean next-word probability of the two options
+    (`mass`); rows with fewer than FEW_TASKS tasks are marked *, cells whose options get under
+    `min_mass` of the next word !."""
+    lines = [f"{'family':<24}{'condition':<16}{'prompt':<9}{'n':>5}{'tasks':>6}  "
+             f"{'accuracy [95% CI] (whole tasks resampled)':<44}option mass"]
+    few = low = False
     for r in acc.itertuples():
         n_tasks = getattr(r, "n_tasks", float("nan"))
         mark = " *" if n_tasks < FEW_TASKS else ""
         few = few or bool(mark)
-        lines.append(f"{r.family:<24}{r.condition:<16}{r.prompt_type:<9}{r.n:>5}{n_tasks:>6}  "
-                     f"{r.accuracy:.2f} {_iv(r.ci_low, r.ci_high)}{mark}")
+        mass, flagged = _mass(r)
+        low = low or flagged
+        score = f"{r.accuracy:.2f} {_iv(r.ci_low, r.ci_high)}{mark}"
+        lines.append(f"{r.family:<24}{r.condition:<16}{r.prompt_type:<9}{r.n:>5}{n_tasks:>6}  {score:<44}{mass}")
     if few:
         lines.append(f"* fewer than {FEW_TASKS} tasks: the interval understates the uncertainty; use more tasks")
+    if low:
+        lines.append(mass_note(min_mass))
+    return "\n".join(lines)
+
+
+def format_first_word(fw: pd.DataFrame, min_mass: float = MIN_OPTION_MASS) -> str:
+    """Kosinski's first-word accuracy per cell, with the share of off-key answers (counted wrong)."""
+    if fw.empty:
+        return ""
+    lines = ["first word of a greedy completion (Kosinski's scoring; an off-key answer is wrong):",
+             f"  {'family':<24}{'condition':<16}{'prompt':<9}{'n':>5}  {'accuracy [95% CI]':<24}{'off-key':>8}"
+             "  option mass"]
+    low = False
+    for r in fw.itertuples():
+        mass, flagged = _mass(r)
+        low = low or flagged
+        score = f"{r.accuracy:.2f} {_iv(r.ci_low, r.ci_high)}"
+        lines.append(f"  {r.family:<24}{r.condition:<16}{r.prompt_type:<9}{r.n:>5}  {score:<24}{r.off_key:>8.2f}"
+                     f"  {mass}")
+    if low:
+        lines.append("  " + mass_note(min_mass))
+    return "\n".join(lines)
+
+
+def format_strict(strict: pd.DataFrame) -> str:
+    """Kosinski's strict rule per family and scoring: tasks with every prompt right."""
+    if strict.empty:
+        return ""
+    lines = ["Kosinski's strict rule (a task counts only when all its prompts are right):"]
+    for r in strict.itertuples():
+        scoring = getattr(r, "scoring", aggregates.TWO_WAY)
+        mass, _ = _mass(r)
+        lines.append(f"  {r.family:<24}{scoring:<22}{r.solved:>4} / {r.tasks:<4} solved  {r.fraction_solved:.2f} "
+                     f"{_iv(r.ci_low, r.ci_high)}  chance {r.chance:.2g} ({r.prompts_per_task} prompts per task)"
+                     + (f"  option mass {mass}" if mass else ""))
+    return "\n".join(lines)
+
+
+def format_object_bias(ob: pd.DataFrame, k0: pd.DataFrame) -> str:
+    """Goal encoding: the unclassified share per test case (the probability o_b leaves out) and the
+    k = 0 check (with no habituation, o_b should sit near 0.5)."""
+    if ob.empty or "unclassified" not in ob:
+        return ""
+    lines = ["goal encoding: probability on neither target (unclassified), mean over cells:"]
+    by_case = ob.groupby("test_case", sort=True)[["unclassified", "o_b"]].mean()
+    flagged = set(ob.loc[ob["low_option_mass"].astype(bool), "test_case"]) if "low_option_mass" in ob else set()
+    for case, r in by_case.iterrows():
+        lines.append(f"  {case:<10} unclassified {r['unclassified']:.2f}  o_b {r['o_b']:.2f}"
+                     + ("  ! some cells' targets get little of the next word" if case in flagged else ""))
+    for r in k0.itertuples():
+        verdict = "near 0.5" if r.near_half else "NOT shown near 0.5: a baseline bias the k > 0 cells carry too"
+        lines.append(f"  k=0 {r.target_type:<7}{'anim' if r.anim_denotation else 'plain':<6}{r.test_case:<10}"
+                     f"o_b {r.o_b:.2f}, 90% [{r.low:.3f}, {r.high:.3f}] vs 0.5 +/-{r.margin:g}: {verdict}")
     return "\n".join(lines)
 
 
@@ -195,12 +293,17 @@ def format_knowledge_state(effect: pd.DataFrame) -> str:
 
 
 def format_selective(sel: pd.DataFrame) -> str:
-    """Ruis et al.'s verdict per target type x animacy wording x k, with the TOST line."""
+    """Ruis et al.'s verdict per target type x animacy wording x k (the paper's two-sided "distinct"
+    criterion, with the direction the animate case differs in), with the TOST line."""
     if sel.empty or "equivalence_p" not in sel:
         return ""
-    lines = ["selective goal encoding (animate > inanimate and control; inanimate = control by TOST):"]
+    lines = ["selective goal encoding (Ruis et al.: animate distinct from inanimate and from control; "
+             "inanimate = control by TOST):"]
     for r in sel.itertuples():
         verdict = "passes" if r.passes else "fails"
+        direction = getattr(r, "direction", None)
+        if isinstance(direction, str) and direction != "none":
+            verdict += f" (animate toward the {direction})"
         lines.append(f"  {r.target_type:<7}{'anim' if r.anim_denotation else 'plain':<6}k={r.k:<3}"
                      f"o_b {r.o_animate:.2f}/{r.o_inanimate:.2f}/{r.o_control:.2f}  inanimate-control 90% "
                      f"[{r.equivalence_low:+.3f}, {r.equivalence_high:+.3f}] vs +/-{r.equivalence_margin:g}, "
@@ -216,52 +319,79 @@ def load_stimuli(specs: Sequence[StimuliSpec]) -> list[Stimulus]:
 def run(config: BehaviourConfig, *, model: Any = None, progress: bool = True) -> BehaviourResult:
     """Score `config.stimuli` with `config.model` (or the loaded `model`)."""
     stimuli = load_stimuli(config.stimuli)  # a bad file fails before the model loads
+    if config.scoring == "first-word":  # a set first words cannot score fails before the model loads
+        first_word.check_set(stimuli)
     if model is None:
         model = config.model.load()
     result = run_behaviour(model, stimuli, batch_size=config.batch_size, progress=progress, seed=config.seed,
-                           n_boot=config.n_boot)
+                           n_boot=config.n_boot, scoring=config.scoring, min_option_mass=config.min_option_mass)
     manifest = run_manifest(model, config, stimuli_hash=stimuli_hash(stimuli))
     return replace(result, config=config, manifest=manifest)
 
 
+def _strict_tables(table: pd.DataFrame, min_mass: float) -> pd.DataFrame:
+    """Kosinski's strict rule on his two families' whole-story prompts, by the two-way choice and,
+    where first words were read, by the first word."""
+    fb = table[first_word.scored_rows(table)]
+    if fb.empty:
+        return pd.DataFrame()
+    parts = [aggregates.strict_task_pass(fb, min_mass=min_mass)]
+    if "correct_first_word" in fb:
+        parts.append(aggregates.strict_task_pass(fb, "correct_first_word", scoring="first word (greedy)",
+                                                 min_mass=min_mass))
+    return pd.concat(parts, ignore_index=True)
+
+
 def run_behaviour(model: Any, stimuli: Sequence[Stimulus], *, batch_size: int = 8,
-                  progress: bool = True, seed: int = 0, n_boot: int = 1000) -> BehaviourResult:
+                  progress: bool = True, seed: int = 0, n_boot: int = 1000, scoring: str = "logprob",
+                  min_option_mass: float = MIN_OPTION_MASS) -> BehaviourResult:
     """The engine of `run`: score loaded stimuli with a loaded model."""
     from tomlens.models import provenance
 
     stimuli = list(stimuli)
     if not stimuli:
         raise TomlensError("no stimuli to score", "check the stimulus file: it has no rows")
+    check_scoring(scoring)
+    m = aggregates.check_min_mass(min_option_mass)
     t0 = time.time()
     table = score(model, stimuli, batch_size=batch_size, progress=progress)
+    if scoring == "first-word":
+        table = first_word.first_word_columns(model, stimuli, table, batch_size=batch_size, progress=progress)
     table = enrich_table(model, stimuli, table, batch_size=batch_size, progress=progress)
-    batteries = battery_summaries(table, n_boot=n_boot, seed=seed)
-    acc = aggregates.accuracy_table(table, n_boot=n_boot, seed=seed)
-    gated = aggregates.reality_gated_accuracy(table, n_boot=n_boot, seed=seed)
-    effect = aggregates.knowledge_state_effect(table, n_boot=n_boot, seed=seed)
-    fb = table[table["family"].isin(["unexpected-transfer", "unexpected-contents"])
-               & table["prefix_index"].isna()] if "prefix_index" in table else \
-        table[table["family"].isin(["unexpected-transfer", "unexpected-contents"])]
-    strict = aggregates.strict_task_pass(fb) if len(fb) else pd.DataFrame()
+    batteries = battery_summaries(table, n_boot=n_boot, seed=seed, min_mass=m)
+    acc = aggregates.accuracy_table(table, n_boot=n_boot, seed=seed, min_mass=m)
+    fw = first_word.first_word_accuracy(table, n_boot=n_boot, seed=seed, min_mass=m)
+    gated = aggregates.reality_gated_accuracy(table, n_boot=n_boot, seed=seed, min_mass=m)
+    effect = aggregates.knowledge_state_effect(table, n_boot=n_boot, seed=seed, min_mass=m)
+    strict = _strict_tables(table, m)
     has_goal = "object_target" in table and (table["prompt_type"] == "goal").any()
-    ob = aggregates.object_bias_table(table, n_boot=n_boot, seed=seed) if has_goal else pd.DataFrame()
-    sel = aggregates.selective_encoding(table, n_boot=n_boot, seed=seed) if has_goal else pd.DataFrame()
-    curves = aggregates.prefix_curves(table)
+    ob = aggregates.object_bias_table(table, n_boot=n_boot, seed=seed, min_mass=m) if has_goal else pd.DataFrame()
+    sel = aggregates.selective_encoding(table, n_boot=n_boot, seed=seed, min_mass=m) if has_goal else pd.DataFrame()
+    k0 = aggregates.k0_check(table, min_mass=m) if has_goal else pd.DataFrame()
+    curves = aggregates.prefix_curves(table, min_mass=m)
     summary = {
         "provenance": {**provenance(model), "stimuli_hash": stimuli_hash(stimuli),
                        "n_stimuli": len(stimuli), "seed": seed,
                        "scoring": "sum of option-token log-probs with a leading space; "
-                                  "p(a)/(p(a)+p(b)); first-token variant alongside",
+                                  "p(a)/(p(a)+p(b)); first-token variant alongside"
+                                  + ("; and the first word of a greedy completion on unexpected-transfer and "
+                                     "unexpected-contents (Kosinski), off-key answers wrong" if scoring == "first-word"
+                                     else ""),
+                       "option_mass": f"per prompt: next-word probability of the options' first tokens "
+                                      f"(option_mass_first) and of the whole options (option_mass); per cell their "
+                                      f"means, low_option_mass where the first is under {m:g}",
                        "intervals": f"bootstrap over tasks, {n_boot} resamples; Wilson over tasks "
                                     "for the strict rule",
                        "seconds": round(time.time() - t0, 2)},
         "accuracy": acc.to_dict(orient="records"),
+        "first_word": fw.to_dict(orient="records"),
         "reality_gated": gated.to_dict(orient="records"),
         "knowledge_state_effect": effect.to_dict(orient="records"),
         "strict_task_pass": strict.to_dict(orient="records"),
         "object_bias": ob.to_dict(orient="records"),
         "selective_encoding": sel.to_dict(orient="records"),
+        "k0_check": k0.to_dict(orient="records"),
         "batteries": sorted(batteries),  # battery_<family>.csv: each paper's own summary
     }
     return BehaviourResult(table, acc, strict, ob, sel, curves, summary, reality_gated=gated,
-                           knowledge_state=effect, batteries=batteries)
+                           knowledge_state=effect, batteries=batteries, k0_check=k0, first_word=fw)

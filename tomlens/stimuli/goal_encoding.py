@@ -20,16 +20,39 @@ adverb (`make_pairs("goal-encoding")` asks for it). `animate_adverb` / `control_
 adverb of either wording. With `manner_scope="all"` (R23) every reach sentence carries the case's
 wording; with `manner_scope="test"` only the test reach does (the habituation reaches are plain
 "grasps"), so animate and control prompts differ only inside the `contrast` span.
+
+What the habituation reaches name. In Ruis et al.'s prompts a habituation reach names the kind of
+thing the test asks for ("grasps the item on the first pillar" before a pillar question, "grasps the
+kiwi" before a fruit question), so one option is repeated k times in the story: the habituated
+pillar's ordinal (the location answer) or the goal fruit (the object answer). A model that copies the
+word it has seen most, as small models readily do, then shows location bias on pillars and object
+bias on fruits in every case, and a shortcut audit reads the keyed answer off the mention counts
+alone. By default (`habituation_reach="crossed"`) a habituation reach names the other kind ("grasps
+the kiwi" before a pillar question, "grasps the item on the first pillar" before a fruit question),
+which identifies the same reach while every option is mentioned once per scene; `"ruis"` keeps the
+paper's. Either way, reading the reach binds one answer to what was reached (that is what object
+vs location bias is), so a single prompt's o_b is never evidence of goal encoding by itself: the
+paradigm's test is the difference between test cases, whose prompts of one item share every word
+but the agent's wording, their options and their option order.
+
+Option order alternates within an item, from one (k, target type, animacy wording) cell to the next
+(the three test cases of a cell share it, so they stay minimal pairs), and across items: an item's
+answers sit in both positions, so a position preference averages out within items as well as over
+them. For the same reason a scene lists the pillars from the first up in some cells and from the
+third down in others (`meta["scene_order"]`), so which target a story names first or last varies
+within an item too.
 """
 
 from __future__ import annotations
 
 import random
+import re
 from typing import Literal, Sequence
 
 from tomlens.errors import TomlensError
 from tomlens.stimuli.lexicon import NAMES, article
 from tomlens.stimuli.records import Span, Stimulus
+from tomlens.stimuli.shortcuts import Contrast, Rule
 
 # Single-token fruits in common tokenizers, so first-token scores of the fruit targets differ.
 FRUITS: tuple[str, ...] = (
@@ -47,6 +70,7 @@ PLACEMENTS: tuple[tuple[int, int], ...] = ((0, 1), (0, 2), (1, 0), (1, 2), (2, 0
 TEST_CASES: tuple[str, ...] = ("animate", "inanimate", "control")
 TARGET_TYPES: tuple[str, ...] = ("pillar", "fruit")
 WORDINGS: tuple[str, ...] = ("ruis", "matched")
+HABITUATION_REACHES: tuple[str, ...] = ("crossed", "ruis")
 FAMILY = "goal-encoding"
 MAX_K = 50
 
@@ -63,6 +87,7 @@ def goal_encoding(
     animate_adverb: str | None = None,
     control_adverb: str | None = None,
     manner_scope: Literal["all", "test"] = "all",
+    habituation_reach: Literal["crossed", "ruis"] = "crossed",
 ) -> list[Stimulus]:
     """`n` items, each rendered in every cell (test case x k x target type x animacy wording).
 
@@ -74,6 +99,9 @@ def goal_encoding(
     targets are fruit names; the habituated and new pillars cycle through all six placements.
     `wording` picks the reach sentences (module docstring): Ruis et al.'s by default;
     `animate_adverb` / `control_adverb`, when given, replace that wording's adverbs.
+    `habituation_reach` says what a habituation reach names (module docstring): "crossed" (the
+    kind the test does not ask for, so no option is repeated) or "ruis" (the kind it asks for).
+    The option order alternates from cell to cell within an item (module docstring).
     """
     ks = [ks] if isinstance(ks, int) else list(ks)
     test_cases = (test_cases,) if isinstance(test_cases, str) else tuple(test_cases)
@@ -81,6 +109,9 @@ def goal_encoding(
     anim_denotations = ((anim_denotations,) if isinstance(anim_denotations, bool)
                         else tuple(anim_denotations))
     _check(n, ks, test_cases, target_types, anim_denotations, manner_scope, wording, control_adverb)
+    if habituation_reach not in HABITUATION_REACHES:
+        raise TomlensError(f"habituation_reach={habituation_reach!r}",
+                           "use 'crossed' (a reach names what the test does not ask for) or 'ruis' (the paper's)")
     if animate_adverb is None and wording == "matched":
         animate_adverb = "deliberately"
     if control_adverb is None:
@@ -94,7 +125,7 @@ def goal_encoding(
                     for test_case in test_cases:
                         out.append(
                             _render(item, seed, i, test_case, k, target_type, bool(anim),
-                                    animate_adverb, control_adverb, manner_scope, wording)
+                                    animate_adverb, control_adverb, manner_scope, wording, habituation_reach)
                         )
     return out
 
@@ -144,8 +175,10 @@ def _item(seed: int, i: int) -> dict:
         "test_scene": test_scene,
         "name": rng.choice(NAMES)[0],
         "mover": rng.choice(MOVERS),
-        # Options order alternates item by item, and over 12 items each placement gets both orders.
+        # The item's base option order alternates item by item, and over 12 items each placement
+        # gets both orders; `_reversed` alternates it again from cell to cell within the item.
         "reversed": bool((i + i // len(PLACEMENTS)) % 2),
+        "scene_flip": rng.random() < 0.5,  # drawn last: the draws above are the same as before it
     }
 
 
@@ -175,18 +208,29 @@ class _Text:
         return "".join(self.parts)
 
 
-def _scene(t: _Text, fruits: list[str]) -> tuple[list[Span], list[Span]]:
-    """'There is a kiwi on the first pillar, an orange on the second pillar, and ...'."""
-    fruit_spans, ordinal_spans = [], []
-    for p, fruit in enumerate(fruits):
-        t.add("There is " if p == 0 else (", and " if p == 2 else ", "))
-        t.add(article(fruit) + " ")
-        fruit_spans.append(t.add(fruit))
+def _scene(t: _Text, fruits: list[str], descending: bool = False) -> tuple[list[Span], list[Span]]:
+    """'There is a kiwi on the first pillar, an orange on the second pillar, and ...', or from the
+    third pillar down when `descending`; the spans are indexed by pillar either way."""
+    fruit_spans: list[Span] = [Span(0, 0)] * 3
+    ordinal_spans: list[Span] = [Span(0, 0)] * 3
+    for n, p in enumerate((2, 1, 0) if descending else (0, 1, 2)):
+        t.add("There is " if n == 0 else (", and " if n == 2 else ", "))
+        t.add(article(fruits[p]) + " ")
+        fruit_spans[p] = t.add(fruits[p])
         t.add(" on the ")
-        ordinal_spans.append(t.add(ORDINALS[p]))
+        ordinal_spans[p] = t.add(ORDINALS[p])
         t.add(" pillar")
     t.add(".")
     return fruit_spans, ordinal_spans
+
+
+def _descending(item: dict, target_type: str, anim: bool) -> bool:
+    """Whether a cell's scenes list the pillars from the third down: alternated within an item (by
+    target type and animacy wording) from the item's own random start, so which target a scene
+    names first or last is no fixed cue of the answer's position, within an item or over items, and
+    the scene order says nothing about the option order (a bag of words could read the one off the
+    other if both followed the item's index)."""
+    return item["scene_flip"] ^ bool((TARGET_TYPES.index(target_type) + int(anim)) % 2)
 
 
 def _verb(test_case: str, target_type: str, wording: str) -> str:
@@ -211,24 +255,38 @@ def _agent(t: _Text, item: dict, test_case: str, anim: bool, adverb: str | None,
     return span
 
 
+def _reversed(item: dict, k: int, target_type: str, anim: bool) -> bool:
+    """The option order of one cell: the item's base order, flipped for every other (k, target type,
+    animacy wording) cell, so each item keys both positions; the test cases of a cell share it.
+    Read from the cell's values, not its place in the request, so a cell's prompt is the same
+    whichever other cells are generated."""
+    return item["reversed"] ^ bool((k + TARGET_TYPES.index(target_type) + int(anim)) % 2)
+
+
+def _habituation_object(item: dict, target_type: str, habituation_reach: str, scene: list[str]) -> str:
+    """What a habituation reach names after "grasps": the habituated pillar or the goal fruit there."""
+    names_pillar = (target_type == "pillar") == (habituation_reach == "ruis")
+    return f" the item on the {ORDINALS[item['hab']]} pillar." if names_pillar else f" the {scene[item['hab']]}."
+
+
 def _render(item: dict, seed: int, i: int, test_case: str, k: int, target_type: str, anim: bool,
             animate_adverb: str | None, control_adverb: str, manner_scope: str,
-            wording: str) -> Stimulus:
+            wording: str, habituation_reach: str = "crossed") -> Stimulus:
     adverb = {"animate": animate_adverb, "control": control_adverb, "inanimate": None}[test_case]
     verb = _verb(test_case, target_type, wording)
     habituation_adverb = adverb if manner_scope == "all" else None
     habituation_verb = verb if manner_scope == "all" else "grasps"
     hab, new = item["hab"], item["new"]
+    descending = _descending(item, target_type, anim)
     t = _Text()
     for j in range(k):
         scene = _habituation_scene(item, j)
-        _scene(t, scene)
+        _scene(t, scene, descending)
         t.add(" ")
         _agent(t, item, test_case, anim, habituation_adverb, habituation_verb)
-        t.add(f" the item on the {ORDINALS[hab]} pillar." if target_type == "pillar"
-              else f" the {scene[hab]}.")
+        t.add(_habituation_object(item, target_type, habituation_reach, scene))
         t.add("\n")
-    fruit_spans, ordinal_spans = _scene(t, item["test_scene"])
+    fruit_spans, ordinal_spans = _scene(t, item["test_scene"], descending)
     t.add(" ")
     reach_start = t.length
     agent_span = _agent(t, item, test_case, anim, adverb, verb)
@@ -239,8 +297,8 @@ def _render(item: dict, seed: int, i: int, test_case: str, k: int, target_type: 
         object_target, location_target = ORDINALS[new], ORDINALS[hab]
     else:
         object_target, location_target = item["goal"], item["test_scene"][hab]
-    options = (location_target, object_target) if item["reversed"] else (object_target,
-                                                                          location_target)
+    reversed_ = _reversed(item, k, target_type, anim)
+    options = (location_target, object_target) if reversed_ else (object_target, location_target)
     template = f"{target_type}-{'anim' if anim else 'plain'}"
     task_id = f"goal-s{seed}-{i:04d}"
     return Stimulus(
@@ -252,7 +310,7 @@ def _render(item: dict, seed: int, i: int, test_case: str, k: int, target_type: 
         task_id=task_id,
         template_id=template,
         condition=test_case,
-        reversed=item["reversed"],
+        reversed=reversed_,
         prompt_type="goal",
         spans={
             "protagonist": agent_span,
@@ -277,6 +335,41 @@ def _render(item: dict, seed: int, i: int, test_case: str, k: int, target_type: 
             "manner_scope": manner_scope,
             "wording": wording,
             "reach_verb": "moves to and touches" if test_case == "inanimate" else verb,
+            "habituation_reach": habituation_reach,
+            "scene_order": "descending" if descending else "ascending",
             "test_scene": list(item["test_scene"]),
         },
     )
+
+
+# ---- What the shortcut audit checks on this family (`tomlens.audit`) ---------------------------
+
+_REACH = re.compile(r"(?:grasps|touches) the (?:item on the (\w+) pillar|(\w+))\.")
+
+
+def _keyed_position(target_type: str):
+    def label(s: Stimulus) -> int | None:
+        return s.answer_index if s.meta.get("target_type") == target_type else None
+    return label
+
+
+def reach_named_option(s: Stimulus) -> int | None:
+    """The option a habituation reach names, read from the text (None: the reaches name neither
+    option, or there is none). With Ruis et al.'s reaches it is one option, repeated k times."""
+    test_scene = s.text.rfind("There is")
+    named = {a or b for a, b in _REACH.findall(s.text[: max(test_scene, 0)])}
+    hits = [i for i, option in enumerate(s.options) if option in named]
+    return hits[0] if len(hits) == 1 else None
+
+
+CONTRASTS: tuple[Contrast, ...] = tuple(
+    Contrast(f"goal object's option position, {tt} targets", _keyed_position(tt),
+             f"which option is the goal object's ({tt} targets): the answer o_b counts as object bias. A surface "
+             "cue that finds it explains a cell's o_b without any goal; the test cases of an item share their "
+             "options and order, so no such cue explains a difference between cases", chance=0.5)
+    for tt in TARGET_TYPES)
+RULES: tuple[Rule, ...] = (
+    Rule("option the habituation reaches name", reach_named_option,
+         "the option named by the habituation reaches, k times over: a reader that copies the most repeated "
+         "word gives it, the location answer on pillars and the object answer on fruits, with no goal"),
+)
