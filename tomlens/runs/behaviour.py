@@ -106,9 +106,10 @@ class BehaviourResult:
     first_word: pd.DataFrame = field(default_factory=pd.DataFrame)  # Kosinski's first-word accuracy per cell
 
     def save(self, out: str | Path) -> Path:
-        """prompts.parquet, accuracy.csv, the non-empty optional tables (reality_gated.csv and
-        knowledge_state_effect.csv among them), battery_<family>.csv per battery, summary.json,
-        config.json, manifest.json and, last, result.json."""
+        """prompts.parquet, accuracy.csv, the non-empty optional tables (reality_gated.csv,
+        knowledge_state_effect.csv, k0_check.csv and, with first-word scoring, first_word.csv among
+        them), battery_<family>.csv per battery, summary.json, config.json, manifest.json and, last,
+        result.json."""
         out = begin_save(out)
         write_table(self.table, out / "prompts.parquet")
         write_table(self.accuracy, out / "accuracy.csv")
