@@ -1,4 +1,4 @@
-"""The demo's four stages run end to end (on a tiny model here; `make demo` uses the embedded one)."""
+"""The demo's stages run end to end (on a tiny model here; `make demo` uses the embedded one)."""
 
 from __future__ import annotations
 
@@ -16,10 +16,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_demo_writes_every_stage_and_one_report(tmp_path, capsys):
     out = tmp_path / "demo"
-    assert main(["--model", "tiny-llama", "--out", str(out), "--n", "1", "--probe-tasks", "6", "--pairs", "3"]) == 0
+    assert main(["--model", "tiny-llama", "--out", str(out), "--n", "1", "--probe-tasks", "6", "--pairs", "3",
+                 "--audit-tasks", "8"]) == 0
     printed = capsys.readouterr().out
-    for stage in ("1/4 behaviour", "2/4 probes", "3/4 patching", "4/4 report"):
+    for stage in ("1/5 audit", "2/5 behaviour", "3/5 probes", "4/5 patching", "5/5 report"):
         assert stage in printed
+    audit = json.loads((out / "audit" / "audit.json").read_text())
+    assert {"order-only", "unexpected-transfer"} <= set(audit["families"]) and audit["verdict"]
     assert len(pd.read_csv(out / "behaviour" / "accuracy.csv")) > 0
     probes = pd.read_csv(out / "probes" / "probes.csv")
     assert set(probes["target"]) == {"protagonist_belief"}  # order-only: world_state is constant there
@@ -55,8 +58,9 @@ def test_the_example_demo_file_is_the_packaged_one():
 
 def test_demo_flags_set_the_pairs_and_the_activation_store(tmp_path):
     args = argparse.Namespace(model="tiny-llama", out=str(tmp_path / "d"), n=1, probe_tasks=5, pairs=5, seed=0,
-                              prepend_bos=None)
+                              prepend_bos=None, audit_tasks=16)
     config = demo_config(args)
+    assert config.stage_config("audit", config.models[0]).min_tasks == 16
     pairs = config.stage_config("pairs", config.models[0])
     assert pairs.n == 3 and pairs.max_pairs == 5
     assert config.stage_config("probes", config.models[0]).store == str(tmp_path / "d" / "activations")

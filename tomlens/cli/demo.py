@@ -1,7 +1,7 @@
 """`tomlens demo` (`make demo`): the main job on the embedded model, end to end.
 
 The demo is a packaged experiment file, `tomlens/runs/demo.toml` (= examples/demo.toml), run the
-way `tomlens run` runs any file: behaviour on false-belief and goal-encoding stimuli; activations
+way `tomlens run` runs any file: the shortcut audit of its stimulus sets; behaviour on false-belief and goal-encoding stimuli; activations
 cached and probed per layer and per head for protagonist belief vs world state; minimal pairs
 patched per head (exact and attribution) with the top heads validated; `report.html`. Sized to
 finish in under ten minutes on two CPU cores; `--n`, `--probe-tasks` and `--pairs` scale it up.
@@ -20,10 +20,11 @@ from tomlens.cli.options import add_prepend_bos
 from tomlens.errors import TomlensError
 
 HEADERS = {
-    "behaviour": "1/4 behaviour: both options scored by log-probability",
-    "probes": "2/4 probes: where is the protagonist's belief readable?",
-    "pairs": "3/4 patching: which heads carry it?",
-    "report": "4/4 report",
+    "audit": "1/5 audit: can a text shortcut tell the sets' contrasts apart?",
+    "behaviour": "2/5 behaviour: both options scored by log-probability",
+    "probes": "3/5 probes: where is the protagonist's belief readable?",
+    "pairs": "4/5 patching: which heads carry it?",
+    "report": "5/5 report",
 }
 
 
@@ -53,6 +54,7 @@ def demo_config(args: argparse.Namespace) -> Any:
                      **dict.fromkeys(("motomqa", "recursive-mindreading", "scalar-implicature", "kosoy"),
                                      max(1, args.n // 8))}.get(spec["family"], args.n)
     data["probes"]["stimuli"] = {**data["probes"]["stimuli"], "n": args.probe_tasks, "seed": seed + 1}
+    data["audit"]["min_tasks"] = args.audit_tasks
     data["probes"]["store"] = str(Path(args.out) / "activations")  # the demo's activations stay in its folder
     if args.pairs < 1:
         raise TomlensError(f"--pairs {args.pairs} must be at least 1", "pass --pairs 1 or more")
@@ -68,6 +70,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--n", type=int, default=8, help="tasks per false-belief family (behaviour)")
     p.add_argument("--probe-tasks", type=int, default=48, help="order-only tasks for the probes (4 prompts each)")
     p.add_argument("--pairs", type=int, default=4, help="minimal pairs for patching")
+    p.add_argument("--audit-tasks", type=int, default=64,
+                   help="tasks of each generated family in the shortcut audit (at least 8)")
     p.add_argument("--seed", type=int, default=0)
     add_prepend_bos(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
