@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 from tomlens.behaviour import score
@@ -89,6 +90,40 @@ def test_the_checks_find_belief_where_training_put_it_on_the_organism_and_nothin
     layer, head = json.loads((organism_dir() / RECORD).read_text())["config"]["interchange_head"]
     assert f"L{layer}H{head};" in organism.loc["topk_recovery", "detail"]  # ranked first
     assert organism.loc["probe", "value"] > twin.loc["probe", "value"] + 0.3
+
+
+# Seeds a new user might pick: the issue's 4242, which failed steering under the old rule (its most-flipping random
+# direction of 20 flipped 0.125 > 0.10), and the first small ones after 0 (the test above). With the command's
+# defaults on 13 seeds (0-5, 7, 42, 123, 2024, 4242, 31337, 99991) the old rule failed steering on 4 (2, 123, 4242,
+# 99991); this one passes it on all 13. Attribution, not a draw count, failed seed 5 (Spearman 0.786 < 0.8 over its
+# 8 active heads: integrated gradients give layer-0 heads L0H3 and L0H5 0.17 of the gap, exact patching 0.01).
+SEEDS = (1, 2, 3, 4, 4242)
+
+
+@pytest.mark.acceptance
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", SEEDS)
+def test_every_check_passes_on_the_organism_and_fails_on_its_twin_whatever_the_seed(seed: int, tmp_path: Path) -> None:
+    """The positive control holds on any seed a user picks, and the negative one fails on it: the
+    seed draws the stories, the selection and evaluation halves and every random control. Steering
+    is judged on its random directions' mean and 95th percentile, which do not grow with how many are
+    drawn (their maximum does, and failed --seed 4242 with the belief direction flipping every
+    answer). The sizes are `tomlens validate`'s but for fewer permutations and random head sets
+    (each check's null is a mean over them, or a max-statistic over units judged by its p-value) and
+    steering at layers 0 and 1 (the full run chose one of them on all 11 seeds tried; its other three
+    layers would more than double the steering passes)."""
+    from tomlens.runs.validate import run
+
+    def validate(name: str) -> ValidationResult:
+        return run(fast_config(name, n_tasks=48, seed=seed, store=str(tmp_path / "store"), steering_layers=(0, 1),
+                               n_random_heads=20), progress=False)
+
+    organism = validate(ORGANISM_NAME).table.set_index("check")
+    assert list(organism.index) == list(CHECKS)
+    failed = organism.loc[~organism["passed"], ["value", "null", "detail"]]
+    assert organism["passed"].all(), failed.to_dict(orient="index")
+    twin = validate(f"random:{ORGANISM_NAME}").table.set_index("check")
+    assert not twin["passed"].any(), twin.loc[twin["passed"], ["value", "null", "detail"]].to_dict(orient="index")
 
 
 def test_attribution_finds_the_planted_head_only_when_it_integrates_along_each_head() -> None:

@@ -92,6 +92,12 @@ def test_run_saves_and_loads_and_judges_each_layer(llama, tmp_path) -> None:
     # the selection half runs the belief direction beside random directions of its own draw
     assert set(result.selection["direction"]) == {"belief", "random:0", "random:1", "random:2", "random:3"}
     assert all(isinstance(d.get("selection_margin"), float) and "selection_random_max" in d for d in layers)
+    # margins and verdicts over the random directions' 95th percentile and mean, never their maximum
+    assert result.summary["random_quantile"] == 0.95
+    for d in layers:
+        assert d["selection_margin"] == pytest.approx(d["selection_flip"] - d["selection_random_p95"])
+        assert 0.0 <= d["random_mean"] <= d["random_max"] and d["random_p95"] <= d["random_max"]
+        assert d["n_random"] == 4 and 1 / 5 <= d["p_random"] <= 1.0
     # ... and not the evaluation half's: a dose chosen where those happen to be weak would flatter their null
     from tomlens.runs.steering import SELECTION_SEED
     from tomlens.steering import random_directions

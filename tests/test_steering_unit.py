@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from tomlens.errors import TomlensError
-from tomlens.runs.steering import FOUND, WITHHELD, SteeringConfig, choose_alpha, chosen_layer, layer_summary, \
-    selection_scores
+from tomlens.runs.steering import FOUND, WITHHELD, RandomFlips, SteeringConfig, choose_alpha, chosen_layer, \
+    layer_summary, random_quantile, selection_scores
 from tomlens.steering import Direction, edit, mean_difference, random_directions, row_hooks, \
     balanced_shuffle, shuffled_direction, steering_hooks
 
@@ -120,14 +120,49 @@ def _table(fb_belief: float, rand: list[float], shuffled: float) -> pd.DataFrame
 def test_verdict_needs_the_threshold_and_to_beat_every_control() -> None:
     ok = layer_summary(_table(0.9, [0.0, 0.05, 0.1], 0.05), 2, -2.0)
     assert ok["verdict"] == FOUND and ok["random_max"] == 0.1 and ok["shuffled"] == 0.05
-    assert set(ok) == {"layer", "alpha", "flip_false_belief", "flip_true_belief", "flip_reality", "random_max",
-                       "random_p95", "shuffled", "verdict", "reason"}
+    assert ok["random_mean"] == pytest.approx(0.05) and ok["random_p95"] == pytest.approx(0.095)
+    assert ok["p_random"] == pytest.approx(1 / 4) and ok["n_random"] == 3  # none of 3 reaches 0.9: (1 + 0) / 4
+    assert set(ok) == {"layer", "alpha", "flip_false_belief", "flip_true_belief", "flip_reality", "random_mean",
+                       "random_p95", "random_max", "p_random", "n_random", "shuffled", "verdict", "reason"}
     low = layer_summary(_table(0.7, [0.0], 0.0), 2, -2.0)
     assert low["verdict"] == WITHHELD and "< 0.80" in low["reason"]
-    beaten = layer_summary(_table(0.9, [0.0, 0.95], 0.0), 2, -2.0)
-    assert beaten["verdict"] == WITHHELD and "random" in beaten["reason"]
+    beaten = layer_summary(_table(0.9, [0.0, 0.95], 0.0), 2, -2.0)  # 95th percentile 0.9025
+    assert beaten["verdict"] == WITHHELD
+    assert "95th percentile flips 0.90 >= the belief direction's 0.90" in beaten["reason"]
     assert layer_summary(_table(0.9, [0.0], 0.9), 2, -2.0)["verdict"] == WITHHELD
-    assert layer_summary(_table(0.9, [0.2], 0.0), 2, -2.0, max_random_flip=0.1)["verdict"] == WITHHELD
+    above = layer_summary(_table(0.9, [0.2], 0.0), 2, -2.0, max_random_flip=0.1)
+    assert above["verdict"] == WITHHELD and "flip 0.200 on average (> 0.10)" in above["reason"]
+    assert layer_summary(_table(0.9, [0.1, 0.1], 0.0), 2, -2.0, max_random_flip=0.1)["verdict"] == FOUND  # equal
+
+
+def test_the_verdict_does_not_depend_on_how_many_random_directions_were_drawn() -> None:
+    """One distribution of random directions (1 in 100 flips half the answers, the rest none),
+    drawn 50 or 5,000 times: the verdict and the judged numbers (mean, 95th percentile) agree; the
+    maximum, which the old rule bounded, is 0.0 in the first draw and 0.5 in the second."""
+    def drawn(n: int) -> list[float]:
+        return [0.5 if i % 100 == 99 else 0.0 for i in range(n)]
+
+    few, many = (layer_summary(_table(1.0, drawn(n), 0.0), 2, -2.0, max_random_flip=0.1) for n in (50, 5000))
+    assert few["verdict"] == many["verdict"] == FOUND
+    assert few["random_p95"] == many["random_p95"] == 0.0
+    assert few["random_mean"] == 0.0 and many["random_mean"] == pytest.approx(0.005)  # both near the true 0.005
+    assert few["random_max"] == 0.0 and many["random_max"] == 0.5  # the old rule: passes 50 draws, fails 5,000
+    assert few["p_random"] == pytest.approx(1 / 51) and many["p_random"] == pytest.approx(1 / 5001)
+    # the organism at --seed 4242: 20 directions, the most-flipping one at 3 of 24 answers
+    seed_4242 = [0.0] * 15 + [1 / 24] * 2 + [2 / 24] * 2 + [3 / 24]
+    organism = layer_summary(_table(1.0, seed_4242, 0.0), 2, -2.0, max_random_flip=0.1)
+    assert organism["verdict"] == FOUND and organism["random_max"] == 0.125
+    assert organism["random_p95"] == pytest.approx(0.0854, abs=1e-4)
+    assert organism["random_mean"] == pytest.approx(0.01875)
+
+
+def test_random_flips_summarise_rates_against_the_belief_direction() -> None:
+    r = RandomFlips.of([0.0, 0.2, 0.4, 1.0], belief=0.4)
+    assert r.n == 4 and r.mean == pytest.approx(0.4) and r.max == 1.0
+    assert r.p95 == pytest.approx(random_quantile([0.0, 0.2, 0.4, 1.0])) == pytest.approx(0.91)
+    assert r.p_value == pytest.approx(3 / 5)  # 0.4 and 1.0 flip at least as much: (1 + 2) / 5
+    empty = RandomFlips.of([], belief=0.4)
+    assert empty.n == 0 and all(v != v for v in (empty.mean, empty.p95, empty.max, empty.p_value))
 
 
 def test_alpha_is_the_largest_false_belief_flip_with_ties_to_the_smallest_dose() -> None:
@@ -149,28 +184,33 @@ def test_alpha_is_the_smallest_dose_that_reaches_min_flip_else_the_most_flipping
     assert choose_alpha(short, 0.8) == -2.0  # none reaches it: the most flipping
 
 
-def _with_random(rows: list[tuple[float, float, float]]) -> pd.DataFrame:
-    """A selection table: (alpha, belief flip, the most-flipping random direction's flip) per alpha,
-    with a weaker second random direction beside it."""
+def _with_random(rows: list[tuple[float, float, list[float]]]) -> pd.DataFrame:
+    """A selection table: (alpha, belief flip, the random directions' flips) per alpha."""
     out = []
-    for a, b, r in rows:
+    for a, b, rand in rows:
         out.append({"direction": "belief", "source": "mean_difference", "condition": "false_belief", "alpha": a,
                     "flip_rate": b})
         out += [{"direction": f"random:{i}", "source": "random", "condition": "false_belief", "alpha": a,
-                 "flip_rate": f} for i, f in enumerate((r, r / 2))]
+                 "flip_rate": f} for i, f in enumerate(rand)]
         out.append({"direction": "belief", "source": "mean_difference", "condition": "reality", "alpha": a,
                     "flip_rate": 1.0})  # side effects do not choose the dose
     return pd.DataFrame(out)
 
 
-def test_with_random_directions_the_dose_is_the_widest_margin_among_those_reaching_min_flip() -> None:
-    sel = _with_random([(-4.0, 1.0, 0.9), (-2.0, 1.0, 0.3), (-1.0, 0.85, 0.0), (0.0, 0.0, 0.0), (1.0, 0.2, 0.0)])
+def test_with_random_directions_the_dose_is_the_widest_margin_over_their_95th_percentile() -> None:
+    twenty = [0.0] * 19
+    sel = _with_random([(-4.0, 1.0, [0.9] * 20), (-2.0, 1.0, [0.3] * 20), (-1.0, 0.85, [*twenty, 0.6]),
+                        (0.0, 0.0, [0.0] * 20), (1.0, 0.2, [0.0] * 20)])
     scores = selection_scores(sel)
-    assert scores.loc[-2.0, "margin"] == pytest.approx(0.7) and scores.loc[-1.0, "random_max"] == 0.0
     assert 0.0 not in scores.index
-    assert choose_alpha(sel, 0.8) == -1.0  # margin 0.85 beats -2's 0.7 and -4's 0.1
+    assert scores.loc[-2.0, "margin"] == pytest.approx(0.7) and scores.loc[-1.0, "random_max"] == 0.6
+    assert scores.loc[-1.0, "random_p95"] == pytest.approx(0.03) and scores.loc[-1.0, "margin"] == pytest.approx(0.82)
+    assert scores.loc[-1.0, "random_mean"] == pytest.approx(0.03)
+    # one random direction of twenty at 0.6 does not decide: margin 0.82 beats -2's 0.7 (over the
+    # maximum it would be 0.25, and the choice would hang on whether that one direction was drawn)
+    assert choose_alpha(sel, 0.8) == -1.0
     assert choose_alpha(sel, 0.9) == -2.0  # only -4 and -2 reach 0.9: -2 has the wider margin
-    weak = _with_random([(-2.0, 0.6, 0.5), (-1.0, 0.4, 0.0), (1.0, 0.1, 0.0)])
+    weak = _with_random([(-2.0, 0.6, [0.5] * 20), (-1.0, 0.4, [0.0] * 20), (1.0, 0.1, [0.0] * 20)])
     assert choose_alpha(weak, 0.8) == -1.0  # none reaches it: the widest margin of all, not the most flipping
 
 

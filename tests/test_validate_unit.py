@@ -44,16 +44,19 @@ def patching_summary(top: float = 0.9, random_mean: float = 0.05, spearman: floa
 
 
 def steering_summary(*layers: tuple[float, ...]) -> dict:
-    """Per layer (evaluation flip, random max[, selection flip[, shuffled]]); the selection flip
-    defaults to the evaluation one."""
+    """Per layer (evaluation flip, random mean[, selection flip[, shuffled[, random p95[, random
+    max]]]]); the selection flip defaults to the evaluation one, the 95th percentile to the mean, the
+    maximum to the 95th percentile."""
     rows = []
     for i, (f, r, *rest) in enumerate(layers):
         sel = rest[0] if rest else f
         shuffled = rest[1] if len(rest) > 1 else 0.0
+        p95 = rest[2] if len(rest) > 2 else r
+        top = rest[3] if len(rest) > 3 else p95
         rows.append({"layer": i, "alpha": 2.0, "flip_false_belief": f, "flip_true_belief": 0.1, "flip_reality": 0.0,
-                     "random_max": r, "random_p95": r, "shuffled": shuffled, "selection_flip": sel,
-                     "verdict": "found", "reason": ""})
-    return {"layers": rows}
+                     "random_mean": r, "random_p95": p95, "random_max": top, "p_random": 1 / 21, "n_random": 20,
+                     "shuffled": shuffled, "selection_flip": sel, "verdict": "found", "reason": ""})
+    return {"layers": rows, "n_random": 20}
 
 
 def test_meets_passes_at_the_threshold_and_never_on_nan() -> None:
@@ -180,6 +183,25 @@ def test_steering_check() -> None:
     assert not shuffled.passed and "shuffled-label direction flips 0.900" in shuffled.detail
     empty = check_steering({}, T, withheld="the steering stage is not available")
     assert not empty.passed and "not available" in empty.detail
+
+
+def test_steering_is_judged_on_the_random_directions_mean_and_95th_percentile_never_their_maximum() -> None:
+    """The organism at --seed 4242: the belief direction flips every held-out false-belief answer;
+    of its 20 random directions the most-flipping one flips 0.125, their 95th percentile 0.085,
+    their mean 0.019. A bound on the maximum failed it, and would fail any model once enough
+    directions are drawn (the maximum of more draws is larger); the mean and the quantile do not
+    grow with the draws."""
+    seed_4242 = check_steering(steering_summary((1.0, 0.019, 1.0, 0.0, 0.085, 0.125)), T)
+    assert seed_4242.passed and seed_4242.null == pytest.approx(0.019) and seed_4242.null_threshold == 0.1
+    assert "95th percentile 0.085" in seed_4242.detail and "maximum 0.125" in seed_4242.detail
+    assert "a maximum grows with the number of directions drawn" in seed_4242.detail
+    heavy = check_steering(steering_summary((1.0, 0.05, 1.0, 0.0, 1.0, 1.0)), T)  # a tail above 5% flips all
+    assert not heavy.passed and "95th percentile flips 1.000 >= the belief direction's 1.000" in heavy.detail
+    on_average = check_steering(steering_summary((1.0, 0.15, 1.0, 0.0, 0.3)), T)
+    assert not on_average.passed and "null 0.150 is not <= 0.1" in on_average.detail
+    old = steering_summary((1.0, 0.0))  # a summary from before the mean was recorded
+    del old["layers"][0]["random_mean"]
+    assert not check_steering(old, T).passed
 
 
 def test_thresholds_come_from_the_config() -> None:

@@ -35,13 +35,16 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="steer along belief directions (add, project out, patch) with random and shuffled controls",
         description="Split the tasks into a selection and an evaluation half. On the selection half, fit "
         "a belief direction per layer (difference of class means or a logistic probe, on the belief "
-        "questions' final token) and choose the layer and dose where the belief direction beats N random "
-        "directions of this half's own draw by the widest margin (among doses flipping --min-flip of the "
-        "false-belief answers, where some do). On "
-        "the evaluation half, run the belief direction, a direction fitted on shuffled labels (each "
-        "true class split evenly between the shuffled classes) and N norm-matched random directions at every alpha, and report the flip rates at the "
-        "chosen alpha with a verdict (found, or withheld with the reason). Writes dose-response tables, "
-        "the directions and two figures (logit difference and flip rate against alpha) into --out.",
+        "questions' final token) and choose the layer and dose where the belief direction beats the 95th "
+        "percentile of N random directions of this half's own draw by the widest margin (among doses "
+        "flipping --min-flip of the false-belief answers, where some do). On the evaluation half, run the "
+        "belief direction, a direction fitted on shuffled labels (each true class split evenly between the "
+        "shuffled classes) and N norm-matched random directions at every alpha, and report the flip rates "
+        "at the chosen alpha with a verdict (found, or withheld with the reason): found needs the belief "
+        "direction to flip --min-flip of the false-belief answers, more than the random directions' 95th "
+        "percentile and more than the shuffled direction (a quantile, not the random directions' maximum, "
+        "which grows with N). Writes dose-response tables, the directions and two figures (logit difference "
+        "and flip rate against alpha) into --out.",
     )
     p.add_argument("--stimuli", default="order-only",
                    help="a stimulus family (default order-only) or a JSONL/CSV file")
@@ -58,7 +61,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--min-flip", type=float, default=0.8,
                    help="share of false-belief answers the belief direction must flip (default 0.8)")
     p.add_argument("--max-random-flip", type=float, default=None,
-                   help="also require every random direction to flip at most this share")
+                   help="also require the random directions' mean flip rate to be at most this share (a mean: "
+                   "their maximum grows with --n-random, so a bound on it fails any direction given enough draws)")
     p.add_argument("--batch-size", type=int, default=16, help="prompts per forward (default 16)")
     p.add_argument("--store", default=None, help="activation store root (default: the tomlens cache dir)")
     p.add_argument("--format", default="parquet", choices=["parquet", "csv"], help="table format")

@@ -6,16 +6,27 @@ where every direction (belief, shuffled labels, the random ones) is run at every
 
 On the selection half the belief direction runs beside `n_random` random directions of its norm,
 drawn apart from the evaluation half's (another seed), so the choice can see specificity and not
-only strength: the dose is the alpha whose belief direction beats the most-flipping random one by
-the widest margin among those flipping at least `min_flip` of the false-belief answers (all alphas
-when none does), and the layer is the one whose chosen dose has the widest margin. A large push
-flips every answer whatever its direction; choosing by the belief direction's flip alone would
-pick it.
+only strength: the dose is the alpha whose belief direction beats the random directions' 95th
+percentile by the widest margin among those flipping at least `min_flip` of the false-belief
+answers (all alphas when none does), and the layer is the one whose chosen dose has the widest
+margin. A large push flips every answer whatever its direction; choosing by the belief direction's
+flip alone would pick it.
 
 A layer's verdict is "found" only when, at the chosen alpha on the evaluation half, the belief
-direction flips at least `min_flip` of the false-belief answers and more than every random
-direction and the shuffled one (and, with `max_random_flip`, no random direction flips more than
-that); otherwise "withheld", with the reason.
+direction flips at least `min_flip` of the false-belief answers, more than the random directions'
+95th percentile (`RANDOM_QUANTILE`) and more than the shuffled one, and (with `max_random_flip`)
+the random directions flip at most that share on average; otherwise "withheld", with the reason.
+
+Why a quantile and a mean, never the most-flipping random direction: the random directions are
+draws from a distribution, and the maximum of n draws grows with n (if a share q of random
+directions flips more than t, the chance that one of n does is 1 - (1 - q)^n, which goes to 1). A
+rule on the maximum therefore fails any model, the organism included, once enough directions are
+drawn: `tomlens validate --model tom-organism --seed 4242` failed with its 20 directions' maximum at
+0.125 while their 95th percentile was 0.085 and their mean 0.019 (at that layer and dose, 1 and -1,
+pooled over 440 random directions of 11 seeds: mean 0.012, 95th percentile 0.042). The mean and the 95th
+percentile estimate fixed properties of that distribution; more draws only make them more precise.
+The maximum and an empirical p-value, (1 + the number of random directions flipping at least as
+much as the belief direction) / (n + 1), are reported beside them, not judged.
 """
 
 from __future__ import annotations
@@ -23,7 +34,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 import pandas as pd
@@ -44,6 +55,40 @@ FORMATS = ("parquet", "csv")
 DEFAULT_ALPHAS: tuple[float, ...] = (-4.0, -2.0, -1.0, 0.0, 1.0, 2.0, 4.0)
 FOUND, WITHHELD = "found", "withheld"
 SELECTION_SEED = 1  # added to the seed for the selection half's random directions
+RANDOM_QUANTILE = 0.95  # the random directions' quantile the belief direction must flip more than
+Rates = np.ndarray | pd.Series | Sequence[float]  # one flip rate per random direction
+
+
+@dataclass(frozen=True)
+class RandomFlips:
+    """The random directions' false-belief flip rates at one layer and dose, summarised by numbers
+    that do not grow with how many were drawn (`mean`, `p95`: see the module text), with the
+    maximum and the belief direction's empirical p-value beside them (reported, not judged)."""
+
+    n: int
+    mean: float
+    p95: float
+    max: float
+    p_value: float  # (1 + #{random >= belief}) / (n + 1): the belief direction's rank among them
+
+    @classmethod
+    def of(cls, rates: Rates, belief: float) -> RandomFlips:
+        """Summarise `rates` (one flip rate per random direction) against the belief direction's
+        flip rate; NaN throughout when there are none."""
+        rates = np.asarray(rates, dtype=float)
+        if not rates.size:
+            nan = float("nan")
+            return cls(0, nan, nan, nan, nan)
+        at_least = int((rates >= belief - 1e-12).sum()) if belief == belief else rates.size
+        return cls(int(rates.size), float(rates.mean()), random_quantile(rates), float(rates.max()),
+                   (1 + at_least) / (rates.size + 1))
+
+
+def random_quantile(rates: Rates) -> float:
+    """The `RANDOM_QUANTILE` quantile of the random directions' flip rates (linear interpolation,
+    numpy's default); NaN when there are none."""
+    rates = np.asarray(rates, dtype=float)
+    return float(np.percentile(rates, 100 * RANDOM_QUANTILE)) if rates.size else float("nan")
 
 
 def _one_of(name: str, value: str, allowed: tuple[str, ...]) -> None:
@@ -69,7 +114,7 @@ class SteeringConfig:
     seed: int = 0
     directions_path: str | None = None  # a `tomlens probe` directions.safetensors
     min_flip: float = 0.8  # the belief direction must flip at least this share of false-belief answers
-    max_random_flip: float | None = None  # and, when set, no random direction more than this
+    max_random_flip: float | None = None  # and, when set, the random directions' mean flip at most this
     batch_size: int = 16
     store: str | None = None  # activation store root
     format: str = "parquet"
@@ -111,15 +156,20 @@ def _belief_false_belief_rows(table: pd.DataFrame) -> pd.DataFrame:
 
 def selection_scores(selection: pd.DataFrame) -> pd.DataFrame:
     """Per non-zero alpha (the index) of one layer's selection table: the belief direction's
-    false-belief flip rate (`belief`), the most-flipping random direction's (`random_max`, NaN
-    without random rows) and their difference (`margin`; the belief flip where there are no random
-    rows)."""
+    false-belief flip rate (`belief`), the random directions' mean, 95th percentile and maximum
+    (`random_mean`, `random_p95`, `random_max`; NaN without random rows) and the margin of the
+    belief flip over the 95th percentile (`margin`; the belief flip where there are no random rows).
+    The margin is over a quantile, not the maximum: the maximum of more draws is larger, so a margin
+    over it would choose by how many random directions were drawn (see the module text)."""
     fb = _belief_false_belief_rows(selection).set_index("alpha")["flip_rate"].astype(float)
     rand = selection.iloc[:0] if "source" not in selection else selection[
         (selection["source"] == "random") & (selection["condition"] == "false_belief") & (selection["alpha"] != 0)]
-    rand = rand.groupby("alpha")["flip_rate"].max().astype(float)
-    out = pd.DataFrame({"belief": fb, "random_max": rand.reindex(fb.index)})
-    out["margin"] = out["belief"] - out["random_max"].fillna(0.0)
+    groups = rand.groupby("alpha")["flip_rate"]
+    out = pd.DataFrame({"belief": fb,
+                        "random_mean": groups.mean().astype(float).reindex(fb.index),
+                        "random_p95": groups.agg(random_quantile).astype(float).reindex(fb.index),
+                        "random_max": groups.max().astype(float).reindex(fb.index)})
+    out["margin"] = out["belief"] - out["random_p95"].fillna(0.0)
     return out
 
 
@@ -128,7 +178,7 @@ def choose_alpha(selection: pd.DataFrame, min_flip: float | None = None) -> floa
 
     With random directions in the table: among the non-zero alphas whose belief direction flips at
     least `min_flip` of the false-belief answers (all of them when none does, or without
-    `min_flip`), the one with the widest margin over the most-flipping random direction. Without
+    `min_flip`), the one with the widest margin over the random directions' 95th percentile. Without
     random rows (tables from before they ran there): the smallest |alpha| reaching `min_flip`, else
     the most flipping. Ties go to the smallest |alpha|, then to the negative one."""
     scores = selection_scores(selection)
@@ -136,7 +186,7 @@ def choose_alpha(selection: pd.DataFrame, min_flip: float | None = None) -> floa
         raise TomlensError("the selection half has no false-belief prompts to choose a dose on",
                            "use stimuli with false-belief belief questions (e.g. order-only)")
     reaching = scores[scores["belief"] >= min_flip - 1e-12] if min_flip is not None else scores.iloc[:0]
-    if scores["random_max"].notna().any():
+    if scores["random_p95"].notna().any():
         pool = reaching if len(reaching) else scores
         best = pool["margin"].max()
         tied = pool.index[pool["margin"] >= best - 1e-12].tolist()
@@ -149,39 +199,47 @@ def choose_alpha(selection: pd.DataFrame, min_flip: float | None = None) -> floa
 
 def layer_summary(dose: pd.DataFrame, layer: int, alpha: float, *, min_flip: float = 0.8,
                   max_random_flip: float | None = None) -> dict[str, Any]:
-    """The summary dict of one layer at `alpha` on the evaluation table (see the module text)."""
+    """The summary dict of one layer at `alpha` on the evaluation table (see the module text): the
+    belief direction must flip at least `min_flip`, more than the random directions' 95th
+    percentile and more than the shuffled-label direction, and (with `max_random_flip`) the random
+    directions' mean flip must stay at most that. `random_max` and `p_random` are reported only:
+    both move with the number of random directions drawn."""
     at = dose[(dose["layer"] == layer) & (dose["alpha"] == alpha)]
 
     def flip(direction: str, condition: str) -> float:
         row = at[(at["direction"] == direction) & (at["condition"] == condition)]
         return float(row["flip_rate"].iloc[0]) if len(row) else float("nan")
 
-    rand = at[(at["source"] == "random") & (at["condition"] == "false_belief")]["flip_rate"].to_numpy(dtype=float)
+    rates = at[(at["source"] == "random") & (at["condition"] == "false_belief")]["flip_rate"].to_numpy(dtype=float)
+    fb = flip("belief", "false_belief")
+    rand = RandomFlips.of(rates, fb)
     out: dict[str, Any] = {
         "layer": int(layer), "alpha": float(alpha),
-        "flip_false_belief": flip("belief", "false_belief"), "flip_true_belief": flip("belief", "true_belief"),
+        "flip_false_belief": fb, "flip_true_belief": flip("belief", "true_belief"),
         "flip_reality": flip("belief", "reality"),
-        "random_max": float(rand.max()) if rand.size else float("nan"),
-        "random_p95": float(np.percentile(rand, 95)) if rand.size else float("nan"),
+        "random_mean": rand.mean, "random_p95": rand.p95, "random_max": rand.max, "p_random": rand.p_value,
+        "n_random": rand.n,
         "shuffled": flip("shuffled", "false_belief"),
     }
-    fb, reasons = out["flip_false_belief"], []
+    reasons = []
     if not fb == fb:
         reasons.append("no false-belief prompts in the evaluation half")
     else:
         if fb < min_flip:
             reasons.append(f"the belief direction flips {fb:.2f} of false-belief answers (< {min_flip:.2f})")
-        if not rand.size:
+        if not rand.n:
             reasons.append("no random directions to compare with")
-        elif not fb > out["random_max"]:
-            reasons.append(f"a random direction flips {out['random_max']:.2f} >= the belief direction's {fb:.2f}")
+        elif not fb > rand.p95:
+            reasons.append(f"the random directions' 95th percentile flips {rand.p95:.2f} >= the belief direction's "
+                           f"{fb:.2f}")
         if not fb > out["shuffled"]:
             reasons.append(f"the shuffled-label direction flips {out['shuffled']:.2f} >= the belief direction's {fb:.2f}")
-        if max_random_flip is not None and rand.size and out["random_max"] > max_random_flip:
-            reasons.append(f"a random direction flips {out['random_max']:.2f} (> {max_random_flip:.2f})")
+        if max_random_flip is not None and rand.n and rand.mean > max_random_flip + 1e-12:
+            reasons.append(f"the random directions flip {rand.mean:.3f} on average (> {max_random_flip:.2f})")
     out["verdict"] = WITHHELD if reasons else FOUND
     out["reason"] = "; ".join(reasons) if reasons else (
-        f"belief flips {fb:.2f} of false-belief answers (>= {min_flip:.2f}); random max {out['random_max']:.2f}, "
+        f"belief flips {fb:.2f} of false-belief answers (>= {min_flip:.2f}); {rand.n} random directions: mean "
+        f"{rand.mean:.3f}, p95 {rand.p95:.2f} (max {rand.max:.2f}, p_random {rand.p_value:.3f}, not judged); "
         f"shuffled {out['shuffled']:.2f}")
     return out
 
@@ -248,16 +306,22 @@ class SteeringResult:
         lines = [f"steering ({s.get('mode')}, {s.get('positions')} position, {s.get('method')} directions): "
                  f"{s.get('n_selection_prompts')} selection / {s.get('n_evaluation_prompts')} evaluation prompts, "
                  f"{s.get('n_random')} random directions + shuffled labels, {s.get('forward_passes')} forward passes",
-                 ("layer and alpha chosen on the selection half (widest margin over its own random directions); "
+                 ("layer and alpha chosen on the selection half (widest margin over its own random directions' "
+                  "95th percentile); " if "random_quantile" in s else
+                  "layer and alpha chosen on the selection half (widest margin over its own random directions); "
                   if any("selection_margin" in d for d in s.get("layers", [])) else
                   "layer and alpha chosen on the selection half (by the belief direction's flips alone: a result "
                   "from before random directions ran there); ") + "flip rates on the evaluation half at that alpha:",
-                 f"{'layer':>5} {'alpha':>6} {'FB flip':>8} {'TB flip':>8} {'reality':>8} {'rand max':>9} "
-                 f"{'rand p95':>9} {'shuffled':>9}  verdict"]
+                 f"{'layer':>5} {'alpha':>6} {'FB flip':>8} {'TB flip':>8} {'reality':>8} {'rand mean':>10} "
+                 f"{'rand p95':>9} {'rand max':>9} {'shuffled':>9}  verdict"]
         for d in s.get("layers", []):
             lines.append(f"{d['layer']:>5} {d['alpha']:>6.2f} {d['flip_false_belief']:>8.2f} {d['flip_true_belief']:>8.2f} "
-                         f"{d['flip_reality']:>8.2f} {d['random_max']:>9.2f} {d['random_p95']:>9.2f} "
-                         f"{d['shuffled']:>9.2f}  {d['verdict']}: {d['reason']}")
+                         f"{d['flip_reality']:>8.2f} {float(d.get('random_mean', float('nan'))):>10.3f} "
+                         f"{d['random_p95']:>9.2f} {d['random_max']:>9.2f} {d['shuffled']:>9.2f}  {d['verdict']}: "
+                         f"{d['reason']}")
+        if "random_quantile" in s:
+            lines.append("random directions are judged by their mean and 95th percentile, which do not grow with how "
+                         "many are drawn; their maximum does, and is shown, not judged")
         if s.get("layer") is not None:
             lines.append(f"layer chosen on the selection half: {s['layer']} ({s.get('verdict')}); the others are "
                          "shown, not chosen among on these numbers")
@@ -317,7 +381,8 @@ def run(config: SteeringConfig, *, model: Any = None, progress: bool = True) -> 
         row = layer_summary(evaluation, layer, alpha, min_flip=config.min_flip, max_random_flip=config.max_random_flip)
         scores = selection_scores(mine)
         row["selection_flip"] = float(scores.at[alpha, "belief"])
-        row["selection_random_max"] = float(scores.at[alpha, "random_max"])
+        row["selection_random_p95"] = float(scores.at[alpha, "random_p95"])
+        row["selection_random_max"] = float(scores.at[alpha, "random_max"])  # shown, not chosen by
         row["selection_margin"] = float(scores.at[alpha, "margin"])  # what picks the layer: never an evaluation number
         row["selection_flip_max"] = float(scores["belief"].max())
         row["selection_reached"] = bool(row["selection_flip"] >= config.min_flip - 1e-12)
@@ -335,6 +400,8 @@ def run(config: SteeringConfig, *, model: Any = None, progress: bool = True) -> 
         "n_selection_prompts": len(sel), "n_evaluation_prompts": len(ev),
         "selection_tasks": sorted({s.task_id for s in sel}), "forward_passes": passes,
         "norms": {str(layer): norms[layer] for layer in layers},
+        # the rule: margins and verdicts over the random directions' mean and this quantile, never their maximum
+        "random_quantile": RANDOM_QUANTILE,
         "verdict": chosen["verdict"],  # the selection half's layer, not the best held-out one
         "layer": chosen["layer"],
         "notes": notes,
@@ -353,7 +420,7 @@ def _norms(directions: list[Direction]) -> list[float]:
 
 def chosen_layer(layers: list[dict[str, Any]]) -> dict[str, Any]:
     """Of the per-layer summaries, the one whose chosen dose had the widest margin on the selection
-    half (belief flip minus the most-flipping random direction's: `selection_margin`), among the
+    half (belief flip minus the random directions' 95th percentile: `selection_margin`), among the
     layers whose dose flipped at least `min_flip` there (`selection_reached`; all layers where none
     did: a layer that cannot reach it would only fail on the evaluation half); ties to the lower
     layer. Summaries written before the selection half ran random directions fall back to
@@ -370,6 +437,6 @@ def summary_frame(result: SteeringResult) -> pd.DataFrame:
     return pd.DataFrame(result.summary.get("layers", []))
 
 
-__all__ = ["DEFAULT_ALPHAS", "FOUND", "SteeringConfig", "SteeringResult", "WITHHELD", "choose_alpha", "chosen_layer",
-           "layer_summary",
-           "run", "selection_scores", "summary_frame"]
+__all__ = ["DEFAULT_ALPHAS", "FOUND", "RANDOM_QUANTILE", "RandomFlips", "SteeringConfig", "SteeringResult", "WITHHELD",
+           "choose_alpha", "chosen_layer", "layer_summary", "random_quantile", "run", "selection_scores",
+           "summary_frame"]

