@@ -288,8 +288,8 @@ def _ablation_where(summary: dict[str, Any]) -> str:
 
 
 STEERING_COLUMNS = {"layer": "layer", "alpha": "alpha (chosen on selection)", "flip_false_belief": "FB flip",
-                    "flip_true_belief": "TB flip", "flip_reality": "reality flip", "random_max": "random max",
-                    "random_p95": "random p95", "shuffled": "shuffled labels", "verdict": "verdict",
+                    "flip_true_belief": "TB flip", "flip_reality": "reality flip", "random_mean": "random mean",
+                    "random_p95": "random p95", "random_max": "random max (not judged)", "shuffled": "shuffled labels", "verdict": "verdict",
                     "reason": "reason"}
 
 

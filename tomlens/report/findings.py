@@ -409,18 +409,20 @@ def steering_findings(res: Any, model: str = "", n_layers: int | None = None) ->
     fb = _flipped(res, d, "false_belief", d["flip_false_belief"])
     reality = _flipped(res, d, "reality", d["flip_reality"])
     nums = (f"{fb} of false-belief answers on {s.get('n_evaluation_prompts', '?')} held-out "
-            f"prompts at alpha {d['alpha']:g}, against at most {_num(d['random_max'])} for {s.get('n_random', '?')} "
-            f"norm-matched random directions and {_num(d['shuffled'])} for shuffled labels")
+            f"prompts at alpha {d['alpha']:g}, against a 95th percentile of {_num(d.get('random_p95', d.get('random_max')))} "
+            f"(mean {_num(d.get('random_mean'))}) for {s.get('n_random', '?')} norm-matched random directions and "
+            f"{_num(d['shuffled'])} for shuffled labels")
     side = f"; side effects: true-belief {_flipped(res, d, 'true_belief', d['flip_true_belief'])}, reality {reality} flipped"
     chosen = f"layer and alpha chosen on {s.get('n_selection_prompts', '?')} selection prompts"
-    r_flip, r_max = d.get("flip_reality"), d.get("random_max")
+    # the random directions' 95th percentile, not their maximum: a maximum grows with the draws
+    r_flip, r_max = d.get("flip_reality"), d.get("random_p95", d.get("random_max"))
     reality_ok = _finite(r_flip) and (float(r_flip) <= MAX_REALITY_FLIP or (_finite(r_max) and float(r_flip) <= float(r_max)))
     if d.get("verdict") == "found" and reality_ok:
         return [Finding(f"adding the belief direction at {where} flips {nums}", "found",
                         f"{chosen}; {d.get('reason', '')}{side}", model, "steering")]
     reason = d.get("reason", "") if d.get("verdict") != "found" else \
         (f"it also flips reality answers ({reality}; more than {MAX_REALITY_FLIP:g} and than the random "
-         f"directions' max {_num(r_max)})" if _finite(r_flip) else "no reality prompts to show it leaves reality alone")
+         f"directions' 95th percentile {_num(r_max)})" if _finite(r_flip) else "no reality prompts to show it leaves reality alone")
     return [Finding(f"whether a belief direction steers false-belief answers (at {where})", "withheld",
                     f"{chosen}; it flips {nums}: {reason}", model, "steering")]
 

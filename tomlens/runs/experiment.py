@@ -429,9 +429,12 @@ def stale_reason(stage: str, folder: Path, config: Any, inputs: Mapping[str, Any
     if why:
         return why
     if stage == "steering":
-        layers = read_json(folder / RESULT).get("layers") or []
+        saved = read_json(folder / RESULT)
+        layers = saved.get("layers") or []
         if layers and not any("selection_margin" in d for d in layers):
             return "its layer and dose were chosen by an older rule (without the selection half's random directions)"
+        if layers and "random_quantile" not in saved:
+            return "its layer and dose were chosen by an older rule (the random directions' maximum)"
     if stage == "cache":
         from tomlens.activations.store import is_complete
 
