@@ -272,10 +272,11 @@ def _behaviour(e: ModelEntry) -> pd.DataFrame:
     parts = []
     acc = r.accuracy
     if len(acc):
-        parts.append(pd.DataFrame({
+        parts.append(_with_mass(pd.DataFrame({
             "family": acc["family"], "condition": acc["condition"], "prompt_type": acc["prompt_type"],
             "measure": "accuracy", "value": acc["accuracy"], "ci_low": acc["ci_low"], "ci_high": acc["ci_high"],
-            "n": acc["n"], "n_tasks": acc.get("n_tasks", pd.Series(float("nan"), index=acc.index)), "chance": 0.5}))
+            "n": acc["n"], "n_tasks": acc.get("n_tasks", pd.Series(float("nan"), index=acc.index)), "chance": 0.5}),
+            acc))
     g = r.reality_gated
     if len(g):
         parts.append(pd.DataFrame({
@@ -287,9 +288,12 @@ def _behaviour(e: ModelEntry) -> pd.DataFrame:
                                                               "joint_ci_low", "joint_ci_high")}}))
     s = r.strict
     if len(s):
+        # one row per family and scoring (two-way log-probability, and the first word of a greedy answer)
+        scoring = s["scoring"].astype(str) if "scoring" in s else pd.Series("", index=s.index)
         parts.append(pd.DataFrame({
             "family": s["family"], "condition": "false_belief", "prompt_type": "all",
-            "measure": "strict task pass (Kosinski)", "value": s["fraction_solved"], "ci_low": s["ci_low"],
+            "measure": "strict task pass (Kosinski" + scoring.map(lambda x: f", {x}" if x else "") + ")",
+            "value": s["fraction_solved"], "ci_low": s["ci_low"],
             "ci_high": s["ci_high"], "n": s["tasks"], "n_tasks": s["tasks"], "chance": s["chance"]}))
     k = r.knowledge_state
     if len(k):
@@ -302,6 +306,15 @@ def _behaviour(e: ModelEntry) -> pd.DataFrame:
     out = pd.concat(parts, ignore_index=True)
     out.insert(0, "model", e.label)
     return out
+
+
+def _with_mass(part: pd.DataFrame, table: pd.DataFrame) -> pd.DataFrame:
+    """`part` with the source table's mean option mass (how much of the next word the two options
+    get: what the model would say at all), NaN where a run predates it. The low-mass flag is left to
+    the behaviour tables: a bool column with gaps does not survive a CSV round trip as itself."""
+    col = "mean_option_mass_first"
+    part[col] = table[col].to_numpy() if col in table else float("nan")
+    return part
 
 
 def probe_test(sel: Any) -> str:
