@@ -14,7 +14,7 @@ from sklearn.linear_model import LogisticRegression
 from tomlens.errors import TomlensError
 from tomlens.stimuli import lexicon
 from tomlens.stimuli.false_belief import (
-    WORD_TOLERANCE, cue_holdout, mentions, unexpected_contents, unexpected_transfer,
+    EPISODE_POOLS, WORD_TOLERANCE, cue_holdout, mentions, unexpected_contents, unexpected_transfer,
 )
 from tomlens.stimuli.order_only import order_only
 from tomlens.stimuli.records import Stimulus
@@ -53,13 +53,15 @@ def test_cue_ids_name_the_phrasing_in_the_cue_span(family, transfer, contents):
     stims = transfer if family == "unexpected-transfer" else contents
     used = defaultdict(set)
     for s in stims:
-        kind, index = s.meta["cue_id"].split(":")
+        pool, index = s.meta["cue_id"].split(":")
+        kind = {"leave": "absence"}.get(pool, pool)  # the protagonist leaving is an absence cue
         assert kind == s.meta["cue_kind"] in KINDS[family] and int(index) == s.meta["cue_group"]
         cue = s.span_text("cue")
         assert s.mentions["cue"] == (s.spans["cue"],)
         assert s.spans["contrast"].start <= s.spans["cue"].start < s.spans["cue"].end <= s.spans["contrast"].end
         # the span is the pool's phrasing with its slots filled
-        pattern = re.escape(lexicon.CUE_POOLS[kind][s.meta["cue_group"]].rstrip("."))
+        pools = EPISODE_POOLS if pool in EPISODE_POOLS else lexicon.CUE_POOLS
+        pattern = re.escape(pools[pool][s.meta["cue_group"]].rstrip("."))
         pattern = re.sub(r"\\\{\w+\\\}", r".+", pattern)
         assert re.fullmatch(pattern, cue), (s.id, cue)
         used[kind].add(s.meta["cue_group"])

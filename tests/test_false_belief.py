@@ -3,16 +3,20 @@ determinism, size, and counterbalancing of surface cues."""
 
 from __future__ import annotations
 
+import gzip
+import json
+import random
 import re
 from collections import Counter, defaultdict
+from pathlib import Path
 
 import pytest
 
 from tomlens.errors import TomlensError
 from tomlens.stimuli import generate, lexicon
 from tomlens.stimuli.false_belief import (
-    CONTENTS_TEMPLATES, TRANSFER_TEMPLATES, make_tasks, mentions, unexpected_contents,
-    unexpected_transfer,
+    CONDITIONS, CONTENTS_TEMPLATES, CONTRASTS_BY_FAMILY, EPISODE_POOLS, LAYOUTS, RULES_BY_FAMILY,
+    TRANSFER_TEMPLATES, make_tasks, mentions, unexpected_contents, unexpected_transfer,
 )
 from tomlens.stimuli.lexicon import CUE_POOLS
 from tomlens.stimuli.records import Stimulus
@@ -180,6 +184,27 @@ def _check_sentence(text: str, start: int, end: int) -> None:
     assert text[end - 1] == "."
 
 
+def _sentences(text: str) -> list[str]:
+    return re.split(r"(?<=\.) ", text)
+
+
+def _pronoun(name: str) -> str:
+    return next(r[2] for r in lexicon.NAMES if r[0] == name)
+
+
+def _check_tellings(s: Stimulus, told: str, g: int) -> None:
+    """Two telling sentences in one frame, one per person, the told person's in the task's order:
+    the protagonist is told only when informed, the bystander (same pronoun) otherwise."""
+    p, b = s.meta["protagonist"], s.meta["bystander"]
+    first, second = _sentences(told)
+    phrase = CUE_POOLS["told"][g].format(H=_pronoun(p))
+    told_sentence, untold_sentence = (first, second) if phrase in first else (second, first)
+    assert phrase in told_sentence and untold_sentence.endswith(f"tells {_pronoun(p)} nothing."), told
+    hearer = p if s.condition == "informed" else b
+    assert f" {hearer}, " in f" {told_sentence}" and f" {p if hearer == b else b}, " in f" {untold_sentence}"
+    assert _pronoun(b) == _pronoun(p)
+
+
 def test_transfer_spans_point_at_the_right_words():
     for s in unexpected_transfer(16, seed=2):
         start, other = _transfer_roles(s)
@@ -194,30 +219,55 @@ def test_transfer_spans_point_at_the_right_words():
         seen, told = s.span_text("contrast_seen"), s.span_text("contrast_told")
         cue, fill = s.span_text("cue"), _pool_fill(s)
         _check_sentence(s.text, s.spans["contrast"].start, s.spans["contrast"].end)
-        # the seen contrast is the decoy and the deciding move; both cues occur in every story
-        decoy, move = re.split(r"(?<=\.) ", seen)
-        g, p, b = s.meta["cue_group"], s.meta["protagonist"], s.meta["bystander"]
+        g = s.meta["cue_group"]
         absence, presence = (CUE_POOLS[k][g].format(**fill) for k in ("absence", "presence"))
-        assert s.meta["decoy"] and f"{b}, but not {p}," in told or f"{p}, but not {b}," in told
+        leave = EPISODE_POOLS["leave"][g].format(**fill)
+        # the seen contrast runs from the decoy to the object's event (or back), in the layout's order
+        episode = s.meta["episode"]
+        assert tuple(episode) == LAYOUT_ROLES[(s.meta["layout"], s.condition == "present")]
+        sentences = _sentences(seen)
+        i, j = sorted((episode.index("decoy"), episode.index("move")))
+        assert len(sentences) == j - i + 1
+        decoy, move = sentences[episode.index("decoy") - i], sentences[episode.index("move") - i]
+        assert mentions(move, [s.meta["object"]]) and not mentions(move, [s.meta["decoy_object"]])
+        assert mentions(decoy, [s.meta["decoy_object"]]) and not mentions(decoy, [s.meta["object"]])
+        assert mentions(decoy, s.meta["decoy_places"]) and not mentions(decoy, s.options)
+        # both kinds of cue occur in every story; the present control sees the object's event
+        episode_text = " ".join(_sentences(s.text)[4: 4 + len(episode)])
+        assert presence in episode_text and (absence in episode_text or leave in episode_text)
+        _check_tellings(s, told, g)
         if s.condition == "present":
-            assert contrast == seen and cue == presence and presence in move and absence in decoy
+            assert contrast == seen and cue == presence and presence in move
         elif s.condition == "informed":
-            assert contrast == told and cue == CUE_POOLS["told"][g].format(H=f"{p}, but not {b},")
+            assert contrast == told and cue == CUE_POOLS["told"][g].format(H=_pronoun(s.meta["protagonist"]))
         else:
-            assert contrast == f"{seen} {told}" and cue == absence and absence in move
-            assert presence in decoy and f"{b}, but not {p}," in told
+            assert (s.spans["contrast"].start, s.spans["contrast"].end) == (
+                s.spans["contrast_seen"].start, s.spans["contrast_told"].end) and presence in decoy
+            assert cue == (leave if s.meta["layout"] == "leaves_and_returns" else absence)
+            assert (cue in move) == (s.meta["layout"] != "leaves_and_returns")
         assert s.spans["cue"].start >= s.spans["contrast"].start and s.spans["cue"].end <= s.spans["contrast"].end
-        # the decoy puts the object back; the move ends in the other location unless no transfer
-        d, m = (x.replace(absence, "").replace(presence, "") for x in (decoy, move))
-        assert d.rindex(" back") > d.rindex(f" {other}")
-        assert (m.rindex(" back") > m.rindex(f" {other}")) == (s.condition == "no_transfer")
-        assert s.meta["cue_kind"] == {"present": "presence", "informed": "told"}.get(s.condition, "absence")
-        assert s.meta["cue_id"] == f"{s.meta['cue_kind']}:{g}"
+        # the object's event ends in the other location, or in the start with no transfer
+        assert mentions(move, s.options)[-1] == (start if s.condition == "no_transfer" else other)
+        kind = {"present": "presence", "informed": "told"}.get(s.condition, "absence")
+        assert s.meta["cue_kind"] == kind
+        pool = "leave" if kind == "absence" and s.meta["layout"] == "leaves_and_returns" else kind
+        assert s.meta["cue_id"] == f"{pool}:{g}"
         query = s.span_text("query")
         assert s.spans["query"].end == len(s.text)
         assert query == template[s.prompt_type].format(
             P=s.meta["protagonist"], obj=s.meta["object"], Ps=("she" if s.meta["protagonist"] in
             {n for n, p, *_ in lexicon.NAMES if p == "she"} else "he"))
+
+
+# (layout, the object's event is seen) -> the episode's sentence roles in story order
+LAYOUT_ROLES = {
+    ("seen_first", False): ("decoy", "move"), ("seen_first", True): ("move", "decoy"),
+    ("unseen_first", False): ("move", "decoy"), ("unseen_first", True): ("decoy", "move"),
+    ("leaves_and_returns", False): ("decoy", "away", "move", "back"),
+    ("leaves_and_returns", True): ("move", "away", "decoy", "back"),
+    ("away_then_returns", False): ("move", "back", "decoy", "pause"),
+    ("away_then_returns", True): ("decoy", "back", "move", "pause"),
+}
 
 
 def test_contents_spans_point_at_the_right_words():
@@ -231,23 +281,30 @@ def test_contents_spans_point_at_the_right_words():
             assert (s.spans[role].start, s.spans[role].end) == _first(s.text, word), (s.id, role)
         seen, told = s.span_text("contrast_seen"), s.span_text("contrast_told")
         label = s.span_text("contrast_label")
-        g, p, b, c = s.meta["cue_group"], s.meta["protagonist"], s.meta["bystander"], s.meta["container"]
+        g, p, c = s.meta["cue_group"], s.meta["protagonist"], s.meta["container"]
+        d = s.meta["second_container"]
         _check_sentence(s.text, s.spans["contrast"].start, s.spans["contrast"].end)
-        look = CUE_POOLS["look"][g]
+        look = CUE_POOLS["look"][g].format(tgt="it")
         assert CUE_POOLS["label"][g].format(C=c, LA=s.reference_state, LB=x if s.reference_state == y
                                             else y) == label
+        # one container looked into, the other left shut, each in the same frame, in the task's order
+        first, second = _sentences(seen)
+        assert (look in first) == (s.meta["layout"] == "look_first") and (look in second) != (look in first)
+        looked, shut = (first, second) if look in first else (second, first)
+        opened = c if s.condition == "open_container" else d
+        assert f" the {opened}, {p} " in f" {looked}" and f" the {c if opened == d else d}, {p} " in f" {shut}"
+        assert s.span_text("cue") == (look if s.condition in ("open_container", "false_belief")
+                                      else s.span_text("cue"))
+        _check_tellings(s, told, g)
         if s.condition == "open_container":
-            assert s.span_text("contrast") == seen and s.span_text("cue") == look.format(tgt=f"the {c}")
-            assert seen.startswith(f"{p} {look.format(tgt=f'the {c}')}, not the glass ")
+            assert s.span_text("contrast") == seen and s.span_text("cue") == look
         elif s.condition == "informed":
-            assert s.span_text("contrast") == told and f" {p}, but not {b}, " in told
-            assert s.span_text("cue") == CUE_POOLS["told"][g].format(H=f"{p}, but not {b},")
+            assert s.span_text("contrast") == told
+            assert s.span_text("cue") == CUE_POOLS["told"][g].format(H=_pronoun(p))
         elif s.condition == "correct_label":
             assert s.span_text("contrast") == label and s.span_text("cue") == label[:-1]
         else:
-            assert s.span_text("contrast") == f"{seen} {told}"
-            assert seen.endswith(f", not the {c} next to it.") and " glass " in s.span_text("cue")
-            assert f" {b}, but not {p}, " in told
+            assert s.span_text("contrast") == f"{seen} {told}" and s.span_text("cue") == look
         # K24: contents and label words occur equally often, so word frequency tells nothing
         counts = Counter(mentions(_story(s), s.options))
         assert counts[x] == counts[y] > 0
@@ -354,3 +411,123 @@ def test_bad_arguments_raise_tomlens_errors(family):
         gen(2, seed=0, conditions=("telepathy",))
     only_fb = gen(3, seed=0, conditions=("false_belief",))
     assert len(only_fb) == 3 * 4 and {s.condition for s in only_fb} == {"false_belief"}
+
+
+# ---- the shortcut audit (issue #27): no cue's wording or position tells a condition -----------
+
+FRESH_SEEDS = (101, 202, 303)
+FIXTURES = Path(__file__).parent / "data" / "audit"
+
+
+def _one_per_cell(stimuli: list[Stimulus], seed: int) -> list[Stimulus]:
+    """One prompt (the original or the reversed version) per task x condition x prompt type, as
+    the audit's samples of the generators are drawn: half the rows, so the audit runs in seconds."""
+    rng = random.Random(seed)
+    cells: dict[tuple, list[Stimulus]] = defaultdict(list)
+    for s in stimuli:
+        cells[(s.task_id, s.condition, s.prompt_type)].append(s)
+    return [rng.choice(rows) for _, rows in sorted(cells.items())]
+
+
+@pytest.mark.parametrize("seed", FRESH_SEEDS)
+@pytest.mark.parametrize("family", list(GENERATORS))
+def test_the_audit_finds_no_shortcut_on_fresh_seeds(family, seed):
+    """64 tasks of a fresh seed: every (contrast, heuristic) row at chance, every n-gram bag at most
+    0.60, on the family's own contrasts (false belief vs each control) and rules as well as the
+    generic battery. Before issue #27 the contents bag read false belief vs the open container at
+    1.00 and the transfer's last cue told false belief from presence at 1.00."""
+    from tomlens.audit import audit_stimuli
+
+    report = audit_stimuli(_one_per_cell(GENERATORS[family](64, seed=seed), seed), seed=0)
+    contrasts = {r.contrast for r in report.rows}
+    controls = CONDITIONS[family][1:]
+    assert {f"false_belief_vs_{c}" for c in controls} <= contrasts
+    rules = {r.heuristic for r in report.rows if r.source == "family rule"}
+    assert rules == {f"rule: {rule.name}" for rule in RULES_BY_FAMILY[family]}
+    assert all(r.n_tasks == 64 for r in report.rows)
+    bags = [r for r in report.rows if "gram bag" in r.heuristic]
+    assert bags and max(r.accuracy for r in bags) <= 0.60, max(bags, key=lambda r: r.accuracy)
+    assert not report.shortcuts, report.shortcuts
+
+
+@pytest.mark.parametrize("family", list(GENERATORS))
+def test_conditions_share_their_ngrams_and_cue_order(family):
+    """Why the audit finds nothing, checked on every task: over a task's two versions every
+    condition has the same set of word 1- to 3-grams as the false belief (a bag of n-grams holds
+    nothing the conditions differ in; within one version, the same number of them), and within a
+    version the presence/absence words of the audit's lexicon come in the same order."""
+    from sklearn.feature_extraction.text import CountVectorizer
+
+    from tomlens.audit.heuristics import _CUE_PATTERN
+
+    grams = CountVectorizer(ngram_range=(1, 3), binary=True, token_pattern=r"(?u)\b[\w']+\b").build_analyzer()
+    union: dict[tuple, set] = defaultdict(set)
+    per_version: dict[tuple, dict[str, tuple[int, list[str]]]] = defaultdict(dict)
+    for seed in (11, 12):
+        for s in GENERATORS[family](16, seed=seed):
+            story = _story(s)
+            union[(s.task_id, s.condition)] |= set(grams(story))
+            cues = [c.lower() for c in _CUE_PATTERN.findall(story)]
+            per_version[(s.task_id, s.reversed)][s.condition] = (len(set(grams(story))), cues)
+    for (task, condition), ngrams in union.items():
+        assert ngrams == union[(task, "false_belief")], (task, condition)
+    for key, by_condition in per_version.items():
+        assert len(set(map(str, by_condition.values()))) == 1, key
+
+
+def test_transfer_word_order_varies_and_no_cue_position_decides():
+    """The four layouts, each twice in every block of 8 tasks and the same for all conditions of a
+    task: a false belief whose last cue is presence (the protagonist leaves before the move and
+    comes back after it, or watches the decoy after the move) and a present control whose last
+    cue is absence (watches the move, then leaves or looks away), in equal numbers; the decoy
+    before the move as often as after it in both conditions."""
+    stims = [s for s in unexpected_transfer(32, seed=4) if s.prompt_type == "belief" and not s.reversed]
+    tasks = sorted({s.task_id for s in stims})
+    for block in range(0, 32, 8):
+        layouts = Counter(s.meta["layout"] for s in stims if s.condition == "false_belief"
+                          and s.task_id in tasks[block: block + 8])
+        assert layouts == {name: 2 for name in LAYOUTS}
+    rules = {r.name: r.feature for r in RULES_BY_FAMILY["unexpected-transfer"]}
+    by_task = defaultdict(dict)
+    for s in stims:
+        by_task[s.task_id][s.condition] = s
+    for name in ("last_episode_cue", "first_episode_cue", "return_cue"):  # a task's conditions alike
+        assert all(len({rules[name](s) for s in c.values()}) == 1 for c in by_task.values()), name
+    fb = [c["false_belief"] for c in by_task.values()]
+    present = [c["present"] for c in by_task.values()]
+    assert Counter(rules["last_episode_cue"](s) for s in fb) == Counter(rules["last_episode_cue"](s) for s in present)
+    assert {rules["last_episode_cue"](s) for s in fb} == {"absence", "presence"}
+    for rows in (fb, present):
+        assert _rate(rules["decoy_before_move"](s) for s in rows) == 0.5
+        assert Counter(rules["move_position"](s) for s in fb) == Counter(rules["move_position"](s) for s in present)
+        assert Counter(rules["move_from_end"](s) for s in fb) == Counter(rules["move_from_end"](s) for s in present)
+    # whatever the order, the labels follow who saw the object's own event
+    assert all(s.answer == s.reference_state for s in fb) and not any(s.belief_differs for s in present)
+
+
+def _fixture(family: str) -> list[Stimulus]:
+    with gzip.open(FIXTURES / f"{family}-6bc1cca.jsonl.gz", "rt") as f:
+        return [Stimulus.from_dict(json.loads(line)) for line in f]
+
+
+@pytest.mark.parametrize("family,control,rule", [
+    ("unexpected-transfer", "present", "last_episode_cue"),
+    ("unexpected-contents", "open_container", "labelled_container_named_last"),
+])
+def test_the_rules_read_the_old_defects_off_the_samples_of_6bc1cca(family, control, rule):
+    """The registered rules read the text (pooled cue phrasings, container words), so they apply to
+    the stories from before the fix: there each one alone tells the false belief from its control,
+    while on today's stories its values are spread alike over both."""
+    feature = next(r.feature for r in RULES_BY_FAMILY[family] if r.name == rule)
+    old = [s for s in _fixture(family) if s.condition in ("false_belief", control)]
+    values = defaultdict(set)
+    for s in old:
+        values[s.condition].add(feature(s))
+    assert None not in values["false_belief"] and not values["false_belief"] & values[control]
+    new = [s for s in GENERATORS[family](16, seed=5) if s.condition in ("false_belief", control)]
+    counts = {c: Counter(feature(s) for s in new if s.condition == c) for c in ("false_belief", control)}
+    assert counts["false_belief"] == counts[control] and len(counts[control]) == 2
+    labels = {c.name: c.label for c in CONTRASTS_BY_FAMILY[family]}
+    contrast = labels[f"false_belief_vs_{control}"]
+    assert {contrast(s) for s in old} == {"false_belief", control}
+    assert contrast(next(s for s in _fixture(family) if s.condition not in ("false_belief", control))) is None

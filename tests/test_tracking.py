@@ -12,7 +12,10 @@ from tomlens.stimuli import generate
 from tomlens.stimuli.false_belief import unexpected_contents, unexpected_transfer
 from tomlens.stimuli.tracking import UNKNOWN, belief_tracking
 
-N_TRANSFER, N_CONTENTS = 9, 8  # sentences per false-belief story (transfer: with its decoy)
+# Sentences around the episode (which has 2 or 4 sentences, by the task's layout) and the two
+# telling sentences of a false-belief story with decoys.
+FIXED = {"unexpected-transfer": ("setting", "listing", "empty", "put", "closing", "leave", "return"),
+         "unexpected-contents": ("fill", "missing", "label", "find", "unseen", "read")}
 
 
 def _sentences(text: str) -> list[str]:
@@ -24,23 +27,32 @@ def _full_fb(stims, task_id, rev, prompt_type):
                 and s.reversed == rev and s.prompt_type == prompt_type)
 
 
-@pytest.mark.parametrize("family,n_sent,gen", [
-    ("unexpected-transfer", N_TRANSFER, unexpected_transfer),
-    ("unexpected-contents", N_CONTENTS, unexpected_contents),
+def _n_sentences(ref) -> int:
+    """Sentences of a full false-belief story: the fixed ones, its episode, two tellings."""
+    return len(FIXED[ref.family]) + len(ref.meta["episode"]) + 2
+
+
+@pytest.mark.parametrize("family,gen", [
+    ("unexpected-transfer", unexpected_transfer),
+    ("unexpected-contents", unexpected_contents),
 ])
-def test_every_prefix_with_both_prompts(family, n_sent, gen):
-    track = belief_tracking(3, seed=4, family=family)
-    full = gen(3, seed=4, conditions=("false_belief",))
-    assert len(track) == 3 * 2 * (n_sent + 1) * 2
+def test_every_prefix_with_both_prompts(family, gen):
+    track = belief_tracking(4, seed=4, family=family)
+    full = gen(4, seed=4, conditions=("false_belief",))
+    lengths = {s.task_id: _n_sentences(s) for s in full}
+    assert len(set(lengths.values())) > 1 or family == "unexpected-contents"  # layouts differ in length
+    assert len(track) == sum(2 * (n + 1) * 2 for n in lengths.values())
     assert len({s.id for s in track}) == len(track)
-    assert Counter(s.meta["prefix_index"] for s in track) == {k: 3 * 2 * 2 for k in range(n_sent + 1)}
+    assert Counter((s.task_id, s.meta["prefix_index"]) for s in track) == {
+        (t, k): 2 * 2 for t, n in lengths.items() for k in range(n + 1)}
     for s in track:
         assert s.family == "belief-tracking" and s.meta["story_family"] == family
         assert s.condition == "false_belief"
         ref = _full_fb(full, s.task_id, s.reversed, s.prompt_type)
         assert s.options == ref.options and s.template_id == ref.template_id
         story = _sentences(ref.text[: ref.spans["query"].start].rstrip())
-        assert len(story) == n_sent
+        n_sent = lengths[s.task_id]
+        assert len(story) == n_sent == s.meta["n_sentences"]
         k = s.meta["prefix_index"]
         query = s.span_text("query")
         assert s.text.endswith(query) and query == ref.span_text("query")
@@ -72,8 +84,11 @@ def test_transfer_labels_follow_the_story():
     for rev in (False, True):
         rows = _labels(track, rev=rev)
         roles = [r.meta["sentence_role"] for r in rows]
-        assert roles[0] is None and roles[1:] == ["setting", "listing", "put", "decoy", "move", "tell",
-                                                  "closing", "leave", "return"]
+        full = unexpected_transfer(2, seed=0, conditions=("false_belief",))
+        ref = next(s for s in full if s.task_id == rows[0].task_id)
+        tellings = ["tell", "untold"] if roles.index("tell") < roles.index("untold") else ["untold", "tell"]
+        assert roles[0] is None and roles[1:] == ["setting", "listing", "empty", "put", *ref.meta["episode"],
+                                                  *tellings, "closing", "leave", "return"]
         start = rows[-1].reference_state
         other = next(o for o in rows[-1].options if o != start)
         world = [r.meta["world_state_t"] for r in rows]
