@@ -19,8 +19,9 @@ from tomlens.stimuli.kosoy import minimal_pairs as kosoy_pairs
 from tomlens.stimuli.pairs import CONTRASTS, PAIR_FAMILIES, diff_positions, make_pairs, structural_problem
 from tomlens.stimuli.records import Stimulus
 
-MOVE_AWAY = re.compile(r"While \w+ is away, (\w+) takes the (.+?) out of the (\w+) and puts it in the (\w+)\.")
-MOVE_SEEN = re.compile(r"But first, \w+ sees (\w+) take the (.+?) out of the (\w+) and put it in the (\w+)\.")
+# Sally-Anne: the owner goes off, then the move; the witnessed twin: the move, then the owner goes off
+MOVE_AWAY = re.compile(r"goes off to [^.]+\. Then (\w+) takes the (.+?) out of the (\w+) and puts it in the (\w+)\.")
+MOVE_SEEN = re.compile(r"Then (\w+) takes the (.+?) out of the (\w+) and puts it in the (\w+)\. Then \w+ goes off to ")
 CONTENTS = re.compile(r"there are no (\w+) inside: the (\w+) is full of (\w+)\.")
 NEWCOMER = re.compile(r"Then (\w+), who has (never|already) looked inside the (\w+), walks into the room\.")
 IR_CUE = re.compile(r"(\w+) knows (nothing|all) about ")

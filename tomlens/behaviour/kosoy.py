@@ -2,15 +2,21 @@
 
 The rule (their scoring, as for children): a story scores only when every control question of the
 story (reality, memory) is answered right; failing a control scores 0, whatever the test answer.
-Their score is a 0-10 rubric (LRS) over free-text answers averaged over 10 runs, which a
-forced-choice battery cannot reproduce; the summary therefore reports our gated score (the share
-of stories passed, 0-1, and x10 in `score_10` for reading beside theirs) next to the paper's LRS
-in `paper`, and the chance level of the gated rule (0.5 ** (1 + controls)), which a two-option
-test passes by guessing, and which always choosing the first option (or always "yes") also scores,
-since the generator crosses the test's and controls' option orders and balances every answer word.
+`score` is that gated pass rate (0-1) over the stories of a cell, with the chance level of the gated
+rule (`chance`, 0.5 ** (1 + controls)), which a two-option test passes by guessing, and which
+always choosing the first option (or always "yes") also scores, since the generator crosses the
+test's and controls' option orders and balances every answer word.
 
-Intervals resample items (`task_id`) and keep the cells of one task together (Ullman's four
-alterations, or gears' two conditions, are renderings of the same items), so a domain mean's
+What the paper's number is, and why it is kept apart: Kosoy et al. score free-text LaMDA answers to
+their own items on a 0-10 rubric (the LRS: 10 = child-like and right on every prompt, 5 = partly)
+and average it over 10 runs. That is a rating of other items by another model, not a pass rate, so
+no column here rescales our score onto it (there is no `score_10`), and the paper's number sits in
+the last column, `paper_lrs`, labelled for what it is (`COLUMN_NOTES`); `paper_condition` names the
+paper's row a cell renders. Order twins (`tomlens.stimuli.kosoy.TWINS`, the same sentences in
+another order, the answer flipped) and the non-human Woodward comparison have no paper row.
+
+Intervals resample items (`task_id`) and keep the cells of one task together (Ullman's alterations
+and their twins, or gears' two conditions, are renderings of the same items), so a domain mean's
 interval reflects the items it rests on.
 """
 
@@ -21,8 +27,9 @@ import zlib
 import numpy as np
 import pandas as pd
 
+from tomlens.behaviour.aggregates import MASS_COLUMNS, MIN_OPTION_MASS, option_mass_columns
 from tomlens.errors import TomlensError
-from tomlens.stimuli.kosoy import CELLS, COMPARISON_CELLS, DOMAINS, PAIR_CELLS, TASKS
+from tomlens.stimuli.kosoy import CELLS, COMPARISON_CELLS, DOMAINS, PAIR_CELLS, TASKS, TWINS
 
 FAMILY = "kosoy"
 # cell -> (the paper's condition label, LaMDA's LRS 0-10), from seeds-notes.md section 5.3.
@@ -38,6 +45,8 @@ PAPER: dict[str, tuple[str, float]] = {
     "ullman-additional-actor": ("Ullman 4: additional actor", 4.0),
     "smarties": ("False belief: Smarties/pencils", 7.3),
     "helper-hinderer": ("Helper/hinderer: successful", 10.0),
+    "altruism-out-of-reach": ("Altruism and intention 1: constraint, out of reach", 8.8),
+    "altruism-physical-obstacle": ("Altruism and intention 2: constraint, physical obstacle", 6.6),
     "gears-a-pushes-b": ("Gears 1: A pushes B", 6.4),
     "gears-symbiotic": ("Gears 2: A and B symbiotic", 2.6),
     "blicket-categorisation": ("Blicket 1: categorisation", 0.8),
@@ -47,20 +56,29 @@ PAPER: dict[str, tuple[str, float]] = {
     "lucas-open-conjunctive": ("Lucas 3: not given, conjunctive", 1.0),
     "lucas-open-disjunctive": ("Lucas 4: not given, disjunctive", 0.0),
 }
-# Table 2's domain averages, and how many of the paper's cells each holds (the social domain also
-# holds Exp. 9, altruism, which has no forced-choice form here).
+# Table 2's domain averages, and how many of the paper's cells each holds.
 PAPER_DOMAINS: dict[str, tuple[float, int]] = {
     "object": (5.08, 4), "tom": (5.12, 6), "social": (8.47, 3), "causal": (1.79, 8)}
 NOTES: dict[str, str] = {
+    "woodward": "the goal object is also the option the story names most (every habituation reach names it): "
+                "read it beside woodward-nonhuman, whose text has the same counts",
     "woodward-nonhuman": "object bias with a non-human mover (the paper's comparison): not a right answer",
-    "social": "the paper's social domain also holds Exp. 9 (altruism: 8.8, 6.6), not built here",
     "rational-action": "the paper's 'Rational' condition: the same jump with and without a wall between, crossed "
                        "with the question's polarity",
+    "addition": "Wynn's 1 + 1 and 2 - 1, two stories per item, asking about either kind of bird",
+    **{twin: f"order twin of {base} (not a paper cell): {what}" for twin, (base, what) in TWINS.items()},
 }
 COLUMNS: tuple[str, ...] = (
-    "level", "domain", "task", "condition", "paper_condition", "n_stories", "n_tasks", "n_unmatched",
-    "control_pass", "test_accuracy", "gated_accuracy", "score", "ci_low", "ci_high", "chance",
-    "score_10", "paper", "n_cells", "n_cells_paper", "note")
+    "level", "domain", "task", "condition", "n_stories", "n_tasks", "n_unmatched",
+    "control_pass", "test_accuracy", "gated_accuracy", "score", "ci_low", "ci_high", "chance", *MASS_COLUMNS,
+    "n_cells", "n_cells_paper", "note", "paper_condition", "paper_lrs")
+# What the columns that are not ours hold: the paper's items and scoring differ from these, so its
+# number is a rating of other items by another model, never a pass rate to read beside `score`.
+COLUMN_NOTES: dict[str, str] = {
+    "paper_condition": "the paper's row this cell renders (Kosoy et al., Tables 3-6); other items, other model",
+    "paper_lrs": "paper LRS (LaMDA 137B's 0-10 rating of free-text answers to the paper's own items, averaged "
+                 "over 10 runs): a rating, not a pass rate; not comparable with score",
+}
 REQUIRED: tuple[str, ...] = ("condition", "task_id", "story_id", "question", "correct")
 
 
@@ -133,9 +151,19 @@ def _ci(boots: np.ndarray) -> tuple[float, float]:
     return (float(np.quantile(b, 0.025)), float(np.quantile(b, 0.975)))
 
 
-def cell_summary(df: pd.DataFrame, *, n_boot: int = 1000, seed: int = 0) -> pd.DataFrame:
+def _rows_of(df: pd.DataFrame, cells: list[str] | pd.Series) -> pd.DataFrame:
+    """The behaviour rows (tests and controls) of some cells, for their option mass."""
+    d = df[df["family"] == FAMILY] if "family" in df else df
+    return d[d["condition"].astype(str).isin(list(cells))]
+
+
+def cell_summary(df: pd.DataFrame, *, n_boot: int = 1000, seed: int = 0,
+                 min_mass: float = MIN_OPTION_MASS) -> pd.DataFrame:
     """One row per cell present (the paper's table rows): control pass rate, ungated test accuracy,
-    test accuracy among stories whose controls passed, and the gated score with its interval."""
+    test accuracy among stories whose controls passed, and the gated score with its interval; and
+    how much next-word probability its prompts (tests and controls) put on their two options, with
+    `low_option_mass` where that is under `min_mass` (there the model would more likely say
+    neither option, and a two-way choice describes the minority of what it would say)."""
     stories = gate(df)
     gated = stories[stories["passed"].notna()]
     boots = _cell_boots(gated, n_boot, seed)
@@ -153,23 +181,27 @@ def cell_summary(df: pd.DataFrame, *, n_boot: int = 1000, seed: int = 0) -> pd.D
         lo, hi = _ci(boots[cell]) if cell in boots else (float("nan"), float("nan"))
         label, lrs = PAPER.get(cell, ("", float("nan")))
         rows.append({
-            "level": "cell", "domain": domain, "task": task, "condition": cell, "paper_condition": label,
+            "level": "cell", "domain": domain, "task": task, "condition": cell,
             "n_stories": len(g), "n_tasks": int(g["task_id"].nunique()), "n_unmatched": len(s) - len(g),
             "control_pass": float(g["controls_correct"].astype(float).mean()) if len(g) else float("nan"),
             "test_accuracy": float(g["test_correct"].astype(float).mean()) if len(g) else float("nan"),
             "gated_accuracy": float(ok["test_correct"].astype(float).mean()) if len(ok) else float("nan"),
             "score": score, "ci_low": lo, "ci_high": hi,
-            "chance": 0.5 ** (1 + controls) if len(g) else float("nan"), "score_10": 10 * score,
-            "paper": lrs, "n_cells": 1, "n_cells_paper": 1 if cell in PAPER else 0,
-            "note": NOTES.get(cell, "")})
+            "chance": 0.5 ** (1 + controls) if len(g) else float("nan"),
+            **option_mass_columns(_rows_of(df, [cell]), min_mass),
+            "n_cells": 1, "n_cells_paper": 1 if cell in PAPER else 0,
+            "note": NOTES.get(cell, ""), "paper_condition": label, "paper_lrs": lrs})
     return pd.DataFrame(rows, columns=list(COLUMNS))
 
 
-def domain_summary(df: pd.DataFrame, *, n_boot: int = 1000, seed: int = 0,
+def domain_summary(df: pd.DataFrame, *, n_boot: int = 1000, seed: int = 0, min_mass: float = MIN_OPTION_MASS,
                    cells: pd.DataFrame | None = None) -> pd.DataFrame:
     """Per domain, the unweighted mean of its cells' gated scores (as Table 2 averages its cells),
-    then ToM beside the non-ToM domains and their difference; comparison cells are left out."""
-    cells = cell_summary(df, n_boot=n_boot, seed=seed) if cells is None else cells
+    then ToM beside the non-ToM domains and their difference. The order twins count as cells (each
+    flips its paper cell's answer, so a model that always names the start location or the label
+    scores half the ToM cells, not most of them); the non-human Woodward comparison does not, since
+    its "correct" is a bias."""
+    cells = cell_summary(df, n_boot=n_boot, seed=seed, min_mass=min_mass) if cells is None else cells
     stories = gate(df)
     boots = _cell_boots(stories[stories["passed"].notna()], n_boot, seed)
     scored = cells[~cells["condition"].isin(COMPARISON_CELLS) & cells["score"].notna()]
@@ -187,21 +219,23 @@ def domain_summary(df: pd.DataFrame, *, n_boot: int = 1000, seed: int = 0,
         score = float(c["score"].mean())
         rows.append({
             "level": "domain", "domain": name, "task": "", "condition": "", "paper_condition": "",
+            "paper_lrs": paper,
             "n_stories": int(c["n_stories"].sum()),
             "n_tasks": int(stories.loc[stories["condition"].isin(c["condition"]), "task_id"].nunique()),
             "n_unmatched": int(c["n_unmatched"].sum()),
             "control_pass": float(c["control_pass"].mean()), "test_accuracy": float(c["test_accuracy"].mean()),
             "gated_accuracy": float(c["gated_accuracy"].mean()), "score": score, "ci_low": lo, "ci_high": hi,
-            "chance": float(c["chance"].mean()), "score_10": 10 * score, "paper": paper,
+            "chance": float(c["chance"].mean()), **option_mass_columns(_rows_of(df, c["condition"]), min_mass),
             "n_cells": len(c), "n_cells_paper": n_paper, "note": NOTES.get(name, "")})
     if "tom" in draws and "non-tom" in draws:
         tom = next(r for r in rows if r["domain"] == "tom")
         non = next(r for r in rows if r["domain"] == "non-tom")
         lo, hi = _ci(draws["tom"] - draws["non-tom"])
         diff = tom["score"] - non["score"]
-        rows.append({**{k: float("nan") for k in COLUMNS}, "level": "contrast", "domain": "tom-minus-non-tom",
+        rows.append({**{k: float("nan") for k in COLUMNS}, "low_option_mass": False, "level": "contrast",
+                     "domain": "tom-minus-non-tom",
                      "task": "", "condition": "", "paper_condition": "", "score": diff, "ci_low": lo, "ci_high": hi,
-                     "score_10": 10 * diff, "n_cells": tom["n_cells"] + non["n_cells"],
+                     "n_cells": tom["n_cells"] + non["n_cells"],
                      "n_stories": tom["n_stories"] + non["n_stories"], "n_tasks": tom["n_tasks"] + non["n_tasks"],
                      "n_cells_paper": 0, "note": "gated score, ToM cells' mean minus the non-ToM cells' mean"})
     return pd.DataFrame(rows, columns=list(COLUMNS))
@@ -213,15 +247,17 @@ def twin_rows(df: pd.DataFrame) -> int:
     return int(d["condition"].astype(str).isin(PAIR_CELLS).sum()) if "condition" in d else 0
 
 
-def summary(df: pd.DataFrame, *, n_boot: int = 1000, seed: int = 0) -> pd.DataFrame:
+def summary(df: pd.DataFrame, *, n_boot: int = 1000, seed: int = 0, min_mass: float = MIN_OPTION_MASS) -> pd.DataFrame:
     """The battery's table: one row per cell present, then per domain, ToM vs non-ToM and their
-    difference; `paper` holds LaMDA's LRS (0-10) where the paper reports one. Pairs-only twin rows
-    (`kosoy(..., witnessed=True)`) are left out, and every row's `note` then says how many, so a
-    reader sees that the table is the paper's cells only."""
-    cells = cell_summary(df, n_boot=n_boot, seed=seed)
+    difference; `paper_lrs` (last) holds LaMDA's LRS (0-10) where the paper reports one: a rating of
+    other items, not a pass rate (see `COLUMN_NOTES`). Pairs-only twin rows (`kosoy(...,
+    witnessed=True)`) are left out, and every row's `note` then says how many, so a reader sees
+    that the table holds the battery's cells only."""
+    cells = cell_summary(df, n_boot=n_boot, seed=seed, min_mass=min_mass)
     if cells.empty:
         return cells
-    out = pd.concat([cells, domain_summary(df, n_boot=n_boot, seed=seed, cells=cells)], ignore_index=True)
+    out = pd.concat([cells, domain_summary(df, n_boot=n_boot, seed=seed, min_mass=min_mass, cells=cells)],
+                    ignore_index=True)
     n_twins = twin_rows(df)
     if n_twins:
         left = (f"{n_twins} pairs-only twin rows ({', '.join(PAIR_CELLS)}) left out: not the paper's cells")
