@@ -92,9 +92,12 @@ def test_balanced_weights_give_each_class_the_same_total():
 @pytest.mark.parametrize("score,bag,expected", [
     (Score(0.90, 0.80, 0.97, 200, 64), False, SHORTCUT),
     (Score(0.52, 0.44, 0.60, 200, 64), False, AT_CHANCE),
-    (Score(0.62, 0.45, 0.79, 200, 64), True, SHORTCUT),  # a bag above 0.60 is a confound whatever its interval
-    (Score(0.62, 0.45, 0.79, 60, 16), True, AT_CHANCE),  # ... once there are tasks enough to say so
-    (Score(0.62, 0.45, 0.79, 200, 64), False, AT_CHANCE),
+    # a bag above 0.60 is a confound though the Bonferroni interval covers chance, when its own 95%
+    # interval does not, and there are tasks enough to say so
+    (Score(0.62, 0.45, 0.79, 200, 64, 0.05), True, SHORTCUT),
+    (Score(0.62, 0.45, 0.79, 200, 64, 0.07), True, AT_CHANCE),
+    (Score(0.62, 0.45, 0.79, 60, 16, 0.05), True, AT_CHANCE),
+    (Score(0.62, 0.45, 0.79, 200, 64, 0.05), False, AT_CHANCE),
     (Score(0.30, 0.20, 0.40, 200, 64), False, BELOW),
     (Score(0.50, 0.50, 0.50, 200, 64), False, AT_CHANCE),  # exact chance is not "above" by rounding
     (Score(1.00, 1.00, 1.00, 20, 4), False, TOO_FEW),

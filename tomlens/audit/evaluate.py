@@ -16,8 +16,9 @@ Why these choices:
   512-row trigram bag, liblinear 0.1 s.
 - Verdict "shortcut" when the interval lies above chance; an n-gram bag is also a shortcut above
   `BAG_CEILING` (a bag that reads 0.7 of a contrast is a confound however wide its interval), from
-  `CEILING_TASKS` held-out tasks on: below that a bag's accuracy swings by 0.1 and more by chance alone
-  (16 tasks of a set with the same words in both conditions gave 0.61), and only the interval speaks.
+  `CEILING_TASKS` held-out tasks on, when the row's own (uncorrected) 95% interval also lies above
+  chance: a bag's accuracy swings by 0.1 by chance alone on a small contrast (16 tasks of a set with
+  the same words in both conditions gave 0.61; one Kosoy task alone 0.609 [0.41, 0.81]).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ N_FOLDS = 5
 MIN_TASKS = 8  # fewer held-out tasks than this cannot tell a cue from luck
 BAG_CEILING = 0.60
 CEILING_TASKS = 64
+Z95 = 1.959963984540054
 _EPS = 1e-9  # an exact-chance row (every task scored alike) must not read as above or below by rounding
 SHORTCUT, AT_CHANCE, BELOW, TOO_FEW = "shortcut", "at chance", "below chance", "too few tasks"
 
@@ -50,6 +52,7 @@ class Score:
     ci_high: float
     n_rows: int
     n_tasks: int
+    se: float = float("nan")  # the cluster-robust standard error
 
 
 def task_folds(tasks: Sequence[str], seed: int, n_folds: int = N_FOLDS) -> np.ndarray:
@@ -135,13 +138,15 @@ def cluster_interval(correct: np.ndarray, tasks: Sequence[str], level: float,
     resid = total - acc * count
     se = float(np.sqrt(n / (n - 1) * (resid**2).sum()) / count.sum())
     z = float(stats.norm.ppf(0.5 + level / 2))
-    return Score(acc, max(0.0, acc - z * se), min(1.0, acc + z * se), len(correct), n)
+    return Score(acc, max(0.0, acc - z * se), min(1.0, acc + z * se), len(correct), n, se)
 
 
 def verdict(score: Score, chance: float, *, ngram_bag: bool) -> str:
     if score.n_tasks < MIN_TASKS:
         return TOO_FEW
-    over_ceiling = ngram_bag and score.n_tasks >= CEILING_TASKS and score.accuracy > max(BAG_CEILING, chance + 0.10)
+    above_at_95 = score.accuracy - Z95 * score.se > chance + _EPS
+    over_ceiling = (ngram_bag and score.n_tasks >= CEILING_TASKS and score.accuracy > max(BAG_CEILING, chance + 0.10)
+                    and above_at_95)
     if score.ci_low > chance + _EPS or over_ceiling:
         return SHORTCUT
     if score.ci_high < chance - _EPS:
