@@ -20,8 +20,9 @@ informed control swaps who is told and who is not, so the contrast spans those w
 sentences, the protagonist leaving before or after the move; the contrast covers both sentences,
 and the token counts match whenever both orders tokenise to the same count), "goal-encoding"
 (animate vs accidental agent, from `tomlens.stimuli.goal_encoding`), "bigtom" (no percept vs
-percept, from the user's BigToM file), "kosoy" (Sally-Anne vs the owner witnessing the move,
-Smarties vs the newcomer having looked inside; `tomlens.stimuli.kosoy.minimal_pairs`),
+percept, from the user's BigToM file), "kosoy" (Sally-Anne vs its twin with the same two sentences
+swapped, so the owner witnesses the move, like order-only pairs; Smarties vs the newcomer having
+looked inside; `tomlens.stimuli.kosoy.minimal_pairs`),
 "indirect-request" (unaware vs aware speaker with an equal-length explicit cue, "knows nothing
 about" vs "knows all about"; `tomlens.stimuli.epitome.ir_minimal_pairs`).
 """
