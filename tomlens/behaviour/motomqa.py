@@ -3,26 +3,50 @@
 Scoring (their section 2.2): the probability of answering "true" pools the case variants,
 P(true) = sum_{True,true,TRUE} e^x / (sum_{True,true,TRUE} e^x + sum_{False,false,FALSE} e^x), and
 the answer is "true" when P(true) > 0.5. `pooled_scores` runs the six continuations through
-`tomlens.behaviour.scoring.score_options`; `add_pooled` puts the result beside a behaviour table.
-A table without them falls back to the two lower-case options every prompt carries (the
-`scoring` column of the summary says which was used).
+`tomlens.behaviour.scoring.score_options`, and records how much probability the six got together
+(`option_mass_pooled`): a model that would say neither "true" nor "false" looks, in P(true),
+like one that chose. `add_pooled` puts the result beside a behaviour table. A table without them
+falls back to the two lower-case options every prompt carries (the `scoring` column of the summary
+says which was used).
 
 Aggregates (their Tables 2 and 3 and the anchoring test): accuracy per ToM order and per factual
-level, ToM and factual overall, the shortcut baselines per order (`baseline_last_1` /
-`baseline_last_2`: % of ToM statements that a reader of only the chain's last one / two believers
-would label right, from the `last_1_true` / `last_2_true` meta; accuracy at orders 4-6 near
-`baseline_last_2` is what an order-3 reading gives), the ToM-minus-factual gap, the anchoring index (% "true" when
-"true" is offered first minus % "true" when "false" is), and a flag when a model answers "true" to
-nearly everything (LaMDA's degenerate 50%). Intervals are bootstraps over whole stories (the
-statements of a story share its text), and the two-proportion z-tests the paper used (which treat
-trials as independent) are given beside them for comparison with its numbers.
+level, ToM and factual overall (with the exact binomial test against chance the paper ran), the
+ToM-minus-factual gap, the anchoring index (% "true" when "true" is offered first minus % "true"
+when "false" is), and a flag when a model answers "true" to nearly everything (LaMDA's degenerate
+50%). Intervals are bootstraps over whole stories (the statements of a story share its text).
+
+What a number at an order means: per order, each shortcut the generator records
+(`tomlens.stimuli.motomqa.SHORTCUTS`: the last one or two believers alone, the first, the world,
+the least informed believer, whoever missed the change) is scored as a reader
+(`baseline_<shortcut>`, from the rows' `<shortcut>_true`), and the model's accuracy above it
+(`above_<shortcut>`: the difference with a paired task-bootstrap interval, the shortcut's accuracy
+in `baseline`, and McNemar's test of model vs shortcut on the same statements). On the generated
+set every shortcut scores 50%; on a user's own statements it may not, and accuracy at orders 4-6
+near `baseline_last_2` is what an order-3 reading gives.
+
+Tests as the paper runs them (SPSS, section 3): Cochran's Q over related samples and McNemar's test
+for pairs (continuity-corrected chi-square, or the exact binomial where fewer than 25 pairs differ,
+as SPSS does; the paper's footnote 5), two-proportion z-tests for independent samples, exact
+binomial tests against chance. The paper compared subjects (models and humans) on the same
+statements: `subject_tests` does that for several models' tables. Within one model the related
+samples are the orders (or levels): the statements of one story, prompt condition and truth value
+form a block with one statement per order, so `summary` gives Cochran's Q across orders, McNemar
+for each order against the next, and McNemar for ToM order n against factual level n (the paper's
+ToM-vs-factual z-test is kept beside it).
+
+Reference columns: Street et al.'s numbers come from their 7 stories (140 statements) and their
+subjects (humans, GPT-4, Flan-PaLM), never from these generated stories or this model, so they sit
+in columns named for what they are (`paper_other_items_humans`, `..._gpt4`, `..._flan_palm`:
+"paper, other items and model"), for context and not for comparison.
 """
 
 from __future__ import annotations
 
 import math
 import zlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from itertools import combinations
 from typing import Any
 
 import numpy as np
@@ -32,13 +56,19 @@ from scipy import stats
 from tomlens.behaviour.aggregates import per_task, task_bootstrap
 from tomlens.behaviour.scoring import score_options
 from tomlens.errors import TomlensError
+from tomlens.stimuli.motomqa import SHORTCUTS
 from tomlens.stimuli.records import Stimulus
 
 FAMILY = "motomqa"
 CASE_VARIANTS: dict[str, tuple[str, ...]] = {"true": ("True", "true", "TRUE"),
                                               "false": ("False", "false", "FALSE")}
 ALWAYS_TRUE_SHARE = 0.95  # one answer ("true", or "false") to at least this share of statements is flagged
-# Street et al. (seeds-notes.md 2.3): humans, GPT-4 and Flan-PaLM, % correct.
+# A cell whose six answer words get less than this share of the next-word probability on average is
+# flagged: the model would more likely write something else, and P(true) describes the minority of
+# what it would say (the same bar as `tomlens.behaviour.aggregates`' option mass).
+LOW_MASS = 0.5
+EXACT_BELOW = 25  # McNemar: the exact binomial where fewer pairs than this differ (SPSS; paper footnote 5)
+# Street et al. (seeds-notes.md 2.3): humans, GPT-4 and Flan-PaLM, % correct, on their own 7 stories.
 PAPER_TOM_BY_ORDER: dict[int, dict[str, float]] = {
     2: {"humans": 96, "gpt4": 100, "flan_palm": 100}, 3: {"humans": 93, "gpt4": 95, "flan_palm": 95},
     4: {"humans": 82, "gpt4": 73, "flan_palm": 79}, 5: {"humans": 98, "gpt4": 82, "flan_palm": 77},
@@ -50,10 +80,144 @@ PAPER_OVERALL: dict[str, dict[str, float]] = {
     "gap": {"humans": 90.4 - 97.5, "gpt4": 88.6 - 94.3, "flan_palm": 84.3 - 93.6},
     "anchoring": {"humans": 55.4 - 53.9, "gpt4": 0.0, "flan_palm": 58.6 - 57.9},
 }
+# Street et al.'s items are their 7 stories, never these generated ones: each column says so.
+PAPER_COLUMNS: dict[str, str] = {
+    "paper_other_items_humans": "paper, other items and subjects: humans",
+    "paper_other_items_gpt4": "paper, other items and model: GPT-4",
+    "paper_other_items_flan_palm": "paper, other items and model: Flan-PaLM",
+}
+_PAPER_KEYS = dict(zip(PAPER_COLUMNS, ("humans", "gpt4", "flan_palm")))
 SUMMARY_COLUMNS: tuple[str, ...] = (
-    "metric", "stmt_type", "order_or_level", "n", "n_tasks", "value", "ci_low", "ci_high", "z",
-    "p_value", "paper", "paper_gpt4", "paper_flan_palm", "scoring", "flag",
+    "metric", "stmt_type", "order_or_level", "versus", "n", "n_tasks", "value", "ci_low", "ci_high",
+    "baseline", "test", "statistic", "p_value", "mean_option_mass", *PAPER_COLUMNS, "scoring", "flag",
 )
+
+
+# ---- tests as Street et al. ran them --------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TestResult:
+    """One significance test: `statistic` is None for an exact test (SPSS prints no chi-square
+    there either); `n` counts pairs or blocks, `discordant` those that differ."""
+
+    __test__ = False  # not a pytest class
+
+    test: str
+    statistic: float | None
+    df: int | None
+    p_value: float
+    n: int
+    discordant: int
+
+
+def _booleans(x: Any, name: str) -> np.ndarray:
+    arr = np.asarray(x)
+    if arr.dtype != bool and not np.isin(arr, (0, 1)).all():
+        raise TomlensError(f"{name} must be right/wrong (booleans or 0/1)", "pass one boolean per statement")
+    return arr.astype(bool)
+
+
+Bools = Sequence[bool] | np.ndarray | pd.Series  # one right/wrong per statement
+
+
+def mcnemar(a: Bools, b: Bools) -> TestResult:
+    """McNemar's test of two related right/wrong series (the same statements answered twice).
+
+    As SPSS runs it (and so Street et al.): with fewer than `EXACT_BELOW` discordant pairs, the
+    exact two-sided binomial test of the discordant split against 1/2; else the continuity-
+    corrected chi-square (|b - c| - 1)^2 / (b + c) on 1 df."""
+    x, y = _booleans(a, "a"), _booleans(b, "b")
+    if x.shape != y.shape or x.ndim != 1:
+        raise TomlensError(f"McNemar needs two series of one length, got {x.shape} and {y.shape}",
+                           "pair the same statements in both")
+    only_a, only_b = int((x & ~y).sum()), int((~x & y).sum())
+    d = only_a + only_b
+    if d < EXACT_BELOW:
+        p = float(stats.binomtest(only_a, d, 0.5).pvalue) if d else 1.0
+        return TestResult("McNemar (exact binomial)", None, None, p, len(x), d)
+    chi2 = (abs(only_a - only_b) - 1) ** 2 / d
+    return TestResult("McNemar (chi-square, continuity-corrected)", float(chi2), 1,
+                      float(stats.chi2.sf(chi2, 1)), len(x), d)
+
+
+def cochran_q(blocks: Any) -> TestResult:
+    """Cochran's Q of k related right/wrong samples: `blocks` is (n blocks) x (k samples), one
+    row per block (a statement answered by every subject, or a story's statements at every
+    order). Q = (k - 1) (k sum_j C_j^2 - N^2) / (k N - sum_i R_i^2) on k - 1 df (C: column sums,
+    R: row sums, N: all); blocks with all right or all wrong carry no information."""
+    x = np.asarray(blocks)
+    if x.ndim != 2 or x.shape[1] < 2:
+        raise TomlensError(f"Cochran's Q needs blocks x samples with 2+ samples, got shape {x.shape}",
+                           "pass one row per block and one column per sample")
+    x = _booleans(x, "blocks").astype(float)
+    k = x.shape[1]
+    cols, rows = x.sum(0), x.sum(1)
+    total = float(x.sum())
+    denom = k * total - float((rows ** 2).sum())
+    informative = int(((rows > 0) & (rows < k)).sum())
+    if denom == 0:
+        return TestResult("Cochran's Q", 0.0, k - 1, 1.0, len(x), informative)
+    q = (k - 1) * (k * float((cols ** 2).sum()) - total ** 2) / denom
+    return TestResult("Cochran's Q", float(q), k - 1, float(stats.chi2.sf(q, k - 1)), len(x), informative)
+
+
+def binomial_vs_chance(k: int, n: int) -> float:
+    """The exact two-sided binomial test of k right of n against 1/2 (the paper's test of chance)."""
+    return float(stats.binomtest(k, n, 0.5).pvalue) if n else float("nan")
+
+
+def two_proportion_z(k1: int, n1: int, k2: int, n2: int) -> tuple[float, float]:
+    """The pooled two-proportion z-test (Street et al.'s independent-samples test): (z, p)."""
+    if min(n1, n2) == 0:
+        return (float("nan"), float("nan"))
+    p = (k1 + k2) / (n1 + n2)
+    se = math.sqrt(p * (1 - p) * (1 / n1 + 1 / n2))
+    if se == 0:
+        return (0.0, 1.0)
+    z = (k1 / n1 - k2 / n2) / se
+    return (z, float(2 * stats.norm.sf(abs(z))))
+
+
+@dataclass(frozen=True)
+class SubjectTests:
+    """Street et al.'s comparison of subjects on the same statements: Cochran's Q over all of
+    them, then McNemar for each pair (`pairs`: (subject a, subject b, % right a, % right b, test))."""
+
+    subjects: tuple[str, ...]
+    n_statements: int
+    overall: TestResult
+    pairs: tuple[tuple[str, str, float, float, TestResult], ...]
+
+    def table(self) -> pd.DataFrame:
+        rows = [{"a": "all", "b": "", "pct_a": None, "pct_b": None, **self.overall.__dict__}]
+        rows += [{"a": a, "b": b, "pct_a": pa, "pct_b": pb, **t.__dict__} for a, b, pa, pb, t in self.pairs]
+        return pd.DataFrame(rows)
+
+
+def subject_tests(tables: Mapping[str, pd.DataFrame], stmt_type: str | None = "tom") -> SubjectTests:
+    """Cochran's Q across subjects and McNemar for each pair, on the statements every table has
+    (matched on `id`), as the paper compares models and humans. `tables` maps a subject's name to
+    its behaviour table (pooled or two-option scoring, `answered_true`); `stmt_type` keeps "tom"
+    or "fact" statements (None: both)."""
+    if len(tables) < 2:
+        raise TomlensError(f"{len(tables)} subject(s) to compare", "pass the tables of two or more models")
+    right: dict[str, pd.Series] = {}
+    for name, df in tables.items():
+        d = df if stmt_type is None else df[df["stmt_type"] == stmt_type]
+        said, _ = answered_true(d)
+        right[name] = pd.Series((said == (d["answer"] == "true")).to_numpy(), index=d["id"].astype(str))
+    common = sorted(set.intersection(*(set(r.index) for r in right.values())))
+    if not common:
+        raise TomlensError("the tables share no statement id", "score the same stimuli with every model")
+    matrix = np.column_stack([right[n].loc[common].to_numpy() for n in tables])
+    names = tuple(tables)
+    pairs = tuple((a, b, 100 * float(right[a].loc[common].mean()), 100 * float(right[b].loc[common].mean()),
+                   mcnemar(right[a].loc[common], right[b].loc[common])) for a, b in combinations(names, 2))
+    return SubjectTests(names, len(common), cochran_q(matrix), pairs)
+
+
+# ---- scoring ---------------------------------------------------------------------------------------
 
 
 def pooled_p_true(logps: dict[str, float]) -> float:
@@ -73,8 +237,10 @@ def pooled_p_true(logps: dict[str, float]) -> float:
 def pooled_scores(model: Any, stimuli: Sequence[Stimulus], *, batch_size: int = 8,
                   progress: bool = True) -> pd.DataFrame:
     """Per prompt: the summed log-probability of each case variant as the answer, P(true) pooled
-    over them, the pooled answer and whether it is right. Three forward pairs per prompt
-    ((True, False), (true, false), (TRUE, FALSE)), through `score_options`."""
+    over them, the pooled answer and whether it is right, and `option_mass_pooled`, the probability
+    of the six continuations together (how much of what the model would write is an answer at
+    all). Three forward pairs per prompt ((True, False), (true, false), (TRUE, FALSE)), through
+    `score_options`."""
     stimuli = list(stimuli)
     if not stimuli:
         raise TomlensError("no stimuli to score", "pass the motomqa prompts")
@@ -97,7 +263,8 @@ def pooled_scores(model: Any, stimuli: Sequence[Stimulus], *, batch_size: int = 
         p = pooled_p_true(logps)
         rows.append({"id": s.id, **{f"logp_{v}": x for v, x in logps.items()}, "p_true_pooled": p,
                      "answer_pooled": "true" if p > 0.5 else "false",
-                     "correct_pooled": (p > 0.5) == (s.answer == "true")})
+                     "correct_pooled": (p > 0.5) == (s.answer == "true"),
+                     "option_mass_pooled": float(sum(math.exp(x) for x in logps.values()))})
     return pd.DataFrame(rows)
 
 
@@ -122,6 +289,18 @@ def answered_true(df: pd.DataFrame) -> tuple[pd.Series, str]:
                                "pass the table that run_behaviour returns")
     p_true = df["p_a"].astype(float).where(df["option_a"] == "true", 1 - df["p_a"].astype(float))
     return p_true > 0.5, "two options (true, false)"
+
+
+def _option_mass(df: pd.DataFrame) -> pd.Series | None:
+    """Per row, the probability the answer words got: the six case variants where pooled, else the
+    two options' whole continuations; None for a table scored before option mass was recorded."""
+    for col in ("option_mass_pooled", "option_mass"):
+        if col in df and df[col].notna().any():
+            return df[col].astype(float)
+    return None
+
+
+# ---- the summary ------------------------------------------------------------------------------------
 
 
 def _rng(key: object) -> np.random.Generator:
@@ -154,18 +333,6 @@ def _boot_difference(a: pd.Series, ta: pd.Series, b: pd.Series, tb: pd.Series, k
     return (float(np.quantile(diff, 0.025)), float(np.quantile(diff, 0.975)))
 
 
-def two_proportion_z(k1: int, n1: int, k2: int, n2: int) -> tuple[float, float]:
-    """The pooled two-proportion z-test (Street et al.'s independent-samples test): (z, p)."""
-    if min(n1, n2) == 0:
-        return (float("nan"), float("nan"))
-    p = (k1 + k2) / (n1 + n2)
-    se = math.sqrt(p * (1 - p) * (1 / n1 + 1 / n2))
-    if se == 0:
-        return (0.0, 1.0)
-    z = (k1 / n1 - k2 / n2) / se
-    return (z, float(2 * stats.norm.sf(abs(z))))
-
-
 def _one_answer_flag(share_true: float, truth_share: float) -> str:
     """Why accuracy means nothing when one answer is given to nearly everything ('' otherwise):
     "true" throughout is LaMDA's degenerate 50%; "false" throughout is the same pattern mirrored."""
@@ -178,12 +345,39 @@ def _one_answer_flag(share_true: float, truth_share: float) -> str:
     return ""
 
 
+def _shortcut_answers(df: pd.DataFrame) -> dict[str, pd.Series]:
+    """Per shortcut the generator recorded (`<shortcut>_true` columns; the world's also from
+    `world_state`), its answer ("true" = True) on each row, missing where it does not apply."""
+    out = {}
+    for k in SHORTCUTS:
+        col = f"{k}_true"
+        if col in df and df[col].notna().any():
+            out[k] = df[col]
+        elif k == "world" and "world_state" in df and df["world_state"].notna().any():
+            out[k] = df["world_state"].map({"true": True, "false": False})
+    return out
+
+
+def _blocks(df: pd.DataFrame, correct: pd.Series, levels: Sequence[int]) -> pd.DataFrame:
+    """Right/wrong per block (a story, prompt condition and truth value) x order or level, blocks
+    with a statement at every one of `levels` only."""
+    keys = [c for c in ("task_id", "condition", "answer") if c in df]
+    if len(keys) < 3:
+        return pd.DataFrame()
+    d = df[keys].assign(_level=df["order_or_level"].astype(int), _right=correct.astype(bool))
+    d = d[d["_level"].isin(levels)]
+    wide = d.pivot_table(index=keys, columns="_level", values="_right", aggfunc="first")
+    return wide.dropna().astype(bool)
+
+
 def summary(df: pd.DataFrame, *, n_boot: int = 1000) -> pd.DataFrame:
-    """One row per cell Street et al. report: ToM accuracy per order and overall, factual accuracy
-    per level and overall, the shortcut baselines per order (the answer of the last one / two
-    believers alone: accuracy near them is what a shorter chain gives), the ToM-minus-factual gap, the anchoring index, and the share of "true"
-    answers with the always-true flag. Values are percentages; `paper*` are their numbers (humans,
-    GPT-4, Flan-PaLM) where they report one."""
+    """One row per cell Street et al. report, and what a cell is above: ToM accuracy per order
+    and overall, factual accuracy per level and overall, each shortcut's accuracy per order
+    (`baseline_<shortcut>`) and the model's accuracy above it (`above_<shortcut>`), Cochran's Q
+    across orders and across levels, McNemar for each order against the next and for ToM order n
+    against factual level n, the ToM-minus-factual gap (the paper's z-test), the anchoring index,
+    and the share of "true" answers with the always-true flag. Values are percentages (points for
+    differences); `paper_other_items_*` hold Street et al.'s numbers for their own stories."""
     need = ("stmt_type", "order_or_level", "options_order", "answer")
     missing = [c for c in need if c not in df]
     if missing:
@@ -195,65 +389,102 @@ def summary(df: pd.DataFrame, *, n_boot: int = 1000) -> pd.DataFrame:
     said_true, scoring = answered_true(df)
     correct = said_true == (df["answer"] == "true")
     tasks = df["task_id"].astype(str) if "task_id" in df else df["id"].astype(str)
+    mass = _option_mass(df)
+    level_of = df["order_or_level"].astype(int)
     rows: list[dict[str, Any]] = []
 
     def paper(cell: dict[str, float] | None) -> dict[str, float | None]:
         cell = cell or {}
-        return {"paper": cell.get("humans"), "paper_gpt4": cell.get("gpt4"), "paper_flan_palm": cell.get("flan_palm")}
+        return {col: cell.get(key) for col, key in _PAPER_KEYS.items()}
+
+    def base(metric: str, mask: pd.Series, stmt_type: str, level: int | None) -> dict[str, Any]:
+        return {"metric": metric, "stmt_type": stmt_type, "order_or_level": level,
+                "n": int(mask.sum()), "n_tasks": int(tasks[mask].nunique())}
+
+    def test_cols(t: TestResult) -> dict[str, Any]:
+        return {"test": t.test, "statistic": t.statistic, "p_value": t.p_value}
 
     def acc_row(metric: str, mask: pd.Series, stmt_type: str, level: int | None,
                 ref: dict[str, float] | None) -> None:
         lo, hi = _boot_ratio(correct[mask], tasks[mask], (metric, stmt_type, level), n_boot)
-        rows.append({"metric": metric, "stmt_type": stmt_type, "order_or_level": level,
-                     "n": int(mask.sum()), "n_tasks": int(tasks[mask].nunique()),
-                     "value": 100 * float(correct[mask].mean()), "ci_low": 100 * lo, "ci_high": 100 * hi,
-                     **paper(ref)})
+        row = {**base(metric, mask, stmt_type, level), "value": 100 * float(correct[mask].mean()),
+               "ci_low": 100 * lo, "ci_high": 100 * hi, **paper(ref)}
+        if metric == "accuracy_overall":
+            row.update(test="exact binomial vs 50%",
+                       p_value=binomial_vs_chance(int(correct[mask].sum()), int(mask.sum())))
+        if mass is not None and mass[mask].notna().any():
+            row["mean_option_mass"] = float(mass[mask].mean())
+            if row["mean_option_mass"] < LOW_MASS:
+                row["flag"] = (f"the answer words get {row['mean_option_mass']:.2f} of the probability: "
+                               "the model would mostly say something else")
+        rows.append(row)
 
     for stmt_type in ("tom", "fact"):
         of_type = df["stmt_type"] == stmt_type
         if not of_type.any():
             continue
-        for level in sorted(int(x) for x in df.loc[of_type, "order_or_level"].unique()):
-            mask = of_type & (df["order_or_level"].astype(int) == level)
-            acc_row("accuracy", mask, stmt_type, level,
-                    PAPER_TOM_BY_ORDER.get(level) if stmt_type == "tom" else None)
+        for level in sorted(level_of[of_type].unique()):
+            acc_row("accuracy", of_type & (level_of == level), stmt_type, int(level),
+                    PAPER_TOM_BY_ORDER.get(int(level)) if stmt_type == "tom" else None)
         acc_row("accuracy_overall", of_type, stmt_type, None, PAPER_OVERALL[stmt_type])
-    for k in (1, 2):  # shortcut baselines: the answer of the last k believers alone, per order
-        col = f"last_{k}_true"
-        if col not in df:
-            continue
-        has = (df["stmt_type"] == "tom") & df[col].notna()
-        agree = df[col].where(has, False).astype(bool) == (df["answer"] == "true")
-        for level in sorted(int(x) for x in df.loc[has, "order_or_level"].unique()):
-            mask = has & (df["order_or_level"].astype(int) == level)
-            lo, hi = _boot_ratio(agree[mask], tasks[mask], (col, level), n_boot)
-            rows.append({"metric": f"baseline_last_{k}", "stmt_type": "tom", "order_or_level": level,
-                         "n": int(mask.sum()), "n_tasks": int(tasks[mask].nunique()),
-                         "value": 100 * float(agree[mask].mean()), "ci_low": 100 * lo, "ci_high": 100 * hi,
-                         **paper(None)})
     tom, fact = df["stmt_type"] == "tom", df["stmt_type"] == "fact"
+    for name, answers in _shortcut_answers(df).items():  # what each shortcut scores, and the model above it
+        has = tom & answers.notna()
+        agree = answers.where(has, False).astype(bool) == (df["answer"] == "true")
+        for level in sorted(level_of[has].unique()):
+            mask = has & (level_of == level)
+            acc, shortcut = 100 * float(correct[mask].mean()), 100 * float(agree[mask].mean())
+            lo, hi = _boot_ratio(agree[mask], tasks[mask], (name, level), n_boot)
+            rows.append({**base(f"baseline_{name}", mask, "tom", int(level)), "value": shortcut,
+                         "ci_low": 100 * lo, "ci_high": 100 * hi})
+            lo, hi = _boot_difference(correct[mask], tasks[mask], agree[mask], tasks[mask],
+                                      ("above", name, level), n_boot)
+            rows.append({**base(f"above_{name}", mask, "tom", int(level)), "versus": f"shortcut {name}",
+                         "value": acc - shortcut, "ci_low": 100 * lo, "ci_high": 100 * hi,
+                         "baseline": shortcut, **test_cols(mcnemar(correct[mask], agree[mask]))})
+    for stmt_type, mask in (("tom", tom), ("fact", fact)):  # related samples: the orders (levels)
+        levels = sorted(int(x) for x in level_of[mask].unique())
+        if len(levels) < 2:
+            continue
+        wide = _blocks(df[mask], correct[mask], levels)
+        if len(wide) < 2:
+            continue
+        word = "orders" if stmt_type == "tom" else "levels"
+        rows.append({"metric": "cochran_q", "stmt_type": stmt_type, "order_or_level": None,
+                     "versus": f"{word} {', '.join(map(str, levels))}", "n": len(wide) * len(levels),
+                     "n_tasks": int(wide.index.get_level_values(0).nunique()),
+                     **test_cols(cochran_q(wide[levels].to_numpy()))})
+        block_tasks = pd.Series(wide.index.get_level_values(0).astype(str))
+        for lo_level, hi_level in zip(levels, levels[1:]):
+            a, b = pd.Series(wide[hi_level].to_numpy()), pd.Series(wide[lo_level].to_numpy())
+            lo, hi = _boot_difference(a, block_tasks, b, block_tasks, ("step", stmt_type, hi_level), n_boot)
+            rows.append({"metric": "level_step", "stmt_type": stmt_type, "order_or_level": hi_level,
+                         "versus": f"{word[:-1]} {lo_level}", "n": 2 * len(wide),
+                         "n_tasks": int(block_tasks.nunique()), "value": 100 * float(a.mean() - b.mean()),
+                         "ci_low": 100 * lo, "ci_high": 100 * hi, **test_cols(mcnemar(a, b))})
     if tom.any() and fact.any():
         lo, hi = _boot_difference(correct[tom], tasks[tom], correct[fact], tasks[fact], "gap", n_boot)
         z, p = two_proportion_z(int(correct[tom].sum()), int(tom.sum()), int(correct[fact].sum()), int(fact.sum()))
         rows.append({"metric": "tom_minus_fact", "stmt_type": "both", "order_or_level": None,
-                     "n": len(df), "n_tasks": int(tasks.nunique()),
+                     "versus": "factual", "n": len(df), "n_tasks": int(tasks.nunique()),
                      "value": 100 * (float(correct[tom].mean()) - float(correct[fact].mean())),
-                     "ci_low": 100 * lo, "ci_high": 100 * hi, "z": z, "p_value": p, **paper(PAPER_OVERALL["gap"])})
+                     "ci_low": 100 * lo, "ci_high": 100 * hi, "test": "two-proportion z",
+                     "statistic": z, "p_value": p, **paper(PAPER_OVERALL["gap"])})
+        rows.extend(_paired_tom_fact(df, correct, n_boot))
     tf, ff = df["options_order"] == "true-first", df["options_order"] == "false-first"
     if tf.any() and ff.any():
         lo, hi = _boot_difference(said_true[tf], tasks[tf], said_true[ff], tasks[ff], "anchoring", n_boot)
         z, p = two_proportion_z(int(said_true[tf].sum()), int(tf.sum()), int(said_true[ff].sum()), int(ff.sum()))
         rows.append({"metric": "anchoring_index", "stmt_type": "both", "order_or_level": None,
-                     "n": len(df), "n_tasks": int(tasks.nunique()),
+                     "versus": "false-first", "n": len(df), "n_tasks": int(tasks.nunique()),
                      "value": 100 * (float(said_true[tf].mean()) - float(said_true[ff].mean())),
-                     "ci_low": 100 * lo, "ci_high": 100 * hi, "z": z, "p_value": p,
-                     **paper(PAPER_OVERALL["anchoring"])})
+                     "ci_low": 100 * lo, "ci_high": 100 * hi, "test": "two-proportion z",
+                     "statistic": z, "p_value": p, **paper(PAPER_OVERALL["anchoring"])})
     share = float(said_true.mean())
     lo, hi = _boot_ratio(said_true, tasks, "share_true", n_boot)
     truth_share = float((df["answer"] == "true").mean())
     rows.append({"metric": "share_true", "stmt_type": "both", "order_or_level": None, "n": len(df),
                  "n_tasks": int(tasks.nunique()), "value": 100 * share, "ci_low": 100 * lo, "ci_high": 100 * hi,
-                 **paper(None),
                  "flag": _one_answer_flag(share, truth_share)})
     out = pd.DataFrame(rows)
     for col in SUMMARY_COLUMNS:
@@ -263,3 +494,29 @@ def summary(df: pd.DataFrame, *, n_boot: int = 1000) -> pd.DataFrame:
     out["flag"] = out["flag"].fillna("")
     out["order_or_level"] = out["order_or_level"].astype("Int64")
     return out[list(SUMMARY_COLUMNS)]
+
+
+def _paired_tom_fact(df: pd.DataFrame, correct: pd.Series, n_boot: int) -> list[dict[str, Any]]:
+    """ToM order n against factual level n on the same story, condition and truth value
+    (McNemar), per n and over all n: the paired version of the paper's ToM-vs-factual test."""
+    keys = [c for c in ("task_id", "condition", "answer") if c in df]
+    if len(keys) < 3:
+        return []
+    d = df[keys].assign(_n=df["order_or_level"].astype(int), _right=correct.astype(bool),
+                        _type=df["stmt_type"])
+    m = d[d["_type"] == "tom"].merge(d[d["_type"] == "fact"], on=[*keys, "_n"], suffixes=("_tom", "_fact"))
+    if m.empty:
+        return []
+    rows = []
+    for n in [None, *sorted(m["_n"].unique())]:
+        g = m if n is None else m[m["_n"] == n]
+        a, b = g["_right_tom"].reset_index(drop=True), g["_right_fact"].reset_index(drop=True)
+        t = g["task_id"].astype(str).reset_index(drop=True)
+        lo, hi = _boot_difference(a, t, b, t, ("paired gap", n), n_boot)
+        test = mcnemar(a, b)
+        rows.append({"metric": "tom_minus_fact_paired", "stmt_type": "both",
+                     "order_or_level": None if n is None else int(n), "versus": "factual, same level",
+                     "n": 2 * len(g), "n_tasks": int(t.nunique()), "value": 100 * float(a.mean() - b.mean()),
+                     "ci_low": 100 * lo, "ci_high": 100 * hi, "test": test.test,
+                     "statistic": test.statistic, "p_value": test.p_value})
+    return rows

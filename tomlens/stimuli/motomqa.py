@@ -1,36 +1,51 @@
 """Higher-order true/false statements after a social story, in the design of Street et al.'s MoToMQA.
 
-Each story (about 200 words, 3-5 characters, one social situation of `TOPICS`) is built from a
-sequence of `belief_state.Event`s: a plan is made at a first gathering (some characters present,
-the others named as absent), changed at a second one, then told, overheard and checked. The text
-is written from those events, so who saw or was told what is stated in the story, and the labels
-come from the recursive belief tracker over the same events, never by hand.
+Each story (about 200 words, 5 characters, one social situation of `TOPICS`) is built from a
+sequence of `belief_state.Event`s: a plan is made at a first gathering, changed at a second one
+that some characters miss, and then passed on: every character but one (the "keeper", who holds
+the old plan to the end) learns the new plan from someone who knows it, in private or with one
+who knows it listening, or by checking it. The text is written from those events, so who saw or
+was told what is stated in the story, and the labels come from the recursive belief tracker over
+the same events, never by hand.
 
 Per story and per order n in 2..6 (Street et al.'s convention after Kinderman et al.: the reader's
 own state is order 1, so "Omar thinks the party is at the boathouse" is order 2 and every further
-embedded character adds one) there is one true and one false ToM statement: the chain of n - 1
-believers is drawn from the story's characters, and the false statement makes the same claim about
-a chain that differs in one believer (so the pair flips one embedded clause and the claim alone
-cannot give the answer); where no such chain exists it names any chain with another belief
-("other_chain"), or failing that the same chain with the other value ("other_value"), which is
-also chosen where it keeps the claimed value balanced (`meta["false_kind"]`: "one_believer",
-"other_chain" or "other_value"). Per order, the share of statements that claim the current plan
-is kept near one half among true and among false statements, so the claimed value does not give
-the answer. Chains a reader would read otherwise than the tracker (a level knows the new plan but
-the organiser, who made the change, is held to the old one inside it) are never asked about. At
-orders 4-6 many statements still reduce to a shorter chain: `last_1_true` / `last_2_true` in
-`meta` give the answer of the last one / two believers alone, and the summary reports them as
-baselines. Per level n in 2..6 there is one true and one false factual statement of n
+embedded character adds one) there is one true and one false ToM statement about chains of n - 1
+believers. Why the chains are chosen with care: drawn freely, the last two believers alone gave
+the right answer for about 90% of statements at orders 4-6 (a chain's belief rests on what all
+its members witnessed together, and a random chain rarely differs from its last two there), so
+accuracy by order measured orders <= 3. Now the story is redrawn until, at every chain length,
+it holds two chains of one profile (`chain_profile`: as many people named, the organiser at the
+same places, as many of them at the second gathering) that every shortcut of `SHORTCUTS` reads
+oppositely: the last believer alone, the last two, the first alone, the world (the current
+plan), the least informed believer, and "whoever missed the change holds the old plan". One
+such pair becomes the order's true and false statement, so that within every story each
+shortcut answers exactly one of the two right, and which chain is the true one's keeps each
+shortcut's answer at one half per order and truth class (`ShortcutBalance`): every shortcut
+then scores 50% at every order it applies to, and no profile cue, with the claimed plan or
+without, tells a true statement from its false one. What that takes: a chain whose members all
+know the new plan but never heard it together (it believes the old plan, while its first, last
+and last two believers hold the new one), against one whose members heard it together though
+one of them missed the change. Five characters are the fewest with both at chains of three
+(Street et al.'s stories have 3-5; with four, the only three people who know the new plan
+either heard it together or not). The false statement makes the true one's claim about a chain
+that differs in one believer (a minimal pair, `meta["false_kind"] = "one_believer"`, nearly
+always) or about another chain ("other_chain"). Chains a reader would read otherwise than the
+tracker (a level knows the new plan but the organiser, who made the change, is held to the old
+one inside it) are never asked about. `meta["<shortcut>_true"]` gives each shortcut's answer
+(None where it does not apply: the last two need three believers, the others but the world
+two), the summary reports accuracy above each, and `RULES` / `CONTRASTS` hand them to
+`tomlens audit`. Per level n in 2..6 there is one true and one false factual statement of n
 atomic propositions about people (who organised, who was at which gathering, who told whom, who
 checked, how people are related, who did what of the story's behavioural cues such as a raised
-eyebrow), all true, or all but one: labels come from the story's event model (`fact_truth`).
+eyebrow), all true, or the same with one swapped for a false atom of the same kind (so that the
+kinds of fact do not tell the two apart): labels come from the story's event model (`fact_truth`).
 A false one never contradicts itself (`conflicts`), relation nouns fit the person's gender, and
 "A told B" is only offered as false where B did not get the plan from A in another way.
 
-Stories are redrawn (deterministically) until the characters disagree at the first and second
-order, and old news is never told to someone who knew of the change (the tracker trusts every
-teller, and a reader would not). Human-style prompts end in "The statement is" so that a
-continuation can be scored; the paper's models were scored right after its prompt.
+Old news is never told to someone who knew of the change (the tracker trusts every teller, and a
+reader would not). Human-style prompts end in "The statement is" so that a continuation can be
+scored; the paper's models were scored right after its prompt.
 
 Every statement is asked in the four prompt conditions: the human-style prompt (the instructions
 human readers were given, ending in the answer stem "The statement is") or the simplified one
@@ -39,13 +54,15 @@ the options' order follows the question ("true", "false") or ("false", "true").
 
 Labels: `answer` is the statement's literal truth ("true"/"false"). `world_state` is "true" when
 the statement's embedded claim (for a factual statement, the statement) holds in the world, and
-`protagonist_belief` is the family's belief-like label: the literal truth (the whole chain's
-belief agrees with the claim), so `belief_differs` marks ToM statements that answering by reality
-gets wrong. `meta` holds `stmt_type` ("tom" / "fact"), `order_or_level`, `order` (ToM only),
+`protagonist_belief` is the family's belief-like label of a ToM statement: the literal truth (the
+whole chain's belief agrees with the claim), so `belief_differs` marks ToM statements that
+answering by reality gets wrong; a factual statement involves nobody's belief and has none (so a
+contrast of false vs true belief is about ToM statements only). `meta` holds `stmt_type` ("tom" / "fact"), `order_or_level`, `order` (ToM only),
 `level` (facts only), `truth` ("T"/"F"), `statement_literal_true` (the probe target
 `statement_literal` reads it), `statement_true_for_world` / `statement_true_for_protagonist` (the
 claim holds in the world / in the outermost believer's own belief, as in `belief-statements`),
-`false_kind`, `last_1_true`, `last_2_true`, `chain`, `chain_belief`, `prompt_style`, `options_order`,
+`false_kind`, the shortcuts' answers (`last_1_true`, `last_2_true`, `first_1_true`, `world_true`,
+`least_informed_true`, `missed_change_true`), `chain`, `chain_belief`, `prompt_style`, `options_order`,
 `prompt_condition`, the story's `events` (kind, location, perceivers, agent) and, for facts,
 `propositions`, so that every label can be re-derived.
 """
@@ -55,12 +72,13 @@ from __future__ import annotations
 import random
 import re
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from tomlens.errors import TomlensError
 from tomlens.stimuli import lexicon
 from tomlens.stimuli.belief_state import Event, belief, beliefs, chains
 from tomlens.stimuli.records import Span, Stimulus, find_mentions
+from tomlens.stimuli.shortcuts import Contrast, Rule
 
 FAMILY = "motomqa"
 ORDERS: tuple[int, ...] = (2, 3, 4, 5, 6)
@@ -68,7 +86,7 @@ LEVELS: tuple[int, ...] = (2, 3, 4, 5, 6)
 PROMPT_STYLES: tuple[str, ...] = ("human", "simplified")
 OPTION_ORDERS: tuple[str, ...] = ("true-first", "false-first")
 CONDITIONS: tuple[str, ...] = tuple(f"{p}/{o}" for p in PROMPT_STYLES for o in OPTION_ORDERS)
-CHARACTER_COUNTS: tuple[int, ...] = (3, 4, 5)
+CHARACTER_COUNTS: tuple[int, ...] = (5,)
 HUMAN_INTRO = "Please read the following story twice in your head."
 HUMAN_INSTRUCTION = "Please answer using the information provided and your own interpretation of the story."
 QUESTIONS: dict[str, str] = {
@@ -252,18 +270,21 @@ DRAWS = 200  # stories drawn at most until the characters disagree (see `build_s
 def build_story(story_index: int, seed: int, n_characters: int, topic: Topic) -> StoryModel:
     """One story: characters, relations, values and events drawn from the seed, then the text.
 
-    Draws are repeated (deterministically) until the characters end up disagreeing, both about
-    the plan and about what one another believe (beliefs at chain lengths 1 and 2 take both
-    values): where everyone agrees, a higher-order statement is settled by the first-order belief
-    and the orders measure nothing."""
+    Draws are repeated (deterministically) until the story is `balanceable`: at every chain length
+    it holds two chains of one profile that every shortcut reads oppositely, so that each order's
+    statements can defeat every shortcut (where, say, every chain of three believed what its last
+    two believe, order 4 would measure order 3)."""
+    return _build_story(story_index, seed, n_characters, topic).model
+
+
+def _build_story(story_index: int, seed: int, n_characters: int, topic: Topic) -> StoryChains:
     rng = random.Random(f"{FAMILY}/{seed}/{story_index}")
     for _ in range(DRAWS):
-        model = _draw_story(rng, story_index, seed, n_characters, topic)
-        if all(len({belief(c, model.events) for c in chains(model.names, k)} - {None}) == 2
-               for k in (1, 2)):
-            return model
+        index = StoryChains(_draw_story(rng, story_index, seed, n_characters, topic))
+        if balanceable(index.model, index):
+            return index
     raise TomlensError(f"no story of topic {topic.name!r} with {n_characters} characters in which "
-                       f"the characters disagree after {DRAWS} draws", "use another seed")
+                       f"every shortcut can be defeated after {DRAWS} draws", "use another seed")
 
 
 def _draw_story(rng: random.Random, story_index: int, seed: int, n_characters: int,
@@ -284,8 +305,12 @@ def _draw_story(rng: random.Random, story_index: int, seed: int, n_characters: i
     rel = [f"{name} was {p.name}'s {relations[name]}" for name in others]
     sentences.append(_join(rel) + ".")
     sentences.append(fmt(topic.setting))
-    # First gathering: at least one other present; the rest named as absent.
-    s1 = sorted(rng.sample(others, rng.randint(1, len(others))), key=others.index)
+    # Roles (see `build_story`): one character ("keeper") never hears of the change; the others
+    # learn it at the second gathering or afterwards, some of them separately.
+    order = rng.sample(others, len(others))
+    keeper, rest = order[0], order[1:]
+    # First gathering: everyone but possibly the keeper (who then hears the old plan second-hand).
+    s1 = sorted([*rest, *([keeper] if rng.random() < 0.75 else [])], key=others.index)
     absent1 = [o for o in others if o not in s1]
     events.append(Event("place", v1, frozenset({p.name, *s1})))
     sentences.append(f"{topic.scene_1} with {_join(s1)} there, {fmt(topic.decide, V=v1)}."
@@ -300,51 +325,53 @@ def _draw_story(rng: random.Random, story_index: int, seed: int, n_characters: i
         sentences.append(cues[k][0].format(X=x.name, pos=x.pos, P=p.name))
 
     cue(0)
-    # Second gathering (possibly the organiser alone): the plan changes.
-    s2 = sorted(rng.sample(others, rng.randint(0, len(others) - 1)), key=others.index)
+    # Second gathering (possibly the organiser alone): the plan changes; at least one of the others
+    # is not there.
+    s2 = sorted(rng.sample(rest, rng.randint(0, len(rest) - 1)), key=others.index)
     events.append(Event("move", v2, frozenset({p.name, *s2})))
     if s2:
         sentences.append(f"{topic.scene_2} with only {_join(s2)} there, {fmt(topic.change, V=v2)}.")
     else:
         sentences.append(fmt(topic.alone, V=v2))
-    # Then two or three of: a telling (possibly in front of someone), a check of the current plan.
-    # Tellers who hold the old plan and hearers who think otherwise are favoured, so that the
-    # characters end up disagreeing (a story where everyone agrees has no higher-order contrast).
-    kinds = ["tell", rng.choice(["tell", "look"])] + (["tell"] if rng.random() < 0.5 else [])
-    rng.shuffle(kinds)
-    openers = ["The next day,", "Soon after,", "Later that week,", "That evening,"]
+    # Afterwards, everyone but the keeper learns the new plan, each from one who knows it (in
+    # private, now and then with one who knows it listening) or by checking it; a keeper who missed
+    # the first gathering hears the old plan first from one who does not know of the change yet.
+    knowers = {p.name, *s2}
+    steps: list[tuple[str, str, str, list[str]]] = []  # (kind, teller/looker, hearer, bystanders)
+    learners = [n for n in rest if n not in knowers]
+    rng.shuffle(learners)
+    if keeper not in s1:
+        stale_teller = rng.choice(learners)
+        steps.append(("tell", stale_teller, keeper, []))
+    for learner in learners:
+        known = sorted(knowers, key=[p.name, *others].index)
+        if rng.random() < 0.25:
+            by = [rng.choice(known)] if rng.random() < 0.5 else []
+            steps.append(("look", learner, "", by))
+        else:
+            teller = rng.choice(known)
+            others_known = [n for n in known if n != teller]
+            by = [rng.choice(others_known)] if others_known and rng.random() < 0.5 else []
+            steps.append(("tell", teller, learner, by))
+        knowers.add(learner)
+    openers = ["The next day,", "Soon after,", "Later that week,", "That evening,", "Afterwards,"]
     tellings: list[tuple[int, str, str]] = []
     names = [q.name for q in people]
-    for i, kind in enumerate(kinds):
+    for i, (kind, agent, hearer, by) in enumerate(steps):
         opener = openers[i % len(openers)]
-        # A stale plan is only passed to people who hold no plan or the same one: someone who
-        # knows of the change would not take it back on hearsay, and the tracker (tellers are
-        # trusted) must not have them do so.
-        def can_hear(n: str, told: str) -> bool:
-            return told == v2 or belief((n,), events) in (None, told)
-
-        combos = [(t, h) for t in names for h in names
-                  if t != h and belief((t,), events) is not None and can_hear(h, belief((t,), events))]
-        if kind == "tell" and combos:
-            stale = [c for c in combos if belief((c[0],), events) != v2]
-            pool = stale if stale and rng.random() < 0.7 else combos
-            differ = [c for c in pool if belief((c[1],), events) != belief((c[0],), events)]
-            teller, hearer = rng.choice(differ if differ and rng.random() < 0.7 else pool)
-            told = belief((teller,), events)
-            rest = [n for n in names if n not in (teller, hearer) and can_hear(n, told)]
-            by = sorted(rng.sample(rest, 1), key=names.index) if rest and rng.random() < 0.4 else []
-            tellings.append((len(events), teller, hearer))
-            events.append(Event("tell", told, frozenset({teller, hearer, *by})))
+        by = sorted(by, key=names.index)
+        if kind == "tell":
+            told = belief((agent,), events)
+            assert told is not None
+            tellings.append((len(events), agent, hearer))
+            events.append(Event("tell", told, frozenset({agent, hearer, *by})))
             listen = f", in front of {_join(by)}," if by else " in private"
-            sentences.append(f"{opener} {teller} told {hearer}{listen} that "
+            sentences.append(f"{opener} {agent} told {hearer}{listen} that "
                              f"{topic.told.format(V=told)}.")
         else:
-            looker = rng.choice(names[1:])  # the organiser knows the plan already
-            rest = [n for n in names if n != looker]
-            by = sorted(rng.sample(rest, 1), key=names.index) if rng.random() < 0.5 else []
-            events.append(Event("look", None, frozenset({looker, *by}), agent=looker))
+            events.append(Event("look", None, frozenset({agent, *by}), agent=agent))
             watch = f", while {_join(by)} watched" if by else ", with nobody else around"
-            sentences.append(f"{opener} {topic.check.format(L=looker, P=p.name)}{watch}.")
+            sentences.append(f"{opener} {topic.check.format(L=agent, P=p.name)}{watch}.")
         if i + 1 < len(cues):  # each cue at most once
             cue(i + 1)
     sentences.append(topic.close)
@@ -447,8 +474,10 @@ def candidate_atoms(model: StoryModel) -> list[Atom]:
     """Every atom the story can be asked about (true and false ones), in a fixed order."""
     names, others = model.names, model.names[1:]
     atoms: list[Atom] = [("organised", n) for n in names]
-    # only nouns of the person's own gender ("Tom was Ann's sister" is false by grammar alone)
-    atoms += [("relation", n, r) for n in others for r in relation_nouns(model, n)]
+    # only nouns of the person's own gender ("Tom was Ann's sister" is false by grammar alone), and
+    # only nouns the story uses (a noun the story never says is a false statement's word alone)
+    used = set(model.relations.values())
+    atoms += [("relation", n, r) for n in others for r in relation_nouns(model, n) if r in used]
     atoms += [("at_1", n) for n in names]
     if len(model.events[1].perceivers) > 1:
         atoms += [("at_2", n) for n in names]
@@ -518,105 +547,327 @@ def reader_consistent(model: StoryModel, chain: Sequence[str]) -> bool:
     return True
 
 
-def last_believers_true(model: StoryModel, chain: Sequence[str], claim_value: str | None, k: int) -> bool | None:
-    """The shortcut answer: whether the last `k` believers of `chain` alone (the chain cut to its
-    innermost k names) believe the claim; None when the chain is not longer than k."""
-    if claim_value is None or len(chain) <= k:
+MAX_BELIEVERS = max(ORDERS) - 1
+Table = dict[tuple[str, ...], tuple[str | None, bool]]
+
+
+def belief_table(model: StoryModel, max_len: int = MAX_BELIEVERS) -> Table:
+    """(belief, `reader_consistent`) of every chain of 1..`max_len` believers (no one directly
+    nested in themself), the same as `belief` and `reader_consistent` chain by chain (tested).
+
+    Why not call those per chain: a story of 5 characters has about 1,700 chains up to 5
+    believers, and every draw of a story is checked on all of them (`balanceable`). Here a chain
+    extends its prefix: its value after each event, given the events its members all perceived."""
+    events = model.events
+    world: list[str | None] = []
+    value: str | None = None
+    for e in events:
+        if e.kind in ("place", "move"):
+            value = e.location
+        world.append(value)
+    new, organiser = model.values[1], model.organiser
+    out: Table = {}
+    # (prefix, events all its members perceived, its value after each event, whether a level of
+    # it holds the new plan, whether it is reader-consistent)
+    stack = [((), [True] * len(events), world, False, True)]
+    while stack:
+        prefix, seen_p, line_p, new_seen, consistent = stack.pop()
+        if len(prefix) == max_len:
+            continue
+        for name in model.names:
+            if prefix and prefix[-1] == name:
+                continue
+            seen = [s and name in e.perceivers for s, e in zip(seen_p, events)]
+            line: list[str | None] = []
+            value = None
+            for i, e in enumerate(events):
+                if seen[i] and e.kind in ("place", "move", "tell"):
+                    value = e.location
+                elif seen[i] and e.kind == "look" and e.agent == name:
+                    value = e.location if e.location is not None else line_p[i]
+                line.append(value)
+            chain = (*prefix, name)
+            ok = consistent and not (name == organiser and value != new and new_seen)
+            out[chain] = (value, ok)
+            stack.append((chain, seen, line, new_seen or value == new, ok))
+    return out
+
+
+SHORTCUTS: tuple[str, ...] = ("last_1", "last_2", "first_1", "world", "least_informed", "missed_change")
+SHORTCUT_READINGS: dict[str, str] = {
+    "last_1": "the innermost believer's own belief (the chain cut to its last name)",
+    "last_2": "the last two believers' belief (the chain cut to its last two names)",
+    "first_1": "the outermost believer's own belief (the chain cut to its first name)",
+    "world": "the world: the current plan",
+    "least_informed": "the old plan if any believer still holds it, else the new one (first-order beliefs only)",
+    "missed_change": "the old plan if any believer missed the second gathering, else the new one",
+}
+# a shortcut applies from this many believers on (with fewer, its cut is the whole chain)
+MIN_BELIEVERS: dict[str, int] = {"last_1": 2, "last_2": 3, "first_1": 2, "world": 1,
+                                 "least_informed": 2, "missed_change": 2}
+
+
+def shortcut_value(events: Sequence[Event], values: Sequence[str], chain: Sequence[str], shortcut: str,
+                   table: Table | None = None) -> str | None:
+    """The plan a reader following `shortcut` (see `SHORTCUT_READINGS`) takes `chain` to believe,
+    in a story of `events` whose plan went from `values[0]` to `values[1]` at the second gathering
+    (`events[1]`); None where the shortcut does not apply to a chain this short."""
+    if shortcut not in MIN_BELIEVERS:
+        raise TomlensError(f"unknown shortcut {shortcut!r}", f"use one of {list(SHORTCUTS)}")
+    chain = tuple(chain)
+    if len(chain) < MIN_BELIEVERS[shortcut]:
         return None
-    return belief(tuple(chain)[-k:], model.events) == claim_value
+    old, new = values
+
+    def held(c: tuple[str, ...]) -> str | None:
+        return table[c][0] if table is not None and c in table else belief(c, events)
+
+    if shortcut == "world":
+        return new
+    if shortcut == "least_informed":
+        return old if any(held((n,)) != new for n in chain) else new
+    if shortcut == "missed_change":
+        return old if any(n not in events[1].perceivers for n in chain) else new
+    return held({"last_1": chain[-1:], "last_2": chain[-2:], "first_1": chain[:1]}[shortcut])
 
 
-def tom_statements(model: StoryModel, order: int, rng: random.Random, want_world: bool,
-                   other_value: bool = False) -> tuple[Statement, Statement]:
-    """One true and one false statement of `order` (chain of order - 1 believers).
+def shortcut_true(model: StoryModel, chain: Sequence[str], claim_value: str | None, shortcut: str,
+                  table: Table | None = None) -> bool | None:
+    """The answer `shortcut` gives the statement that `chain` believes `claim_value`: true where
+    the plan it attributes is the claim; None where it does not apply."""
+    if claim_value is None:
+        return None
+    value = shortcut_value(model.events, model.values, chain, shortcut, table)
+    return None if value is None else value == claim_value
 
-    The true chain is drawn among chains whose claim is the world's value when `want_world` (else
-    the old plan), where such chains exist; the false statement keeps the claim and changes one
-    believer so that the tracker's belief differs (or, failing that, any chain; or the other value,
-    which `other_value` asks for). Chains a reader would read otherwise are left out
-    (`reader_consistent`)."""
-    ev = model.events
-    all_chains = [c for c in chains(model.names, order - 1)
-                  if belief(c, ev) is not None and reader_consistent(model, c)]
-    world = belief((), ev)
-    want = [c for c in all_chains if (belief(c, ev) == world) == want_world]
-    pool = want or all_chains
-    # prefer chains that have a one-believer swap with a different belief (a minimal pair)
-    swappable = [c for c in pool if any(belief(s, ev) not in (None, belief(c, ev)) and reader_consistent(model, s)
-                                        for s in _one_swaps(c, model.names))]
-    true_chain = rng.choice(swappable or pool)
-    value = belief(true_chain, ev)
-    claim = model.topic.claim.format(V=value)
-    swaps = [s for s in _one_swaps(true_chain, model.names)
-             if belief(s, ev) not in (None, value) and reader_consistent(model, s)]
-    if other_value:  # asked for: the same chain with the other value (balances claimed values)
-        swaps, all_chains = [], [c for c in all_chains if belief(c, ev) == value]
-    if swaps:
-        false_chain, kind, fclaim, fvalue = rng.choice(swaps), "one_believer", claim, value
-    else:
-        others = [c for c in all_chains if belief(c, ev) != value]
-        if others:
-            false_chain, kind, fclaim, fvalue = rng.choice(others), "other_chain", claim, value
+
+def stimulus_shortcut_true(s: Stimulus, shortcut: str) -> bool | None:
+    """`shortcut_true` re-derived from a record's own meta (its events, plans, chain and claim), so
+    that the audit checks the story a record tells, not a stored label; None for facts."""
+    m = s.meta
+    if m.get("stmt_type") != "tom" or m.get("claim_value") is None:
+        return None
+    value = shortcut_value(events_from_meta(m["events"]), m["values"], m["chain"], shortcut)
+    return None if value is None else value == m["claim_value"]
+
+
+def last_believers_true(model: StoryModel, chain: Sequence[str], claim_value: str | None, k: int) -> bool | None:
+    """The last-k shortcut's answer: whether the last `k` believers of `chain` alone (the chain cut
+    to its innermost k names) believe the claim; None when the chain is not longer than k."""
+    return shortcut_true(model, chain, claim_value, f"last_{k}")
+
+
+Misread = tuple[bool | None, ...]
+Profile = tuple[int, tuple[int, ...], int]
+
+
+def chain_profile(model: StoryModel, chain: Sequence[str]) -> Profile:
+    """What a chain looks like without tracking anyone's mind: how many different people it names,
+    where it names the organiser, and how many of its people were at the second gathering. The true
+    and false statement of an order get chains of one profile, so that no such cue (combined with
+    the claimed plan or not) tells them apart."""
+    at_change = model.events[1].perceivers
+    return (len(set(chain)), tuple(i for i, n in enumerate(chain) if n == model.organiser),
+            sum(n in at_change for n in set(chain)))
+
+
+@dataclass(frozen=True)
+class ChainOption:
+    """A chain that can be asked about, its belief, which shortcuts misread it, and its profile.
+
+    `misread[k]`: shortcut `SHORTCUTS[k]` attributes another plan than the chain's (so it answers
+    the true statement about the chain "false" and the false one "true"); None where it does not
+    apply at this length. `profile`: `chain_profile`, None for one believer (order 2 is the
+    baseline every reading starts from, and there the profile is the belief's own evidence)."""
+
+    chain: tuple[str, ...]
+    belief: str
+    misread: Misread
+    profile: Profile | None
+
+    @property
+    def pattern(self) -> tuple[Misread, Profile | None]:
+        return self.misread, self.profile
+
+
+class StoryChains:
+    """A story's chains up to `MAX_BELIEVERS`, each with its `ChainOption` (computed once per
+    length and kept: a story is checked at every length and then asked about at every order)."""
+
+    def __init__(self, model: StoryModel) -> None:
+        self.model = model
+        self.table = belief_table(model)
+        self._options: dict[int, list[ChainOption]] = {}
+
+    def options(self, n_believers: int) -> list[ChainOption]:
+        """Every chain of `n_believers` that holds a belief and that a reader reads as the tracker
+        does (`reader_consistent`)."""
+        if n_believers not in self._options:
+            model, table = self.model, self.table
+            out = []
+            for chain, (value, ok) in table.items():
+                if len(chain) != n_believers or value is None or not ok:
+                    continue
+                misread = tuple(None if (v := shortcut_value(model.events, model.values, chain, k, table)) is None
+                                else v != value for k in SHORTCUTS)
+                profile = chain_profile(model, chain) if n_believers > 1 else None
+                out.append(ChainOption(chain, value, misread, profile))
+            self._options[n_believers] = out
+        return self._options[n_believers]
+
+
+def chain_options(model: StoryModel, n_believers: int) -> list[ChainOption]:
+    """`StoryChains(model).options(n_believers)`, for one look at one length."""
+    return StoryChains(model).options(n_believers)
+
+
+def _complement(misread: Misread) -> Misread:
+    return tuple(None if m is None else not m for m in misread)
+
+
+# Lengths 1..MAX_BELIEVERS in the order `balanceable` checks them: three believers first (where
+# most draws fail, and cheaply), five last (about 1,300 chains).
+_CHECK_ORDER: tuple[int, ...] = (3, 2, 1, 4, 5)
+assert sorted(_CHECK_ORDER) == list(range(1, MAX_BELIEVERS + 1))
+
+
+def balanceable(model: StoryModel, chains_: StoryChains | None = None) -> bool:
+    """Whether the story has, at every chain length 1..MAX_BELIEVERS, two chains of one profile
+    (`chain_profile`) that every shortcut reads oppositely (one right, one wrong): then each order's
+    true and false statement can be drawn so that every shortcut answers exactly one of the two
+    right, and no profile cue tells them apart."""
+    index = chains_ if chains_ is not None else StoryChains(model)
+    for n in _CHECK_ORDER:
+        found = {o.pattern for o in index.options(n)}
+        if not any((_complement(m), prof) in found for m, prof in found):
+            return False
+    return True
+
+
+class ShortcutBalance:
+    """Per order, how often each shortcut has misread the chains asked about so far, among true
+    and among false statements. A shortcut answers a true statement right where it reads its chain
+    right and a false one right where it misreads it, so it is at chance (its answer independent
+    of the truth) where it misreads half of the chains of each truth class: the target."""
+
+    def __init__(self) -> None:
+        self.counts: dict[bool, list[list[int]]] = {t: [[0, 0] for _ in SHORTCUTS] for t in (True, False)}
+
+    def _cost_after(self, truth: bool, misread: Misread) -> float:
+        cost = 0.0
+        for (n_mis, n), flag in zip(self.counts[truth], misread):
+            if flag is not None:
+                n_mis, n = n_mis + flag, n + 1
+            cost += abs(n_mis - n / 2)
+        return cost
+
+    def cost(self, true_misread: Misread, false_misread: Misread) -> float:
+        return self._cost_after(True, true_misread) + self._cost_after(False, false_misread)
+
+    def add(self, truth: bool, misread: Misread) -> None:
+        for count, flag in zip(self.counts[truth], misread):
+            if flag is not None:
+                count[0] += flag
+                count[1] += 1
+
+
+def tom_statements(model: StoryModel, order: int, rng: random.Random,
+                   balance: ShortcutBalance | None = None,
+                   chains_: StoryChains | None = None) -> tuple[Statement, Statement]:
+    """One true and one false statement of `order` (a chain of order - 1 believers).
+
+    The two chains are read oppositely by every shortcut (`SHORTCUTS`: the last one or two
+    believers, the first, the world, the least informed believer, whoever missed the change), so
+    that within the story each shortcut answers one of the two right; which of the two is the true
+    statement's keeps `balance` (the order's running counts) nearest one half per shortcut and
+    truth class. The false statement makes the true one's claim about a chain that differs in one
+    believer where the story has one (a minimal pair), else about another chain ("other_chain");
+    a story without opposite chains (not one `build_story` returns) falls back to the pair nearest
+    the balance, then possibly the other value of a chain ("other_value", "other_chain_value")."""
+    options = (chains_ if chains_ is not None else StoryChains(model)).options(order - 1)
+    if not options:
+        raise TomlensError(f"story {model.task_id} has no chain of {order - 1} believers with a belief",
+                           "use lower orders")
+    by_sig: dict[tuple, list[ChainOption]] = {}
+    for o in options:
+        by_sig.setdefault(o.pattern, []).append(o)
+    by_chain = {o.chain: o for o in options}
+    sigs = sorted(by_sig, key=repr)
+    pairs = ([(a, (_complement(a[0]), a[1])) for a in sigs if (_complement(a[0]), a[1]) in by_sig]
+             or [(a, b) for a in sigs for b in sigs])
+    rng.shuffle(pairs)
+    bal = balance if balance is not None else ShortcutBalance()
+    best = min(bal.cost(a[0], b[0]) for a, b in pairs)
+    tied = [(a, b) for a, b in pairs if bal.cost(a[0], b[0]) == best]
+
+    def swaps(t: ChainOption, sig_f: tuple) -> list[ChainOption]:
+        found = (by_chain.get(c) for c in _one_swaps(t.chain, model.names))
+        return [f for f in found if f is not None and f.pattern == sig_f and f.belief != t.belief]
+
+    true_opt: ChainOption | None = None
+    false_opt: ChainOption | None = None
+    kind = "one_believer"
+    for sig_t, sig_f in tied:  # a minimal pair where any of the best patterns allows one
+        paired = [t for t in by_sig[sig_t] if swaps(t, sig_f)]
+        if paired:
+            true_opt = rng.choice(paired)
+            false_opt = rng.choice(swaps(true_opt, sig_f))
+            break
+    if true_opt is None or false_opt is None:
+        sig_t, sig_f = tied[0]
+        true_opt = rng.choice(by_sig[sig_t])
+        same_claim = [f for f in by_sig[sig_f] if f.belief != true_opt.belief]
+        if same_claim:
+            false_opt, kind = rng.choice(same_claim), "other_chain"
+        elif true_opt in by_sig[sig_f]:
+            false_opt, kind = true_opt, "other_value"
         else:
-            other = model.values[0] if value == model.values[1] else model.values[1]
-            false_chain, kind = true_chain, "other_value"
-            fclaim, fvalue = model.topic.claim.format(V=other), other
-    t = Statement("tom", order, True, wrap(claim, true_chain), true_chain, value, value,
-                  paired_chain=false_chain if kind == "one_believer" else None)
-    f = Statement("tom", order, False, wrap(fclaim, false_chain), false_chain, fvalue,
-                  belief(false_chain, ev), false_kind=kind,
-                  paired_chain=true_chain if kind == "one_believer" else None)
-    assert belief(true_chain, ev) == value and belief(false_chain, ev) != fvalue
+            false_opt, kind = rng.choice(by_sig[sig_f]), "other_chain_value"
+    bal.add(True, true_opt.misread)
+    bal.add(False, false_opt.misread)
+    old, new = model.values
+    claim_t, claim_f = true_opt.belief, (old if false_opt.belief == new else new)
+    claim = model.topic.claim
+    pair_t = false_opt.chain if kind == "one_believer" else None
+    pair_f = true_opt.chain if kind == "one_believer" else None
+    t = Statement("tom", order, True, wrap(claim.format(V=claim_t), true_opt.chain), true_opt.chain,
+                  claim_t, true_opt.belief, paired_chain=pair_t)
+    f = Statement("tom", order, False, wrap(claim.format(V=claim_f), false_opt.chain), false_opt.chain,
+                  claim_f, false_opt.belief, false_kind=kind, paired_chain=pair_f)
     return t, f
 
 
-def _balanced_tom(model: StoryModel, order: int, seed: int, story: int, prefer_world: bool,
-                  counts: list[int]) -> tuple[Statement, Statement]:
-    """The ToM pair of one story and order whose claimed values keep the order's running shares
-    of "claims the current plan" closest to one half among true and among false statements, so
-    that the claimed value does not predict the answer (fallbacks in `tom_statements` would break
-    a plain alternation). `counts` ([true current, false current, pairs]) is updated in place; the
-    choice depends on earlier stories only, so a story's statements depend on (seed, index)."""
-    world = model.values[1]
-    best: tuple[float, int, tuple[Statement, Statement]] | None = None
-    options = [(w, o) for o in (False, True) for w in (prefer_world, not prefer_world)]
-    for rank, (want, other) in enumerate(options):
-        rng = random.Random(f"{FAMILY}/{seed}/{story}/{order}/{want}/{other}")
-        pair = tom_statements(model, order, rng, want_world=want, other_value=other)
-        t_cur = counts[0] + (pair[0].claim_value == world)
-        f_cur, m = counts[1] + (pair[1].claim_value == world), counts[2] + 1
-        cost = abs(t_cur - m / 2) + abs(f_cur - m / 2)
-        if best is None or cost < best[0]:
-            best = (cost, rank, pair)
-    assert best is not None
-    pair = best[2]
-    counts[0] += pair[0].claim_value == world
-    counts[1] += pair[1].claim_value == world
-    counts[2] += 1
-    return pair
+FACT_DRAWS = 50  # draws of the true atoms at most until one of them can be swapped for a false one
 
 
 def fact_statements(model: StoryModel, level: int, rng: random.Random) -> tuple[Statement, Statement]:
-    """A true conjunction of `level` distinct true atoms, and a false one with one false atom."""
+    """A true conjunction of `level` distinct true atoms, and the same conjunction with one atom
+    swapped for a false atom of the same kind ("Ana was at the Monday meeting" for "Ben was at the
+    Monday meeting"), in the same place.
+
+    Why the same kind: with the false atom drawn from all false atoms, kinds with many false
+    instances ("A told B", a cue given to the wrong person) made up more of the false statements,
+    and their words told false from true without reading the story. A false statement never
+    contradicts itself (`conflicts`): it is false because the story says otherwise."""
     atoms = candidate_atoms(model)
     true_atoms = [a for a in atoms if fact_truth(model, a)]
     false_atoms = [a for a in atoms if not fact_truth(model, a)]
     if len(true_atoms) < level or not false_atoms:
         raise TomlensError(f"story {model.task_id} has {len(true_atoms)} true facts, fewer than "
                            f"level {level} needs", f"use levels up to {len(true_atoms)}")
-    t_atoms = rng.sample(true_atoms, level)
-    # the false atom first, then true atoms that do not contradict it (a false statement is false
-    # because the story says otherwise, not because it contradicts itself)
-    order = rng.sample(false_atoms, len(false_atoms))
-    for wrong in order:
-        fits = [a for a in true_atoms if not conflicts(model, wrong, a)]
-        if len(fits) >= level - 1:
+    for _ in range(FACT_DRAWS):
+        t_atoms = rng.sample(true_atoms, level)
+        swaps = {i: [w for w in false_atoms if w[0] == t[0]
+                     and not any(conflicts(model, w, o) for j, o in enumerate(t_atoms) if j != i)]
+                 for i, t in enumerate(t_atoms)}
+        where = [i for i, found in swaps.items() if found]
+        if where:
             break
     else:
-        raise TomlensError(f"story {model.task_id} has no false fact with {level - 1} true facts "
-                           "that do not contradict it", "use lower levels")
-    f_atoms = rng.sample(fits, level - 1)
-    f_atoms.insert(rng.randrange(level), wrong)
+        raise TomlensError(f"story {model.task_id} has no true fact of level {level} with a false "
+                           "fact of the same kind to swap in", "use lower levels")
+    i = rng.choice(where)
+    f_atoms = [*t_atoms[:i], rng.choice(swaps[i]), *t_atoms[i + 1:]]
 
     def say(parts: Sequence[Atom]) -> str:
         s = _join([render_fact(model, a) for a in parts])
@@ -692,17 +943,19 @@ def motomqa(
     names = tuple(TOPICS) if topics is None else ((topics,) if isinstance(topics, str) else tuple(topics))
     if not names or any(t not in TOPICS for t in names):
         raise TomlensError(f"topics={list(names)!r}", f"use values of {list(TOPICS)}")
-    counts = _check("characters", characters, (3, 4, 5))
+    counts = _check("characters", characters, CHARACTER_COUNTS)
     out: list[Stimulus] = []
-    # per order: how many true / false statements so far claim the current plan, and how many
-    claimed: dict[int, list[int]] = {o: [0, 0, 0] for o in orders}
+    # per order: how often each shortcut has misread the chains asked about so far
+    balances = {o: ShortcutBalance() for o in orders}
     for i in range(n):
         topic = TOPICS[names[i % len(names)]]
-        model = build_story(i, seed, counts[i % len(counts)], topic)
+        index = _build_story(i, seed, counts[i % len(counts)], topic)
+        model = index.model
         rng = random.Random(f"{FAMILY}/{seed}/{i}/statements")
         stmts: list[Statement] = []
-        for k, order in enumerate(orders):
-            stmts += _balanced_tom(model, order, seed, i, (i + k) % 2 == 0, claimed[order])
+        for order in orders:
+            tom_rng = random.Random(f"{FAMILY}/{seed}/{i}/{order}/tom")
+            stmts += tom_statements(model, order, tom_rng, balances[order], index)
         for level in levels:
             stmts += fact_statements(model, level, rng)
         for st in stmts:
@@ -752,8 +1005,8 @@ def _stimulus(model: StoryModel, st: Statement, condition: str) -> Stimulus:
         "statement_literal_true": st.truth, "statement_true_for_world": world_true,
         "statement_true_for_protagonist": holder_true,
         "chain": list(st.chain), "chain_belief": st.chain_belief, "claim_value": st.claim_value,
-        "last_1_true": last_believers_true(model, st.chain, st.claim_value, 1) if st.kind == "tom" else None,
-        "last_2_true": last_believers_true(model, st.chain, st.claim_value, 2) if st.kind == "tom" else None,
+        **{f"{k}_true": shortcut_true(model, st.chain, st.claim_value, k) if st.kind == "tom" else None
+           for k in SHORTCUTS},
         "false_kind": st.false_kind, "paired_chain": list(st.paired_chain) if st.paired_chain else None,
         "propositions": [{"atom": list(a), "text": render_fact(model, a), "true": fact_truth(model, a)}
                          for a in st.atoms],
@@ -765,7 +1018,8 @@ def _stimulus(model: StoryModel, st: Statement, condition: str) -> Stimulus:
         text=text, options=options, answer=truth, family=FAMILY, task_id=model.task_id,
         template_id=model.topic.name, condition=condition, reversed=order == "false-first",
         prompt_type="belief", world_state="true" if world_true else "false",
-        protagonist_belief=truth, reference_state=None, spans=spans, mentions=mentions, meta=meta,
+        protagonist_belief=truth if st.kind == "tom" else None, reference_state=None, spans=spans,
+        mentions=mentions, meta=meta,
     )
 
 
@@ -798,3 +1052,60 @@ def minimal_pairs(n: int = 20, seed: int = 0, *, conditions: Sequence[str] | str
         pairs.append(MinimalPair(id=f"{task_id}-tom{order}-{cond.replace('/', '-')}", clean=clean,
                                  corrupted=corrupted, family=FAMILY, contrast="one_believer"))
     return pairs
+
+
+# ---- what `tomlens audit` checks on this family ------------------------------------------------
+
+
+def _tom_truth(order: int | None) -> Callable[[Stimulus], str | None]:
+    def label(s: Stimulus) -> str | None:
+        if s.meta.get("stmt_type") != "tom" or (order is not None and s.meta.get("order") != order):
+            return None
+        return s.answer
+    return label
+
+
+def _fact_truth(s: Stimulus) -> str | None:
+    return s.answer if s.meta.get("stmt_type") == "fact" else None
+
+
+def _shortcut_rule(shortcut: str) -> Callable[[Stimulus], bool | None]:
+    def feature(s: Stimulus) -> bool | None:
+        return stimulus_shortcut_true(s, shortcut)
+    return feature
+
+
+def _profile_and_claim(s: Stimulus) -> tuple | None:
+    """The chain's profile (`chain_profile`: people named, where the organiser is, how many were at
+    the second gathering) with whether the claim is the current plan."""
+    m = s.meta
+    if m.get("stmt_type") != "tom" or len(m.get("chain") or ()) < 2:
+        return None
+    chain, at_change = m["chain"], set(m["events"][1][2])
+    profile = (len(set(chain)), tuple(i for i, n in enumerate(chain) if n == m["organiser"]),
+               sum(n in at_change for n in set(chain)))
+    return profile, m["claim_value"] == m["values"][1]
+
+
+def _order(s: Stimulus) -> int | None:
+    return s.meta.get("order") if s.meta.get("stmt_type") == "tom" else None
+
+
+TOM_CONTRASTS: tuple[str, ...] = tuple(f"ToM statement truth, order {k}" for k in ORDERS)
+CONTRASTS: tuple[Contrast, ...] = (
+    *(Contrast(name, _tom_truth(k), f"true vs false ToM statements of order {k} (chains of {k - 1} "
+               "believers): what accuracy at that order is about") for name, k in zip(TOM_CONTRASTS, ORDERS)),
+    Contrast("ToM statement truth", _tom_truth(None), "true vs false ToM statements, all orders"),
+    Contrast("factual statement truth", _fact_truth, "true vs false factual statements, all levels"),
+)
+_TOM = (*TOM_CONTRASTS, "ToM statement truth")
+RULES: tuple[Rule, ...] = (
+    *(Rule(f"shortcut: {k}", _shortcut_rule(k), f"the answer given by {SHORTCUT_READINGS[k]}",
+           (*(c for c, o in zip(TOM_CONTRASTS, ORDERS) if o - 1 >= MIN_BELIEVERS[k]), "ToM statement truth"))
+      for k in SHORTCUTS),
+    Rule("chain profile and claimed plan", _profile_and_claim,
+         "how many people the chain names, where it names the organiser and how many of them were "
+         "at the second gathering, with whether the claim is the current plan", (*TOM_CONTRASTS[1:], "ToM statement truth")),
+    Rule("order", _order, "the statement's order (a set whose truth varied with order would show here)",
+         ("ToM statement truth",)),
+)
