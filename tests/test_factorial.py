@@ -340,3 +340,16 @@ def test_generated_stories_read_right(seed):
     for sentence in (*ABSENCE, *PRESENCE):
         words = set(re.findall(r"\w+", sentence.lower()))
         assert not words & set(SETTING_BOUND), sentence
+
+
+def test_the_audit_finds_no_shortcut_on_a_fresh_seed_at_64_tasks():
+    """`tomlens audit`'s battery (n-gram bags, length, option and cue heuristics, the family's
+    rules) on the belief prompts of 64 fresh tasks: every row at chance."""
+    from tomlens.audit import audit_stimuli
+    from tomlens.stimuli.factorial import CONTRASTS, RULES
+
+    report = audit_stimuli(false_belief_factorial(64, seed=202, prompt_types="belief"), seed=0)
+    assert not report.shortcuts, report.table()
+    assert {c.name for c in CONTRASTS} <= {r.contrast for r in report.rows}
+    assert {f"rule: {r.name}" for r in RULES} <= {r.heuristic for r in report.rows}
+    assert max(r.accuracy for r in report.rows if "bag" in r.heuristic) <= 0.60
