@@ -664,8 +664,8 @@ def test_summary_puts_each_order_above_its_shortcuts_with_paired_tests():
 def test_the_audit_finds_no_shortcut_on_a_fresh_seed_at_64_stories():
     """`tomlens audit`'s battery (n-gram bags, length, option cues, the family's rules) on 64 fresh
     stories' ToM statements of orders 4-6 (the orders the last-two shortcut solved), each order and
-    all together (every order is checked rule by rule above, here kept short for time). Measured on seeds 1-6 with the factual
-    statements too: no shortcut on 2-6; on seed 1 one trigram bag of order 3 reads 0.62 (interval
+    all together (every order is checked rule by rule above; kept to three orders for time).
+    Measured on seeds 1-6 with every order and the factual statements: no shortcut on 2-6; on seed 1 one trigram bag of order 3 reads 0.62 (interval
     0.51-0.73), a draw of names: pooled over 768 stories (seeds 1000-1011) the same bag scores
     0.499 [0.478, 0.520], and swapping which statement of each pair is true gives 0.38-0.60 at 64
     stories, wider than the audit's interval assumes."""

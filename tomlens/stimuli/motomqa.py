@@ -57,12 +57,13 @@ the statement's embedded claim (for a factual statement, the statement) holds in
 `protagonist_belief` is the family's belief-like label of a ToM statement: the literal truth (the
 whole chain's belief agrees with the claim), so `belief_differs` marks ToM statements that
 answering by reality gets wrong; a factual statement involves nobody's belief and has none (so a
-contrast of false vs true belief is about ToM statements only). `meta` holds `stmt_type` ("tom" / "fact"), `order_or_level`, `order` (ToM only),
-`level` (facts only), `truth` ("T"/"F"), `statement_literal_true` (the probe target
-`statement_literal` reads it), `statement_true_for_world` / `statement_true_for_protagonist` (the
-claim holds in the world / in the outermost believer's own belief, as in `belief-statements`),
-`false_kind`, the shortcuts' answers (`last_1_true`, `last_2_true`, `first_1_true`, `world_true`,
-`least_informed_true`, `missed_change_true`), `chain`, `chain_belief`, `prompt_style`, `options_order`,
+contrast of false vs true belief is about ToM statements only). `meta` holds `stmt_type` ("tom" /
+"fact"), `order_or_level`, `order` (ToM only), `level` (facts only), `truth` ("T"/"F"),
+`statement_literal_true` (the probe target `statement_literal` reads it),
+`statement_true_for_world` / `statement_true_for_protagonist` (the claim holds in the world / in
+the outermost believer's own belief, as in `belief-statements`), `false_kind`, the shortcuts'
+answers (`last_1_true`, `last_2_true`, `first_1_true`, `world_true`, `least_informed_true`,
+`missed_change_true`), `chain`, `chain_belief`, `prompt_style`, `options_order`,
 `prompt_condition`, the story's `events` (kind, location, perceivers, agent) and, for facts,
 `propositions`, so that every label can be re-derived.
 """
@@ -1105,7 +1106,8 @@ RULES: tuple[Rule, ...] = (
       for k in SHORTCUTS),
     Rule("chain profile and claimed plan", _profile_and_claim,
          "how many people the chain names, where it names the organiser and how many of them were "
-         "at the second gathering, with whether the claim is the current plan", (*TOM_CONTRASTS[1:], "ToM statement truth")),
+         "at the second gathering, with whether the claim is the current plan",
+         (*TOM_CONTRASTS[1:], "ToM statement truth")),
     Rule("order", _order, "the statement's order (a set whose truth varied with order would show here)",
          ("ToM statement truth",)),
 )
