@@ -79,8 +79,9 @@ def model():
     return spec, spec.load()
 
 
-BEHAVIOUR_FLOATS = ["logp_a", "logp_b", "logp_a_first", "logp_b_first", "p_a", "p_answer"]
-ACCURACY_COLS = ["n", "accuracy", "ci_low", "ci_high", "mean_p_answer"]
+BEHAVIOUR_FLOATS = ["logp_a", "logp_b", "logp_a_first", "logp_b_first", "p_a", "p_answer", "option_mass_first",
+                    "option_mass"]
+ACCURACY_COLS = ["n", "accuracy", "ci_low", "ci_high", "mean_p_answer", "mean_option_mass_first", "mean_option_mass"]
 BIAS_KEYS = ["target_type", "anim_denotation", "k", "test_case"]
 
 
