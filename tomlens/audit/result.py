@@ -13,7 +13,7 @@ from typing import Any
 
 import pandas as pd
 
-from tomlens.audit.evaluate import AT_CHANCE, SHORTCUT, TOO_FEW
+from tomlens.audit.evaluate import AT_CHANCE, OVER_CEILING, SHORTCUT, TOO_FEW
 
 
 @dataclass(frozen=True)
@@ -29,16 +29,19 @@ class AuditRow:
     n_rows: int
     n_tasks: int
     verdict: str
+    null_mean: float = float("nan")  # the permutation null, run where the interval saw a shortcut
+    null_sd: float = float("nan")
 
     def sentence(self) -> str:
         """One line a finding can carry: what explains which contrast, how well."""
+        null = f", shuffled labels {self.null_mean:.2f} +- {self.null_sd:.2f}" if self.null_sd == self.null_sd else ""
         return (f"{self.heuristic} tells {self.contrast} apart at {self.accuracy:.2f} "
-                f"[{self.ci_low:.2f}, {self.ci_high:.2f}] on held-out tasks (chance {self.chance:.2f})")
+                f"[{self.ci_low:.2f}, {self.ci_high:.2f}] on held-out tasks (chance {self.chance:.2f}{null})")
 
 
 def _row(d: dict[str, Any]) -> AuditRow:
     """A saved row (JSON writes NaN as null)."""
-    floats = ("accuracy", "ci_low", "ci_high", "chance")
+    floats = ("accuracy", "ci_low", "ci_high", "chance", "null_mean", "null_sd")
     return AuditRow(**{k: (float("nan") if v is None else float(v)) if k in floats else v for k, v in d.items()})
 
 
@@ -76,7 +79,11 @@ class AuditReport:
         if self.undecided and len(self.undecided) == len(self.rows):
             return f"undecided: every contrast has fewer held-out tasks than needed ({self.undecided[0].n_tasks})"
         tail = f"; {len(self.undecided)} rows undecided (too few tasks)" if self.undecided else ""
-        return f"no shortcut found: {len(self.rows)} rows at chance at the {self.level:.4f} level{tail}"
+        over = [r for r in self.rows if r.verdict == OVER_CEILING]
+        if over:
+            tail += (f"; {len(over)} n-gram bags over 0.60 but not significant ("
+                     + ", ".join(sorted({f'{r.family}: {r.contrast} <- {r.heuristic}' for r in over})) + ")")
+        return f"no shortcut found: {len(self.rows)} rows, none above chance at the {self.level:.4f} level{tail}"
 
     def frame(self) -> pd.DataFrame:
         return pd.DataFrame([asdict(r) for r in self.rows], columns=list(AuditRow.__dataclass_fields__))

@@ -17,10 +17,13 @@ import numpy as np
 from tomlens.audit.contrasts import BELIEF, contrasts_for, family_rules
 from tomlens.audit.evaluate import (
     MIN_TASKS,
+    SHORTCUT,
     chance_of,
     class_weights,
     cluster_interval,
+    confirmed,
     held_out_correct,
+    permutation_null,
     task_folds,
     verdict,
 )
@@ -104,14 +107,23 @@ def _run_job(job: _Job, features: _Features, level: float, seed: int) -> AuditRo
     tasks = [_task(features.stimuli[i]) for i in job.rows]
     labels = list(job.labels)
     balanced = job.contrast.chance is None
-    correct = held_out_correct(features.rows(job.heuristic, job.rows), labels, task_folds(tasks, seed),
-                               balanced=balanced)
+    folds = task_folds(tasks, seed)
+    correct = held_out_correct(features.rows(job.heuristic, job.rows), labels, folds, balanced=balanced)
     score = cluster_interval(correct, tasks, level, class_weights(labels, balanced))
     chance = chance_of(labels, job.contrast.chance)
     ngram = isinstance(job.heuristic, BagHeuristic) and job.heuristic.is_ngram_bag
     source = "family rule" if isinstance(job.heuristic, CueHeuristic) and job.heuristic.family_rule else "generic"
+    said = verdict(score, chance, ngram_bag=ngram)
+    null_mean = null_sd = float("nan")
+    if said == SHORTCUT:
+        null_mean, null_sd = permutation_null(features.rows(job.heuristic, job.rows), labels, tasks, folds,
+                                              balanced=balanced, seed=seed)
+        # a stated chance is the design's (answers balanced over positions): the imbalance itself is the
+        # shortcut, which shuffling labels keeps, so the null is centred there and only lends its spread
+        centre = job.contrast.chance if job.contrast.chance is not None else null_mean
+        said = confirmed(score, centre, null_sd, level)
     return AuditRow(job.family, job.contrast.name, job.heuristic.name, source, score.accuracy, score.ci_low,
-                    score.ci_high, chance, score.n_rows, score.n_tasks, verdict(score, chance, ngram_bag=ngram))
+                    score.ci_high, chance, score.n_rows, score.n_tasks, said, null_mean, null_sd)
 
 
 def audit_stimuli(stimuli: Sequence[Stimulus], *, seed: int = 0, alpha: float = 0.05,
