@@ -74,6 +74,13 @@ def battery_summaries(df: pd.DataFrame, *, n_boot: int = 1000, seed: int = 0,
 HEADLINE_ROWS = 12
 
 
+def paper_columns(table: pd.DataFrame) -> list[str]:
+    """The columns that hold a paper's number (each named for what it is: `paper_other_items_gpt4`,
+    `paper_lrs`, ...); `paper_condition` is a label, not a number."""
+    return [c for c in table.columns if c.startswith("paper") and c != "paper_condition"
+            and pd.api.types.is_numeric_dtype(table[c])]
+
+
 def headline(summary: pd.DataFrame) -> tuple[pd.DataFrame, str]:
     """The rows of a battery summary a terminal shows, and what they are: the paper's own headline
     cells (Kosoy's domains and contrast; elsewhere the rows with the paper's number) plus any flagged
@@ -85,8 +92,8 @@ def headline(summary: pd.DataFrame) -> tuple[pd.DataFrame, str]:
     flagged = table["flag"].notna() if "flag" in table.columns else pd.Series(False, index=table.index)
     if "level" in table.columns and (table["level"] != "cell").any():
         keep, what = (table["level"] != "cell") | flagged, "the paper's headline cells"
-    elif "paper" in table.columns and table["paper"].notna().any():
-        keep, what = table["paper"].notna() | flagged, "the paper's headline cells"
+    elif paper_columns(table) and table[paper_columns(table)].notna().any(axis=None):
+        keep, what = table[paper_columns(table)].notna().any(axis=1) | flagged, "the paper's headline cells"
     else:
         keep, what = pd.Series(True, index=table.index), "the first rows"
     room = max(0, HEADLINE_ROWS - int(flagged.sum()))

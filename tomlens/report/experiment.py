@@ -136,9 +136,11 @@ def _behaviour_sections(res: Any) -> list[Section]:
                                  for family, df in batteries.items()])
         sections.append(Section("Behaviour: the seed papers' batteries",
                                 "Each battery summarised the way its paper reports it: one row per reported cell, "
-                                "with intervals from resampling whole tasks and, where the paper gives one, its "
-                                "number (`paper`) for context. A paper's number comes from other models and, for "
-                                "some tasks, another scoring rule: it is a reference, not a target.",
+                                "with intervals from resampling whole tasks. A paper's number appears only in a "
+                                "column named for what it is (e.g. paper_other_items_gpt4, paper_lrs: LaMDA's 0-10 "
+                                "rating of other items, not a pass rate): it comes from other items, other models "
+                                "and, for some tasks, another scoring rule or scale, so it is context, never a "
+                                "target or a comparison.",
                                 tables=[overview, *batteries.values()]))
     return sections
 
