@@ -138,10 +138,11 @@ def test_indirect_request_pairs_flip_yes_to_no_in_one_word():
             assert s.protagonist_belief == ("open" if unaware else "blocked") and s.world_state == "blocked"
             assert s.meta["speaker_aware"] is (not unaware) and s.meta["knowledge_cue"] == "explicit"
             assert s.belief_is_reference is unaware  # the probe target protagonist_belief = speaker unaware
-    # the battery's default text is unchanged: the unaware explicit cue still says "does not know about"
+    # the battery's default text keeps its own wording: its explicit cue names who knows and who does not
     default = indirect_request(4, 3)
     assert all("knows nothing about" not in s.text and "matched_cue" not in s.meta for s in default)
-    assert any("does not know about" in s.text for s in default)
+    assert all({s.meta["speaker"], s.meta["hearer"]} <= set(re.findall(r"\w+", s.span_text("contrast")))
+               for s in default if s.meta["knowledge_cue"] == "explicit")
     matched = indirect_request(4, 3, matched_cue=True)
     assert [s.text for s in matched if s.meta["knowledge_cue"] == "implicit"] == [
         s.text for s in default if s.meta["knowledge_cue"] == "implicit"]

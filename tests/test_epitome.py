@@ -7,12 +7,15 @@ from __future__ import annotations
 import math
 import re
 from collections import Counter
+from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
 import pytest
 import torch
 
+from tomlens.audit import audit_stimuli
+from tomlens.audit.heuristics import last_cue_polarity
 from tomlens.behaviour import epitome as E
 from tomlens.behaviour.batteries import BATTERIES, battery_summaries
 from tomlens.behaviour.generate import generate_answers, greedy_continuation
@@ -28,107 +31,149 @@ from tomlens.stimuli.factorial import false_belief_factorial
 
 # ---- recursive mindreading: design ----------------------------------------------------------------
 
-
-def _derive_story(text: str) -> tuple[list[str], dict[tuple[str, str], str], str]:
-    """From a narrative story alone: the telling chain (in order), the relation map
-    (person, relation) -> the person who is that relation of them, and the outsider."""
-    first = re.search(r"(\w+) hopes that .*?, and \w+ tells (\w+) so\.", text)
-    chain = [first.group(1), first.group(2)]
-    for giver, taker in re.findall(r"(\w+) then tells (\w+) everything", text):
-        assert giver == chain[-1]
-        chain.append(taker)
-    rel = {(of, r): who for who, r, of in re.findall(r"(\w+) is the (\w+) of (\w+)\.", text)}
-    outsider = re.search(r"(\w+) has never met any of them and is away all month, so nobody tells", text).group(1)
-    assert re.search(rf"{outsider} has never met .*? nobody tells \w+ anything; \w+ has never hoped for any such", text)
-    return chain, rel, outsider
+TELLS = re.compile(r"(\w+) hopes that .*?, and \w+ tells (\w+) so\.|(\w+) then tells (\w+) everything|"
+                   r"After that, (\w+) tells (\w+) everything|(\w+) then phones (\w+) and tells")
 
 
-def _mental_true(clause: str, chain: list[str], outsider: str) -> bool:
-    """Truth of "X [does not] know(s) that C" / "X [does not] hope(s) that H" in the story: the
-    first person hopes H; each later person in the chain is told everything before them; the
-    outsider hopes no such thing and is told nothing (and nobody knows a false thing)."""
+@dataclass(frozen=True)
+class DerivedStory:
+    """What a narrative story says, read from its text alone: when each person was told (the
+    outsider just after the one who phoned them), who told whom, who hopes, and the relations."""
+
+    told_at: dict[str, float]
+    tellers: set[tuple[str, str]]
+    hopers: set[str]
+    relation: dict[tuple[str, str], str]  # (person, relation word) -> who is that relation of them
+    outsider: str
+
+
+def _derive_story(text: str) -> DerivedStory:
+    told_at: dict[str, float] = {}
+    tellers: set[tuple[str, str]] = set()
+    for m in TELLS.finditer(text):
+        giver, taker = [g for g in m.groups() if g]
+        if not told_at:
+            told_at[giver] = 1.0
+        phoned = "phones" in m.group(0)
+        told_at[taker] = told_at[giver] + 0.5 if phoned else max(told_at.values()) // 1 + 1
+        tellers.add((giver, taker))
+    outsider, own = re.search(r"(\w+) has never met any of them in person, but \w+ is the (\w+) of every one of "
+                              r"them\.", text).groups()
+    relation = {(of, r): who for who, r, of in re.findall(r"(\w+) is the (\w+) of (\w+)\.", text)}
+    relation.update({(p, own): outsider for p in told_at if p != outsider})
+    first = min(told_at, key=told_at.get)
+    only = re.search(rf"Of the group, only {first} hopes for it; {outsider} (hopes for it too|does not hope for it)\.",
+                     text)
+    hopers = {first} | ({outsider} if only.group(1) == "hopes for it too" else set())
+    return DerivedStory(told_at, tellers, hopers, relation, outsider)
+
+
+def _mental_true(clause: str, story: DerivedStory) -> bool:
+    """"X [does not] know(s) that C" is true when C is and X was told after C's subject (who told X
+    everything they knew, including who told them); "X [does not] hope(s) that H" when X hopes. A
+    statement about what the outsider knows, or about what someone knows of the person they told
+    themselves, is left open by the story: none may be generated."""
     m = re.match(r"(\w+) (does not know|knows|does not hope|hopes) that (.*)$", clause)
     who, verb, rest = m.groups()
     if "hope" in verb:
-        hopes = who == chain[0]
-        return hopes if verb == "hopes" else not hopes
-    inner_true = _mental_true(rest, chain, outsider)
-    inner_who = rest.split()[0]
-    knows = inner_true and who in chain and inner_who in chain and chain.index(inner_who) < chain.index(who)
-    return knows if verb == "knows" else not knows
+        return (who in story.hopers) == (verb == "hopes")
+    inner = rest.split()[0]
+    assert inner != story.outsider and (who, inner) not in story.tellers, clause
+    knows = _mental_true(rest, story) and story.told_at[who] > story.told_at[inner]
+    return knows == (verb == "knows")
 
 
-def _true_in_story(statement: str, chain: list[str], rel: dict[tuple[str, str], str], outsider: str) -> bool:
-    """Evaluate a continuation's clause against the derived story: mental chains by `_mental_true`;
-    "X is [not] the R_k of the ... of P" by walking the relations from P (the outsider is nobody's
-    anything)."""
+def _true_in_story(statement: str, story: DerivedStory) -> bool:
+    """Mental chains by `_mental_true`; "X is [not] the r_1 of the ... of the r_k of B" by walking
+    the relations from B."""
     clause = re.search(r"it is clear that (.*)\.$|As it turns out, (.*)\.\"$", statement)
     clause = clause.group(1) or clause.group(2)
     if re.match(r"\w+ (does not know|knows|does not hope|hopes) that", clause):
-        return _mental_true(clause, chain, outsider)
-    m = re.match(r"(\w+) (is|is not) the (.*) of (\w+)$", clause)
-    who, verb, rels, base = m.group(1), m.group(2), m.group(3).split(" of the "), m.group(4)
-    cur = base
-    for r in reversed(rels):
-        cur = rel.get((cur, r))
+        return _mental_true(clause, story)
+    who, verb, rels, base = re.match(r"(\w+) (is|is not) the (.*) of (\w+)$", clause).groups()
+    cur: str | None = base
+    for r in reversed(rels.split(" of the ")):
+        cur = story.relation.get((cur, r))
     return (cur == who) == (verb == "is")
 
 
+def _foil(s) -> str:
+    return next(o for o in s.options if o != s.answer)
+
+
 def test_recursive_mindreading_counts_cells_and_option_balance():
-    st = recursive_mindreading(n=3, seed=1)
-    assert len(st) == 3 * 56
-    cells = Counter((s.task_id, s.meta["mental"], s.meta["level"], s.meta["story_format"], s.meta["question_format"])
-                    for s in st)
-    assert set(cells.values()) == {1} and len(cells) == 3 * 2 * 7 * 2 * 2
-    first = Counter((s.task_id, s.condition, s.meta["question_format"]) for s in st if s.options[0] == s.answer)
-    assert set(first.values()) == {7}  # consistent option first in exactly half of each story x kind x format
+    st = recursive_mindreading(n=8, seed=1)
+    assert len(st) == 8 * 56
+    by_cell = Counter((s.task_id, s.condition, s.meta["level"]) for s in st)
+    assert set(by_cell.values()) == {4} and len(by_cell) == 8 * 2 * 7
+    formats = Counter((s.task_id, s.condition, s.meta["level"], s.meta["story_format"], s.meta["question_format"])
+                      for s in st)
+    assert set(formats.values()) == {1}  # the four prompts of a story x kind x level: one per format pair
+    # consistent option first in exactly half of every kind x level x subject type x polarity cell
+    first = Counter((s.condition, s.meta["level"], s.meta["subject_type"], s.meta["keyed_polarity"],
+                     s.options[0] == s.answer) for s in st)
+    for (kind, level, subject, polarity, is_first), count in first.items():
+        assert count == first[(kind, level, subject, polarity, not is_first)], (kind, level, subject, polarity)
     for s in st:
         assert s.answer == s.meta["consistent_option"] == s.world_state == s.protagonist_belief
-        assert s.options[0] != s.options[1]
+        assert s.options[0] != s.options[1] and s.id.endswith(s.meta["subject_type"])
+    assert len({s.id for s in st}) == len(st)
 
 
 def test_recursive_mindreading_labels_rederived_from_the_story():
     st = recursive_mindreading(n=4, seed=2)
     narratives = {s.task_id: s.text[: s.spans["query"].start] for s in st if s.meta["story_format"] == "narrative"}
     for s in st:
-        chain, rel, outsider = _derive_story(narratives[s.task_id])
-        assert len(chain) == 8 and len(rel) == 7 and outsider not in chain
-        good, bad = s.answer, next(o for o in s.options if o != s.answer)
-        assert _true_in_story(good, chain, rel, outsider), (s.id, good)
-        assert not _true_in_story(bad, chain, rel, outsider), (s.id, bad)
-        assert ("not" in good.split()) == s.meta["consistent_negated"] == (outsider in good)
-        clause = good.split("that ", 1)[1] if s.meta["mental"] else good
-        verbs = len(re.findall(r"\b(knows|hopes|know|hope)\b", good))
-        relations = len(re.findall(r"\bthe (\w+) of\b", good))
-        assert (verbs if s.meta["mental"] else relations) == s.meta["level"], clause
+        story = _derive_story(narratives[s.task_id])
+        assert len(story.told_at) == 9 and len(story.relation) == 7 + 8 and story.outsider == s.meta["outsider"]
+        assert _true_in_story(s.answer, story), (s.id, s.answer)
+        assert not _true_in_story(_foil(s), story), (s.id, _foil(s))
+        assert ("not" in s.answer.split()) == s.meta["consistent_negated"] == (s.meta["keyed_polarity"] == "negated")
+        assert (s.meta["subject"] == story.outsider) == (s.meta["subject_type"] == "outsider")
+        verbs = len(re.findall(r"\b(knows|hopes|know|hope)\b", s.answer))
+        relations = len(re.findall(r"\bthe (\w+) of\b", s.answer))
+        assert (verbs if s.meta["mental"] else relations) == s.meta["level"]
+        words = re.findall(r"the (\w+) of", s.answer)
+        assert len(words) == len(set(words))  # no relation twice ("the coach of the coach")
 
 
-def test_recursive_mindreading_negation_and_length_are_balanced_and_foils_alike():
-    """Neither "not" nor length gives the answer: the consistent option is the negated one in half
-    of each story x kind x level (so the answer - foil length difference sums to 0 there), and
-    mental and non-mental foils are the same kind of change (the outer verb's polarity)."""
-    st = recursive_mindreading(n=4, seed=7)
-    cells: dict = {}
+def test_recursive_mindreading_subject_type_says_nothing_about_the_answer():
+    """The reviewer's shortcut ("outsider <-> not") is gone: at every kind x level each subject
+    type is the negated answer exactly as often as the affirmative one, and within each story the
+    answers are half negated. The foil is the consistent statement with its outer verb flipped."""
+    st = recursive_mindreading(n=16, seed=7)
+    cells = Counter((s.condition, s.meta["level"], s.meta["subject_type"], s.meta["keyed_polarity"]) for s in st)
+    for kind in ("mental", "non_mental"):
+        for level in range(1, 8):
+            for subject in ("insider", "outsider"):
+                assert cells[(kind, level, subject, "negated")] == cells[(kind, level, subject, "affirmative")] > 0
+    assert set(Counter((s.task_id, s.meta["keyed_polarity"]) for s in st).values()) == {28}
+    flip = {"does not know": "knows", "does not hope": "hopes", "is not the": "is the"}
     for s in st:
-        good, bad = s.answer, next(o for o in s.options if o != s.answer)
-        cells.setdefault((s.task_id, s.condition, s.meta["level"]), []).append(s)
-        neg_good, neg_bad = "not" in good.split(), "not" in bad.split()
-        assert neg_good != neg_bad  # exactly one option negated, in both kinds
-        # the foil is the consistent option with the outer verb's polarity flipped, nothing else
-        flip = {"does not know": "knows", "does not hope": "hopes", "is not the": "is the"}
-        neg, pos = (good, bad) if neg_good else (bad, good)
+        neg, pos = (s.answer, _foil(s)) if s.meta["consistent_negated"] else (_foil(s), s.answer)
         assert any(neg.replace(k, v, 1) == pos for k, v in flip.items()), (neg, pos)
-        words = re.findall(r"the (\w+) of", good)
-        assert len(words) == len(set(words))  # no relation repeated ("the dentist of the dentist")
-    for key, group in cells.items():
-        assert len(group) == 4
-        assert sum("not" in s.answer.split() for s in group) == 2, key
-        assert sum(len(s.answer) - len(next(o for o in s.options if o != s.answer)) for s in group) == 0, key
-    neg_rate = Counter((s.condition, s.meta["consistent_negated"]) for s in st)
-    assert len(set(neg_rate.values())) == 1  # half negated in mental and in non-mental
-    first = Counter((s.condition, s.meta["level"], s.meta["consistent_negated"], s.options[0] == s.answer)
-                    for s in st)
-    assert len(set(first.values())) == 1  # answer-first balanced within every kind x level x polarity
+
+
+def test_recursive_mindreading_false_statements_fail_at_every_depth():
+    """Depth is measured: a false statement fails at one link, drawn over all its links (the outer
+    one, those inside, the innermost hope / base), so checking any single link leaves the others
+    unchecked; and a true and a false statement of one story x kind x level x subject type share
+    their subject, so where the subject stands in the chain says nothing."""
+    st = recursive_mindreading(n=32, seed=3)
+    for kind in ("mental", "non_mental"):
+        for level in range(3, 8):
+            links = Counter(s.meta["violated_link"] for s in st if s.condition == kind and s.meta["level"] == level
+                            and s.meta["consistent_negated"])
+            assert {1, level} <= set(links), (kind, level, links)
+            # inside links too (a mental "X knows that P1 hopes" always holds: everyone is told)
+            assert level == 3 or any(1 < p < level for p in links), (kind, level, links)
+    same = {}
+    for s in st:
+        if s.meta["level"] > 1:
+            key = (s.task_id, s.condition, s.meta["level"], s.meta["subject_type"])
+            same.setdefault(key, set()).add(s.meta["subject"])
+    assert set(map(len, same.values())) == {1}
+    assert all(s.meta["violated_link"] == 0 for s in st if not s.meta["consistent_negated"])
 
 
 def test_recursive_mindreading_story_free_tail_and_spans():
@@ -160,22 +205,54 @@ def test_indirect_request_design_labels_and_balance():
     assert len({s.template_id for s in st}) == 16  # every passage once before any repeats
     for s in st:
         aware, cue = s.meta["speaker_aware"], s.meta["knowledge_cue"]
-        speaker = s.meta["speaker"]
+        speaker, hearer = s.meta["speaker"], s.meta["hearer"]
         contrast = s.span_text("contrast")
         assert s.answer == ("No" if aware else "Yes") and set(s.options) == {"Yes", "No"}
         assert s.protagonist_belief == ("blocked" if aware else "open") and s.world_state == "blocked"
-        assert s.belief_differs == (not aware)
-        if cue == "explicit":
-            assert (f"{speaker} does not know" in contrast) == (not aware)
-            assert (f"{speaker} knows all about" in contrast) == aware
-        else:
-            assert (f"While {speaker} is away" in contrast) == (not aware)
-            assert contrast.startswith(f"{speaker} and {s.meta['hearer']} both notice that") == aware
-        assert s.span_text("protagonist") == speaker and s.span_text("other_agent") == s.meta["hearer"]
+        assert s.belief_differs == (not aware) and s.meta["obstacle_kind"] == "event"
+        if cue == "explicit":  # who knows, read from the words: the speaker is named where the knower is
+            m = re.search(r"(\w+) knows about .*, but (\w+) does not|(\w+) does not know about .*, but (\w+) does"
+                          r"|(\w+) has been told about .*; (\w+) has not|(\w+) has not been told about .*; (\w+) has",
+                          contrast)
+            names = [g for g in m.groups() if g]
+            knower = names[0] if m.group(1) or m.group(5) else names[1]
+            assert {knower, *names} == {speaker, hearer} and (knower == speaker) == aware
+        else:  # aware iff the event comes after the speaker is back
+            sentences = re.split(r"(?<=\.) ", contrast)
+            back = next(i for i, x in enumerate(sentences) if x.startswith(f"{speaker} comes back"))
+            event = next(i for i, x in enumerate(sentences) if "everyone" in x.lower())
+            assert sentences[0].startswith(speaker) and (event > back) == aware, contrast
+        assert s.span_text("protagonist") == speaker and s.span_text("other_agent") == hearer
         assert s.span_text("query").startswith(f"Question: Is {speaker} making a request?")
         assert s.meta["obstacle"] in s.text or cue == "implicit"
     yes_first = Counter((s.condition, s.meta["knowledge_cue"]) for s in st if s.options[0] == "Yes")
     assert set(yes_first.values()) == {8}
+
+
+def test_indirect_request_aware_and_unaware_use_the_same_words():
+    """Within a passage the aware and unaware versions of a cue have the same n-grams up to 3 words
+    (implicit: the same sentences in another order; explicit: the two names swapped), the same
+    length, and a presence cue last before the utterance; wordings rotate over passages."""
+    st = indirect_request(n=12, seed=11)
+    by = {(s.task_id, s.meta["knowledge_cue"], s.meta["speaker_aware"]): s for s in st}
+
+    def grams(s, names):
+        words = re.findall(r"\w+", s.text.lower())
+        words = [names.get(w, w) for w in words]
+        return Counter(tuple(words[i:i + k]) for k in (1, 2, 3) for i in range(len(words) - k + 1))
+
+    for (task, cue, aware), s in by.items():
+        if aware:
+            continue
+        a = by[(task, cue, True)]
+        speaker, hearer = s.meta["speaker"].lower(), s.meta["hearer"].lower()
+        names = {} if cue == "implicit" else {speaker: "NAME", hearer: "NAME"}
+        assert len(a.text) == len(s.text) and grams(a, names) == grams(s, names), (a.text, s.text)
+        assert last_cue_polarity(a) == last_cue_polarity(s)
+        if cue == "implicit":
+            assert grams(a, {}) == grams(s, {}) and a.text != s.text
+    frames = Counter(s.meta["cue_frame"] for s in st if not s.meta["speaker_aware"])
+    assert len([f for f in frames if f.startswith("knowledge")]) == 4 and len(frames) >= 7
 
 
 # ---- scalar implicature: design -----------------------------------------------------------------
@@ -222,12 +299,39 @@ def test_rm_pmi_dc_on_a_hand_table():
     assert d["correct_pmi"].tolist() == [False, True, False]
     summ = E.rm_summary(df, n_boot=50)
     row = summ[(summ["cell"] == "mental, all levels") & (summ["metric"] == "accuracy (PMI_DC)")].iloc[0]
-    assert row["value"] == 0.5 and row["paper"] == 0.73 and row["paper_human"] == 0.84
+    assert row["value"] == 0.5 and row[E.PAPER_MODEL_COLUMN] == 0.73 and row[E.PAPER_HUMAN_COLUMN] == 0.84
+    assert "paper" not in summ.columns and E.PAPER_MODEL_COLUMN.startswith("paper_other_items")
     raw = summ[(summ["cell"] == "mental, all levels") & (summ["metric"] == "accuracy (raw log-odds)")].iloc[0]
     assert raw["value"] == 1.0
     # without story-free scores the PMI_DC rows are withheld, not guessed
     bare = E.rm_summary(df.drop(columns=["logp_a_nostory", "logp_b_nostory"]), n_boot=50)
     pmi = bare[bare["metric"] == "accuracy (PMI_DC)"]
+    assert pmi["value"].isna().all() and pmi["note"].str.startswith("withheld").all()
+
+
+def test_rm_summary_reads_accuracy_by_level_over_balanced_cells():
+    """A reader that follows the old shortcut (the outsider's statement is the negated one) is at
+    0.5 at every level, and the subject type x polarity rows show what it does: 1.0 on outsider /
+    negated and insider / affirmative, 0.0 on the other two. The cells come from the ids and the
+    answers' text where the table has no meta columns for them."""
+    rows = []
+    for s in recursive_mindreading(n=8, seed=5):
+        outsider = s.meta["subject"] == s.meta["outsider"]
+        lp = [-1.0 if ("not" in o.split()) == outsider else -2.0 for o in s.options]
+        rows.append({"id": s.id, "family": s.family, "task_id": s.task_id, "mental": s.meta["mental"],
+                     "level": s.meta["level"], "option_a": s.options[0], "option_b": s.options[1], "answer": s.answer,
+                     "logp_a": lp[0], "logp_b": lp[1], "option_mass_first": 0.3, "option_mass": 0.2})
+    summ = E.rm_summary(pd.DataFrame(rows), n_boot=50)
+    raw = summ[summ["metric"] == "accuracy (raw log-odds)"].set_index("cell")
+    for kind in ("mental", "non-mental"):
+        for level in range(1, 8):
+            assert raw.loc[f"{kind}, level {level}", "value"] == 0.5
+            assert raw.loc[f"{kind}, level {level}", "note"] == "insider aff/neg, outsider aff/neg: 8/8/8/8"
+        for cell, want in (("insider subject, affirmative answer", 1.0), ("insider subject, negated answer", 0.0),
+                           ("outsider subject, affirmative answer", 0.0), ("outsider subject, negated answer", 1.0)):
+            assert raw.loc[f"{kind}, {cell}", "value"] == want
+    assert raw["low_option_mass"].all() and raw["mean_option_mass_first"].tolist() == pytest.approx([0.3] * len(raw))
+    pmi = summ[summ["metric"] == "accuracy (PMI_DC)"]
     assert pmi["value"].isna().all() and pmi["note"].str.startswith("withheld").all()
 
 
@@ -343,7 +447,7 @@ def _fake_fb_table(margin_fb: float, margin_tb: float) -> pd.DataFrame:
 def test_false_belief_summary_uses_the_log_odds_and_the_knowledge_state_effect():
     df = _fake_fb_table(margin_fb=2.0, margin_tb=-1.0)  # both right: FB prefers Start, TB End
     s = E.fb_summary(df, n_boot=50)
-    assert s.iloc[0]["value"] == 1.0 and s.iloc[0]["paper"] == 0.74
+    assert s.iloc[0]["value"] == 1.0 and s.iloc[0][E.PAPER_MODEL_COLUMN] == 0.74
     eff = s[s["metric"].str.startswith("knowledge-state effect")]
     assert len(eff) == 1 and eff["value"].item() == pytest.approx(3.0)
     s2 = E.fb_summary(_fake_fb_table(1.0, 1.0), n_boot=50)  # always Start: half right, no effect
@@ -401,9 +505,9 @@ def test_export_import_and_scores_round_trip(tmp_path):
     # the model's justifications are not filtered on its own comprehension: all 8 count against the
     # paper; the paper's human filter (drop sts-01 after its wrong comprehension) is a secondary row
     just = s.loc[("strange-stories", "justification, mental")]
-    assert just["value"] == pytest.approx(7 / 8) and just["n"] == 8 and just["paper"] == 0.83
+    assert just["value"] == pytest.approx(7 / 8) and just["n"] == 8 and just[E.PAPER_MODEL_COLUMN] == 0.83
     kept = s.loc[("strange-stories", "justification, mental, comprehension right")]
-    assert kept["value"] == 1.0 and kept["n"] == 7 and np.isnan(kept["paper"])
+    assert kept["value"] == 1.0 and kept["n"] == 7 and np.isnan(kept[E.PAPER_MODEL_COLUMN])
     assert "5 in the paper" in s.loc[("short-story", "RC"), "note"]
     coded.loc[0, "code"] = 5  # above the maximum
     coded.to_csv(path, index=False)
@@ -543,3 +647,36 @@ def test_matched_cue_rows_are_left_out_of_the_battery_summary_with_a_note():
         pd.testing.assert_frame_equal(got.drop(columns="note"), want.drop(columns="note"))
         assert all(note in n for n in got["note"]) and not any(note in str(n) for n in want["note"])
         assert [re.sub(rf"(; )?{note}.*$", "", n) for n in got["note"]] == want["note"].fillna("").tolist()
+
+
+# ---- the shortcut audit on fresh seeds ----------------------------------------------------------
+
+def _one_per_task_and_level(stimuli):
+    """One recursive-mindreading prompt per story x level, rotating over stories through the eight
+    (kind x subject type x polarity) prompts, so every cell is equally represented and the audit
+    takes seconds (the whole 64-story set, 3584 prompts, takes about 14 s)."""
+    groups = {}
+    for s in stimuli:
+        groups.setdefault((s.meta["story_index"], s.meta["level"]), []).append(s)
+    return [sorted(g, key=lambda s: (s.condition, s.meta["subject_type"], s.meta["keyed_polarity"]))[(i + level) % 8]
+            for (i, level), g in groups.items()]
+
+
+@pytest.mark.parametrize("seed", [101, 202, 303])
+def test_fixed_generators_pass_the_audit_on_fresh_seeds(seed):
+    """Issue 27: on fresh seeds at 64 tasks, recursive mindreading (the consistent option's
+    polarity, overall and per kind) and indirect requests (the speaker's awareness) are at chance
+    under every generic heuristic and every registered rule (subject type, level, the subject's
+    place in the chain, cue wording, obstacle kind), and no n-gram bag reads more than 0.60."""
+    stimuli = _one_per_task_and_level(recursive_mindreading(64, seed)) + indirect_request(64, seed)
+    report = audit_stimuli(stimuli, seed=seed)
+    assert not report.shortcuts, report.table()
+    rows = {(r.family, r.contrast, r.heuristic): r for r in report.rows}
+    for family, contrast, rule in (("recursive-mindreading", "keyed_polarity", "subject_type"),
+                                   ("recursive-mindreading", "keyed_polarity_mental", "subject_type_by_level"),
+                                   ("recursive-mindreading", "keyed_polarity_non_mental", "subject_place"),
+                                   ("indirect-request", "speaker_aware", "cue_frame"),
+                                   ("indirect-request", "speaker_aware", "obstacle_kind")):
+        assert rows[(family, contrast, f"rule: {rule}")].n_tasks == 64
+    bags = [r for r in report.rows if "gram bag" in r.heuristic]
+    assert len(bags) >= 24 and max(r.accuracy for r in bags) <= 0.60

@@ -49,14 +49,25 @@ RM_FAMILY = "recursive-mindreading"
 IR_FAMILY = "indirect-request"
 SI_FAMILY = "scalar-implicature"
 BETS: tuple[str, ...] = ("0", "1", "2", "3")
+PAPER_MODEL_COLUMN = "paper_other_items_text_davinci_002"
+PAPER_HUMAN_COLUMN = "paper_other_items_humans"
 SUMMARY_COLUMNS: list[str] = ["family", "cell", "metric", "n", "n_tasks", "value", "ci_low", "ci_high",
-                              "paper", "paper_human", "note"]
-# Jones, Trott & Bergen Table 1: (text-davinci-002, humans).
+                              *aggregates.MASS_COLUMNS, PAPER_MODEL_COLUMN, PAPER_HUMAN_COLUMN, "note"]
+# Jones, Trott & Bergen Table 1: (text-davinci-002, humans), each on the paper's own items. No
+# tomlens item is one of the paper's (the stories, passages and free-text items are tomlens's own),
+# so no number here is a target for tomlens's: the columns say so in their names, and appear only
+# beside the row the paper's number summarises (same task and scoring rule, other items).
 PAPER: dict[str, tuple[float, float]] = {"FB": (0.74, 0.83), "RM": (0.73, 0.84), "IR": (0.50, 0.63),
                                          "SI E1": (0.25, 0.59), "SI E2": (0.45, 0.73), "StS": (0.83, 0.86),
                                          "ShS EMSR": (0.62, 0.46), "ShS RC": (1.00, 0.83),
                                          "ShS SMSI": (1.00, 0.42)}
-PAPER_NOTE = "paper = text-davinci-002, paper_human = humans (Jones, Trott & Bergen Table 1 / text)"
+COLUMN_NOTES: dict[str, str] = {
+    PAPER_MODEL_COLUMN: "paper, other items and model: text-davinci-002 (Jones, Trott & Bergen Table 1 / text)",
+    PAPER_HUMAN_COLUMN: "paper, other items and subjects: humans (Jones, Trott & Bergen Table 1 / text)",
+}
+PAPER_NOTE = (f"{PAPER_MODEL_COLUMN} / {PAPER_HUMAN_COLUMN}: Jones, Trott & Bergen's text-davinci-002 and "
+              "humans on the paper's own items (Table 1 / text), same task and scoring rule; tomlens's items are "
+              "its own, so these are context, not a target")
 
 
 # ---- extra scoring on a model -------------------------------------------------------------------
@@ -150,48 +161,93 @@ def rm_scores(df: pd.DataFrame) -> pd.DataFrame:
     return d
 
 
+def _paper_columns(paper: tuple[float, float] | None) -> dict[str, float]:
+    return {PAPER_MODEL_COLUMN: paper[0] if paper else np.nan, PAPER_HUMAN_COLUMN: paper[1] if paper else np.nan}
+
+
 def _row(family: str, cell: str, metric: str, g: pd.DataFrame, column: str, *, n_boot: int, seed: int,
-         paper: tuple[float, float] | None = None, note: str = "") -> dict[str, Any]:
-    """One summary row: the mean of `column` over `g` with a task-bootstrap 95% interval."""
+         paper: tuple[float, float] | None = None, note: str = "",
+         min_mass: float = aggregates.MIN_OPTION_MASS) -> dict[str, Any]:
+    """One summary row: the mean of `column` over `g` with a task-bootstrap 95% interval, and the
+    cell's option mass (how much of the next word the two options get; `low_option_mass` below
+    `min_mass`)."""
     vals = g[column].astype(float)
     keep = vals.notna()
+    mass = aggregates.option_mass_columns(g, min_mass)
     if not keep.any():
         return {"family": family, "cell": cell, "metric": metric, "n": 0, "n_tasks": 0, "value": np.nan,
-                "ci_low": np.nan, "ci_high": np.nan, "paper": paper[0] if paper else np.nan,
-                "paper_human": paper[1] if paper else np.nan, "note": note or "withheld: no scores"}
+                "ci_low": np.nan, "ci_high": np.nan, **mass, **_paper_columns(paper),
+                "note": note or "withheld: no scores"}
     tasks = aggregates.task_of(g[keep])
     total, count = aggregates.per_task(vals[keep], tasks)
     rng = np.random.default_rng([int(seed), zlib.crc32(f"{family}|{cell}|{metric}".encode())])
     lo, hi = aggregates.task_bootstrap(total, count, n_boot=n_boot, rng=rng)
     return {"family": family, "cell": cell, "metric": metric, "n": int(keep.sum()), "n_tasks": len(total),
-            "value": float(vals[keep].mean()), "ci_low": lo, "ci_high": hi,
-            "paper": paper[0] if paper else np.nan, "paper_human": paper[1] if paper else np.nan, "note": note}
+            "value": float(vals[keep].mean()), "ci_low": lo, "ci_high": hi, **mass, **_paper_columns(paper),
+            "note": note}
 
 
-def rm_summary(df: pd.DataFrame, *, n_boot: int = 1000, seed: int = 0) -> pd.DataFrame:
-    """Accuracy by level (1..7) x mental / non-mental, and overall mental (the paper's RM number),
-    PMI_DC-corrected; the raw log-odds accuracy beside it."""
+_SUBJECT_SUFFIX = r"-(insider|outsider)$"
+_NEGATED = r"\b(?:does not|is not)\b"
+RM_CELLS: tuple[tuple[str, str], ...] = (("insider", "affirmative"), ("insider", "negated"),
+                                         ("outsider", "affirmative"), ("outsider", "negated"))
+
+
+def rm_cells(df: pd.DataFrame) -> pd.DataFrame:
+    """The table with `subject_type` (insider / outsider: who the statement is about) and
+    `keyed_polarity` (affirmative / negated: the consistent option's outer verb) per row: the meta
+    columns where the table has them, else read from the id's suffix and the consistent option's
+    text. A set made before the two were crossed (ids without the suffix) has no subject type."""
+    d = df.copy()
+    if "subject_type" not in d:
+        d["subject_type"] = d["id"].astype(str).str.extract(_SUBJECT_SUFFIX)[0] if "id" in d else np.nan
+    if "keyed_polarity" not in d:
+        negated = d["answer"].astype(str).str.contains(_NEGATED, regex=True)
+        d["keyed_polarity"] = np.where(negated, "negated", "affirmative")
+    return d
+
+
+def _balance_note(g: pd.DataFrame) -> str:
+    """How many prompts of each subject type x polarity cell a row averages over: accuracy by level
+    means depth only where the four are equal (before, every outsider prompt was negated)."""
+    if g["subject_type"].isna().all():
+        return "subject type unknown: not crossed with polarity (a set made before tomlens crossed them)"
+    counts = g.groupby(["subject_type", "keyed_polarity"]).size()
+    shown = "/".join(str(int(counts.get(c, 0))) for c in RM_CELLS)
+    equal = len({int(counts.get(c, 0)) for c in RM_CELLS}) == 1
+    return f"insider aff/neg, outsider aff/neg: {shown}" + ("" if equal else " (unbalanced)")
+
+
+def rm_summary(df: pd.DataFrame, *, n_boot: int = 1000, seed: int = 0,
+               min_mass: float = aggregates.MIN_OPTION_MASS) -> pd.DataFrame:
+    """Accuracy by level (1..7) x mental / non-mental, each level over the four subject type x
+    polarity cells in equal parts (the note counts them), and overall mental (the row the paper's
+    RM number summarises); then per subject type x polarity cell, so an answer that follows who the
+    statement is about or its "not" shows. PMI_DC-corrected, the raw log-odds accuracy beside it."""
     d = df[df["family"] == RM_FAMILY] if "family" in df else df
     if d.empty:
         return pd.DataFrame(columns=SUMMARY_COLUMNS)
-    d = rm_scores(d)
+    d = rm_cells(rm_scores(d))
     has_pmi = d["correct_pmi"].notna().any()
-    withheld = "" if has_pmi else "withheld: no story-free scores (run tomlens.behaviour.epitome.enrich)"
-    rows = []
+    withheld = "withheld: no story-free scores (run tomlens.behaviour.epitome.enrich)"
+
+    def pair(cell: str, g: pd.DataFrame, note: str = "", paper: tuple[float, float] | None = None) -> list[dict]:
+        pmi_note = "; ".join(x for x in ("" if has_pmi else withheld, PAPER_NOTE if paper else "", note) if x)
+        return [_row(RM_FAMILY, cell, "accuracy (PMI_DC)", g, "correct_pmi", n_boot=n_boot, seed=seed, paper=paper,
+                     note=pmi_note, min_mass=min_mass),
+                _row(RM_FAMILY, cell, "accuracy (raw log-odds)", g, "correct_raw", n_boot=n_boot, seed=seed,
+                     note=note, min_mass=min_mass)]
+
+    rows: list[dict] = []
     for mental, kind in ((True, "mental"), (False, "non-mental")):
         g = d[d["mental"].astype(bool) == mental]
         if g.empty:
             continue
-        paper = PAPER["RM"] if mental else None
-        rows.append(_row(RM_FAMILY, f"{kind}, all levels", "accuracy (PMI_DC)", g, "correct_pmi",
-                         n_boot=n_boot, seed=seed, paper=paper, note=withheld or (PAPER_NOTE if paper else "")))
-        rows.append(_row(RM_FAMILY, f"{kind}, all levels", "accuracy (raw log-odds)", g, "correct_raw",
-                         n_boot=n_boot, seed=seed))
+        rows += pair(f"{kind}, all levels", g, _balance_note(g), PAPER["RM"] if mental else None)
         for level, gl in g.groupby("level", sort=True):
-            rows.append(_row(RM_FAMILY, f"{kind}, level {int(level)}", "accuracy (PMI_DC)", gl, "correct_pmi",
-                             n_boot=n_boot, seed=seed, note=withheld))
-            rows.append(_row(RM_FAMILY, f"{kind}, level {int(level)}", "accuracy (raw log-odds)", gl,
-                             "correct_raw", n_boot=n_boot, seed=seed))
+            rows += pair(f"{kind}, level {int(level)}", gl, _balance_note(gl))
+        for (subject, polarity), gc in g.groupby(["subject_type", "keyed_polarity"], sort=True):
+            rows += pair(f"{kind}, {subject} subject, {polarity} answer", gc)
     return pd.DataFrame(rows, columns=SUMMARY_COLUMNS)
 
 
@@ -214,7 +270,8 @@ def ir_scores(df: pd.DataFrame) -> pd.DataFrame:
     return d
 
 
-def ir_summary(df: pd.DataFrame, *, n_boot: int = 1000, seed: int = 0) -> pd.DataFrame:
+def ir_summary(df: pd.DataFrame, *, n_boot: int = 1000, seed: int = 0,
+               min_mass: float = aggregates.MIN_OPTION_MASS) -> pd.DataFrame:
     """Accuracy overall (the paper's IR number) and per awareness x cue, the share of "Yes", and the
     awareness effect on the log-odds (unaware - aware; GPT-3 showed none)."""
     d = df[df["family"] == IR_FAMILY] if "family" in df else df
@@ -223,20 +280,22 @@ def ir_summary(df: pd.DataFrame, *, n_boot: int = 1000, seed: int = 0) -> pd.Dat
     if d.empty:
         return pd.DataFrame(columns=SUMMARY_COLUMNS)
     d = ir_scores(d)
-    rows = [_row(IR_FAMILY, "all", "accuracy", d, "correct_ir", n_boot=n_boot, seed=seed, paper=PAPER["IR"],
-                 note=PAPER_NOTE),
-            _row(IR_FAMILY, "all", "share answering Yes", d, "says_yes", n_boot=n_boot, seed=seed,
+    rows = [_row(IR_FAMILY, "all", "accuracy", d, "correct_ir", n_boot=n_boot, seed=seed, min_mass=min_mass,
+                 paper=PAPER["IR"], note=PAPER_NOTE),
+            _row(IR_FAMILY, "all", "share answering Yes", d, "says_yes", n_boot=n_boot, seed=seed, min_mass=min_mass,
                  note="always Yes gives accuracy 0.5")]
     aware = d["condition"].astype(str)
     for (cond, cue), g in d.assign(_c=aware).groupby(["_c", "knowledge_cue"], sort=True):
-        rows.append(_row(IR_FAMILY, f"{cond}, {cue} cue", "accuracy", g, "correct_ir", n_boot=n_boot, seed=seed))
+        rows.append(_row(IR_FAMILY, f"{cond}, {cue} cue", "accuracy", g, "correct_ir", n_boot=n_boot, seed=seed,
+                         min_mass=min_mass))
     # awareness effect, paired within passage and cue
     piv = d.assign(_c=aware).pivot_table(index=["task_id", "knowledge_cue"], columns="_c", values="logodds_yes")
     if {"aware", "unaware"} <= set(piv.columns):
         diff = (piv["unaware"] - piv["aware"]).dropna().rename("effect").reset_index()
         diff["id"] = diff["task_id"].astype(str) + "/" + diff["knowledge_cue"].astype(str)
         rows.append(_row(IR_FAMILY, "unaware - aware", "mean log-odds difference", diff, "effect",
-                         n_boot=n_boot, seed=seed, note="positive: the speaker's knowledge moves the answer"))
+                         n_boot=n_boot, seed=seed, min_mass=min_mass,
+                         note="positive: the speaker's knowledge moves the answer"))
     out = pd.DataFrame(rows, columns=SUMMARY_COLUMNS)
     if matched.any():
         left = (f"{int(matched.sum())} matched-cue rows (minimal-pair wording, "
@@ -335,7 +394,8 @@ def constant_preference_chance(df: pd.DataFrame) -> float:
     return best
 
 
-def si_two_option_rows(d: pd.DataFrame, *, n_boot: int, seed: int) -> list[dict[str, Any]]:
+def si_two_option_rows(d: pd.DataFrame, *, n_boot: int, seed: int,
+                       min_mass: float = aggregates.MIN_OPTION_MASS) -> list[dict[str, Any]]:
     """The coarse two-option view (the table's `correct`) with its chance made explicit: the same
     items' accuracy for the best constant preference (always "3" scores 0.6 by design). Not the
     paper's measure; the Δbet rows are."""
@@ -343,16 +403,16 @@ def si_two_option_rows(d: pd.DataFrame, *, n_boot: int, seed: int) -> list[dict[
         return []
     chance = constant_preference_chance(d)
     row = _row(SI_FAMILY, "two-option view", "accuracy (coarse; not the paper's measure)", d, "correct",
-               n_boot=n_boot, seed=seed, note=f"chance = {chance:.2f}: a constant preference (always '3') "
-               "scores this without reading the prompt")
+               n_boot=n_boot, seed=seed, min_mass=min_mass,
+               note=f"chance = {chance:.2f}: a constant preference (always '3') scores this without reading the prompt")
     return [row, {"family": SI_FAMILY, "cell": "two-option view", "metric": "chance: best constant preference",
                   "n": int(len(d)), "n_tasks": int(aggregates.task_of(d).nunique()), "value": chance,
-                  "ci_low": np.nan,
-                  "ci_high": np.nan, "paper": np.nan, "paper_human": np.nan,
-                  "note": "max over the 24 fixed orders of 0..3"}]
+                  "ci_low": np.nan, "ci_high": np.nan, **aggregates.option_mass_columns(d, min_mass),
+                  **_paper_columns(None), "note": "max over the 24 fixed orders of 0..3"}]
 
 
-def si_summary(df: pd.DataFrame, *, n_boot: int = 1000, seed: int = 0, e1_rule: str = "text") -> pd.DataFrame:
+def si_summary(df: pd.DataFrame, *, n_boot: int = 1000, seed: int = 0, e1_rule: str = "text",
+               min_mass: float = aggregates.MIN_OPTION_MASS) -> pd.DataFrame:
     """Accuracy by the Δbet criteria for E1 and E2 (the paper's numbers) and per (access, n), with
     the mean Δbet on 2 and 3 per cell (withheld without the four bets); first, the coarse
     two-option view's accuracy beside its constant-preference chance (0.6, not 0.5)."""
@@ -360,28 +420,32 @@ def si_summary(df: pd.DataFrame, *, n_boot: int = 1000, seed: int = 0, e1_rule: 
     if d.empty:
         return pd.DataFrame(columns=SUMMARY_COLUMNS)
     if not {f"p_{k}" for k in BETS} <= set(d.columns) or d["p_0"].isna().all():
-        return pd.DataFrame(si_two_option_rows(d, n_boot=n_boot, seed=seed) + [
+        return pd.DataFrame(si_two_option_rows(d, n_boot=n_boot, seed=seed, min_mass=min_mass) + [
                              {"family": SI_FAMILY, "cell": exp, "metric": "accuracy (Δbet criteria)", "n": 0,
                               "n_tasks": 0, "value": np.nan, "ci_low": np.nan, "ci_high": np.nan,
-                              "paper": PAPER[f"SI {exp}"][0], "paper_human": PAPER[f"SI {exp}"][1],
+                              **aggregates.option_mass_columns(d, min_mass), **_paper_columns(PAPER[f"SI {exp}"]),
                               "note": "withheld: no bets over 0..3 (run tomlens.behaviour.epitome.enrich)"}
                              for exp in ("E1", "E2")], columns=SUMMARY_COLUMNS)
     a = si_deltas(d, e1_rule=e1_rule)
-    rows = si_two_option_rows(d, n_boot=n_boot, seed=seed)
+    rows = si_two_option_rows(d, n_boot=n_boot, seed=seed, min_mass=min_mass)
     for exp, g in a.groupby("experiment", sort=True):
         rows.append(_row(SI_FAMILY, exp, "accuracy (Δbet criteria)", g, "correct_si", n_boot=n_boot, seed=seed,
-                         paper=PAPER[f"SI {exp}"], note=PAPER_NOTE + (f"; E1 rule: {e1_rule}" if exp == "E1" else "")))
+                         min_mass=min_mass, paper=PAPER[f"SI {exp}"],
+                         note=PAPER_NOTE + (f"; E1 rule: {e1_rule}" if exp == "E1" else "")))
         for (acc, said), gc in g.groupby(["access", "said"], sort=True):
             cell = f"{exp}, a={int(acc)}, n={said}"
-            rows.append(_row(SI_FAMILY, cell, "accuracy (Δbet criteria)", gc, "correct_si", n_boot=n_boot, seed=seed))
+            rows.append(_row(SI_FAMILY, cell, "accuracy (Δbet criteria)", gc, "correct_si", n_boot=n_boot, seed=seed,
+                             min_mass=min_mass))
             for k in ("2", "3"):
-                rows.append(_row(SI_FAMILY, cell, f"mean Δbet on {k}", gc, f"delta_{k}", n_boot=n_boot, seed=seed))
+                rows.append(_row(SI_FAMILY, cell, f"mean Δbet on {k}", gc, f"delta_{k}", n_boot=n_boot, seed=seed,
+                                 min_mass=min_mass))
     return pd.DataFrame(rows, columns=SUMMARY_COLUMNS)
 
 
 # ---- false belief (the factorial as EPITOME's first task) ---------------------------------------
 
-def fb_summary(df: pd.DataFrame, *, n_boot: int = 1000, seed: int = 0) -> pd.DataFrame:
+def fb_summary(df: pd.DataFrame, *, n_boot: int = 1000, seed: int = 0,
+               min_mass: float = aggregates.MIN_OPTION_MASS) -> pd.DataFrame:
     """Belief-prompt accuracy by the sign of log p(Start) - log p(End) (overall: the paper's FB
     number; and per knowledge state) and the knowledge-state effect from
     `aggregates.knowledge_state_effect` (mean paired FB - TB log-odds)."""
@@ -389,16 +453,17 @@ def fb_summary(df: pd.DataFrame, *, n_boot: int = 1000, seed: int = 0) -> pd.Dat
     if d.empty:
         return pd.DataFrame(columns=SUMMARY_COLUMNS)
     rows = [_row(FB_FAMILY, "all belief prompts", "accuracy (log-odds sign)", d, "correct", n_boot=n_boot,
-                 seed=seed, paper=PAPER["FB"], note=PAPER_NOTE)]
+                 seed=seed, paper=PAPER["FB"], note=PAPER_NOTE, min_mass=min_mass)]
     for cond, g in d.groupby("condition", sort=True):
-        rows.append(_row(FB_FAMILY, str(cond), "accuracy (log-odds sign)", g, "correct", n_boot=n_boot, seed=seed))
-    eff = aggregates.knowledge_state_effect(d, n_boot=n_boot, seed=seed)
+        rows.append(_row(FB_FAMILY, str(cond), "accuracy (log-odds sign)", g, "correct", n_boot=n_boot, seed=seed,
+                         min_mass=min_mass))
+    eff = aggregates.knowledge_state_effect(d, n_boot=n_boot, seed=seed, min_mass=min_mass)
     for r in eff.to_dict(orient="records"):
         rows.append({"family": FB_FAMILY, "cell": f"false - true belief ({r['contrast']})",
                      "metric": "knowledge-state effect on log p(Start) - log p(End)", "n": int(r["n_pairs"]),
                      "n_tasks": int(r["n_tasks"]), "value": float(r["effect"]), "ci_low": float(r["ci_low"]),
-                     "ci_high": float(r["ci_high"]), "paper": np.nan, "paper_human": np.nan,
-                     "note": "positive: the answer follows what the protagonist saw"})
+                     "ci_high": float(r["ci_high"]), **{c: r.get(c, np.nan) for c in aggregates.MASS_COLUMNS},
+                     **_paper_columns(None), "note": "positive: the answer follows what the protagonist saw"})
     return pd.DataFrame(rows, columns=SUMMARY_COLUMNS)
 
 

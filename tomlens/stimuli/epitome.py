@@ -2,28 +2,41 @@
 
 The false-belief factorial (EPITOME's first task) lives in `tomlens.stimuli.factorial`. Here:
 
-* `recursive-mindreading`: a story in which a hope is passed along a chain of people (each tells
-  the next what they know, including who told them), the same people are linked by a chain of
-  distinct relations (neighbour, cousin, ...), and one outsider has met none of them, is told
-  nothing and hopes no such thing. A level-k mental statement has k mental verbs ("Gus knows that
-  Fay knows that ... Dana hopes ..."), a level-k non-mental statement k relations ("Hana is the
-  coach of the cousin of ... Dana"). The two continuations differ only in the outer verb's
-  polarity (mental and non-mental alike: the foil is a negation that contradicts the story). In
-  half the items (per story x kind x level: one continuation format) the statement is about the
-  outsider and the negated option ("Iris does not know that ...", "Iris is not the coach of ...")
-  is the consistent one, so neither "not" nor length gives the answer away. Story format x
-  continuation format (narrative / script) are crossed: per story 7 levels x 2 kinds x 4 formats
-  = 56 prompts. Labels: `world_state` = `protagonist_belief` = the consistent continuation (there
-  is no belief/world contrast here; the belief-like labels are meta `level`, `mental` and
-  `consistent_negated`). The prompt's story-free tail is meta `story_free_text`, for PMI_DC.
+* `recursive-mindreading`: a hope is passed along a chain of eight people (each tells the next
+  everything they know, including who told them), the same people are linked by a chain of distinct
+  relations (tutor, coach, ...), and an outsider who has never met any of them holds one relation
+  towards every member (the landlord of every one of them) and is phoned by the seventh member before
+  the eighth is told; the outsider hopes the same thing in half the stories. A level-k mental
+  statement has k mental verbs ("Gus knows that Fay knows that ... Dana hopes ..."), a level-k
+  non-mental statement k relations ("Hana is the coach of the tutor of ... Dana"). A statement is
+  true when every link holds (each knower was told after the person they know about; the last
+  person hopes; each relation leads to the next), and a false one fails at exactly one link, drawn
+  over the links it can fail at (the outer one, those inside, the innermost hope or base person), so
+  checking any one link leaves the rest unchecked. The two continuations differ only in the outer
+  verb's polarity. Per story x kind x level the four prompts are insider / outsider subject x
+  affirmative / negated consistent option, each in its own story format x continuation format
+  (narrative / script), so neither the subject's type, nor its place in the chain (a true and a
+  false statement share it), nor "not", nor length gives the answer (mental level 1, "X hopes that
+  H": the two outsider prompts follow whether the outsider hopes, the insider ones the other way;
+  balanced over blocks of 8 stories). Before (tomlens <= 6bc1cca) every outsider statement was
+  negated and every insider one affirmative, so "outsider <-> not" scored 1.00 at every level.
+  Labels: `world_state` = `protagonist_belief` = the consistent continuation (there is no
+  belief/world contrast here); meta `level`, `mental`, `subject_type`, `keyed_polarity`
+  (`consistent_negated`), `violated_link` (0 when the consistent option is affirmative). The
+  prompt's story-free tail is meta `story_free_text`, for PMI_DC.
 * `indirect-request`: a speaker says something that could be a request ("I'm so thirsty") after
-  an obstacle (a fountain switched off); the speaker is aware / unaware of it, by an explicit or an
-  implicit cue. "Is X making a request?" Yes/No; answer Yes when unaware, No when aware. Labels:
-  `world_state` = "blocked" (the request cannot be met), `protagonist_belief` = the speaker's view
-  ("blocked" when aware, "open" when unaware), `reference_state` = "open", so the probe target
-  `protagonist_belief` reads "the speaker does not know of the obstacle" (meta `speaker_aware` is
-  its negation). Option `matched_cue` words the unaware explicit cue "knows nothing about" (as long
-  as the aware "knows all about") for the minimal pairs of `ir_minimal_pairs`.
+  an obstacle, always an event (a park worker switches off the fountain); the speaker is aware /
+  unaware of it, by an explicit or an implicit cue. Implicit: the speaker steps away and comes back,
+  and the event happens in front of everyone there while they are away (unaware) or after they are
+  back (aware), the same sentences in another order. Explicit: who knows of the obstacle and who
+  does not, the speaker and hearer swapping places. Before (<= 6bc1cca) the only unaware implicit
+  cue was "While S is away ..., H notices that ..." and 6 of 16 obstacles were standing states the
+  speaker may have known already. "Is X making a request?" Yes/No; answer Yes when unaware, No when
+  aware. Labels: `world_state` = "blocked" (the request cannot be met), `protagonist_belief` = the
+  speaker's view ("blocked" when aware, "open" when unaware), `reference_state` = "open", so the
+  probe target `protagonist_belief` reads "the speaker does not know of the obstacle" (meta
+  `speaker_aware` is its negation). Option `matched_cue` words the explicit cue "{H} notices that
+  ... {S} knows all / nothing about ..." for the minimal pairs of `ir_minimal_pairs`.
 * `scalar-implicature`: three things that almost always have a property; the speaker has looked at
   a of 3 and says n have it ("Some" in E1, 1 <= n <= a in E2). The question "How many ... (0, 1, 2,
   or 3)" is asked before the utterance (one prompt per story) and after it (one per condition).
@@ -39,11 +52,18 @@ The false-belief factorial (EPITOME's first task) lives in `tomlens.stimuli.fact
 Short Story and Strange Stories items (free-text answers coded by a human with a rubric) are
 `FreeTextItem`s from `short_story_items()` and `strange_stories_items()`: the stories and rubrics
 are the project's own, not the paper's (which uses Hemingway's text and Happé's items).
+
+`CONTRASTS_BY_FAMILY` / `RULES_BY_FAMILY` (end of the module) declare what `tomlens audit` checks on
+recursive mindreading (the consistent option's polarity; subject type, level, the subject's place in
+the chain, formats) and indirect requests (awareness; the cue's wording, the obstacle's kind).
 """
 
 from __future__ import annotations
 
+import functools
+import itertools
 import random
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,6 +71,7 @@ from tomlens.errors import TomlensError
 from tomlens.stimuli import lexicon
 from tomlens.stimuli.false_belief import balanced_flags
 from tomlens.stimuli.records import Span, Stimulus, find_mentions
+from tomlens.stimuli.shortcuts import Contrast, Rule
 
 RM_FAMILY = "recursive-mindreading"
 IR_FAMILY = "indirect-request"
@@ -112,9 +133,150 @@ RM_SETTINGS: tuple[RMSetting, ...] = (
     RMSetting("band", "the band plays one more concert before the summer",
               "The local band has been quiet for months, and {P1} is their biggest fan."),
 )
-# Relations between consecutive people (the non-mental recursion): P_{i+1} is the REL of P_i.
-RELATIONS: tuple[str, ...] = ("neighbour", "cousin", "coach", "landlord", "tutor", "dentist", "boss",
-                              "flatmate", "classmate", "godparent")
+# Relations of the non-mental recursion. None is symmetric (a cousin's cousin would make "the cousin
+# of X" ambiguous), and each can be held towards someone never met, so the outsider holds one towards
+# every member of the group. A story draws 8: 7 for the chain (P_{i+1} is the relations[i] of P_i)
+# and 1 for the outsider, so no word belongs to one role.
+RELATIONS: tuple[str, ...] = ("landlord", "accountant", "lawyer", "boss", "tutor", "coach", "mentor", "agent",
+                              "editor", "sponsor")
+CHAIN = 8  # people in the chain; P1 hopes, each tells the next
+OUT = 0  # the outsider in a statement's sequence of people (chain members are 1..CHAIN)
+PHONES_OUTSIDER = 7  # the chain member who phones the outsider, before telling the next one
+OUTSIDER_RELATION = CHAIN - 1  # index of the outsider's relation in RMStory.relations
+SUBJECT_TYPES: tuple[str, str] = ("insider", "outsider")
+KINDS: tuple[str, str] = ("mental", "non_mental")
+
+
+def _told_at(person: int) -> float:
+    """When a person learns the hope: chain member i at step i, the outsider between the step of
+    the member who phones them and the next step."""
+    return PHONES_OUTSIDER + 0.5 if person == OUT else float(person)
+
+
+def _knows_link(a: int, b: int) -> bool | None:
+    """Whether `a` knows everything `b` knows (True: `a` was told after `b`, and the chain passes on
+    who told whom), clearly does not (False: `b` was told later, by someone else), or None where the
+    story leaves it open (`a` told `b` themselves; anything about the outsider, whom nobody is told
+    about). Statements with an open link are never generated."""
+    if b == OUT or (a != OUT and b == a + 1):
+        return None
+    return _told_at(a) > _told_at(b)
+
+
+def _relation_step(person: int | None, relation: int) -> int | None:
+    """Who is the `relation`-th relation of `person` (None: nobody in the story)."""
+    if person is None or person == OUT:
+        return None
+    if relation == OUTSIDER_RELATION:
+        return OUT
+    return person + 1 if person == relation + 1 else None
+
+
+@dataclass(frozen=True)
+class RMStatement:
+    """A level-k statement as indices, before names are put in. Mental: `people` = (s_1, ..., s_k),
+    "s_1 knows that s_2 knows that ... s_k hopes that H" (level 1: "s_1 hopes that H"). Non-mental:
+    `people` = (subject, base) and `relations` (outermost first, indices into the story's relations),
+    "subject is the r_1 of the r_2 of ... of the r_k of base"."""
+
+    kind: str
+    people: tuple[int, ...]
+    relations: tuple[int, ...] = ()
+
+    @property
+    def level(self) -> int:
+        return len(self.people) if self.kind == "mental" else len(self.relations)
+
+    @property
+    def subject(self) -> int:
+        return self.people[0]
+
+    def links(self, outsider_hopes: bool) -> list[bool | None]:
+        """The truth of each link, outermost first: mental, each "s_i knows that s_{i+1} ..." and
+        last whether s_k hopes; non-mental, each relation walked from the base, the outermost one
+        being whether the subject is who the walk reaches. The statement is true iff all are."""
+        if self.kind == "mental":
+            *knowers, hoper = self.people
+            pairs = [_knows_link(a, b) for a, b in zip(self.people, self.people[1:])]
+            return pairs + [hoper == 1 or (hoper == OUT and outsider_hopes)]
+        subject, base = self.people
+        reached: list[int | None] = [base]
+        for r in reversed(self.relations):
+            reached.append(_relation_step(reached[-1], r))
+        ok = [x is not None for x in reached[1:]]
+        ok[-1] = reached[-1] == subject
+        return list(reversed(ok))
+
+    def true(self, outsider_hopes: bool) -> bool:
+        return all(self.links(outsider_hopes))
+
+
+@functools.lru_cache(maxsize=None)
+def _mental_pool(level: int, outsider: bool) -> dict[tuple[int, int], tuple[tuple[int, ...], ...]]:
+    """Every mental sequence of `level` people (the outsider first when `outsider`, chain members
+    otherwise, no one twice, no open link), keyed by (subject, violation): violation 0 for a true
+    statement, p for one false at exactly its p-th link (p = level: the hoper is wrong). Level >= 2."""
+    pool: dict[tuple[int, int], list[tuple[int, ...]]] = {}
+    heads = [(OUT,)] if outsider else [(x,) for x in range(1, CHAIN + 1)]
+    for head in heads:
+        rest = [x for x in range(1, CHAIN + 1) if x not in head]
+        for tail in itertools.permutations(rest, level - 1):
+            links = RMStatement("mental", head + tail).links(False)
+            if None in links:
+                continue
+            false = [i + 1 for i, ok in enumerate(links) if not ok]
+            if len(false) <= 1:
+                pool.setdefault((head[0], false[0] if false else 0), []).append(head + tail)
+    return {k: tuple(v) for k, v in pool.items()}
+
+
+def _mental_pair(rng: random.Random, level: int, outsider: bool) -> tuple[RMStatement, RMStatement, int]:
+    """A true and a false mental statement (level >= 2) about the same subject, and the false one's
+    violated link: the subject is drawn from those both can have (so the subject's place in the
+    chain says nothing about the answer), the violated link uniformly from those it can have (never
+    the one just above the hope: "X knows that P1 hopes" holds for everyone, all being told)."""
+    pool = _mental_pool(level, outsider)
+    subjects = sorted({x for x, p in pool if p == 0} & {x for x, p in pool if p > 0})
+    x = rng.choice(subjects)
+    violation = rng.choice(sorted(p for s, p in pool if s == x and p > 0))
+    true = RMStatement("mental", rng.choice(pool[(x, 0)]))
+    false = RMStatement("mental", rng.choice(pool[(x, violation)]))
+    return true, false, violation
+
+
+def _relation_pair(rng: random.Random, level: int, outsider: bool) -> tuple[RMStatement, RMStatement, int]:
+    """A true and a false non-mental statement about the same subject, and the false one's
+    violated link. True: the chain's first relations walked from P1 (the outsider's own relation
+    outermost for the outsider). False at level 1: the insider's and the outsider's relation words
+    swapped; above: two neighbouring relations swapped (link p = 1..level-1) or a wrong base person
+    (link p = level), p uniform."""
+    chain = list(range(level - 1, -1, -1))
+    rels = ([OUTSIDER_RELATION] + chain[1:]) if outsider else chain
+    subject = OUT if outsider else level + 1
+    true = RMStatement("non_mental", (subject, 1), tuple(rels))
+    if level == 1:
+        return true, RMStatement("non_mental", (subject, 1), (0 if outsider else OUTSIDER_RELATION,)), 1
+    violation = rng.randint(1, level)
+    if violation < level:
+        rels[violation - 1], rels[violation] = rels[violation], rels[violation - 1]
+        return true, RMStatement("non_mental", (subject, 1), tuple(rels)), violation
+    base = rng.choice([x for x in range(2, CHAIN + 1) if x != subject])
+    return true, RMStatement("non_mental", (subject, base), tuple(rels)), violation
+
+
+@dataclass(frozen=True)
+class RMItem:
+    """One prompt of a story: its statement, whether the consistent option is the negated one,
+    the false statement's violated link (0 when the statement is true), the formats and whether the
+    consistent option comes first."""
+
+    statement: RMStatement
+    subject_type: str
+    negated: bool
+    violation: int
+    story_format: str
+    question_format: str
+    answer_first: bool
 
 
 @dataclass(frozen=True)
@@ -123,13 +285,61 @@ class RMStory:
     seed: int
     task_id: str
     setting: RMSetting
-    people: tuple[tuple[str, str, str, str], ...]  # 8 people in the chain, then the outsider
-    relations: tuple[str, ...]  # 7 distinct relations: people[i+1] is the relations[i] of people[i]
-    # (kind, level) -> the continuation format whose consistent option is the negated one (the
-    # other format's is affirmative), so each story x kind x level is half negated, half affirmative
-    negated_format: dict[tuple[str, int], str]
-    # (kind, level, continuation format) -> the answer comes first in the narrative story's prompt
-    first_flags: dict[tuple[str, int, str], bool]
+    people: tuple[tuple[str, str, str, str], ...]  # the chain P1..P8, then the outsider
+    relations: tuple[str, ...]  # 7 for the chain (P_{i+1} is the relations[i] of P_i), the outsider's
+    outsider_hopes: bool  # whether the outsider hopes the same thing (balanced over blocks of stories)
+    items: tuple[RMItem, ...]  # 2 kinds x 7 levels x 4 (subject type x polarity, one per format pair)
+
+
+def _rm_cells(kind: str, level: int, outsider_hopes: bool) -> list[tuple[str, bool]]:
+    """(subject type, consistent option negated) of a story's 4 prompts at one kind x level: each of
+    insider / outsider x affirmative / negated once, so subject type says nothing about polarity.
+    Mental level 1 is "X hopes that H", and the outsider either hopes it or not in the whole story:
+    there the two outsider prompts share a polarity and the two insider prompts take the other
+    (balanced over stories by `outsider_hopes`, which is balanced in blocks of 8)."""
+    if kind == "mental" and level == 1:
+        return [("outsider", not outsider_hopes)] * 2 + [("insider", outsider_hopes)] * 2
+    return [(t, neg) for t in SUBJECT_TYPES for neg in (False, True)]
+
+
+def _answer_first(seed: int, index: int, cell: str) -> bool:
+    """Whether the consistent option comes first in story `index`'s prompt of `cell`: exactly half
+    of each cell's prompts over every block of BLOCK stories (a set's chance imbalance in one cell
+    is a cue that cell's own rule would find)."""
+    block = random.Random(f"{RM_FAMILY}/options/{seed}/{cell}/{index // BLOCK}")
+    return balanced_flags(block, BLOCK)[index % BLOCK]
+
+
+def _rm_items(rng: random.Random, seed: int, index: int, outsider_hopes: bool) -> tuple[RMItem, ...]:
+    items: list[RMItem] = []
+    for kind in KINDS:
+        for level in LEVELS:
+            cells = _rm_cells(kind, level, outsider_hopes)
+            formats = [(s, q) for s in FORMATS for q in FORMATS]
+            rng.shuffle(formats)
+            pairs = {t: _rm_pair(rng, kind, level, t == "outsider") for t in SUBJECT_TYPES}
+            seen: set[tuple[str, bool]] = set()
+            for (subject_type, negated), (sfmt, qfmt) in zip(cells, formats):
+                true, false, violation = pairs[subject_type]
+                if kind == "mental" and level == 1 and subject_type == "insider":
+                    true, false, violation = _rm_pair(rng, kind, level, False)  # each its own non-hoper
+                # a cell twice in one story (mental level 1): the second prompt takes the other order
+                first = _answer_first(seed, index, f"{kind}/{level}/{subject_type}/{negated}") != (
+                    (subject_type, negated) in seen)
+                seen.add((subject_type, negated))
+                items.append(RMItem(false if negated else true, subject_type, negated, violation if negated else 0,
+                                    sfmt, qfmt, first))
+    return tuple(items)
+
+
+def _rm_pair(rng: random.Random, kind: str, level: int, outsider: bool) -> tuple[RMStatement, RMStatement, int]:
+    if kind == "non_mental":
+        return _relation_pair(rng, level, outsider)
+    if level > 1:
+        return _mental_pair(rng, level, outsider)
+    if outsider:
+        return RMStatement("mental", (OUT,)), RMStatement("mental", (OUT,)), 1
+    return RMStatement("mental", (1,)), RMStatement("mental", (rng.randint(2, CHAIN),)), 1
 
 
 def _rm_story(index: int, seed: int) -> RMStory:
@@ -137,71 +347,71 @@ def _rm_story(index: int, seed: int) -> RMStory:
     order = list(range(len(RM_SETTINGS)))
     random.Random(f"{RM_FAMILY}/settings/{seed}/{index // len(RM_SETTINGS)}").shuffle(order)
     setting = RM_SETTINGS[order[index % len(RM_SETTINGS)]]
-    people = tuple(_people(rng, 9))
-    relations = tuple(rng.sample(list(RELATIONS), 7))
-    negated = {(kind, level): rng.choice(FORMATS) for kind in ("mental", "non_mental") for level in LEVELS}
-    first = {(kind, level, q): rng.random() < 0.5 for kind in ("mental", "non_mental") for level in LEVELS
-             for q in FORMATS}
-    return RMStory(index, seed, f"rm-{seed}-{index}", setting, people, relations, negated, first)
+    people = tuple(_people(rng, CHAIN + 1))
+    relations = tuple(rng.sample(list(RELATIONS), CHAIN))
+    hopes = balanced_flags(random.Random(f"{RM_FAMILY}/outsider-hopes/{seed}/{index // BLOCK}"), BLOCK)[index % BLOCK]
+    return RMStory(index, seed, f"rm-{seed}-{index}", setting, people, relations, hopes,
+                   _rm_items(rng, seed, index, hopes))
+
+
+def _name(story: RMStory, person: int) -> str:
+    return story.people[CHAIN if person == OUT else person - 1][0]
 
 
 def _rm_story_text(story: RMStory, fmt: str) -> str:
+    """The story: the outsider (never met, but holds one relation towards every member), the chain
+    of relations, P1's hope (nobody else in the group hopes it; the outsider does or does not), and
+    the telling chain, in which P7 phones the outsider before telling P8."""
     p = [x[0] for x in story.people]
     pro = [x[1] for x in story.people]
     obj = [x[2] for x in story.people]
-    hope = story.setting.hope
-    rel = story.relations
-    # the outsider (people[8]) is in neither chain: the negated continuations are true of them
-    outsider = (f"{p[8]} has never met any of them and is away all month, so nobody tells {obj[8]} "
-                f"anything; {pro[8]} has never hoped for any such thing.")
+    rel, hope, o = story.relations, story.setting.hope, CHAIN
+    outsider = (f"{p[o]} has never met any of them in person, but {pro[o]} is the "
+                f"{rel[OUTSIDER_RELATION]} of every one of them.")
+    only = (f"Of the group, only {p[0]} hopes for it; {p[o]} hopes for it too." if story.outsider_hopes else
+            f"Of the group, only {p[0]} hopes for it; {p[o]} does not hope for it.")
+    told = PHONES_OUTSIDER - 1
     if fmt == "narrative":
         lines = [story.setting.opening.format(P1=p[0]), outsider]
-        lines += [f"{p[i + 1]} is the {rel[i]} of {p[i]}." for i in range(7)]
-        lines.append(f"{p[0]} hopes that {hope}, and {pro[0]} tells {p[1]} so.")
-        for i in range(1, 7):
-            lines.append(f"{p[i]} then tells {p[i + 1]} everything {pro[i]} knows about it, "
-                         f"including who told {obj[i]}.")
+        lines += [f"{p[i + 1]} is the {rel[i]} of {p[i]}." for i in range(CHAIN - 1)]
+        lines += [f"{p[0]} hopes that {hope}, and {pro[0]} tells {p[1]} so.", only]
+        for i in range(1, CHAIN - 1):
+            if i == told:
+                lines.append(f"{p[i]} then phones {p[o]} and tells {obj[o]} everything {pro[i]} knows about it, "
+                             f"including who told {obj[i]}.")
+                lines.append(f"After that, {p[i]} tells {p[i + 1]} everything {pro[i]} knows about it, "
+                             f"including who told {obj[i]}.")
+            else:
+                lines.append(f"{p[i]} then tells {p[i + 1]} everything {pro[i]} knows about it, "
+                             f"including who told {obj[i]}.")
         return " ".join(lines)
+    said = '"Here is everything I know about it, and who told me."'
     lines = [story.setting.opening.format(P1=p[0]), outsider]
-    for i in range(7):
-        lines.append(f'{p[i].upper()}: "{p[i + 1]}, you are my {rel[i]}."')
-    lines.append(f'{p[0].upper()} (to {p[1]}): "I hope that {hope}."')
-    for i in range(1, 7):
-        lines.append(f'{p[i].upper()} (to {p[i + 1]}): "Here is everything I know about it, '
-                     f'and who told me."')
+    lines += [f'{p[i].upper()}: "{p[i + 1]}, you are my {rel[i]}."' for i in range(CHAIN - 1)]
+    lines += [f'{p[0].upper()} (to {p[1]}): "I hope that {hope}."', only]
+    for i in range(1, CHAIN - 1):
+        if i == told:
+            lines.append(f"{p[i].upper()} (on the phone to {p[o]}): {said}")
+        lines.append(f"{p[i].upper()} (to {p[i + 1]}): {said}")
     return "\n".join(lines)
 
 
-def _mental_clause(story: RMStory, level: int, outsider: bool, negate: bool) -> str:
-    """"X knows that P_{level-1} knows that ... P_1 hopes that H" with `level` verbs; X = P_level
-    (told by the chain) or the outsider (told nothing, hopes no such thing); the outer verb negated
-    when `negate`."""
-    p = [x[0] for x in story.people]
-    outer = p[8] if outsider else p[level - 1]
-    if level == 1:
-        return f"{outer} {'does not hope' if negate else 'hopes'} that {story.setting.hope}"
-    clause = f"{p[0]} hopes that {story.setting.hope}"
-    for j in range(1, level - 1):
-        clause = f"{p[j]} knows that {clause}"
-    return f"{outer} {'does not know' if negate else 'knows'} that {clause}"
+def _statement_text(story: RMStory, st: RMStatement, negate: bool) -> str:
+    """The clause; only the outer verb's polarity differs between a prompt's two options."""
+    if st.kind == "mental":
+        hope = story.setting.hope
+        if st.level == 1:
+            return f"{_name(story, st.subject)} {'does not hope' if negate else 'hopes'} that {hope}"
+        clause = f"{_name(story, st.people[-1])} hopes that {hope}"
+        for person in reversed(st.people[1:-1]):
+            clause = f"{_name(story, person)} knows that {clause}"
+        return f"{_name(story, st.subject)} {'does not know' if negate else 'knows'} that {clause}"
+    chain = " of the ".join(story.relations[r] for r in st.relations)
+    return f"{_name(story, st.subject)} {'is not' if negate else 'is'} the {chain} of {_name(story, st.people[1])}"
 
 
-def _relation_clause(story: RMStory, level: int, outsider: bool, negate: bool) -> str:
-    """"X is [not] the R_level of the ... of the R_1 of P_1" with `level` distinct relations; X =
-    P_{level+1} (the story's chain) or the outsider (who has never met any of them)."""
-    p = [x[0] for x in story.people]
-    chain = " of the ".join(reversed(story.relations[:level]))
-    outer = p[8] if outsider else p[level]
-    return f"{outer} {'is not' if negate else 'is'} the {chain} of {p[0]}"
-
-
-def _continuation(story: RMStory, kind: str, level: int, fmt: str, negated: bool, consistent: bool) -> str:
-    """The two options differ only in the outer verb's polarity (the same foil type for mental and
-    non-mental: a negation that contradicts the story). In a `negated` item the statement is about
-    the outsider and the consistent option is the negative one."""
-    negate = negated == consistent
-    make = _mental_clause if kind == "mental" else _relation_clause
-    clause = make(story, level, negated, negate)
+def _continuation(story: RMStory, st: RMStatement, fmt: str, negate: bool) -> str:
+    clause = _statement_text(story, st, negate)
     if fmt == "narrative":
         return f"Later that week, it is clear that {clause}."
     return f'NARRATOR: "As it turns out, {clause}."'
@@ -211,46 +421,49 @@ RM_TAIL = "\n\nWhat happens in the next scene?\n"
 
 
 def rm_story_stimuli(story: RMStory) -> list[Stimulus]:
-    """The 56 prompts of one story: 7 levels x (mental, non-mental) x story format x continuation
-    format. Within each story x kind x level, the consistent option is negated in one continuation
-    format and affirmative in the other, and comes first in one story format of each."""
+    """The 56 prompts of one story: 2 kinds x 7 levels x 4, the four being insider / outsider
+    subject x affirmative / negated consistent option (mental level 1: see `_rm_cells`), each in
+    its own story format x continuation format, the consistent option first in one of each
+    polarity's two."""
     out: list[Stimulus] = []
     texts = {fmt: _rm_story_text(story, fmt) for fmt in FORMATS}
-    names = {f"person_{i + 1}": x[0] for i, x in enumerate(story.people[:8])}
-    for kind in ("mental", "non_mental"):
-        for qfmt in FORMATS:
-            for level in LEVELS:
-                negated = story.negated_format[(kind, level)] == qfmt
-                good = _continuation(story, kind, level, qfmt, negated, True)
-                bad = _continuation(story, kind, level, qfmt, negated, False)
-                for sfmt in FORMATS:
-                    tail = RM_TAIL + ("Scene:" if qfmt == "narrative" else "Script:")
-                    text = texts[sfmt] + tail
-                    first = story.first_flags[(kind, level, qfmt)] == (sfmt == "narrative")
-                    options = (good, bad) if first else (bad, good)
-                    story_end = len(texts[sfmt])
-                    found = find_mentions(texts[sfmt], {"protagonist": story.people[0][0],
-                                                        "other_agent": story.people[1][0]})
-                    spans = {role: ms[0] for role, ms in found.items()}
-                    spans["query"] = Span(story_end, len(text))
-                    meta = {"level": level, "mental": kind == "mental", "story_format": sfmt,
-                            "question_format": qfmt, "consistent_option": good, "consistent_negated": negated,
-                            "story_free_text": tail.strip(), "setting": story.setting.id,
-                            "foil": "the outer verb's polarity flipped",
-                            "outsider": story.people[8][0],
-                            "people": list(names.values()), "story_index": story.index, "seed": story.seed}
-                    out.append(Stimulus(
-                        id=f"{story.task_id}-{kind}-l{level}-{sfmt[0]}{qfmt[0]}", text=text, options=options,
-                        answer=good, family=RM_FAMILY, task_id=story.task_id,
-                        template_id=f"rm-{story.setting.id}", condition=kind, prompt_type="belief",
-                        world_state=good, protagonist_belief=good, reference_state=None,
-                        spans=spans, meta=meta, mentions={**found, "query": (spans["query"],)}))
+    names = {f"person_{i + 1}": x[0] for i, x in enumerate(story.people[:CHAIN])}
+    for item in story.items:
+        st = item.statement
+        if st.true(story.outsider_hopes) == item.negated:
+            raise AssertionError(f"{story.task_id}: a statement's truth disagrees with its plan")  # generator bug
+        good = _continuation(story, st, item.question_format, item.negated)
+        bad = _continuation(story, st, item.question_format, not item.negated)
+        tail = RM_TAIL + ("Scene:" if item.question_format == "narrative" else "Script:")
+        text = texts[item.story_format] + tail
+        options = (good, bad) if item.answer_first else (bad, good)
+        story_end = len(texts[item.story_format])
+        found = find_mentions(texts[item.story_format], {"protagonist": story.people[0][0],
+                                                         "other_agent": story.people[1][0]})
+        spans = {role: ms[0] for role, ms in found.items()}
+        spans["query"] = Span(story_end, len(text))
+        kind, level = st.kind, st.level
+        meta = {"level": level, "mental": kind == "mental", "story_format": item.story_format,
+                "question_format": item.question_format, "consistent_option": good,
+                "consistent_negated": item.negated, "keyed_polarity": "negated" if item.negated else "affirmative",
+                "subject_type": item.subject_type, "subject": _name(story, st.subject),
+                "violated_link": item.violation, "story_free_text": tail.strip(), "setting": story.setting.id,
+                "foil": "the outer verb's polarity flipped", "outsider": story.people[CHAIN][0],
+                "outsider_hopes": story.outsider_hopes, "people": list(names.values()),
+                "story_index": story.index, "seed": story.seed}
+        out.append(Stimulus(
+            id=f"{story.task_id}-{kind}-l{level}-{item.story_format[0]}{item.question_format[0]}-{item.subject_type}",
+            text=text, options=options, answer=good, family=RM_FAMILY, task_id=story.task_id,
+            template_id=f"rm-{story.setting.id}", condition=kind, prompt_type="belief",
+            world_state=good, protagonist_belief=good, reference_state=None,
+            spans=spans, meta=meta, mentions={**found, "query": (spans["query"],)}))
     return out
 
 
 def recursive_mindreading(n: int = 4, seed: int = 0) -> list[Stimulus]:
-    """`n` stories x 56 prompts (7 levels x mental / non-mental x story format x continuation
-    format). Settings come in seeded rounds without repeats; story i depends only on (seed, i)."""
+    """`n` stories x 56 prompts (2 kinds x 7 levels x insider / outsider subject x affirmative /
+    negated consistent option). Settings come in seeded rounds without repeats; story i depends only
+    on (seed, i)."""
     _check_n_seed(n, seed, RM_FAMILY)
     return [s for i in range(n) for s in rm_story_stimuli(_rm_story(i, seed))]
 
@@ -259,78 +472,146 @@ def recursive_mindreading(n: int = 4, seed: int = 0) -> list[Stimulus]:
 
 @dataclass(frozen=True)
 class IRTemplate:
-    """A scene: where it happens, the obstacle (as an event and as a noun phrase), the utterance."""
+    """A scene: where it happens, the obstacle as an event (something that happens at one moment,
+    so a speaker who is away at that moment cannot know of it) and as a noun phrase, the utterance."""
 
     id: str
     scene: str  # slots {S} {H}
-    breaks: str  # "the printer runs out of ink"
+    event: str  # "the printer beeps and stops, out of ink"
     noun: str  # "the empty printer"
     utterance: str
 
 
 IR_TEMPLATES: tuple[IRTemplate, ...] = (
-    IRTemplate("printer", "{S} and {H} are finishing a report in the study.", "the printer runs out of ink",
+    IRTemplate("printer", "{S} and {H} are finishing a report in the study.", "the printer beeps and stops, out of ink",
                "the empty printer", "I really need a paper copy of this."),
     IRTemplate("window", "{S} and {H} are working in a small office on a hot afternoon.",
-               "the only window is painted shut", "the stuck window", "It's so stuffy in here."),
-    IRTemplate("lamp", "{S} and {H} are reading in the living room after dinner.",
-               "the bulb in the reading lamp burns out", "the dead bulb", "It's hard to read in this light."),
+               "the catch on the only window snaps off", "the broken window catch", "It's so stuffy in here."),
+    IRTemplate("heater", "{S} and {H} are sitting in the living room on a cold evening in January.",
+               "the heater gives a bang and stops working", "the broken heater", "I'm freezing in here."),
     IRTemplate("radio", "{S} and {H} are cleaning the kitchen together on Saturday.",
-               "the batteries in the radio run flat", "the flat batteries", "It's very quiet in here."),
-    IRTemplate("fan", "{S} and {H} are sitting in the flat during a heatwave.", "the electric fan breaks",
-               "the broken fan", "I'm boiling today."),
+               "the radio crackles and dies, its batteries flat", "the flat batteries", "It's very quiet in here."),
+    IRTemplate("fan", "{S} and {H} are sitting in the flat during a heatwave.",
+               "the electric fan gives a bang and stops working", "the broken fan", "I'm boiling today."),
     IRTemplate("charger", "{S} and {H} are staying at a cabin for the weekend.",
-               "the only phone charger has been left behind", "the missing charger", "My phone is nearly dead."),
-    IRTemplate("kettle", "{S} and {H} are at home on a cold, grey morning.", "the kettle stops working",
+               "the only phone charger sparks and stops working", "the broken charger", "My phone is nearly dead."),
+    IRTemplate("kettle", "{S} and {H} are at home on a cold, grey morning.", "the kettle sparks and stops working",
                "the broken kettle", "I could really do with a cup of tea."),
-    IRTemplate("shop", "{S} and {H} are making pancakes on a Sunday morning.",
-               "the corner shop is closed all day", "the closed shop", "We're out of milk."),
+    IRTemplate("dishwasher", "{S} and {H} are tidying up after a big dinner.",
+               "the dishwasher gives a bang and breaks down", "the broken dishwasher",
+               "There are so many dirty plates."),
     IRTemplate("umbrella", "{S} and {H} are about to walk to the station.",
-               "the only umbrella in the house is torn", "the torn umbrella", "It's pouring out there."),
+               "the only umbrella in the house snaps in half", "the broken umbrella", "It's pouring out there."),
     IRTemplate("remote", "{S} and {H} are watching television on the sofa.",
-               "the remote control has stopped working", "the useless remote", "This show is so boring."),
-    IRTemplate("oven", "{S} and {H} have just come back from a long walk.", "the oven stops heating",
+               "the remote control falls off the arm of the sofa and breaks", "the broken remote",
+               "This show is so boring."),
+    IRTemplate("oven", "{S} and {H} are home after a long walk.", "the oven clicks off and stops heating",
                "the broken oven", "I'm absolutely starving."),
     IRTemplate("speaker", "{S} and {H} are having friends round for the evening.",
-               "the speaker for the music breaks", "the broken speaker", "This party needs some music."),
+               "the speaker for the music crackles and breaks", "the broken speaker", "This party needs some music."),
     IRTemplate("tap", "{S} and {H} are finishing a long run in the park.",
-               "the drinking fountain is switched off", "the dry fountain", "I'm so thirsty."),
+               "a park worker switches off the drinking fountain", "the dry fountain", "I'm so thirsty."),
     IRTemplate("blind", "{S} and {H} are trying to watch a film in the sunny front room.",
-               "the blind gets stuck open", "the stuck blind", "I can hardly see the screen."),
-    IRTemplate("torch", "{S} and {H} are walking back to the tent after dark.", "the torch's battery dies",
-               "the dead torch", "I can't see where I'm going."),
-    IRTemplate("chair", "{S} and {H} are waiting for a long meeting to start.", "the spare chair has a broken leg",
-               "the broken chair", "My feet are killing me."),
+               "the cord of the blind snaps, leaving the blind stuck open", "the stuck blind",
+               "I can hardly see the screen."),
+    IRTemplate("torch", "{S} and {H} are putting up their tent as it gets dark.",
+               "the torch flickers and dies, its battery flat", "the dead torch", "I can't see what I'm doing."),
+    IRTemplate("chair", "{S} and {H} are waiting for a long meeting to start.",
+               "a leg of the spare chair cracks", "the broken chair", "My feet are killing me."),
 )
 IR_CELLS: tuple[tuple[bool, str], ...] = ((True, "explicit"), (True, "implicit"), (False, "explicit"),
                                           (False, "implicit"))
+# The implicit cue: the speaker steps away and comes back, and the obstacle happens in front of
+# everyone there, either while the speaker is away (unaware) or after they are back (aware). The two
+# versions are the same sentences in another order: each leave / return pair ends on the same two
+# words, and the utterance begins like the return ("{S} comes ..."), so every n-gram up to 3 words,
+# across sentence ends too, is the same in both, and the last presence cue before the utterance is a
+# presence cue in both.
+IR_ABSENCES: tuple[tuple[str, str], ...] = (
+    ("{S} steps away for a few minutes.", "{S} comes back after a few minutes."),
+    ("{S} goes off to take a phone call.", "{S} comes back from the phone call."),
+    ("{S} heads out to fetch something from the car.", "{S} comes back from the car."),
+)
+IR_WITNESS_FRAMES: tuple[str, ...] = (
+    "{Event}, and everyone there sees it happen.",
+    "Everyone who is there sees it when {event}.",
+    "{Event}, in front of everyone who is there.",
+)
+# The explicit cue names who knows of the obstacle and who does not, the knower first in half the
+# wordings and second in the other half; aware and unaware swap the two names, so their words are the
+# same and neither the speaker's place in the sentence nor a negation gives the answer.
+IR_KNOWLEDGE_FRAMES: tuple[str, ...] = (
+    "{A} knows about {noun}, but {B} does not.",
+    "{B} does not know about {noun}, but {A} does.",
+    "{A} has been told about {noun}; {B} has not.",
+    "{B} has not been told about {noun}; {A} has.",
+)
+IR_SAYS = '{S} comes over to {H} and says, "{utterance}"'
+
+
+@dataclass(frozen=True)
+class IRFrames:
+    """The wordings one passage uses in all four of its versions (indices into the pools)."""
+
+    absence: int
+    witness: int
+    knowledge: int
+
+
+def _capital(text: str) -> str:
+    return text[0].upper() + text[1:]
+
+
+def _ir_cue(t: IRTemplate, S: str, H: str, aware: bool, cue: str, frames: IRFrames,
+            matched_cue: bool) -> tuple[list[str], str]:
+    """The cue's sentences, and the frame id it used (meta `cue_frame`)."""
+    if cue == "implicit":
+        leave, back = (x.format(S=S) for x in IR_ABSENCES[frames.absence])
+        event = IR_WITNESS_FRAMES[frames.witness].format(Event=_capital(t.event), event=t.event)
+        return ([leave, back, event] if aware else [leave, event, back]), \
+            f"absence-{frames.absence}/witness-{frames.witness}"
+    if matched_cue:  # one word apart, so aware and unaware prompts align token by token
+        return [f"{H} notices that {t.event}.", f"{S} knows {'all' if aware else 'nothing'} about {t.noun}."], "matched"
+    a, b = (S, H) if aware else (H, S)
+    return [f"{_capital(t.event)}.", IR_KNOWLEDGE_FRAMES[frames.knowledge].format(A=a, B=b, noun=t.noun)], \
+        f"knowledge-{frames.knowledge}"
 
 
 def _ir_text(t: IRTemplate, s: tuple[str, str, str, str], h: tuple[str, str, str, str], aware: bool,
-             cue: str, matched_cue: bool = False) -> tuple[str, dict[str, str]]:
+             cue: str, frames: IRFrames, matched_cue: bool = False) -> tuple[str, dict[str, str], str]:
     S, H = s[0], h[0]
-    parts = {"scene": t.scene.format(S=S, H=H)}
-    if cue == "implicit":
-        parts["cue"] = (f"{S} and {H} both notice that {t.breaks}." if aware else
-                        f"While {S} is away for a few minutes, {H} notices that {t.breaks}.")
-    elif matched_cue:  # one word apart, so aware and unaware prompts align token by token
-        parts["cue"] = f"{H} notices that {t.breaks}. {S} knows {'all' if aware else 'nothing'} about {t.noun}."
-    else:
-        parts["cue"] = (f"{H} notices that {t.breaks}. {S} knows all about {t.noun}." if aware else
-                        f"{H} notices that {t.breaks}. {S} does not know about {t.noun}.")
-    parts["utterance"] = f'A little later, {S} turns to {H} and says, "{t.utterance}"'
-    parts["query"] = f"Question: Is {S} making a request?\nAnswer:"
-    return "\n".join([parts["scene"] + " " + parts["cue"] + " " + parts["utterance"], parts["query"]]), parts
+    sentences, frame = _ir_cue(t, S, H, aware, cue, frames, matched_cue)
+    parts = {"scene": t.scene.format(S=S, H=H), "cue": " ".join(sentences),
+             "utterance": IR_SAYS.format(S=S, H=H, utterance=t.utterance),
+             "query": f"Question: Is {S} making a request?\nAnswer:"}
+    return "\n".join([parts["scene"] + " " + parts["cue"] + " " + parts["utterance"], parts["query"]]), parts, frame
+
+
+def _ir_frames(seed: int, index: int) -> IRFrames:
+    """Each pool's wordings in seeded rounds, so every wording serves a third of the passages."""
+    picks = []
+    for pool, size in (("absence", len(IR_ABSENCES)), ("witness", len(IR_WITNESS_FRAMES)),
+                       ("knowledge", len(IR_KNOWLEDGE_FRAMES))):
+        order = list(range(size))
+        random.Random(f"{IR_FAMILY}/{pool}/{seed}/{index // size}").shuffle(order)
+        picks.append(order[index % size])
+    return IRFrames(*picks)
 
 
 def indirect_request(n: int = 16, seed: int = 0, matched_cue: bool = False) -> list[Stimulus]:
     """`n` passages x 4 versions (speaker aware / unaware x explicit / implicit cue). Answer "Yes"
     (a request) when the speaker does not know of the obstacle, "No" when they do.
 
-    `matched_cue` (for minimal pairs; off in the battery) words the unaware explicit cue "knows
-    nothing about" instead of "does not know about", the same length as the aware "knows all
-    about"; meta `matched_cue` records it and the ids end in "-matched", so they never collide with
-    the battery's prompts (whose summary leaves them out)."""
+    The obstacle is always an event. Implicit cue: the speaker steps away and comes back, and the
+    event happens in front of everyone there while they are away (unaware) or after they are back
+    (aware): the same sentences in another order (`IR_ABSENCES`, `IR_WITNESS_FRAMES`). Explicit cue:
+    the event, then who knows of it and who does not (`IR_KNOWLEDGE_FRAMES`), the speaker and the
+    hearer swapping places between aware and unaware. A passage's four versions share its wordings.
+
+    `matched_cue` (for minimal pairs; off in the battery) words the explicit cue "{H} notices that
+    ... {S} knows all / nothing about ...", one word apart; meta `matched_cue` records it and the ids
+    end in "-matched", so they never collide with the battery's prompts (whose summary leaves them
+    out)."""
     _check_n_seed(n, seed, IR_FAMILY)
     if not isinstance(matched_cue, bool):
         raise TomlensError(f"{IR_FAMILY}: matched_cue must be true or false, got {matched_cue!r}",
@@ -342,9 +623,10 @@ def indirect_request(n: int = 16, seed: int = 0, matched_cue: bool = False) -> l
         random.Random(f"{IR_FAMILY}/templates/{seed}/{i // len(IR_TEMPLATES)}").shuffle(order)
         t = IR_TEMPLATES[order[i % len(IR_TEMPLATES)]]
         s, h = _people(random.Random(f"{IR_FAMILY}/people/{seed}/{i}"), 2)
+        frames = _ir_frames(seed, i)
         task_id = f"ir-{seed}-{i}"
         for aware, cue in IR_CELLS:
-            text, parts = _ir_text(t, s, h, aware, cue, matched_cue)
+            text, parts, frame = _ir_text(t, s, h, aware, cue, frames, matched_cue)
             spans: dict[str, Span] = {}
             pos = 0
             for role, key in (("scene", "scene"), ("contrast", "cue"), ("utterance", "utterance"), ("query", "query")):
@@ -365,9 +647,9 @@ def indirect_request(n: int = 16, seed: int = 0, matched_cue: bool = False) -> l
                 answer="No" if aware else "Yes", family=IR_FAMILY, task_id=task_id, template_id=f"ir-{t.id}",
                 condition="aware" if aware else "unaware", prompt_type="belief", world_state="blocked",
                 protagonist_belief=belief, reference_state="open", spans=spans,
-                meta={"speaker_aware": aware, "knowledge_cue": cue, "template": t.id, "speaker": s[0],
-                      "hearer": h[0], "obstacle": t.noun, "seed": seed, "task_index": i,
-                      **({"matched_cue": True} if matched_cue else {})},
+                meta={"speaker_aware": aware, "knowledge_cue": cue, "cue_frame": frame, "obstacle_kind": "event",
+                      "template": t.id, "speaker": s[0], "hearer": h[0], "obstacle": t.noun, "seed": seed,
+                      "task_index": i, **({"matched_cue": True} if matched_cue else {})},
                 mentions={**found, **{r: (spans[r],) for r in ("scene", "contrast", "utterance", "query")}}))
     return out
 
@@ -721,3 +1003,117 @@ def free_text_items(family: str) -> list[FreeTextItem]:
         return strange_stories_items()
     raise TomlensError(f"no free-text family {family!r}",
                        f"use {SHORT_STORY_FAMILY!r} or {STRANGE_STORIES_FAMILY!r}")
+
+
+# ---- what `tomlens audit` checks on these families ----------------------------------------------
+
+_NEGATED = re.compile(r"\b(does not|is not)\b")
+_CLAUSE = re.compile(r"(?:it is clear that|As it turns out,) (\w+)")
+
+
+def rm_keyed_polarity(s: Stimulus) -> str | None:
+    """"negated" or "affirmative": the consistent option's outer verb (read from its text, so the
+    contrast also labels sets made before the meta field existed)."""
+    if s.family != RM_FAMILY:
+        return None
+    return "negated" if _NEGATED.search(s.answer) else "affirmative"
+
+
+def rm_subject_type(s: Stimulus) -> str | None:
+    """"outsider" when the consistent option's statement is about the person who never met the
+    group (meta `outsider`), else "insider"; None without that meta."""
+    m = _CLAUSE.search(s.answer)
+    if s.family != RM_FAMILY or not m or not s.meta.get("outsider"):
+        return None
+    return "outsider" if m.group(1) == s.meta["outsider"] else "insider"
+
+
+def _rm_subject_place(s: Stimulus) -> tuple[Any, ...] | None:
+    """The statement's subject's place in the chain (1..8, or "outsider"), with kind and level;
+    None at level 1, where who the subject is *is* the statement's one fact."""
+    kind = rm_subject_type(s)
+    m = _CLAUSE.search(s.answer)
+    if kind is None or m is None or s.meta.get("level") == 1:
+        return None
+    people = list(s.meta.get("people") or [])
+    place = "outsider" if kind == "outsider" else (people.index(m.group(1)) + 1 if m.group(1) in people else None)
+    return (s.condition, s.meta.get("level"), place)
+
+
+def _mental_only(label):
+    return lambda s: label(s) if s.condition == "mental" else None
+
+
+def _non_mental_only(label):
+    return lambda s: label(s) if s.condition == "non_mental" else None
+
+
+IR_OLD_CUES: dict[str, str] = {r"\bboth notice that\b": "both notice", r"\bWhile \w+ is away\b": "while away",
+                               r"\bknows all about\b": "knows all about", r"\bdoes not know about\b": "does not know"}
+# The templates whose obstacle was a standing state (before the obstacles were all events).
+IR_OLD_STANDING: frozenset[str] = frozenset({"window", "charger", "shop", "umbrella", "tap", "chair"})
+
+
+def ir_awareness(s: Stimulus) -> str | None:
+    """"aware" / "unaware" for the battery's prompts (minimal-pair wordings are outside the contrast)."""
+    if s.family != IR_FAMILY or s.meta.get("matched_cue") or s.condition not in ("aware", "unaware"):
+        return None
+    return s.condition
+
+
+def ir_cue_frame(s: Stimulus) -> str | None:
+    """Which wording the knowledge cue uses (meta `cue_frame`; for sets made before it existed, the
+    old fixed frames read from the cue's text)."""
+    if s.family != IR_FAMILY:
+        return None
+    if s.meta.get("cue_frame"):
+        return str(s.meta["cue_frame"])
+    cue = s.span_text("contrast") if "contrast" in s.spans else s.text
+    return next((name for pattern, name in IR_OLD_CUES.items() if re.search(pattern, cue)), None)
+
+
+def ir_obstacle_kind(s: Stimulus) -> str | None:
+    """"event" (it happens at one moment, so an absent speaker cannot know of it) or "standing" (a
+    state the speaker may have known all along)."""
+    if s.family != IR_FAMILY:
+        return None
+    if s.meta.get("obstacle_kind"):
+        return str(s.meta["obstacle_kind"])
+    template = s.meta.get("template")
+    return None if template is None else ("standing" if template in IR_OLD_STANDING else "event")
+
+
+CONTRASTS_BY_FAMILY: dict[str, tuple[Contrast, ...]] = {
+    RM_FAMILY: (
+        Contrast("keyed_polarity", rm_keyed_polarity,
+                 "whether the consistent continuation is the negated or the affirmative statement"),
+        Contrast("keyed_polarity_mental", _mental_only(rm_keyed_polarity),
+                 "the same, mental statements only (the paper's RM number)"),
+        Contrast("keyed_polarity_non_mental", _non_mental_only(rm_keyed_polarity),
+                 "the same, non-mental (relation) statements only"),
+    ),
+    IR_FAMILY: (
+        Contrast("speaker_aware", ir_awareness,
+                 "whether the speaker knows of the obstacle (the answer: a request only when unaware)"),
+    ),
+}
+RULES_BY_FAMILY: dict[str, tuple[Rule, ...]] = {
+    RM_FAMILY: (
+        Rule("subject_type", rm_subject_type,
+             "the statement is about the outsider (who never met the group) or about a member of it"),
+        Rule("level", lambda s: s.meta.get("level") if s.family == RM_FAMILY else None,
+             "the number of mental verbs / relations"),
+        Rule("subject_type_by_level", lambda s: (rm_subject_type(s), s.condition, s.meta.get("level"))
+             if rm_subject_type(s) else None, "subject type within each kind x level"),
+        Rule("subject_place", _rm_subject_place,
+             "where the subject stands in the telling chain (later people know more), per kind x level"),
+        Rule("formats", lambda s: (s.meta.get("story_format"), s.meta.get("question_format"))
+             if s.family == RM_FAMILY else None, "story format x continuation format (narrative / script)"),
+    ),
+    IR_FAMILY: (
+        Rule("cue_frame", ir_cue_frame, "which wording the awareness cue uses"),
+        Rule("obstacle_kind", ir_obstacle_kind, "whether the obstacle is an event or a standing state"),
+        Rule("cue_type", lambda s: s.meta.get("knowledge_cue") if s.family == IR_FAMILY else None,
+             "explicit or implicit cue"),
+    ),
+}
