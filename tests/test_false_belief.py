@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import gzip
 import json
-import random
 import re
 from collections import Counter, defaultdict
 from pathlib import Path
@@ -419,26 +418,17 @@ FRESH_SEEDS = (101, 202, 303)
 FIXTURES = Path(__file__).parent / "data" / "audit"
 
 
-def _one_per_cell(stimuli: list[Stimulus], seed: int) -> list[Stimulus]:
-    """One prompt (the original or the reversed version) per task x condition x prompt type, as
-    the audit's samples of the generators are drawn: half the rows, so the audit runs in seconds."""
-    rng = random.Random(seed)
-    cells: dict[tuple, list[Stimulus]] = defaultdict(list)
-    for s in stimuli:
-        cells[(s.task_id, s.condition, s.prompt_type)].append(s)
-    return [rng.choice(rows) for _, rows in sorted(cells.items())]
-
-
 @pytest.mark.parametrize("seed", FRESH_SEEDS)
 @pytest.mark.parametrize("family", list(GENERATORS))
 def test_the_audit_finds_no_shortcut_on_fresh_seeds(family, seed):
-    """64 tasks of a fresh seed: every (contrast, heuristic) row at chance, every n-gram bag at most
-    0.60, on the family's own contrasts (false belief vs each control) and rules as well as the
-    generic battery. Before issue #27 the contents bag read false belief vs the open container at
-    1.00 and the transfer's last cue told false belief from presence at 1.00."""
+    """64 tasks of a fresh seed, all 16 prompts of each: every (contrast, heuristic) row at chance
+    (neither above nor below), every n-gram bag at most 0.60, on the family's own contrasts (false
+    belief vs each control) and rules as well as the generic battery. Before issue #27 the
+    contents bag read false belief vs the open container at 1.00 and the transfer's last cue told
+    false belief from presence at 1.00."""
     from tomlens.audit import audit_stimuli
 
-    report = audit_stimuli(_one_per_cell(GENERATORS[family](64, seed=seed), seed), seed=0)
+    report = audit_stimuli(GENERATORS[family](64, seed=seed), seed=0)
     contrasts = {r.contrast for r in report.rows}
     controls = CONDITIONS[family][1:]
     assert {f"false_belief_vs_{c}" for c in controls} <= contrasts
@@ -448,6 +438,7 @@ def test_the_audit_finds_no_shortcut_on_fresh_seeds(family, seed):
     bags = [r for r in report.rows if "gram bag" in r.heuristic]
     assert bags and max(r.accuracy for r in bags) <= 0.60, max(bags, key=lambda r: r.accuracy)
     assert not report.shortcuts, report.shortcuts
+    assert all(r.verdict == "at chance" for r in report.rows), [r for r in report.rows if r.verdict != "at chance"]
 
 
 @pytest.mark.parametrize("family", list(GENERATORS))
@@ -503,6 +494,15 @@ def test_transfer_word_order_varies_and_no_cue_position_decides():
         assert Counter(rules["move_from_end"](s) for s in fb) == Counter(rules["move_from_end"](s) for s in present)
     # whatever the order, the labels follow who saw the object's own event
     assert all(s.answer == s.reference_state for s in fb) and not any(s.belief_differs for s in present)
+    # the reversed version tells the mirror layout: within every task the object's event stands
+    # before and after the decoy in each condition (a rule learns nothing one task could hold
+    # against another's held-out prompts)
+    both = defaultdict(set)
+    for s in unexpected_transfer(8, seed=4):
+        both[(s.task_id, s.condition)].add((s.reversed, rules["decoy_before_move"](s), rules["move_position"](s)))
+    for key, seen in both.items():
+        assert {before for _, before, _ in seen} == {True, False}, key
+        assert sorted(p for rev, _, p in seen if rev) != sorted(p for rev, _, p in seen if not rev), key
 
 
 def _fixture(family: str) -> list[Stimulus]:

@@ -85,7 +85,7 @@ def test_transfer_labels_follow_the_story():
         rows = _labels(track, rev=rev)
         roles = [r.meta["sentence_role"] for r in rows]
         full = unexpected_transfer(2, seed=0, conditions=("false_belief",))
-        ref = next(s for s in full if s.task_id == rows[0].task_id)
+        ref = next(s for s in full if s.task_id == rows[0].task_id and s.reversed == rev)  # mirror layout
         tellings = ["tell", "untold"] if roles.index("tell") < roles.index("untold") else ["untold", "tell"]
         assert roles[0] is None and roles[1:] == ["setting", "listing", "empty", "put", *ref.meta["episode"],
                                                   *tellings, "closing", "leave", "return"]

@@ -26,12 +26,12 @@ read the condition off the text, neither a bag of words nor where a cue stands):
   event, who is told, and which container is opened decide belief. Without decoys the conditions still match in
   sentences and answer-word mentions, and in length within WORD_TOLERANCE words (checked per
   task), but their cue words differ: that setting is an ablation, and a bag of words reads it.
-- Word order (`layout`, balanced in blocks of 8, the same in every condition of a task): a
-  transfer episode is one of four orders of the seen and the unseen event (seen first, unseen
-  first, "watches one event, leaves, the other event happens, comes back", "is away for one event,
-  comes back, watches the other"), so the last (or first) presence/absence cue, whether a return
-  cue appears, whether the decoy comes before the move and where the move stands (from the start
-  or the end of the episode) are the same for a false belief and its controls on average; a
+- Word order (`layout`, balanced in blocks of 8, the same in every condition of a task version,
+  mirrored in the reversed version): a transfer episode is one of four orders of the seen and the
+  unseen event (seen first, unseen first, "watches one event, leaves, the other event happens,
+  comes back", "is away for one event, comes back, watches the other"), so the last (or first)
+  presence/absence cue, whether a return cue appears, whether the decoy comes before the move and
+  where the move stands (from the start or the end of the episode) go with no condition; a
   contents story looks first or leaves the other container shut first; the telling comes before
   or after the not-telling (`told_first`). The decoy is the other agent's own thing, so seeing it
   handled after the move reveals nothing about the object. A word whose role the conditions swap
@@ -39,8 +39,9 @@ read the condition off the text, neither a bag of words nor where a cue stands):
   versions every condition has the same word 1- to 3-grams as the false belief (tests check it).
 - Conditions differ only inside their contrast sentences, so false-belief vs control prompts
   are token-aligned minimal pairs for patching (`tomlens.stimuli.pairs`).
-- Surface cues are counterbalanced across tasks in blocks of 8: which answer word comes first in
-  `options`, which of the two is mentioned first in the story, and which is mentioned last; both
+- Surface cues are counterbalanced across tasks in blocks of 8, crossed (each of the 8
+  combinations once per block): which answer word comes first in `options`, which of the two is
+  mentioned first in the story, and which is mentioned last; both
   are mentioned equally often in every story, so none of them predicts the answer within a
   condition x prompt type. Each answer word is correct in 8 of a task's 16 prompts and wrong in
   the other 8. Contents stories draw the label, the true contents and the second container from
@@ -310,6 +311,15 @@ LAYOUTS: dict[str, tuple[str, ...]] = {
 SINGLE = "single"  # the layout of a story without decoys: a pause, then the one deciding event
 # Contents: whether the look sentence comes before or after the shut sentence.
 ACCESS_LAYOUTS: tuple[str, str] = ("look_first", "shut_first")
+# The reversed version tells its episode in the mirror layout (the object's event where the
+# original has the decoy's, seen or unseen alike), so within every task each position of the
+# object's event, and each order of look and shut, goes with each condition: a rule on them learns
+# nothing from one task that another task's held-out prompts could use against it.
+MIRROR: dict[str, str] = {
+    "seen_first": "unseen_first", "unseen_first": "seen_first",
+    "leaves_and_returns": "away_then_returns", "away_then_returns": "leaves_and_returns",
+    "look_first": "shut_first", "shut_first": "look_first", SINGLE: SINGLE,
+}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -322,11 +332,12 @@ class Task:
     """One task's choices. `words` = (reference word, other word) in the ORIGINAL version:
     transfer (start location, second location), contents (label word Y, true contents X).
 
-    Flags (each balanced within every block of 8 tasks):
+    Flags (each balanced within every block of 8 tasks; the first three crossed):
     `options_ref_first`: options list the original reference word first;
     `first_ref`: the story mentions the reference role's word before the other one;
     `last_ref`: the story's last mention of either word is the reference role's word;
-    `layout`: the order of the episode (LAYOUTS / ACCESS_LAYOUTS; SINGLE without decoys);
+    `layout`: the order of the original version's episode (LAYOUTS / ACCESS_LAYOUTS; SINGLE
+    without decoys), mirrored in the reversed version (`layout_for`);
     `told_first`: of the two telling sentences of a decoy story, the telling comes first.
     Flags are in terms of roles, so in the reversed version (words swapped) they still hold.
     """
@@ -350,16 +361,14 @@ class Task:
 
     @property
     def options(self) -> tuple[str, str]:
-        """The options of the original version."""
-        return self.options_for(False)
+        """The same two options, in the same order, for all 16 prompts (the reversed version swaps
+        the answer words in the story, not in the options), so every task keys each option in half
+        of its prompts."""
+        return self.words if self.options_ref_first else (self.words[1], self.words[0])
 
-    def options_for(self, reversed: bool) -> tuple[str, str]:
-        """The options of a version, by role (the reversed version swaps the two words here as
-        everywhere): the version's reference word first when `options_ref_first`. So the keyed
-        option's place is the same in both versions, and a sample holding either version of each
-        prompt still has option order balanced within every block."""
-        ref, other = self.words[::-1] if reversed else self.words
-        return (ref, other) if self.options_ref_first else (other, ref)
+    def layout_for(self, reversed: bool) -> str:
+        """The layout of one version: the task's, or its mirror (MIRROR) in the reversed one."""
+        return MIRROR[self.layout] if reversed else self.layout
 
 
 def balanced_flags(rng: random.Random, size: int) -> list[bool]:
@@ -378,7 +387,7 @@ def _block_plan(family: str, seed: int, block: int, decoys: float = 1.0) -> list
     names = list(TEMPLATES[family])
     templates = [names[i % len(names)] for i in range(BLOCK)]
     rng.shuffle(templates)
-    opt, first, last = (balanced_flags(rng, BLOCK) for _ in range(3))
+    opt, first, last = _crossed_flags(rng)
     cue_rng = random.Random(f"{family}/cues/{seed}/{block}")
     groups = list(range(lexicon.CUE_GROUPS))
     cue_rng.shuffle(groups)
@@ -393,6 +402,17 @@ def _block_plan(family: str, seed: int, block: int, decoys: float = 1.0) -> list
          "layout": layouts[j], "told_first": told_first[j]}
         for j in range(BLOCK)
     ]
+
+
+def _crossed_flags(rng: random.Random) -> tuple[list[bool], list[bool], list[bool]]:
+    """(options_ref_first, first_ref, last_ref) for a block: the 8 combinations once each, in an
+    order shuffled by `rng`. Crossed, not merely balanced one by one, so that within every block
+    the flags the text shows (which word the story names first and last) say nothing about the
+    one it does not (which option is keyed)."""
+    combos = [(o, f, la) for o in (True, False) for f in (True, False) for la in (True, False)]
+    rng.shuffle(combos)
+    opt, first, last = (list(x) for x in zip(*combos))
+    return opt, first, last
 
 
 def _layouts(family: str, seed: int, block: int, decoy: Sequence[bool]) -> list[str]:
@@ -716,7 +736,7 @@ def _transfer_story(task: Task, condition: str, rev: bool, start: str, other: st
     own = _event(t, "the {obj}", ("L1", "L2") if moves else ("L2", "L1"))
     update = {"world": "L2" if moves else None, "belief": "L2" if condition == "present" else None}
     if task.decoy:
-        episode = _transfer_episode(t, task, condition, own, update)
+        episode = _transfer_episode(t, task, condition, rev, own, update)
     else:  # one event, with the cue that decides; a pause where the decoy would be
         kind = "presence" if condition == "present" else "absence"
         episode = (StorySentence("decoy", t["pad"]), _framed(t, "move", kind, own, task, **update))
@@ -736,7 +756,7 @@ def _transfer_story(task: Task, condition: str, rev: bool, start: str, other: st
     return Story(task, condition, rev, sentences, prompts, slots, roles)
 
 
-def _transfer_episode(t: dict[str, str], task: Task, condition: str, own: str,
+def _transfer_episode(t: dict[str, str], task: Task, condition: str, rev: bool, own: str,
                       update: dict[str, str | None]) -> tuple[StorySentence, ...]:
     """The task's layout with the object's event in the slot the condition gives it (seen in the
     present control, unseen otherwise) and the decoy (the other agent's own thing, moved between
@@ -745,9 +765,10 @@ def _transfer_episode(t: dict[str, str], task: Task, condition: str, own: str,
     seen_role = "move" if condition == "present" else "decoy"
     unseen_role = "decoy" if condition == "present" else "move"
     events = {"move": own, "decoy": decoy}
-    between = "away" in LAYOUTS[task.layout]  # the unseen event happens while they are gone
+    layout = LAYOUTS[task.layout_for(rev)]
+    between = "away" in layout  # the unseen event happens while they are gone
     out = []
-    for slot in LAYOUTS[task.layout]:
+    for slot in layout:
         if slot == "seen":
             out.append(_framed(t, seen_role, "presence", events[seen_role], task,
                                **(update if seen_role == "move" else {})))
@@ -788,7 +809,7 @@ def _contents_story(task: Task, condition: str, rev: bool, label: str, contents:
         StorySentence("find", t["find"]),
         StorySentence("unseen", t["unseen"]),
         StorySentence("read", t["read"], belief="LA"),
-        *_contents_access(t, task, condition == "open_container"),
+        *_contents_access(t, task, rev, condition == "open_container"),
         *_tellings(t, task, condition == "informed", t["tell_y"] if task.last_ref else t["tell_x"],
                    "X" if condition == "informed" else None),
     )
@@ -796,7 +817,7 @@ def _contents_story(task: Task, condition: str, rev: bool, label: str, contents:
     return Story(task, condition, rev, sentences, prompts, slots, roles)
 
 
-def _contents_access(t: dict[str, str], task: Task, seen: bool) -> tuple[StorySentence, ...]:
+def _contents_access(t: dict[str, str], task: Task, rev: bool, seen: bool) -> tuple[StorySentence, ...]:
     """What the protagonist opens. With a decoy: one container is looked into and the other left
     shut, in the task's order, each in the template's "access" frame ("As for the box, Anna looks
     into it."), so a container's word has the same neighbours whether it is opened or not and
@@ -818,7 +839,7 @@ def _contents_access(t: dict[str, str], task: Task, seen: bool) -> tuple[StorySe
                               belief="X" if seen else None, cue=phrase, cue_pool="look"),
         "shut": StorySentence("shut", t["access"].replace("{T}", shut).replace("{act}", t["shut"])),
     }
-    order = ("look", "shut") if task.layout == "look_first" else ("shut", "look")
+    order = ("look", "shut") if task.layout_for(rev) == "look_first" else ("shut", "look")
     return tuple(sentences[role] for role in order)
 
 
@@ -923,7 +944,7 @@ def story_stimulus(story: Story, prompt_type: str) -> Stimulus:
         "last_ref": task.last_ref, "task_index": task.index, "seed": task.seed,
         "cue_kind": cue_kind, "cue_id": f"{cue_pool}:{task.cue_group}",
         "cue_group": task.cue_group, "decoy": task.decoy, "bystander": task.extra["B"],
-        "layout": task.layout,
+        "layout": task.layout_for(story.reversed),
         "episode": [s.role for s in story.sentences if s.role in EPISODE_ROLES[task.family]],
     }
     if task.decoy:
@@ -942,7 +963,7 @@ def story_stimulus(story: Story, prompt_type: str) -> Stimulus:
     return Stimulus(
         id=f"{task.task_id}-{code}{'-rev' if story.reversed else ''}-{prompt_type}",
         text=r.text,
-        options=task.options_for(story.reversed),
+        options=task.options,
         answer=world if prompt_type == "reality" else belief,
         family=task.family,
         task_id=task.task_id,

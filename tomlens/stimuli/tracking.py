@@ -99,7 +99,7 @@ def prefix_stimulus(story: Story, k: int, prompt_type: str) -> Stimulus:
     return Stimulus(
         id=f"bt-{task.task_id}-{code}{version}-p{k:02d}-{prompt_type}",
         text=r.text,
-        options=task.options_for(story.reversed),
+        options=task.options,
         answer=label if label is not None else final,
         family=FAMILY,
         task_id=task.task_id,
