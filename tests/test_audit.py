@@ -205,6 +205,14 @@ def test_a_registered_rule_joins_the_battery_for_its_family_and_reads_what_it_ca
     assert rows and rows[0].source == "family rule"
 
 
+def test_a_contrast_a_family_states_openly_is_left_out_with_its_reason():
+    from tomlens.stimuli import generate
+
+    report = audit_stimuli(generate("scalar-implicature", n=8, seed=3))
+    assert not any(r.contrast == "false vs true belief" for r in report.rows)
+    assert any("not audited by design" in s and "states their access" in s for s in report.skipped)
+
+
 def test_report_round_trips_through_json(tmp_path):
     report = audit_stimuli(_worded_by_condition(12))
     again = AuditReport.read(report.write(tmp_path / "audit.json"))

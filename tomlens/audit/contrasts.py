@@ -85,6 +85,16 @@ def family_rules(family: str) -> list[Rule]:
     return _declared(family, "RULES", "RULES_BY_FAMILY") + _EXTRA_RULES.get(family, [])
 
 
+def unaudited(family: str) -> dict[str, str]:
+    """Contrast name -> why the family leaves it out (`UNAUDITED` / `UNAUDITED_BY_FAMILY` beside its
+    generator): a scalar-implicature speaker states their access, so the words must give it away."""
+    module = _module(family)
+    if module is None:
+        return {}
+    per_family = getattr(module, "UNAUDITED_BY_FAMILY", None)
+    return dict(per_family.get(family, {})) if per_family is not None else dict(getattr(module, "UNAUDITED", {}))
+
+
 def contrasts_for(family: str, stimuli: Sequence[Stimulus]) -> list[Contrast]:
     """The contrasts to audit one family's rows on: the generic two, the family's own, and, for a
     family that declares none, its conditions (when there are 2 to `MAX_CONDITIONS` of them)."""
@@ -92,4 +102,5 @@ def contrasts_for(family: str, stimuli: Sequence[Stimulus]) -> list[Contrast]:
     out = [ANSWER_POSITION, BELIEF, *own]
     if not own and 2 <= len({s.condition for s in stimuli}) <= MAX_CONDITIONS:
         out.append(CONDITION)
-    return out
+    left_out = unaudited(family)
+    return [c for c in out if c.name not in left_out]

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from tomlens.audit.contrasts import BELIEF, contrasts_for, family_rules
+from tomlens.audit.contrasts import BELIEF, contrasts_for, family_rules, unaudited
 from tomlens.audit.evaluate import (
     MIN_TASKS,
     SHORTCUT,
@@ -85,6 +85,7 @@ def _jobs_for_family(family: str, rows: Sequence[Stimulus], features: _Features,
     rules = {f"rule: {r.name}": r for r in family_rules(family)}
     jobs: list[_Job] = []
     absent: dict[str, list[str]] = {}
+    skipped += [f"{family}: {name}: not audited by design: {why}" for name, why in unaudited(family).items()]
     for contrast in contrasts_for(family, rows):
         kept, labels = _labelled(contrast, rows)
         if len(set(labels)) < 2 and not (kept and contrast.chance is not None):

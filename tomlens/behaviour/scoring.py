@@ -41,6 +41,7 @@ META_COLUMNS: tuple[str, ...] = (
     "knowledge_state", "first_mention", "recent_mention", "knowledge_cue",
     "level", "mental", "story_format", "question_format", "speaker_aware", "experiment", "timing", "access",
     "said",  # EPITOME's recursive mindreading, indirect request and scalar implicature
+    "subject_type", "keyed_polarity", "violated_link", "cue_frame", "obstacle_kind",
     "stmt_type", "order_or_level", "prompt_style", "options_order", "last_1_true", "last_2_true",  # MoToMQA (Street et al.)
     "first_1_true", "world_true", "least_informed_true", "missed_change_true",  # ... and its other shortcuts
     "question",  # Kosoy et al.'s battery: "test" or "control" (the gate)

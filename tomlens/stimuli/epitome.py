@@ -1097,6 +1097,13 @@ CONTRASTS_BY_FAMILY: dict[str, tuple[Contrast, ...]] = {
                  "whether the speaker knows of the obstacle (the answer: a request only when unaware)"),
     ),
 }
+# Contrasts the audit leaves out, with why: what the task tells openly by design is no shortcut.
+UNAUDITED_BY_FAMILY: dict[str, dict[str, str]] = {
+    "scalar-implicature": {
+        "false vs true belief": "the speaker states their access ('I have looked at 2 of the 3'): the task is to "
+                                "use what is said, so the words must give the access away",
+    },
+}
 RULES_BY_FAMILY: dict[str, tuple[Rule, ...]] = {
     RM_FAMILY: (
         Rule("subject_type", rm_subject_type,

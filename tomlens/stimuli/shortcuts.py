@@ -13,8 +13,8 @@ here what only it knows:
   so a rule says *what* it looks at, never what it predicts.
 
 These live in the stimuli package, beside the generators (a generator module exports `CONTRASTS`
-and `RULES`), so that a family and its shortcuts are changed together; nothing here imports the
-audit.
+and `RULES`, and `UNAUDITED` for a generic contrast its task states openly by design, with why), so
+that a family and its shortcuts are changed together; nothing here imports the audit.
 """
 
 from __future__ import annotations
