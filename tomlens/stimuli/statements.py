@@ -246,7 +246,9 @@ def story_events(story: Stimulus, third: ThirdAgent | None = None) -> list[Event
         ev.append(Event("place", l1, frozenset({p, a, *c})))
         if third and not third.stays:
             ev.append(Event("leave", None, frozenset({p, a, *c}), agent=third.name))
-        # A decoy episode (the object taken out and put back) changes nobody's belief: left out.
+        # The decoy (the other agent's own thing moved between two other places) changes nobody's
+        # belief about the object, and the protagonist's comings and goings around it decide only
+        # whether they saw the object's own event: both left out.
         watching = {a, *stays} | ({p} if cond == "present" else set())
         if cond != "present":
             ev.append(Event("leave", None, frozenset({p, a, *stays}), agent=p))
