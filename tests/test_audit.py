@@ -96,6 +96,23 @@ def test_labels_are_shuffled_within_tasks_or_across_them_as_the_design_allows():
     assert per_task.count("a") == 20 and per_task != ["a", "a", "b", "b"] * 10
 
 
+def test_single_class_tasks_are_shuffled_among_themselves_when_others_hold_both_classes():
+    # 63 tasks of one class each and one task of both: a within-task shuffle alone would keep the
+    # 63 tasks' true labels, and a real cue would meet a null equal to itself (the reviewer's case)
+    labels = [i % 2 for i in range(63)] + [0, 1]
+    tasks = [f"t{i}" for i in range(63)] + ["mixed", "mixed"]
+    out = shuffled_labels(labels, tasks, np.random.default_rng(1))
+    assert sorted(out[:63]) == sorted(labels[:63]) and out[:63] != labels[:63]
+    assert sorted(out[63:]) == [0, 1]
+
+
+def test_rows_without_task_ids_are_held_out_by_story_and_said_so():
+    rows = [s.with_(task_id="") for s in _same_words(20)]
+    report = audit_stimuli(rows)
+    assert any("no task_id" in s for s in report.skipped)
+    assert max(r.n_tasks for r in report.rows) == 40  # each story text its own unit (twins differ in order)
+
+
 def test_a_shortcut_must_clear_the_wider_of_the_null_and_the_task_spread():
     score = Score(0.61, 0.50, 0.72, 337, 64, se=0.035)
     assert confirmed(score, 0.50, 0.01, level=0.95) == SHORTCUT  # 3.1 task-level SEs

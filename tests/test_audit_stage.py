@@ -45,6 +45,23 @@ def test_the_stage_runs_without_a_model_and_round_trips(tmp_path):
     assert "no shortcut found" in again.describe() or "SHORTCUTS" in again.describe()
 
 
+def test_a_saved_audit_is_stale_when_its_rows_change(tmp_path):
+    from tomlens.runs.audit import changed_since
+
+    config = AuditConfig(stimuli=(StimuliSpec(family="order-only", n=4),), min_tasks=8, per_task=1)
+    folder = run(config, progress=False).save(tmp_path / "audit")
+    assert changed_since(folder, config) is None
+    other = AuditConfig(stimuli=(StimuliSpec(family="order-only", n=4, seed=9),), min_tasks=8, per_task=1)
+    assert "changed" in changed_since(folder, other)
+
+
+def test_a_probe_finding_on_a_file_is_withheld_by_the_set_s_families():
+    report = AuditReport((_row("my-family", "shortcut"),), families=("my-family",))
+    found = Finding("belief is linearly decodable at 0.9 on held-out mine.jsonl stories", "found", "t", "m", "probes")
+    assert withhold_explained([found], report)[0].status == "found"  # the sentence names the file
+    assert withhold_explained([found], report, ["my-family"])[0].status == "withheld"
+
+
 @pytest.mark.parametrize("bad,words", [({"min_tasks": 4}, "below 8"), ({"per_task": 0}, "at least 1"),
                                        ({"alpha": 1.5}, "not in")])
 def test_bad_settings_are_named(bad, words):

@@ -160,22 +160,23 @@ NULL_PERMUTATIONS = 30  # enough for the null's mean and spread; the verdict rea
 
 
 def shuffled_labels(labels: Sequence[Hashable], tasks: Sequence[str], rng: np.random.Generator) -> list[Hashable]:
-    """Labels shuffled the way the design allows: within each task where a task holds several
-    classes (the paired stories of one frame), else whole tasks' labels across tasks."""
+    """Labels shuffled the way the design allows: within each task that holds several classes (the
+    paired stories of one frame), and, among the tasks that hold one class, whole tasks' labels
+    across those tasks. Shuffling only within tasks would leave single-class tasks with their true
+    labels, and a null near the observed accuracy (a real cue then looks like chance)."""
     by_task: dict[str, list[int]] = {}
     for i, t in enumerate(tasks):
         by_task.setdefault(t, []).append(i)
     out = list(labels)
-    if all(len({labels[i] for i in idx}) == 1 for idx in by_task.values()):
-        names = list(by_task)
-        donors = rng.permutation(len(names))
-        for name, j in zip(names, donors):
-            for i in by_task[name]:
-                out[i] = labels[by_task[names[j]][0]]
-        return out
+    single = [idx for idx in by_task.values() if len({labels[i] for i in idx}) == 1]
     for idx in by_task.values():
-        for i, j in zip(idx, rng.permutation(idx)):
-            out[i] = labels[j]
+        if len({labels[i] for i in idx}) > 1:
+            for i, j in zip(idx, rng.permutation(idx)):
+                out[i] = labels[j]
+    donors = rng.permutation(len(single))
+    for idx, j in zip(single, donors):
+        for i in idx:
+            out[i] = labels[single[j][0]]
     return out
 
 

@@ -27,7 +27,14 @@ from tomlens.audit.evaluate import (
     task_folds,
     verdict,
 )
-from tomlens.audit.heuristics import BagHeuristic, CueHeuristic, Heuristic, generic_battery, rule_heuristic
+from tomlens.audit.heuristics import (
+    BagHeuristic,
+    CueHeuristic,
+    Heuristic,
+    generic_battery,
+    rule_heuristic,
+    story_of,
+)
 from tomlens.audit.result import AuditReport, AuditRow
 from tomlens.errors import TomlensError
 from tomlens.stimuli.records import Stimulus, stimuli_hash
@@ -64,7 +71,9 @@ class _Features:
 
 
 def _task(s: Stimulus) -> str:
-    return s.task_id or s.id  # a row without a task is its own task
+    """The held-out unit: the task, else (a file without task ids) the story before the question, so
+    that a story's belief and reality prompts are held out together."""
+    return s.task_id or "story:" + story_of(s).strip()
 
 
 def _labelled(contrast: Contrast, rows: Sequence[Stimulus]) -> tuple[list[int], list[Hashable]]:
@@ -144,6 +153,10 @@ def audit_stimuli(stimuli: Sequence[Stimulus], *, seed: int = 0, alpha: float = 
     features = {fam: _Features(rows) for fam, rows in by_family.items()}
     jobs = [j for fam, rows in by_family.items() for j in _jobs_for_family(fam, rows, features[fam], skipped)]
     for fam, rows in by_family.items():
+        if any(not s.task_id for s in rows):
+            skipped.append(f"{fam}: {sum(not s.task_id for s in rows)} rows have no task_id; they are grouped by "
+                           "their story text, which cannot join twins told differently (give task_id to hold "
+                           "a story's versions out together)")
         n_tasks = len({_task(s) for s in rows})
         if n_tasks < MIN_TASKS:
             skipped.append(f"{fam}: {n_tasks} tasks; at least {MIN_TASKS} are needed to tell a cue from luck "

@@ -3,8 +3,8 @@
 A behaviour or probe number on a family whose contrasts a text heuristic tells apart could come from
 that heuristic. Such a finding is withheld, with the heuristic named and its held-out accuracy, and
 stays visible as withheld (never dropped), so a reader sees what was claimed and why it is not
-claimed now. A finding is matched to a family by the family's name in its sentence: every behaviour
-and probe finding names the stories it is about.
+claimed now. A behaviour finding is matched to a family by the family's name in its sentence (each
+names the stories it is about); a probe finding by the families of the probe stage's set.
 """
 
 from __future__ import annotations
@@ -20,16 +20,25 @@ AUDITED_STAGES = frozenset({"behaviour", "probes"})
 
 
 def _names_family(finding: Finding, family: str) -> bool:
-    return re.search(rf"(?<![\w-]){re.escape(family)}(?![\w-])", finding.claim + " " + finding.test) is not None
+    return re.search(rf"(?<![\w-]){re.escape(family)}(?![\w-])", finding.claim + " " + finding.test,
+                     re.IGNORECASE) is not None
 
 
-def withhold_explained(findings: Sequence[Finding], report: Any) -> list[Finding]:
+def withhold_explained(findings: Sequence[Finding], report: Any, families: Sequence[str] | None = None
+                       ) -> list[Finding]:
     """`findings` with each found behaviour or probe claim on a family that a shortcut explains
-    turned into a withheld one, naming the strongest shortcut and how many more there are."""
+    turned into a withheld one, naming the strongest shortcut and how many more there are.
+    `families`: the families every finding is about (a probe run on one set, whose sentence names a
+    file); None: each finding's own, read off its sentence."""
     out = []
     for f in findings:
-        families = [fam for fam in report.families if _names_family(f, fam)] if f.stage in AUDITED_STAGES else []
-        rows = sorted((r for fam in families for r in report.explaining(fam)), key=lambda r: -r.accuracy)
+        if f.stage not in AUDITED_STAGES:
+            families_of: list[str] = []
+        elif families is not None:
+            families_of = list(families)
+        else:
+            families_of = [fam for fam in report.families if _names_family(f, fam)]
+        rows = sorted((r for fam in families_of for r in report.explaining(fam)), key=lambda r: -r.accuracy)
         if f.status != "found" or not rows:
             out.append(f)
             continue

@@ -464,6 +464,16 @@ def validation_findings(res: Any, model: str = "") -> list[Finding]:
 # A whole run
 
 
+def _probe_families(res: Any) -> list[str]:
+    """The families of the rows a probe run was made on (a file names its own); [] if unreadable."""
+    config = getattr(res, "config", None)
+    specs = [sp for sp in (getattr(config, "stimuli", None), getattr(config, "test_stimuli", None)) if sp is not None]
+    try:
+        return sorted({s.family for sp in specs for s in sp.load()})
+    except Exception:  # noqa: BLE001 - a moved file: the findings stay as they are, the audit section still shows
+        return []
+
+
 def experiment_findings(result: Any) -> list[Finding]:
     """Every claim of an experiment run (`tomlens.runs.experiment.ExperimentResult`), model by model
     and stage by stage; stages that make no claim (cache, pairs) add none. With an audit stage, a
@@ -473,12 +483,12 @@ def experiment_findings(result: Any) -> list[Finding]:
     out: list[Finding] = []
     for name, run in zip(model_names(result), result.runs):
         r, n_layers = run.results, _n_layers(run)
-        audited: list[Finding] = []
-        if "behaviour" in r:
-            audited += behaviour_findings(r["behaviour"], name)
-        if "probes" in r:
-            audited += probe_findings(r["probes"], name, n_layers)
-        out += withhold_explained(audited, r["audit"].report) if "audit" in r else audited
+        found = behaviour_findings(r["behaviour"], name) if "behaviour" in r else []
+        probed = probe_findings(r["probes"], name, n_layers) if "probes" in r else []
+        if "audit" in r:
+            found = withhold_explained(found, r["audit"].report)
+            probed = withhold_explained(probed, r["audit"].report, _probe_families(r["probes"]))
+        out += found + probed
         if "patching" in r:
             out += patching_findings(r["patching"], name)
         if "steering" in r:

@@ -56,8 +56,15 @@ class AuditConfig:
         for spec in self.stimuli:
             if spec.family is not None and spec.family != "bigtom":
                 spec = dataclasses.replace(spec, n=max(spec.n or 0, self.min_tasks))
-            out.setdefault(repr((spec.family, spec.path, spec.seed, sorted(dict(spec.options).items()))), spec)
+            out.setdefault(repr((spec.family, spec.path, spec.n, spec.seed, sorted(dict(spec.options).items()))), spec)
         return list(out.values())
+
+    def audited_rows(self) -> list[Any]:
+        """The rows audited: every audited spec's, then at most `per_task` of each task."""
+        from tomlens.audit import sample_per_task
+
+        rows = [s for spec in self.audited_specs() for s in spec.load()]
+        return rows if self.per_task is None else sample_per_task(rows, self.per_task, seed=self.seed)
 
 
 @dataclass
@@ -89,16 +96,32 @@ class AuditResult:
         return cls(config or AuditConfig(), AuditReport.read(folder / REPORT_FILE))
 
 
+def changed_since(folder: Path, config: AuditConfig) -> str | None:
+    """Why a finished audit in `folder` cannot stand for `config` now: the rows it would audit are
+    not the rows it audited (a generator changed its texts, a file changed), or its shortcut rows
+    predate the permutation null. None: reuse it. Regenerating the rows takes seconds."""
+    from tomlens.audit import AuditReport
+    from tomlens.stimuli.records import stimuli_hash
+
+    path = Path(folder) / REPORT_FILE
+    if not path.is_file():
+        return "no audit.json"
+    saved = AuditReport.read(path)
+    if saved.stimuli_hash != stimuli_hash(config.audited_rows()):
+        return "the stimuli it audits changed (a generator or a file)"
+    if any(r.null_mean != r.null_mean for r in saved.shortcuts):
+        return "its shortcut rows predate the permutation null"
+    return None
+
+
 def run(config: AuditConfig, *, model: Any = None, progress: bool = True) -> AuditResult:
     """Audit every set of `config` (one report over all of them; rows are per family)."""
-    from tomlens.audit import audit_stimuli, sample_per_task
+    from tomlens.audit import audit_stimuli
 
     if not config.stimuli:
         raise TomlensError("the audit stage has no stimuli",
                            "add [[audit.stimuli]] entries, or a behaviour or probes stage for it to audit")
-    stimuli = [s for spec in config.audited_specs() for s in spec.load()]
-    if config.per_task is not None:
-        stimuli = sample_per_task(stimuli, config.per_task, seed=config.seed)
+    stimuli = config.audited_rows()
     if progress:
         families = sorted({s.family for s in stimuli})
         print(f"audit: {len(stimuli)} prompts of {len(families)} families ({', '.join(families)}), "

@@ -221,7 +221,8 @@ class ExperimentConfig:
 
     def audited_sets(self) -> list[Any]:
         """What `[audit]` without stimuli audits: the behaviour stage's sets and the probes stage's."""
-        sets: list[Any] = list(self.stages.get("behaviour", {}).get("stimuli", ()))
+        behaviour = self.stages.get("behaviour", {}).get("stimuli", ())
+        sets: list[Any] = [behaviour] if isinstance(behaviour, Mapping) else list(behaviour)
         for key in ("stimuli", "test_stimuli"):
             if self.stages.get("probes", {}).get(key):
                 sets.append(self.stages["probes"][key])
@@ -435,6 +436,12 @@ def stale_reason(stage: str, folder: Path, config: Any, inputs: Mapping[str, Any
             return "its layer and dose were chosen by an older rule (without the selection half's random directions)"
         if layers and "random_quantile" not in saved:
             return "its layer and dose were chosen by an older rule (the random directions' maximum)"
+    if stage == "audit":
+        from tomlens.runs.audit import changed_since
+
+        why = changed_since(folder, config)
+        if why:
+            return why
     if stage == "cache":
         from tomlens.activations.store import is_complete
 

@@ -32,7 +32,7 @@ class Contrast:
     name: str
     label: Callable[[Stimulus], Hashable | None]
     description: str
-    chance: float | None = None  # None: the majority class's share; 0.5 where the split is by design
+    chance: float | None = None  # None: balanced accuracy's, 1 / classes; 0.5 where the split is by design
 
 
 @dataclass(frozen=True)
