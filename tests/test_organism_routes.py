@@ -13,8 +13,17 @@ from tomlens.organism.routes import ROUTES, NO_TARGET, mover_loss, names_of, rou
 from tomlens.organism.train import OrganismConfig
 from tomlens.organism.vocab import build_tokenizer, words
 from tomlens.stimuli import generate
+from tomlens.stimuli.false_belief import CONTENTS_TEMPLATES
+from tomlens.stimuli.lexicon import CUE_POOLS
 
 pytestmark = pytest.mark.unit
+
+
+# The first words of the generator's telling and looking phrases, and of its templates' leaving shut
+_TELLING = {words(p)[0] for p in CUE_POOLS["told"]}
+_LOOKING = {words(p)[0] for p in CUE_POOLS["look"]}
+_SHUTTING = {words(t["shut"])[0] for t in CONTENTS_TEMPLATES.values()} | {words(t["closed"])[1] for t in CONTENTS_TEMPLATES.values()}
+assert not _TELLING & {"tells"} and not _LOOKING & _SHUTTING  # else the verb alone would not decide
 
 
 def _stories():
@@ -71,12 +80,37 @@ def test_each_route_points_at_the_token_that_decides_the_belief() -> None:
             assert tokens[pos[cue] - 1] == s.meta["protagonist"].lower() and pos[told:] == [-1] * (len(ROUTES) - told)
             assert s.spans["cue"].of(s.text).lower().split()[:2] == tokens[pos[cue] - 1:pos[cue] + 1]
         else:
-            assert pos[cue] == -1 and tokens[pos[told]] == s.meta["protagonist"].lower()
-            assert tokens[pos[seen]] == s.meta["container"].lower()
-            # told: the protagonist named after "but not" exactly when not told
-            assert (tokens[pos[told] - 1] == "not") == (s.condition != "informed")
-            # looked in: the container named after "not the" exactly when the protagonist looked elsewhere
-            assert (tokens[pos[seen] - 2] == "not") == (s.condition != "open_container")
+            assert pos[cue] == -1
+            # told: the verb of the frame about the protagonist ("As for Sam, Jane then <verb>"), a
+            # telling exactly when informed, "tells ... nothing" otherwise
+            assert tokens[pos[told] - 4:pos[told] - 2] == [s.meta["protagonist"].lower(), ","]
+            assert (tokens[pos[told]] in _TELLING) == (s.condition == "informed")
+            assert (tokens[pos[told]:pos[told] + 3] == ["tells", tokens[pos[told] + 1], "nothing"]) == (s.condition != "informed")
+            # looked in: the verb of the frame about the labelled container, a looking exactly in the
+            # open-container control, leaving it shut otherwise
+            assert tokens[pos[seen] - 4:pos[seen] - 2] == [s.meta["container"].lower(), ","]
+            assert (tokens[pos[seen]] in _LOOKING) == (s.condition == "open_container")
+            assert (tokens[pos[seen]] in _SHUTTING) == (s.condition != "open_container")
+            for route in (told, seen):  # both keys lie in the contrast the generator swaps
+                span = s.spans["contrast_told" if route == told else "contrast_seen"]
+                assert span.start <= _starts(tok, s)[pos[route]] < span.end
+
+
+def test_without_decoys_the_routes_point_at_the_hearer_and_the_look_verb() -> None:
+    stimuli = generate("unexpected-contents", n=2, seed=0, decoys=False)
+    tok = build_tokenizer(sorted({w for s in stimuli for w in words(s.text + " " + " ".join(s.options))}))
+    targets = route_targets(tok, stimuli, names_of(stimuli))
+    told, seen = ROUTES.index("told"), ROUTES.index("seen")
+    for i, s in enumerate(stimuli):
+        pos, tokens = _positions(targets, i), _tokens(tok, s)
+        if s.prompt_type != "belief":
+            assert pos[told] == pos[seen] == -1
+            continue
+        # the hearer: the protagonist when informed, nobody otherwise
+        assert tokens[pos[told]] == (s.meta["protagonist"].lower() if s.condition == "informed" else "nobody")
+        # the verb after the protagonist's name in the look sentence: a looking only in the open-container control
+        assert tokens[pos[seen] - 1] == s.meta["protagonist"].lower()
+        assert (tokens[pos[seen]] in _LOOKING) == (s.condition == "open_container")
 
 
 def test_the_echo_names_the_first_person_of_each_sentence() -> None:

@@ -9,9 +9,16 @@ them. The targets come from each stimulus's role spans, so they exist for every 
 
 - routes, at the belief question's final token, one head each at layer `route_layer`: `cue`, the
   word after the protagonist's name in their cue sentence (the factorial: "X closes ..." for
-  absence, "X watches ..." for presence); `told`, the protagonist's name in the contents story's
-  "tells X, but not Y" sentence (told or not); `seen`, the container's word in the look sentence
-  (looked in or at the glass one); `label` and `fill`, at every contents question, the two
+  absence, "X watches ..." for presence); `told`, the verb that says whether the contents story's
+  protagonist is told: in the frame that names them ("As for Sam, Jane then <verb> ..."), the word
+  after the adverb, a telling ("writes", "phones", ...) or "tells (him) nothing"; `seen`, the verb
+  that says whether they looked into the labelled container: in the frame that names it ("As for
+  the crate, Sam then <verb> ..."), the word after the adverb, a looking ("peeks", "glances", ...)
+  or a leaving shut ("leaves", "keeps"). Both frames hold the same words whichever way the story
+  goes (the generator swaps names and containers between them, issue #27), so only this word, read
+  in the right frame, decides. Without decoys: the hearer ("Sam" or "nobody") after the telling
+  verb, and the verb after the protagonist's name in the look sentence. `label` and `fill`, at
+  every contents question, the two
   candidate answers: the label's word in the label sentence, and the contents where the container
   is filled (the same word when the label is right). With `cue_sentence`, the cue route keys its
   whole sentence after the name. With `cue_families` naming order-only, the cue route also reads
@@ -40,6 +47,7 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
+from tomlens.stimuli.false_belief import NOBODY
 from tomlens.stimuli.records import Stimulus
 
 ROUTES: tuple[str, ...] = ("cue", "told", "seen", "label", "fill")
@@ -99,9 +107,53 @@ def route_targets(tokenizer: Any, stimuli: Sequence[Stimulus], names: set[str],
         keys[i, ROUTES.index("label"), first("contrast_label", "label")] = True
         keys[i, ROUTES.index("fill"), first("object", "contents")] = True
         if s.prompt_type == "belief":
-            keys[i, ROUTES.index("told"), first("contrast_told", "protagonist")] = True
-            keys[i, ROUTES.index("seen"), first("contrast_seen", "container")] = True
+            keys[i, ROUTES.index("told"), _told_key(s, ids, offsets, tokenizer)] = True
+            keys[i, ROUTES.index("seen"), _seen_key(s, ids, offsets, tokenizer)] = True
     return RouteTargets(keys, mover, echo)
+
+
+# A decoy frame's words from its subject (the person or container it is about) to its verb:
+# subject, comma, the actor's name, the adverb, the verb ("Sam , Jane then writes", "crate , Sam
+# then leaves"), in every contents template (`false_belief.CONTENTS_TEMPLATES` and `UNTOLD`).
+_FRAME_TO_VERB = 4
+
+
+def _id(tokenizer: Any, word: object) -> int:
+    return tokenizer.convert_tokens_to_ids(str(word).lower())
+
+
+def _frame_verb(s: Stimulus, role: str, subject: int, ids: Sequence[int], offsets: Sequence[tuple[int, int]],
+                comma: int) -> list[int]:
+    """In the `role` span's decoy frames, the verb of the frame about `subject` (the word after the
+    adverb); none when no frame there is about it."""
+    span = _tokens_in(s, role, offsets)
+    inside = set(span)
+    for j in span:
+        if ids[j] == subject and j + 1 in inside and ids[j + 1] == comma and j + _FRAME_TO_VERB in inside:
+            return [j + _FRAME_TO_VERB]
+    return []
+
+
+def _told_key(s: Stimulus, ids: Sequence[int], offsets: Sequence[tuple[int, int]], tokenizer: Any) -> list[int]:
+    """The token that says whether the protagonist is told: with decoys, the verb of the frame that
+    names them (a telling, or "tells ... nothing"); without, the hearer (their name or "nobody")."""
+    protagonist = _id(tokenizer, s.meta.get("protagonist", ""))
+    if s.meta.get("decoy"):
+        return _frame_verb(s, "contrast_told", protagonist, ids, offsets, _id(tokenizer, ","))
+    hearers = {protagonist, _id(tokenizer, NOBODY)}
+    return [j for j in _tokens_in(s, "contrast_told", offsets) if ids[j] in hearers][:1]
+
+
+def _seen_key(s: Stimulus, ids: Sequence[int], offsets: Sequence[tuple[int, int]], tokenizer: Any) -> list[int]:
+    """The token that says whether the protagonist looked into the labelled container: with decoys,
+    the verb of the frame that names it (a looking, or leaving it shut); without, the verb after the
+    protagonist's name in the look sentence."""
+    if s.meta.get("decoy"):
+        return _frame_verb(s, "contrast_seen", _id(tokenizer, s.meta.get("container", "")), ids, offsets,
+                           _id(tokenizer, ","))
+    span = _tokens_in(s, "contrast_seen", offsets)
+    protagonist = _id(tokenizer, s.meta.get("protagonist", ""))
+    return [span[1]] if len(span) > 1 and ids[span[0]] == protagonist else []
 
 
 def _after_name(s: Stimulus, ids: Sequence[int], offsets: Sequence[tuple[int, int]], tokenizer: Any,
