@@ -133,3 +133,11 @@ def prefix_stimulus(story: Story, k: int, prompt_type: str) -> Stimulus:
 
 
 __all__ = ["FAMILY", "UNKNOWN", "belief_tracking", "prefix_stimulus", "CONTENTS", "TRANSFER"]
+
+
+# The audit leaves out the generic false vs true belief contrast here, with why (`tomlens audit`).
+UNAUDITED: dict[str, str] = {
+    "false vs true belief": "the rows are the prefixes of one story: whether the move has been told yet "
+                            "decides the label, and the words show it; the family draws the curve over "
+                            "prefixes (Kosinski's Figures 1-2), not a contrast between stories",
+}
