@@ -237,10 +237,13 @@ def test_report_round_trips_through_json(tmp_path):
     assert again.verdict() == report.verdict()
 
 
-def test_sample_per_task_keeps_at_most_k_rows_of_each_task():
+def test_sample_per_task_keeps_at_most_k_rows_of_each_task_spread_over_its_cells():
     stimuli = _same_words(10)
     kept = sample_per_task(stimuli, 1)
     assert len(kept) == 10 and len({s.task_id for s in kept}) == 10
+    both = sample_per_task(stimuli + [s.with_(id=s.id + "-again") for s in stimuli], 2)
+    assert all(sorted(s.condition for s in both if s.task_id == t) == ["control", "false_belief"]
+               for t in {s.task_id for s in stimuli})
     with pytest.raises(TomlensError, match="at least 1"):
         sample_per_task(stimuli, 0)
 
