@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Sequence
 from types import ModuleType
+from typing import Any
 
 from tomlens.stimuli import FAMILIES
 from tomlens.stimuli.records import Stimulus
@@ -66,33 +67,28 @@ def _module(family: str) -> ModuleType | None:
     return None
 
 
-def _declared(family: str, single: str, by_family: str) -> list:
+def _declared(family: str, single: str, by_family: str, empty: Any = ()) -> Any:
+    """What `family`'s generator module declares under `by_family[family]`, else under `single`."""
     module = _module(family)
     if module is None:
-        return []
+        return empty
     per_family = getattr(module, by_family, None)
-    if per_family is not None:
-        return list(per_family.get(family, ()))
-    return list(getattr(module, single, ()))
+    return per_family.get(family, empty) if per_family is not None else getattr(module, single, empty)
 
 
 def family_contrasts(family: str) -> list[Contrast]:
     """What `family` declares and what was registered for it, in that order."""
-    return _declared(family, "CONTRASTS", "CONTRASTS_BY_FAMILY") + _EXTRA_CONTRASTS.get(family, [])
+    return list(_declared(family, "CONTRASTS", "CONTRASTS_BY_FAMILY")) + _EXTRA_CONTRASTS.get(family, [])
 
 
 def family_rules(family: str) -> list[Rule]:
-    return _declared(family, "RULES", "RULES_BY_FAMILY") + _EXTRA_RULES.get(family, [])
+    return list(_declared(family, "RULES", "RULES_BY_FAMILY")) + _EXTRA_RULES.get(family, [])
 
 
 def unaudited(family: str) -> dict[str, str]:
     """Contrast name -> why the family leaves it out (`UNAUDITED` / `UNAUDITED_BY_FAMILY` beside its
     generator): a scalar-implicature speaker states their access, so the words must give it away."""
-    module = _module(family)
-    if module is None:
-        return {}
-    per_family = getattr(module, "UNAUDITED_BY_FAMILY", None)
-    return dict(per_family.get(family, {})) if per_family is not None else dict(getattr(module, "UNAUDITED", {}))
+    return dict(_declared(family, "UNAUDITED", "UNAUDITED_BY_FAMILY", {}))
 
 
 def contrasts_for(family: str, stimuli: Sequence[Stimulus]) -> list[Contrast]:

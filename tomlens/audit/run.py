@@ -118,7 +118,8 @@ def _run_job(job: _Job, features: _Features, level: float, seed: int) -> AuditRo
     labels = list(job.labels)
     balanced = job.contrast.chance is None
     folds = task_folds(tasks, seed)
-    correct = held_out_correct(features.rows(job.heuristic, job.rows), labels, folds, balanced=balanced)
+    values = features.rows(job.heuristic, job.rows)
+    correct = held_out_correct(values, labels, folds, balanced=balanced)
     score = cluster_interval(correct, tasks, level, class_weights(labels, balanced))
     chance = chance_of(labels, job.contrast.chance)
     ngram = isinstance(job.heuristic, BagHeuristic) and job.heuristic.is_ngram_bag
@@ -126,8 +127,7 @@ def _run_job(job: _Job, features: _Features, level: float, seed: int) -> AuditRo
     said = verdict(score, chance, ngram_bag=ngram)
     null_mean = null_sd = float("nan")
     if said == SHORTCUT:
-        null_mean, null_sd = permutation_null(features.rows(job.heuristic, job.rows), labels, tasks, folds,
-                                              balanced=balanced, seed=seed)
+        null_mean, null_sd = permutation_null(values, labels, tasks, folds, balanced=balanced, seed=seed)
         # a stated chance is the design's (answers balanced over positions): the imbalance itself is the
         # shortcut, which shuffling labels keeps, so the null is centred there and only lends its spread
         centre = job.contrast.chance if job.contrast.chance is not None else null_mean
