@@ -10,6 +10,7 @@ beside its results and read back. A run directory's `config.json` is that dict; 
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 import difflib
 import hashlib
@@ -147,9 +148,19 @@ def _convert(value: Any, tp: Any, where: str) -> Any:
                          for i, v in enumerate(value))
     if origin is tuple and isinstance(value, list):
         return tuple(value)
+    if origin in (dict, collections.abc.Mapping) and isinstance(value, Mapping):
+        args = typing.get_args(tp)  # dict[str, Spec]: a table of tables (a typed result's per-key rows)
+        inner = _config_class(args[1]) if len(args) == 2 else None
+        if inner is not None:
+            return {k: config_from_dict(inner, v, where=f"{where}.{k}") if isinstance(v, Mapping) else v
+                    for k, v in value.items()}
+    if origin in (typing.Union, types.UnionType) and isinstance(value, (list, Mapping)):
+        inner_types = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(inner_types) == 1:  # `tuple[Spec, ...] | None`, `dict[str, Spec] | None`
+            return _convert(value, inner_types[0], where)
     if origin in (typing.Union, types.UnionType) and isinstance(value, list) \
             and any(typing.get_origin(a) is tuple for a in typing.get_args(tp)):
-        return tuple(value)
+        return tuple(value)  # `tuple[str, ...] | str`: a list is the tuple
     if isinstance(value, int) and not isinstance(value, bool) and float in _options(tp) and int not in _options(tp):
         return float(value)  # TOML's `1` for a float setting
     return value

@@ -6,7 +6,7 @@ through being rewritten never looks finished."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Mapping, Protocol, TypeVar
 
 from tomlens.errors import TomlensError
 from tomlens.io import read_json, write_json
@@ -46,3 +46,37 @@ def read_finished(out: str | Path, config_class: type[C]) -> tuple[Path, C | Non
     config = config_from_dict(config_class, read_json(out / CONFIG)) if (out / CONFIG).is_file() else None
     manifest = read_json(out / MANIFEST) if (out / MANIFEST).is_file() else {}
     return out, config, manifest, read_json(out / RESULT)
+
+
+class RunResult(Protocol):
+    """What every stage's result offers: `save(out)` writes the folder (result.json last), the
+    class's `load(out)` reads it back, and `describe()` is the few lines a terminal prints."""
+
+    def save(self, out: str | Path) -> Path: ...
+
+    @classmethod
+    def load(cls, out: str | Path) -> RunResult: ...
+
+    def describe(self) -> str: ...
+
+
+S = TypeVar("S")
+
+
+def summary_to_dict(summary: Any) -> dict[str, Any]:
+    """A typed summary (a frozen dataclass tree) as plain JSON values, for result.json."""
+    return config_to_dict(summary)
+
+
+def summary_from_dict(cls: type[S], data: Mapping[str, Any], *, folder: str | Path, stage: str) -> S:
+    """The typed summary `cls` from a result.json's dict. A folder written before its stage's
+    summary was typed (or by a later tomlens) does not fit: say so, and that rerunning the stage
+    into the folder rewrites it, instead of failing later on a missing field."""
+    try:
+        return config_from_dict(cls, data)
+    except (TomlensError, TypeError) as e:
+        why = e.problem if isinstance(e, TomlensError) else str(e)
+        raise TomlensError(
+            f"{folder}: its result.json does not fit this tomlens's {stage} result ({why})",
+            f"rerun the {stage} stage into that folder (a rerun reuses its cached activations), "
+            "or read it with the tomlens version that wrote it (its manifest.json names it)") from e
