@@ -8,6 +8,7 @@ transformers or tomlens, so no test can reach the hub and every tomlens call is 
 from __future__ import annotations
 
 import os
+import tempfile
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
@@ -16,6 +17,9 @@ os.environ["TRANSFORMERS_OFFLINE"] = "1"
 # the CPU here, before tomlens is imported, so every subprocess (CLI tests) inherits it; the gpu tier
 # sets it to CUDA for its own tests (`_tier_guard`).
 os.environ["TOMLENS_DEVICE"] = "cpu"
+# Every finished save appends its folder to the run index (`tomlens runs`); the suite's thousands of
+# temporary runs go to an index of its own, not the user's `$TOMLENS_HOME/runs.jsonl`.
+os.environ["TOMLENS_RUN_INDEX"] = os.path.join(tempfile.mkdtemp(prefix="tomlens-runs-"), "runs.jsonl")
 
 import jaxtyping  # noqa: E402
 

@@ -11,6 +11,7 @@ from typing import Any, Mapping, Protocol, TypeVar
 from tomlens.errors import TomlensError
 from tomlens.io import read_json, write_json
 from tomlens.runs.base import config_from_dict, config_to_dict
+from tomlens.runs.index import record_run
 
 C = TypeVar("C")
 
@@ -34,6 +35,7 @@ def finish_save(out: Path, config: Any, manifest: dict[str, Any], summary: dict[
         write_json(config_to_dict(config), out / CONFIG)
     write_json(manifest, out / MANIFEST)
     write_json(summary, out / RESULT)
+    record_run(out)  # `tomlens runs` lists it
     return out
 
 
