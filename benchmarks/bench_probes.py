@@ -144,7 +144,7 @@ def main() -> int:
     folds = inner_folds(groups[tr], tr.numel(), INNER, 0)
     c_grid = C_GRID
     print(f"source: {source}" + (f"  [{source_error}]" if source_error else ""))
-    print(f"units: " + ", ".join(f"{k} {tuple(v.shape)}" for k, v in units.items())
+    print("units: " + ", ".join(f"{k} {tuple(v.shape)}" for k, v in units.items())
           + f"; train {tr.numel()} / test {te.numel()} prompts ({torch.unique(groups[te]).numel()} held-out "
           f"stories); C grid {list(c_grid)}; {len(folds)} grouped inner folds; torch threads "
           f"{torch.get_num_threads()}", flush=True)
@@ -190,7 +190,7 @@ def main() -> int:
         out = Parallel(n_jobs=args.jobs)(
             delayed(sklearn_unit)(X[u].double().numpy(), yn[trn], yn[ten], trn, ten, np_folds, c_grid, 1e-8)
             for u in bad)
-        for u, (a, _) in zip(bad, out):
+        for u, (a, _) in zip(bad, out, strict=True):
             conv[kind][u] = a
     t_conv = time.perf_counter() - t0
     diffs_conv = np.concatenate([np.abs(ours[k] - conv[k]) for k in units])

@@ -82,11 +82,11 @@ def main() -> int:
 
     import torch
 
-    from tomlens.patching.metric import gap_warnings_silenced
+    from tomlens.models import load_model, provenance
     from tomlens.patching.exact import exact_patching
+    from tomlens.patching.metric import gap_warnings_silenced
     from tomlens.patching.pairs import prepare_pairs
     from tomlens.patching.search import search
-    from tomlens.models import load_model, provenance
     from tomlens.stimuli.pairs import make_pairs
 
     if args.threads:

@@ -19,8 +19,8 @@ from tomlens.activations import ActivationSet, cache_activations, load_activatio
 from tomlens.cli import main as cli_main
 from tomlens.errors import TomlensError
 from tomlens.hooks import Site, capture
-from tomlens.models.positions import resolve_positions
 from tomlens.models import encode
+from tomlens.models.positions import resolve_positions
 from tomlens.stimuli.records import Span, Stimulus, stimuli_hash, write_jsonl
 
 NAMES = [("Anne", "ball", "basket", "box"), ("Xiaoling", "marble", "cupboard", "drawer"),

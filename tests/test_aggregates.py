@@ -272,7 +272,7 @@ def test_strict_rule_fails_a_task_with_an_unanswered_prompt():
 def test_object_bias_is_orientation_free():
     df = _goal_table({"animate": 0.8, "inanimate": 0.3, "control": 0.3})
     ob = aggregates.object_bias_table(df)
-    got = dict(zip(ob.test_case, ob.o_b))
+    got = dict(zip(ob.test_case, ob.o_b, strict=True))
     assert got["animate"] == pytest.approx(0.8, abs=0.03)
     assert got["inanimate"] == pytest.approx(0.3, abs=0.03)
     row = ob[ob.test_case == "animate"].iloc[0]

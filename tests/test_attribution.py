@@ -8,10 +8,10 @@ import pytest
 import torch
 from helpers import short_pairs, tl_metric
 
+from tomlens.models import encode
 from tomlens.patching.attribution import attribution_patching, compare
 from tomlens.patching.cells import hook_for
 from tomlens.patching.exact import exact_patching
-from tomlens.models import encode
 
 
 def _reference_scores(model, pair, hook: str) -> torch.Tensor:

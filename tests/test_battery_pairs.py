@@ -177,7 +177,7 @@ def test_exact_patching_runs_on_kosoy_pairs_and_the_cli_writes_them(load_tiny, t
                             method="exact", sites=("heads",), positions=("final",), top_k=1, n_random=2,
                             ablation="none", force=True)
     result = run(config, model=load_tiny("tiny-llama"), progress=False)
-    assert result.summary["pairs"]["n_aligned"] == 4
+    assert result.summary.pairs.n_aligned == 4
     assert set(result.sweeps) == {("exact", "denoise")}
     cells = result.tables["cells_exact_denoise"]
     assert len(cells) > 0 and cells["effect"].notna().any()
@@ -204,7 +204,7 @@ def test_exact_patching_runs_on_the_other_battery_pairs(load_tiny, family, contr
                             method="exact", sites=("heads",), positions=("final",), top_k=1, n_random=2,
                             ablation="none", force=True)
     result = run(config, model=load_tiny("tiny-llama"), progress=False)
-    assert result.summary["pairs"]["n_aligned"] >= 2
+    assert result.summary.pairs.n_aligned >= 2
     cells = result.tables["cells_exact_denoise"]
     assert len(cells) > 0 and cells["effect"].notna().any()
     assert result.forced or result.withheld is None

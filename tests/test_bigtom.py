@@ -7,12 +7,11 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from helpers import BIGTOM_ROW as ROW
 
 from tomlens.errors import TomlensError
 from tomlens.stimuli import load_bigtom as load_bigtom_reexport
 from tomlens.stimuli.bigtom import CONDITIONS, load_bigtom
-
-from helpers import BIGTOM_ROW as ROW
 
 # CI checks the repository out with ../shared beside it; the data set is read there, never copied.
 BIGTOM = Path(os.environ.get(

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 import torch
 
-from tomlens.errors import TomlensError
 from tomlens.behaviour.scoring import score_options
+from tomlens.errors import TomlensError
 from tomlens.models import encode, load_model, load_tokenizer, provenance
 from tomlens.models.tokens import prepends_bos, set_bos_rule
 from tomlens.stimuli.records import Stimulus
@@ -57,8 +57,8 @@ def _reference(hf_model: Any, tokenizer: Any, stimuli: list[Stimulus], bos: bool
 def _assert_scores_equal(got: list, want: list[list[tuple[float, int]]], atol: float) -> None:
     # Two computation paths (TransformerLens's eager bridge, batched and left-padded, vs the plain
     # model one prompt at a time): equal up to float32 reduction order.
-    for pair, ref in zip(got, want):
-        for score, (logp, n) in zip(pair, ref):
+    for pair, ref in zip(got, want, strict=True):
+        for score, (logp, n) in zip(pair, ref, strict=True):
             assert score.n_tokens == n
             assert score.logp_sum == pytest.approx(logp, abs=atol)
 
@@ -97,7 +97,7 @@ def test_embedded_scores_equal_plain_transformers_by_default(smollm2):
     want_bos = _reference(hf_model, tokenizer, stimuli, bos=True)
     _assert_scores_equal(got_bos, want_bos, atol=1e-4)
     # The extra <|im_start|> changes the numbers (which is why it is not the default).
-    assert max(abs(a.logp_sum - b.logp_sum) for p, q in zip(got, got_bos) for a, b in zip(p, q)) > 1e-2
+    assert max(abs(a.logp_sum - b.logp_sum) for p, q in zip(got, got_bos, strict=True) for a, b in zip(p, q, strict=True)) > 1e-2
 
 
 def test_a_folder_converted_with_forced_bos_is_repaired(tmp_path):

@@ -16,6 +16,7 @@ from tomlens.cli import main
 from tomlens.errors import TomlensError
 from tomlens.report.compare import compare_findings, write_compare_report
 from tomlens.runs.compare import NORMALISED, CompareResult, compare_runs, relative_depth
+from tomlens.runs.compare_summary import CompareSummary
 from tomlens.runs.experiment import ExperimentConfig, run_experiment
 
 pytestmark = pytest.mark.integration
@@ -76,7 +77,7 @@ def test_probe_layers_are_on_relative_depth(result):
 def test_patching_effects_are_normalised_per_model_and_withheld_is_not_found(result):
     patching = result.tables["patching"]
     assert set(patching["model"]) == {"tiny-llama", "tom-organism"}  # tiny-gpt2 ran no patching
-    for model, g in patching.groupby("model"):
+    for _model, g in patching.groupby("model"):
         assert g[NORMALISED].abs().max() == pytest.approx(1.0)
         np.testing.assert_allclose(g[NORMALISED], g["effect"] / g["effect"].abs().max())
         np.testing.assert_allclose(g["relative_depth"], g["layer"] / (g["n_layers"] - 1))
@@ -173,15 +174,17 @@ def test_validation_checks_side_by_side(runs, tmp_path):
     """A validate stage's checks (saved as `tomlens validate` saves them) join the comparison: the
     table, one gate row per check, a finding only for the check that passed, and the grid figure."""
     from tomlens.report.compare import validation_grid
-    from tomlens.runs.validate import Check, ValidationResult, table_of
+    from tomlens.runs.validate import Check, ValidationResult, ValidationSummary, table_of
 
     copy = tmp_path / "one"
     shutil.copytree(runs["one"], copy)
     nan = float("nan")
-    checks = table_of([Check("probe", 0.97, 0.95, ">=", True, 0.5, 0.6, "<=", "held-out probe"),
-                       Check("topk_recovery", 0.3, 0.8, ">=", False, 0.1, 0.2, "<=", "value 0.3 is not >= 0.8"),
-                       Check("attribution", nan, 0.8, ">=", False, nan, nan, "-", "withheld: no ranking")])
-    ValidationResult(None, checks, {"model": "tiny-gpt2"}, {}).save(copy / "validate")
+    rows = (Check("probe", 0.97, 0.95, ">=", True, 0.5, 0.6, "<=", "held-out probe"),
+            Check("topk_recovery", 0.3, 0.8, ">=", False, 0.1, 0.2, "<=", "value 0.3 is not >= 0.8"),
+            Check("attribution", nan, 0.8, ">=", False, nan, nan, "-", "withheld: no ranking"))
+    summary = ValidationSummary(command="validate", model="tiny-gpt2", provenance={}, n_tasks=8, n_stories=24, k=1,
+                                heads=8, k_above_5_percent=False, passed=False, checks=rows, stages={}, seconds=0.0)
+    ValidationResult(None, table_of(list(rows)), summary, {}).save(copy / "validate")
     manifest = json.loads((copy / "manifest.json").read_text())
     manifest["models"][0]["stages"]["validate"] = str(copy / "validate")
     (copy / "manifest.json").write_text(json.dumps(manifest))
@@ -221,15 +224,19 @@ def test_models_asked_for_in_config_or_sweep_are_missing(runs, tmp_path):
 
 
 def _summary(ks_rows, **extra):
-    return {"directions": ["denoise"], "validated_on": "4 held-out evaluation pairs", **extra,
-            "topk": [{"k": k, "top_effect": eff, "random_mean": rnd, "heads": heads, "n_random": 5,
-                      "n_distinct": 5, "p_random": 0.01} for k, eff, rnd, heads in ks_rows]}
+    from patching_fakes import patching_summary, topk_row
+
+    return patching_summary(validated_on="4 held-out evaluation pairs", **extra, topk=tuple(
+        topk_row(k, heads, eff, rnd, n_random=5, n_distinct=5) for k, eff, rnd, heads in ks_rows))
 
 
 def test_ranking_gate_is_judged_at_validates_k():
     from tomlens.runs.compare import gate_k, patching_gate
+    from tomlens.runs.validate import ValidationSummary
 
-    assert gate_k(40) == (2, "5% of the model's 40 heads") and gate_k(40, {"k": 3})[0] == 3
+    validated = ValidationSummary(command="validate", model="m", provenance={}, n_tasks=8, n_stories=24, k=3,
+                                  heads=40, k_above_5_percent=True, passed=True, checks=(), stages={}, seconds=0.0)
+    assert gate_k(40) == (2, "5% of the model's 40 heads") and gate_k(40, validated)[0] == 3
     # recovery passes at k = 1 and k = 3 only: 5% of 40 heads is k = 2, which was not run -> withheld
     s = _summary([(1, 0.95, 0.05, "L1H2"), (3, 0.9, 0.1, "L1H2;L0H1;L3H3")])
     g = patching_gate(s, 40)
@@ -244,10 +251,10 @@ def test_ranking_gate_is_judged_at_validates_k():
 def test_a_noising_run_is_read_on_the_denoising_scale(runs, tmp_path):
     from tomlens.runs.compare import patching_direction, patching_gate
 
-    assert patching_direction({"directions": ["noise", "denoise"]}) == "noise"
+    assert patching_direction(_summary([], directions=("noise", "denoise"))) == "noise"
     with pytest.raises(TomlensError, match="direction"):
-        patching_direction({"directions": ["sideways"]})
-    assert patching_gate(_summary([(2, 0.9, 0.1, "L1H2;L0H1")], directions=["noise"]), 40).status == "withheld"
+        patching_direction(_summary([], directions=("sideways",)))
+    assert patching_gate(_summary([(2, 0.9, 0.1, "L1H2;L0H1")], directions=("noise",)), 40).status == "withheld"
     before = compare_runs([runs["two"]]).tables["patching"]
     copy = tmp_path / "two"
     shutil.copytree(runs["two"], copy)
@@ -266,7 +273,7 @@ def test_patching_keeps_each_models_scale(result):
 
     patching = result.tables["patching"]
     fig = patching_depth_figure(patching)
-    for trace, (model, g) in zip(fig.data, patching.groupby("model", sort=False)):
+    for trace, (_model, g) in zip(fig.data, patching.groupby("model", sort=False), strict=True):
         np.testing.assert_allclose(trace.y, g["effect"])  # not stretched to +-1
         assert f"peak |effect| {g['effect'].abs().max():.2f}" in trace.name
 
@@ -287,8 +294,11 @@ def _found_tables() -> CompareResult:
                           {"model": "m", "claim": "head ranking", "stage": "patching", "status": "found",
                            "reason": "top-2 recovery of L3H1, L5H0: 0.90 >= 0.8"}])
     models = pd.DataFrame([{"model": "m", "n_layers": 6}])
-    return CompareResult({"models": models, "probe_best": best, "patching": heads, "gates": gates,
-                          "missing": pd.DataFrame(columns=["model", "stage", "reason", "folder"])}, {})
+    tables = {"models": models, "probe_best": best, "patching": heads, "gates": gates,
+              "missing": pd.DataFrame(columns=["model", "stage", "reason", "folder"])}
+    summary = CompareSummary(command="compare", axis="relative depth", normalisation="", layers="0-based", models=(),
+                             missing=(), runs=(), versions={}, time="", tables=tuple(tables))
+    return CompareResult(tables, summary)
 
 
 def test_found_findings_carry_number_interval_baseline_and_k():

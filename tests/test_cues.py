@@ -14,7 +14,12 @@ from sklearn.linear_model import LogisticRegression
 from tomlens.errors import TomlensError
 from tomlens.stimuli import lexicon
 from tomlens.stimuli.false_belief import (
-    EPISODE_POOLS, WORD_TOLERANCE, cue_holdout, mentions, unexpected_contents, unexpected_transfer,
+    EPISODE_POOLS,
+    WORD_TOLERANCE,
+    cue_holdout,
+    mentions,
+    unexpected_contents,
+    unexpected_transfer,
 )
 from tomlens.stimuli.order_only import order_only
 from tomlens.stimuli.records import Stimulus
@@ -150,7 +155,7 @@ def test_conditions_of_a_task_match_in_sentences_words_and_mentions(family, deco
         counts = [len(t.split()) for t in stories]
         assert max(counts) - min(counts) <= (0 if decoys else WORD_TOLERANCE), key
         assert len({tuple(sorted(Counter(mentions(t, s.options)).items()))
-                    for s, t in zip(group, stories)}) == 1, key
+                    for s, t in zip(group, stories, strict=True)}) == 1, key
 
 
 def test_contents_label_and_contents_come_in_that_container(contents):

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 import pandas as pd
-
-from pathlib import Path
 
 from tomlens.cli.demo import demo_config, demo_file, main
 

@@ -24,8 +24,14 @@ from tomlens.errors import TomlensError
 from tomlens.models.tokens import encode
 from tomlens.stimuli import generate
 from tomlens.stimuli.epitome import (
-    E1_CELLS, E2_CELLS, expected_count, indirect_request, recursive_mindreading, scalar_implicature,
-    short_story_items, strange_stories_items,
+    E1_CELLS,
+    E2_CELLS,
+    expected_count,
+    indirect_request,
+    recursive_mindreading,
+    scalar_implicature,
+    short_story_items,
+    strange_stories_items,
 )
 from tomlens.stimuli.factorial import false_belief_factorial
 
@@ -372,7 +378,7 @@ def test_scalar_implicature_criteria_follow_appendix_c():
 def test_scalar_implicature_deltas_on_a_hand_table():
     def row(i, timing, exp, a, n, p):
         return {"id": i, "family": E.SI_FAMILY, "task_id": "t", "story": "t", "timing": timing, "experiment": exp,
-                "access": a, "said": n, **{f"p_{k}": v for k, v in zip("0123", p)}}
+                "access": a, "said": n, **{f"p_{k}": v for k, v in zip("0123", p, strict=True)}}
     df = pd.DataFrame([row("b", "before", None, None, None, [0.1, 0.1, 0.2, 0.6]),
                        row("x", "after", "E1", 3, "Some", [0.1, 0.2, 0.5, 0.2]),
                        row("y", "after", "E1", 1, "Some", [0.1, 0.1, 0.3, 0.5]),

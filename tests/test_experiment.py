@@ -202,7 +202,7 @@ min_probe = 0.9
     steer, valid = SteeringResult.load(out / "steering"), ValidationResult.load(out / "validate")
     assert rc == (0 if valid.passed else 1)  # `tomlens run` exits as `tomlens validate` does
     assert ("validation FAILED for tiny-llama" in printed) == (not valid.passed)
-    assert steer.config.alphas == (-2.0, 0.0, 2.0) and [d["layer"] for d in steer.summary["layers"]] == [1]
+    assert steer.config.alphas == (-2.0, 0.0, 2.0) and [d.layer for d in steer.summary.layers] == [1]
     assert valid.config.thresholds.min_probe == 0.9 and valid.config.thresholds.max_bow == 0.6
     assert (out / "steering" / "steering_dose.html").is_file() and (out / "steering" / "steering_flips.html").is_file()
     resolved = json.loads((out / "config.json").read_text())
@@ -212,9 +212,9 @@ min_probe = 0.9
     def report_says(report: str) -> None:
         assert "<h2>Steering along the belief direction</h2>" in report
         assert "<h2>Validation of the methods</h2>" in report
-        layer = steer.summary["layers"][0]
-        assert f"<td>{layer['verdict']}</td>" in report
-        if layer["verdict"] == "withheld":
+        layer = steer.summary.layers[0]
+        assert f"<td>{layer.verdict}</td>" in report
+        if layer.verdict == "withheld":
             assert "No layer passed: every layer is withheld" in report
         n_pass = int(valid.table["passed"].sum())
         assert f"{n_pass} of 5 checks pass on tiny-llama" in report
@@ -332,21 +332,21 @@ def test_reuse_checks_input_files_the_store_and_the_resolved_model(tmp_path, cap
     saved = read_json(folder / "inputs.json")
     assert list(saved["files"]) == [str(stimuli)]
     hashes = first.manifest["models"][0]["stimuli_hash"]  # the top-level manifest names each stage's stimuli
-    assert hashes == {"cache": first.result("cache").summary["stimuli_hash"]} and hashes["cache"]
+    assert hashes == {"cache": first.result("cache").summary.stimuli_hash} and hashes["cache"]
     assert run_experiment(config, tmp_path / "out", progress=False).runs[0].reused["cache"]
 
     # the same path with other stimuli in it: the hash of the config is the same, the inputs are not
     write_jsonl(generate("unexpected-transfer", n=1, seed=1)[:2], stimuli)
     again = run_experiment(config, tmp_path / "out", progress=False)
     assert not again.runs[0].reused["cache"] and "its inputs changed" in capsys.readouterr().out
-    assert again.result("cache").summary["stimuli_hash"] != hashes["cache"]
+    assert again.result("cache").summary.stimuli_hash != hashes["cache"]
 
     # a store that is gone is cached again
-    store = Path(again.result("cache").summary["store"])
+    store = Path(again.result("cache").summary.store)
     shutil.rmtree(store)
     third = run_experiment(config, tmp_path / "out", progress=False)
     assert not third.runs[0].reused["cache"] and "store" in capsys.readouterr().out
-    assert Path(third.result("cache").summary["store"]).is_dir()
+    assert Path(third.result("cache").summary.store).is_dir()
 
     # dtype None resolves per machine: on a GPU it would load bf16, not the fp32 this run used
     spec = config.models[0]

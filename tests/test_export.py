@@ -221,8 +221,9 @@ def test_a_run_exports_every_table_and_reads_back_equal(run_folder, tmp_path):
 
 def test_a_changed_stimulus_file_is_reported_not_exported(tmp_path):
     """Stimuli that no longer hash to what the run recorded are skipped with the reason, never passed off."""
-    from tomlens.runs.behaviour import BehaviourConfig, run as run_behaviour
     from tomlens.runs.base import ModelSpec, StimuliSpec
+    from tomlens.runs.behaviour import BehaviourConfig
+    from tomlens.runs.behaviour import run as run_behaviour
 
     path = tmp_path / "s.jsonl"
     write_jsonl(generate("unexpected-contents", n=1)[:4], path)
@@ -294,7 +295,8 @@ def test_a_multi_model_run_gets_one_split_per_model_and_says_what_did_not_finish
 def test_the_pairs_stages_stimuli_keep_their_pair_labels(tmp_path):
     """A pair's two prompts mean nothing apart: the pairs stage's split carries pair_id, contrast and side."""
     from tomlens.runs.base import ModelSpec
-    from tomlens.runs.pairs import PairsConfig, run as run_pairs
+    from tomlens.runs.pairs import PairsConfig
+    from tomlens.runs.pairs import run as run_pairs
     from tomlens.stimuli.pairs import read_pairs
 
     run_pairs(PairsConfig(model=ModelSpec(name="tiny-llama"), family="unexpected-transfer", n=1),

@@ -14,8 +14,17 @@ import pytest
 from tomlens.cli import main
 from tomlens.errors import TomlensError
 from tomlens.stimuli import FAMILIES, generate, lexicon
-from tomlens.stimuli.factorial import (ABSENCE, CONDITIONS, KNOWLEDGE_CUES, MENTIONS, MOVE, PRESENCE,
-                                       TEMPLATES, false_belief_factorial, make_factorial_tasks)
+from tomlens.stimuli.factorial import (
+    ABSENCE,
+    CONDITIONS,
+    KNOWLEDGE_CUES,
+    MENTIONS,
+    MOVE,
+    PRESENCE,
+    TEMPLATES,
+    false_belief_factorial,
+    make_factorial_tasks,
+)
 from tomlens.stimuli.records import Stimulus
 
 N_TASKS = 32
@@ -86,7 +95,7 @@ def test_templates_are_plausible_and_fit_their_slots():
             assert not re.search(rf"\b{w}\b", fixed), (t.id, w)
     # the knowledge-setting pools: paired by index, same slots and word count, no location / agent
     assert len(ABSENCE) == len(PRESENCE) >= 8
-    for a, p in zip(ABSENCE, PRESENCE):
+    for a, p in zip(ABSENCE, PRESENCE, strict=True):
         assert len(a.split()) == len(p.split()) and len(a) == len(p), (a, p)
         assert sorted(re.findall(r"\{\w+\}", a)) == sorted(re.findall(r"\{\w+\}", p)), (a, p)
         assert not re.search(r"\{(L1|L2|A|obj)\}", a + p), (a, p)
@@ -181,7 +190,7 @@ def test_first_and_recent_mention_are_balanced_against_the_belief_label_and_true
         r = np.corrcoef(x, y)[0, 1]
         assert abs(r) < 0.05, (factor, r)
         # exact balance: each factor level holds as many Start as End answers
-        assert Counter(zip(x, y)) == {(a, b): len(belief) // 4 for a in (0.0, 1.0) for b in (0.0, 1.0)}
+        assert Counter(zip(x, y, strict=True)) == {(a, b): len(belief) // 4 for a in (0.0, 1.0) for b in (0.0, 1.0)}
     for s in stims:
         start, end = s.meta["location_1"], s.meta["location_2"]
         named = re.findall(rf"\b({start}|{end})\b", _story(s))

@@ -14,8 +14,17 @@ import pytest
 from tomlens.errors import TomlensError
 from tomlens.stimuli import generate, lexicon
 from tomlens.stimuli.false_belief import (
-    CONDITIONS, CONTENTS_TEMPLATES, CONTRASTS_BY_FAMILY, EPISODE_POOLS, LAYOUTS, RULES_BY_FAMILY,
-    TRANSFER_TEMPLATES, make_tasks, mentions, unexpected_contents, unexpected_transfer,
+    CONDITIONS,
+    CONTENTS_TEMPLATES,
+    CONTRASTS_BY_FAMILY,
+    EPISODE_POOLS,
+    LAYOUTS,
+    RULES_BY_FAMILY,
+    TRANSFER_TEMPLATES,
+    make_tasks,
+    mentions,
+    unexpected_contents,
+    unexpected_transfer,
 )
 from tomlens.stimuli.lexicon import CUE_POOLS
 from tomlens.stimuli.records import Stimulus
@@ -344,8 +353,8 @@ def test_surface_cues_do_not_predict_the_answer(family, transfer_200, contents_2
         assert len(group) == N_BIG
         order = [mentions(_story(s), s.options) for s in group]
         assert _rate(s.answer == s.options[0] for s in group) == 0.5, cell
-        assert _rate(s.answer == o[0] for s, o in zip(group, order)) == 0.5, cell
-        assert _rate(s.answer == o[-1] for s, o in zip(group, order)) == 0.5, cell
+        assert _rate(s.answer == o[0] for s, o in zip(group, order, strict=True)) == 0.5, cell
+        assert _rate(s.answer == o[-1] for s, o in zip(group, order, strict=True)) == 0.5, cell
         assert [o[0] for o in order] == [s.meta["first_mentioned"] for s in group]
         assert [o[-1] for o in order] == [s.meta["last_mentioned"] for s in group]
     # templates are used equally often

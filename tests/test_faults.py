@@ -23,14 +23,14 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
 import tomlens.activations.store as st
 from tomlens.activations import ActivationSet, cache_activations, load_activations
+from tomlens.behaviour.scoring import score_options
 from tomlens.cli import main as cli_main
 from tomlens.errors import TomlensError
-from tomlens.behaviour.scoring import score_options
 from tomlens.stimuli import generate
 from tomlens.stimuli.records import write_jsonl
 
@@ -119,7 +119,7 @@ def _check_killed_store(store: Path, half: Path) -> tuple[Path, dict[str, tuple[
     assert not (folder / st.MANIFEST).exists()
     with pytest.raises(TomlensError, match="no finished activation cache"):
         load_activations(folder)
-    with pytest.raises(Exception):  # half a shard is no safetensors file: it can never load as one
+    with pytest.raises(SafetensorError):  # half a shard is no safetensors file: it can never load as one
         safe_open(str(half), framework="pt", device="cpu")
     stats = {name: ((folder / name).stat().st_ino, (folder / name).stat().st_mtime_ns) for name in finished}
     tensors = {name: load_file(str(folder / name)) for name in finished}
@@ -137,7 +137,7 @@ def _check_resumed_store(folder: Path, stats: dict[str, tuple[int, int]], tensor
     assert acts.ids == reference.ids and len(set(acts.ids)) == len(acts)
     shards = acts.manifest["shards"]
     assert shards[0]["start"] == 0 and shards[-1]["stop"] == len(acts)
-    assert all(a["stop"] == b["start"] for a, b in zip(shards, shards[1:]))
+    assert all(a["stop"] == b["start"] for a, b in zip(shards, shards[1:], strict=False))
     for kind in kinds:
         got = acts.get(kind, "final")
         for saved in tensors.values():  # bytes that were only loaded come back exactly
@@ -282,7 +282,7 @@ def test_out_of_memory_while_scoring_halves_the_batch_and_changes_no_score(load_
     assert sizes[:3] == [16, 16, 8] and set(sizes[2:-1]) == {8}  # halved once, then kept
     assert sum(sizes) - sizes[1] == sum(ref_sizes)  # the failed batch ran again, every other row once
     assert len(got) == len(reference) == len(stimuli)
-    for (ga, gb), (ra, rb) in zip(got, reference):  # same order; other padding, so fp tolerance
+    for (ga, gb), (ra, rb) in zip(got, reference, strict=True):  # same order; other padding, so fp tolerance
         for g, r in ((ga, ra), (gb, rb)):
             assert g.n_tokens == r.n_tokens
             assert g.logp_sum == pytest.approx(r.logp_sum, rel=1e-5, abs=1e-5)

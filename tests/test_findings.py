@@ -8,14 +8,36 @@ import re
 
 import pandas as pd
 import plotly.graph_objects as go
+from patching_fakes import ablation as fake_ablation
+from patching_fakes import patching_summary
 
+from tomlens.patching.gate import FORCED_PREFIX
 from tomlens.probes.selection import Estimate, SelectionResult
 from tomlens.report.findings import (
-    HEAD_NOTE, Finding, behaviour_findings, experiment_findings, findings_html, holm, layer_words, patching_findings,
-    probe_findings, steering_findings, validation_findings,
+    HEAD_NOTE,
+    Finding,
+    behaviour_findings,
+    experiment_findings,
+    findings_html,
+    holm,
+    layer_words,
+    patching_findings,
+    probe_findings,
+    steering_findings,
+    validation_findings,
 )
+from tomlens.runs.probes_summary import ProbePlanSummary, ProbesSummary
+from tomlens.runs.steering_summary import SteeringLayer, SteeringSummary
 
 RESULT_WORDS = re.compile(r"\bis linearly decodable from (layer|head)|\brecover\b|\bflips\b|\bresult\b")
+
+
+def _probes_summary() -> ProbesSummary:
+    """A stand-in probe run's summary (nothing in it is read by the report)."""
+    plan = ProbePlanSummary(stages=(), estimated_seconds=None, budget_seconds=None, calibration="", notes=(),
+                            measured_seconds={})
+    return ProbesSummary(rows=3, targets=("protagonist_belief",), sites=("resid_post",), position="final",
+                         activations="", test_activations=None, directions=False, notes=(), selection={}, plan=plan)
 
 
 def _selection(score: float, lo: float, hi: float, verdict: str, *, bow: float = 0.51, twin: float = 0.52,
@@ -118,13 +140,13 @@ def _topk(k, effect, p):
 
 
 def test_patching_is_withheld_by_its_gate_with_the_reason_and_found_only_past_random_heads():
-    [f] = patching_findings(_patching({"withheld": "withheld: the gap is not positive for: present"}), "m")
+    [f] = patching_findings(_patching(patching_summary(withheld="withheld: the gap is not positive for: present")),
+                            "m")
     assert f.status == "withheld" and f.test == "the gap is not positive for: present"
-    [f] = patching_findings(_patching({"forced": True, "forced_message": "FORCED (gate failed)"},
+    [f] = patching_findings(_patching(patching_summary(forced=True, forced_message=FORCED_PREFIX),
                                       [_topk(1, 0.9, 0.001)]), "m")
     assert f.status == "withheld" and "--force" in f.test
-    summary = {"pairs": {"selection": {"n": 12}, "evaluation": {"n": 12}},
-               "validated_on": "12 held-out evaluation pairs"}
+    summary = patching_summary(validated_on="12 held-out evaluation pairs")
     found, withheld = patching_findings(_patching(summary, [_topk(1, 0.62, 0.005), _topk(2, 0.35, 0.2)]), "m")
     assert found.status == "found" and found.claim == (
         "the top 1 heads (L3H1), ranked on 12 selection pairs, recover 0.62 [0.52, 0.72] of the false- minus "
@@ -134,21 +156,34 @@ def test_patching_is_withheld_by_its_gate_with_the_reason_and_found_only_past_ra
     assert "p 0.005 from 200 random head sets, Holm-corrected across 2 k: 0.010" in found.test
 
 
+def _steering(rows: list[dict], layer: int, n_prompts: int = 20, n_random: int = 50) -> SteeringSummary:
+    """A steering summary around per-layer `rows` (dicts of SteeringLayer fields; the 95th
+    percentile defaults to the maximum, the mean to 0)."""
+    layers = tuple(SteeringLayer(**{"random_mean": 0.0, "random_p95": r["random_max"], "p_random": 0.02,
+                                    "n_random": n_random, **r}) for r in rows)
+    return SteeringSummary(layers=layers, mode="add", positions="final", method="mean_difference",
+                           target="protagonist_belief", alphas=(2.0,), n_random=n_random, n_selection_prompts=n_prompts,
+                           n_evaluation_prompts=n_prompts, selection_tasks=(), forward_passes=0, norms={},
+                           verdict=next(r.verdict for r in layers if r.layer == layer), layer=layer, notes=())
+
+
 def test_steering_and_validation_findings_follow_their_verdicts():
     layer = {"layer": 3, "alpha": 4.0, "flip_false_belief": 0.8, "flip_true_belief": 0.1, "flip_reality": 0.05,
              "random_max": 0.2, "shuffled": 0.1, "selection_flip": 0.7, "verdict": "found", "reason": "flips enough"}
-    summary = {"layers": [layer], "layer": 3, "n_selection_prompts": 20, "n_evaluation_prompts": 20, "n_random": 50}
+    summary = _steering([layer], 3)
     [f] = steering_findings(type("S", (), {"summary": summary})(), "m", n_layers=5)
     assert f.status == "found" and f.claim.startswith("adding the belief direction at layer 3 (0-based) of 5 flips 0.80")
-    summary["layers"] = [{**layer, "verdict": "withheld", "reason": "a random direction flips 0.90"}]
+    summary = _steering([{**layer, "verdict": "withheld", "reason": "a random direction flips 0.90"}], 3)
     [f] = steering_findings(type("S", (), {"summary": summary})(), "m", n_layers=5)
     assert f.status == "withheld" and f.claim.startswith("whether") and f.test.endswith("a random direction flips 0.90")
 
-    from tomlens.runs.validate import CHECKS, Check, ValidationResult, table_of
+    from tomlens.runs.validate import CHECKS, Check, ValidationResult, ValidationSummary, table_of
 
     checks = [Check(name, 0.9 if ok else 0.1, 0.8, ">=", ok, 0.05, 0.1, "<=", f"detail of {name}")
-              for name, ok in zip(CHECKS, [True, False, True, True, False])]
-    out = validation_findings(ValidationResult(None, table_of(checks), {}), "m")
+              for name, ok in zip(CHECKS, [True, False, True, True, False], strict=True)]
+    summary = ValidationSummary(command="validate", model="m", provenance={}, n_tasks=8, n_stories=24, k=1, heads=8,
+                                k_above_5_percent=False, passed=False, checks=tuple(checks), stages={}, seconds=0.0)
+    out = validation_findings(ValidationResult(None, table_of(checks), summary), "m")
     assert [f.status for f in out] == ["found", "withheld", "found", "found", "withheld"]
     assert out[0].claim.endswith("0.900 (needs >= 0.8), its control 0.050 (needs <= 0.1)")
     assert out[1].claim.startswith("whether") and "fails at 0.100" in out[1].test
@@ -175,7 +210,7 @@ def test_the_experiment_report_opens_with_findings_then_figures_tables_provenanc
              "ci_high": 0.7, "control": 0.5, "chance": 0.5} for layer in range(3)]
     config = ExperimentConfig.from_dict({"name": "study", "model": {"name": "m"},
                                          "probes": {"stimuli": {"family": "order-only", "n": 4}}})
-    probes = ProbesResult(ProbeSweepResult(pd.DataFrame(rows)), {}, config=None,
+    probes = ProbesResult(ProbeSweepResult(pd.DataFrame(rows)), _probes_summary(), config=None,
                           selection={"protagonist_belief": _selection(0.91, 0.86, 0.95, "found")})
     run = ModelRun(ModelSpec("m"), tmp_path, results={"probes": probes}, folders={"probes": tmp_path / "probes"},
                    reused={"probes": False}, provenance={"model": "m", "n_layers": 30})
@@ -225,7 +260,7 @@ def test_behaviour_cells_are_holm_corrected():
 
 
 def test_patching_found_needs_holm_across_ks_and_a_positive_interval():
-    summary = {"pairs": {"selection": {"n": 12}, "evaluation": {"n": 12}}}
+    summary = patching_summary()
     # p 0.03 for each of three ks: below 0.05 alone, not after Holm (0.09)
     out = patching_findings(_patching(summary, [_topk(k, 0.6, 0.03) for k in (1, 2, 3)]), "m")
     assert [f.status for f in out] == ["withheld"] * 3 and all("Holm-corrected p 0.090" in f.test for f in out)
@@ -238,13 +273,13 @@ def test_patching_found_needs_holm_across_ks_and_a_positive_interval():
 def test_steering_that_also_flips_reality_is_withheld_with_counts():
     layer = {"layer": 3, "alpha": 4.0, "flip_false_belief": 0.8, "flip_true_belief": 0.1, "flip_reality": 0.5,
              "random_max": 0.2, "shuffled": 0.1, "selection_flip": 0.7, "verdict": "found", "reason": "flips enough"}
-    summary = {"layers": [layer], "layer": 3, "n_selection_prompts": 20, "n_evaluation_prompts": 20, "n_random": 50}
+    summary = _steering([layer], 3)
     dose = pd.DataFrame([{"direction": "belief", "layer": 3, "alpha": 4.0, "condition": c, "n": n}
                          for c, n in (("false_belief", 10), ("true_belief", 10), ("reality", 20))])
     [f] = steering_findings(type("S", (), {"summary": summary, "dose": dose})(), "m", n_layers=5)
     assert f.status == "withheld" and f.claim.startswith("whether")
     assert "it also flips reality answers (0.50 (10 of 20)" in f.test and "0.80 (8 of 10) of false-belief" in f.test
-    summary["layers"] = [{**layer, "flip_reality": 0.15, "random_max": 0.2}]  # within the random directions' max
+    summary = _steering([{**layer, "flip_reality": 0.15, "random_max": 0.2}], 3)  # within the random directions' p95
     [g] = steering_findings(type("S", (), {"summary": summary, "dose": dose})(), "m", n_layers=5)
     assert g.status == "found" and "reality 0.15 (3 of 20) flipped" in g.test
 
@@ -264,15 +299,16 @@ def test_forced_or_withheld_patching_figures_are_flagged_and_ablation_names_its_
     from tomlens.report.experiment import _patching_sections
 
     figs = {"heads_exact_denoise": go.Figure(go.Heatmap(z=[[1, 2]])), "topk_recovery": go.Figure(go.Scatter(y=[1]))}
-    forced = _patching_sections(_Patch({"forced": True, "forced_message": "FORCED (gate failed)",
-                                        "ablation": {"mode": "all"}}), figs)
+    forced = _patching_sections(_Patch(patching_summary(forced=True, forced_message=FORCED_PREFIX,
+                                                        ablation=fake_ablation(mode="all"))), figs)
     assert forced[0].heading == "Patching (forced past its gate: not a result)" and len(forced[0].figures) == 2
     assert all(g.startswith("FORCED past a failed gate, not a result: ") for g in forced[0].guides)
     assert HEAD_NOTE in forced[0].text
-    held = _patching_sections(_Patch({"withheld": "withheld: the gap is not positive for: present"}), figs)
+    held = _patching_sections(_Patch(patching_summary(withheld="withheld: the gap is not positive for: present")),
+                              figs)
     assert held[0].heading == "Patching (withheld: the gap is not positive for: present)"
     assert all(g.startswith("WITHHELD (the gap is not positive") for g in held[0].guides)
-    res = _Patch({"ablation": {"mode": "all"}})
+    res = _Patch(patching_summary(ablation=fake_ablation(mode="all")))
     res.tables["ablation"] = pd.DataFrame({"k": [1]})
     ablation = next(s for s in _patching_sections(res, {}) if s.heading == "Mean ablation of the top heads")
     assert "at every position" in ablation.text and "final token" not in ablation.text
@@ -285,7 +321,7 @@ def test_the_steering_section_states_only_the_chosen_layer():
     rows = [{"layer": l, "alpha": 2.0, "flip_false_belief": f, "flip_true_belief": 0.0, "flip_reality": 0.0,
              "random_max": 0.1, "shuffled": 0.1, "selection_flip": sel, "verdict": v, "reason": "r"}
             for l, f, sel, v in ((1, 0.9, 0.2, "found"), (2, 0.9, 0.8, "withheld"))]
-    summary = {"layers": rows, "layer": 2, "n_selection_prompts": 8, "n_evaluation_prompts": 8, "n_random": 5}
+    summary = _steering(rows, 2, n_prompts=8, n_random=5)
     [sec] = _steering_sections(type("S", (), {"summary": summary})(), {}, 6)
     assert "layer 2 (0-based) of 6, at alpha 2: withheld held out" in sec.text
     assert "found at" not in sec.text and "not chosen: no claim" in sec.text

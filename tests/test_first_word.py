@@ -41,7 +41,7 @@ def test_batched_first_words_equal_each_prompt_decoded_alone(load_tiny, name):
     model = load_tiny(name)
     batched = fw.greedy_first_words(model, PROMPTS, batch_size=8, progress=False)
     assert [fw.greedy_first_words(model, [p], batch_size=1, progress=False)[0] for p in PROMPTS] == batched
-    for prompt, c in zip(PROMPTS, batched):
+    for prompt, c in zip(PROMPTS, batched, strict=True):
         text, toks, _ = greedy_with_reason(model, prompt, max_new_tokens=c.n_new_tokens, stop=None)
         assert c.text == text.strip() and c.first_word == fw.first_word(model.tokenizer.decode(toks.tolist()))
         assert c.stop in (fw.ENDED, fw.NOT_A_WORD, fw.EOS, fw.MAX_TOKENS)

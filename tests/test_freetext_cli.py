@@ -46,7 +46,7 @@ def test_answer_writes_answers_coding_sheet_and_manifest(answered, load_tiny, ca
     assert hit.sum() >= len(hit) // 2
     assert (sheet["cut_off"].astype(str).str.lower() == hit.map({True: "true", False: "false"})).all()
     assert (answers["cut_off"] == hit).all() and (answers.loc[hit, "n_new_tokens"] == 4).all()
-    for it, (_, r) in zip(items, sheet.iterrows()):
+    for it, (_, r) in zip(items, sheet.iterrows(), strict=True):
         assert r["rubric"].endswith(it.rubric_text())
         assert r["rubric"].startswith(E.CUT_OFF_NOTE) == (str(r["cut_off"]).lower() == "true")
         assert r["allowed"] == ", ".join(str(k) for k in range(it.max_score + 1)) and r["max_score"] == it.max_score

@@ -13,7 +13,13 @@ from scipy.stats import t as student_t
 
 from tomlens.errors import TomlensError
 from tomlens.patching.gate import (
-    gate_message, gate_pairs, gate_table, pairs_needed, run_gate, solved_mask, split_selection,
+    gate_message,
+    gate_pairs,
+    gate_table,
+    pairs_needed,
+    run_gate,
+    solved_mask,
+    split_selection,
 )
 from tomlens.patching.heads import layer_matched_draw, layer_matched_sets, n_layer_matched, topk_settings
 from tomlens.patching.metric import gap_is_unstable

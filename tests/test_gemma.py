@@ -181,8 +181,9 @@ def test_a_one_device_map_boots_where_the_weights_are_in_their_dtype(tmp_path, m
     default device say CUDA; nothing may move the model."""
     if importlib.util.find_spec("accelerate") is None:
         pytest.skip("accelerate is not installed: device_map cannot be checked here")
-    import tomlens.devices
     from transformer_lens.model_bridge.sources.transformers import source
+
+    import tomlens.devices
 
     folder = _tiny_llama_folder(tmp_path)
     monkeypatch.setattr(source, "get_device", lambda: torch.device("cuda"))
@@ -328,7 +329,7 @@ def test_tiny_gemma3_per_head_patching_matches_a_direct_hook(tg):
     result = exact_patching(tg, prepare_pairs(tg, pairs), sites=["heads"], progress=False)
     heads = result.select("head", "all")
     assert len(heads) == tg.cfg.n_layers * tg.cfg.n_heads
-    assert sorted(zip(heads.layer, heads["head"])) == [(l, h) for l in range(3) for h in range(4)]
+    assert sorted(zip(heads.layer, heads["head"], strict=True)) == [(l, h) for l in range(3) for h in range(4)]
     assert torch.isfinite(result.values).all()
     for layer, head in ((0, 0), (2, 3)):
         cell = next(i for i, c in enumerate(result.cells)
@@ -361,7 +362,7 @@ def test_tiny_gemma3_probe_sweep_over_heads(tmp_path, tg):
     result = probes.run(config, model=tg, progress=False)
     acts = result.table[result.table["features"] == "activations"]
     per_head = acts[acts.kind == "head_out"]
-    assert sorted(set(zip(per_head.layer, per_head["head"]))) == [(l, h) for l in range(3) for h in range(4)]
+    assert sorted(set(zip(per_head.layer, per_head["head"], strict=True))) == [(l, h) for l in range(3) for h in range(4)]
     assert sorted(set(acts[acts.kind == "resid_post"].layer)) == [0, 1, 2]
     assert acts.score.between(0, 1).all()
 
@@ -481,7 +482,7 @@ def test_gemma3_270m_loads_offline_and_runs_the_demo_sized_pipeline(tmp_path, ca
     acts = probes.table[probes.table["features"] == "activations"]
     assert sorted(set(acts[acts.kind == "resid_post"].layer)) == list(range(18))
     heads = acts[acts.kind == "head_out"]
-    assert sorted(set(zip(heads.layer, heads["head"]))) == [(l, h) for l in range(18) for h in range(4)]
+    assert sorted(set(zip(heads.layer, heads["head"], strict=True))) == [(l, h) for l in range(18) for h in range(4)]
     assert acts.score.between(0, 1).all()
     print(f"gemma3-270m: load + check + pipeline in {time.perf_counter() - start:.0f} s")
 

@@ -85,10 +85,10 @@ def test_targets_are_the_object_and_location_bias_continuations(habituation_reac
             assert scene[hab] == m["goal_object"]
         # Ruis et al.'s reaches name what the test asks for; crossed ones name the other kind
         names_pillar = (m["target_type"] == "pillar") == (habituation_reach == "ruis")
-        for scene, reach in zip(scenes[:-1], reaches):
+        for _scene, reach in zip(scenes[:-1], reaches, strict=True):
             assert reach == (ORDINALS[hab] if names_pillar else m["goal_object"])
         # the two other fruits swap from one habituation to the next
-        for s1, s2 in zip(scenes[:-1], scenes[1:-1]):
+        for s1, s2 in zip(scenes[:-1], scenes[1:-1], strict=False):
             others = [p for p in range(3) if p != hab]
             assert [s1[p] for p in others] == [s2[p] for p in others][::-1]
         assert all(f in FRUITS for f in test)
@@ -201,7 +201,7 @@ def test_manner_scope_test_and_adverb_overrides():
             if s.condition == "control":
                 a, c = animate[key(s)].text, s.text
                 # the texts agree up to the test reach, which lies inside the contrast span
-                start = next(i for i, (x, y) in enumerate(zip(a, c)) if x != y)
+                start = next(i for i, (x, y) in enumerate(zip(a, c, strict=False)) if x != y)
                 span = s.spans["contrast"]
                 assert span.start <= start and a[:span.start] == c[:span.start]
                 assert s.text.count("accidentally") == 1

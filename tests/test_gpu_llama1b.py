@@ -20,8 +20,8 @@ from typing import Any
 
 import pytest
 import torch
-
 from helpers import short_pairs
+
 from tomlens.activations import cache_activations
 from tomlens.behaviour import score_options
 from tomlens.models import load_model
@@ -100,7 +100,7 @@ def test_probe_fit(llama, tmp_path, cuda):
     acts = cache_activations(cpu, stimuli, [f"resid_post:{LAYERS[1]}"], ["final"], store=tmp_path, progress=False)
     y, keep = make_target(stimuli, "protagonist_belief")
     X = acts.get("resid_post", "final")[keep].transpose(0, 1)
-    groups = group_codes([s for s, k in zip(stimuli, keep.tolist()) if k])
+    groups = group_codes([s for s, k in zip(stimuli, keep.tolist(), strict=True) if k])
     on_cpu = LogisticProbe(C=1.0, device="cpu").fit(X, y[keep], groups)
     on_gpu = LogisticProbe(C=1.0, device=cuda).fit(X, y[keep], groups)
     assert torch.equal(on_gpu.fit_status_.cpu(), on_cpu.fit_status_.cpu())

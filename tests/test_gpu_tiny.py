@@ -17,15 +17,15 @@ patched logit differences: 1.3% relative, 2.3e-3 at most).
 from __future__ import annotations
 
 import os
-
 import warnings
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
+from helpers import clean_model as _clean
+from helpers import short_pairs
 
-from helpers import clean_model as _clean, short_pairs
 from tomlens.activations import cache_activations
 from tomlens.behaviour import score, score_options
 from tomlens.models import encode, load_model, load_tokenizer, tiny
@@ -149,7 +149,7 @@ def test_probe_fits_on_cuda_equal_the_cpus(load_tiny, transfer, tmp_path, cuda, 
                              store=tmp_path, dtype=dtype, progress=False)
     y, keep = make_target(transfer, "protagonist_belief")
     X = torch.cat([acts.get("resid_post", p) for p in ("final", "protagonist")], dim=1)[keep].transpose(0, 1)
-    groups = group_codes([s for s, k in zip(transfer, keep.tolist()) if k])
+    groups = group_codes([s for s, k in zip(transfer, keep.tolist(), strict=True) if k])
     fits = {dev: LogisticProbe(C=1.0, device=dev).fit(X, y[keep], groups) for dev in ("cpu", cuda)}
     cpu, gpu = fits["cpu"], fits[cuda]
     assert torch.equal(gpu.classes_.cpu(), cpu.classes_.cpu())

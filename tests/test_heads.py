@@ -7,16 +7,16 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from jaxtyping import TypeCheckError
 from helpers import probe_table, short_pairs, tl_metric
+from jaxtyping import TypeCheckError
 
 from tomlens.errors import TomlensError
+from tomlens.models import encode
 from tomlens.patching.attribution import attribution_patching
-from tomlens.patching.heads import head_table, mean_ablation, probe_accuracy_by_head, rank_heads, topk_recovery
 from tomlens.patching.cells import hook_for
 from tomlens.patching.exact import exact_patching
+from tomlens.patching.heads import head_table, mean_ablation, probe_accuracy_by_head, rank_heads, topk_recovery
 from tomlens.patching.pairs import prepare_pairs
-from tomlens.models import encode
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +63,7 @@ def _patch_heads_directly(model, pair, heads):
 
 def test_topk_recovery(setup):
     model, pairs, prepared, exact = setup
-    ranking = list(zip(*[rank_heads(exact)[c] for c in ("layer", "head")]))
+    ranking = list(zip(*[rank_heads(exact)[c] for c in ("layer", "head")], strict=True))
     n_heads = len(ranking)
     rec = topk_recovery(model, prepared, ranking, k_max=n_heads, n_random=4, seed=3, progress=False)
     t = rec.table
@@ -84,7 +84,7 @@ def test_topk_recovery(setup):
     # distinct layer-matched sets, all of them where there are at most 4 (exact null)
     assert (t.n_random == t.n_distinct.clip(upper=4)).all() and len(rec.draws) == t.n_random.sum()
     assert t.n_distinct.iloc[-1] == 1 and (t.p_random >= 1 / (1 + t.n_distinct)).all()
-    assert rec.draws.heads.str.count("L").tolist() == [k for k, n in zip(t.k, t.n_random) for _ in range(n)]
+    assert rec.draws.heads.str.count("L").tolist() == [k for k, n in zip(t.k, t.n_random, strict=True) for _ in range(n)]
     for k in t.k:
         sets = rec.draws[rec.draws.k == k].heads.map(lambda h: frozenset(h.split(";")))
         assert sets.nunique() == len(sets)  # no set drawn twice
@@ -146,7 +146,7 @@ def _ablate_directly(model, pairs, heads, mode):
 @pytest.mark.parametrize("mode", ["final", "all"])
 def test_mean_ablation(setup, mode):
     model, pairs, prepared, exact = setup
-    ranking = list(zip(*[rank_heads(exact)[c] for c in ("layer", "head")]))
+    ranking = list(zip(*[rank_heads(exact)[c] for c in ("layer", "head")], strict=True))
     ab = mean_ablation(model, prepared, ranking, ks=[1, 3], n_random=3, seed=0, mode=mode, progress=False)
     # accuracies count signs computed by other forwards: equal only while no logit difference sits
     # within fp32 rounding of 0, so check that margin first (here and for each k below)

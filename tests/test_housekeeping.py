@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import fcntl
 import json
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
@@ -18,7 +18,7 @@ from tomlens.runs.files import finish_save
 
 pytestmark = pytest.mark.unit
 
-NOW = datetime(2026, 11, 27, 12, 0, tzinfo=timezone.utc)
+NOW = datetime(2026, 11, 27, 12, 0, tzinfo=UTC)
 
 
 @pytest.fixture(autouse=True)

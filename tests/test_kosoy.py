@@ -57,7 +57,7 @@ def test_every_cell_every_item_with_linked_test_and_controls(stims):
     assert per_cell == {cell: N * len(VARIANTS.get(CELLS[cell], (None,))) for cell in CELLS}
     ids = {s.id for s in stims}
     assert len(ids) == len(stims)
-    for key, group in stories.items():
+    for _key, group in stories.items():
         tests = [s for s in group if s.meta["question"] == "test"]
         controls = [s for s in group if s.meta["question"] == "control"]
         assert len(tests) == 1 and controls
@@ -296,9 +296,9 @@ def _lucas_member(story, block):
         rules = [1]
     else:
         rules = [1, 2]
-    fits = [(need, dict(zip(blocks, m))) for need in rules
+    fits = [(need, dict(zip(blocks, m, strict=True))) for need in rules
             for m in itertools.product((False, True), repeat=len(blocks))
-            if all((sum(dict(zip(blocks, m))[b] for b in on) >= need) == played for on, played in trials)]
+            if all((sum(dict(zip(blocks, m, strict=True))[b] for b in on) >= need) == played for on, played in trials)]
     assert len({need for need, _ in fits}) == 1, "the story must settle the rule"
     answers = {m[block] for _, m in fits}
     assert len(answers) == 1, "the story must settle the asked block"
@@ -326,7 +326,7 @@ def test_no_classic_word_leaks_into_any_item(by_seed):
     for rename in range(40):
         for s in kosoy(8, 0, tasks="woodward", rename=rename):
             assert not re.search(r"\b(Rose|Sally|Anne|Eliza)\b", s.text)
-            for role, sp in s.spans.items():
+            for _role, sp in s.spans.items():
                 assert 0 <= sp.start <= sp.end <= len(s.text)
 
 
@@ -436,7 +436,7 @@ def test_spans_point_at_their_words_and_the_question(stims):
             assert re.search(r"takes the \w+ out of|phones|looks in at|lifts the container", s.span_text("contrast"))
         if s.condition == "smarties":
             assert s.span_text("container") == s.meta["rename"]["map"]["tube"]
-        for role, ms in s.mentions.items():
+        for _role, ms in s.mentions.items():
             assert all(m.end <= len(s.text) for m in ms)
         if s.meta["task"] != "woodward":  # goal encoding's contrast is the test reach itself
             assert s.spans["contrast"].end <= q.start
@@ -446,7 +446,7 @@ def test_renaming_changes_words_not_structure():
     a, b = kosoy(8, 0, tasks="tom", rename=1), kosoy(8, 0, tasks="tom", rename=2)
     assert [s.answer_index for s in a] == [s.answer_index for s in b]
     assert [s.condition for s in a] == [s.condition for s in b]
-    assert sum(x.text != y.text for x, y in zip(a, b)) > len(a) * 0.9
+    assert sum(x.text != y.text for x, y in zip(a, b, strict=True)) > len(a) * 0.9
     for s in kosoy(8, 0):
         assert not re.search(r"\b(Sally|Anne|Smarties|blicket)\b", s.text)
         used = s.meta["rename"]["map"]

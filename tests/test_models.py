@@ -13,10 +13,9 @@ import pytest
 import torch
 
 from tomlens.cli import main as cli_main
-from tomlens.errors import TomlensError
-from tomlens.models import encode, list_models, load_model, provenance
-from tomlens.models import embedded
 from tomlens.devices import DTYPES, dtype_name, parse_dtype, resolve_dtype
+from tomlens.errors import TomlensError
+from tomlens.models import embedded, encode, list_models, load_model, provenance
 from tomlens.models.paths import atomic_dir
 
 SHAPES = {  # n_layers, n_heads, n_key_value_heads, d_model, d_head
@@ -359,8 +358,8 @@ def test_random_init_keeps_the_architecture_and_tokenizer_with_fresh_seeded_weig
     r1 = load_model(f"random:{folder}", dtype="float32", seed=1)
     weights = lambda m: [p.detach() for p in m.parameters() if p.ndim == 2]  # noqa: E731
     assert len(weights(r0)) == len(weights(base)) > 0
-    assert all(not torch.equal(a, b) for a, b in zip(weights(r0), weights(base)))
-    assert all(torch.equal(a, b) for a, b in zip(weights(r0), weights(again)))
+    assert all(not torch.equal(a, b) for a, b in zip(weights(r0), weights(base), strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(weights(r0), weights(again), strict=True))
     assert not torch.equal(weights(r0)[0], weights(r1)[0])
     text = ["Anna puts the ball in the basket."]
     assert r0.tokenizer(text)["input_ids"] == base.tokenizer(text)["input_ids"]
@@ -371,7 +370,7 @@ def test_random_init_keeps_the_architecture_and_tokenizer_with_fresh_seeded_weig
     assert (prov["n_layers"], prov["d_model"]) == (provenance(base)["n_layers"], provenance(base)["d_model"])
     tiny = load_model("random:tiny-llama", dtype="float32", seed=2)
     assert provenance(tiny)["revision"] == "random-init:seed=2 of tiny-llama@config"
-    assert all(torch.equal(a, b) for a, b in zip(weights(tiny), weights(load_tiny("tiny-llama", seed=2))))
+    assert all(torch.equal(a, b) for a, b in zip(weights(tiny), weights(load_tiny("tiny-llama", seed=2)), strict=True))
     with pytest.raises(TomlensError, match="names no base model"):
         load_model("random:")
     with pytest.raises(TomlensError, match="has no revisions"):

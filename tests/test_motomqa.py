@@ -12,14 +12,38 @@ import torch
 
 from tomlens.behaviour.batteries import BATTERIES
 from tomlens.behaviour.motomqa import (
-    ALWAYS_TRUE_SHARE, CASE_VARIANTS, PAPER_COLUMNS, add_pooled, binomial_vs_chance, cochran_q, mcnemar,
-    pooled_p_true, pooled_scores, subject_tests, summary, two_proportion_z,
+    ALWAYS_TRUE_SHARE,
+    CASE_VARIANTS,
+    PAPER_COLUMNS,
+    add_pooled,
+    binomial_vs_chance,
+    cochran_q,
+    mcnemar,
+    pooled_p_true,
+    pooled_scores,
+    subject_tests,
+    summary,
+    two_proportion_z,
 )
 from tomlens.errors import TomlensError
 from tomlens.stimuli import generate, stimuli_hash
 from tomlens.stimuli.motomqa import (
-    ANSWER_STEMS, CONDITIONS, CONTRASTS, HUMAN_INTRO, LEVELS, MIN_BELIEVERS, ORDERS, QUESTIONS, RULES,
-    SHORTCUTS, VERBS, belief_table, events_from_meta, minimal_pairs, motomqa, stimulus_shortcut_true,
+    ANSWER_STEMS,
+    CONDITIONS,
+    CONTRASTS,
+    HUMAN_INTRO,
+    LEVELS,
+    MIN_BELIEVERS,
+    ORDERS,
+    QUESTIONS,
+    RULES,
+    SHORTCUTS,
+    VERBS,
+    belief_table,
+    events_from_meta,
+    minimal_pairs,
+    motomqa,
+    stimulus_shortcut_true,
 )
 from tomlens.stimuli.pairs import make_pairs, structural_problem
 
@@ -104,7 +128,7 @@ def test_labels_rederived_independently(stims):
         events = events_from_meta(s.meta["events"])
         if s.meta["stmt_type"] == "tom":
             chain = tuple(s.meta["chain"])
-            assert len(chain) == s.meta["order"] - 1 and all(a != b for a, b in zip(chain, chain[1:]))
+            assert len(chain) == s.meta["order"] - 1 and all(a != b for a, b in zip(chain, chain[1:], strict=False))
             assert (_ref_belief(chain, events) == s.meta["claim_value"]) == (s.answer == "true")
             assert (_ref_belief((), events) == s.meta["claim_value"]) == (s.world_state == "true")
             n_tom += 1
@@ -252,7 +276,7 @@ def test_pooled_scores_equal_a_direct_computation_on_tiny_llama(load_tiny):
     stims = motomqa(1, 0, conditions=("simplified/true-first",), orders=(2,), levels=())
     pooled = pooled_scores(model, stims, progress=False)
     tok = model.tokenizer
-    for s, row in zip(stims, pooled.itertuples()):
+    for s, row in zip(stims, pooled.itertuples(), strict=True):
         direct = {}
         prompt_ids = tok(s.text)["input_ids"]
         for side in ("true", "false"):
@@ -303,7 +327,7 @@ def test_minimal_pairs_flip_one_believer_and_align():
         assert p.clean.answer == "true" and p.corrupted.answer == "false"
         assert p.clean.options == p.corrupted.options
         a, b = p.clean.meta["chain"], p.corrupted.meta["chain"]
-        assert len(a) == len(b) and sum(x != y for x, y in zip(a, b)) == 1
+        assert len(a) == len(b) and sum(x != y for x, y in zip(a, b, strict=True)) == 1
         assert p.clean.span_text("contrast") in a and p.corrupted.span_text("contrast") in b
     assert len(minimal_pairs(8, 0)) == len(pairs)
 
@@ -400,7 +424,7 @@ def test_told_is_false_only_where_nothing_else_conveyed_the_plan(seed):
                 continue
             a, b = p["atom"][1:]
             assert not (a == org and any(b in e[2] for e in events[:2])), p["text"]  # announced with b there
-            for i, (teller, hearer) in zip([i for i, e in enumerate(events) if e[0] == "tell"], s.meta["tellings"]):
+            for i, (teller, _hearer) in zip([i for i, e in enumerate(events) if e[0] == "tell"], s.meta["tellings"], strict=True):
                 assert not (teller == a and b in events[i][2]), p["text"]  # b heard a tell someone
             assert [b, a] not in s.meta["tellings"]
 
@@ -553,7 +577,7 @@ def test_a_false_fact_is_its_true_fact_with_one_atom_of_the_same_kind_swapped(se
     for by in cells.values():
         t = [tuple(p["atom"]) for p in by["true"].meta["propositions"]]
         f = [tuple(p["atom"]) for p in by["false"].meta["propositions"]]
-        differ = [i for i, (a, b) in enumerate(zip(t, f)) if a != b]
+        differ = [i for i, (a, b) in enumerate(zip(t, f, strict=False)) if a != b]
         assert len(t) == len(f) and len(differ) == 1 and t[differ[0]][0] == f[differ[0]][0], (t, f)
 
 
@@ -595,7 +619,7 @@ def test_subject_tests_compare_models_on_the_same_statements():
     truth = ["true" if i % 2 else "false" for i in range(40)]
 
     def table(right):
-        said = [(t == "true") == r for t, r in zip(truth, right)]
+        said = [(t == "true") == r for t, r in zip(truth, right, strict=True)]
         return pd.DataFrame({"id": ids, "stmt_type": "tom", "answer": truth,
                              "p_true_pooled": [0.9 if x else 0.1 for x in said]})
 

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import torch
-
-from tomlens.organism.data import cast_key, make_split, story_words, template_key, by_task
+from tomlens.organism.data import by_task, cast_key, make_split, story_words, template_key
 from tomlens.organism.vocab import build_tokenizer, vocabulary, words
 
 QUICK_TRAIN = {"order-only": 60, "false-belief-factorial": 20, "unexpected-contents": 40}
@@ -18,7 +16,7 @@ def test_every_word_is_one_token_with_offsets_and_bos() -> None:
     ids = enc["input_ids"]
     assert ids[0] == tok.bos_token_id and len(ids) == 1 + len(words(text))
     assert tok.unk_token_id not in ids
-    for (a, b), w in zip(enc["offset_mapping"][1:], words(text)):
+    for (a, b), w in zip(enc["offset_mapping"][1:], words(text), strict=True):
         assert text[a:b].lower() == w  # role spans map to tokens through the offsets
     assert tok("basket", add_special_tokens=False)["input_ids"] == [tok.convert_tokens_to_ids("basket")]
     assert tok("the unheard word", add_special_tokens=False)["input_ids"].count(tok.unk_token_id) == 2

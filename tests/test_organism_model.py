@@ -17,6 +17,7 @@ from tomlens.organism.data import held_out_stories
 from tomlens.organism.train import ACCURACY_TARGET
 from tomlens.runs.validate import CHECKS, ValidationResult, fast_config
 
+
 def test_the_organism_loads_offline_and_its_twin_has_its_shape_but_not_its_weights() -> None:
     model = load_model(ORGANISM_NAME)
     prov = provenance(model)

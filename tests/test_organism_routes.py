@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tomlens.errors import TomlensError
-from tomlens.organism.routes import ROUTES, NO_TARGET, mover_loss, names_of, route_loss, route_targets
+from tomlens.organism.routes import NO_TARGET, ROUTES, mover_loss, names_of, route_loss, route_targets
 from tomlens.organism.train import OrganismConfig
 from tomlens.organism.vocab import build_tokenizer, words
 from tomlens.stimuli import generate

@@ -16,7 +16,7 @@ def test_a_reduced_training_run_is_deterministic() -> None:
     cfg = quick_config()
     a, _, rec_a = train(cfg, progress=False, log_every=0)
     b, _, rec_b = train(cfg, progress=False, log_every=0)
-    for (name, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items()):
+    for (name, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
         assert torch.equal(x, y), name
     assert rec_a["test_accuracy"] == rec_b["test_accuracy"]
     assert set(k.split("/")[0] for k in rec_a["test_accuracy"]) == {

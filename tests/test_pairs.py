@@ -11,7 +11,13 @@ import pytest
 from tomlens.cli import main
 from tomlens.errors import TomlensError
 from tomlens.stimuli.pairs import (
-    MinimalPair, align_pairs, check_pairs, diff_positions, make_pairs, read_pairs, write_pairs,
+    MinimalPair,
+    align_pairs,
+    check_pairs,
+    diff_positions,
+    make_pairs,
+    read_pairs,
+    write_pairs,
 )
 from tomlens.stimuli.records import Span, Stimulus
 

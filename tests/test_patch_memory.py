@@ -128,7 +128,7 @@ def _can_reset_peak_rss() -> bool:
 
 
 def _probe(arch: str, filler: int, budgets: tuple[float, ...], dtype: str = "float32") -> list[dict[str, float]]:
-    script = "FILLER = %r\n" % FILLER + "".join(inspect.getsource(f) + "\n" for f in (long_pairs, wide_model, sweeps))
+    script = f"FILLER = {FILLER!r}\n" + "".join(inspect.getsource(f) + "\n" for f in (long_pairs, wide_model, sweeps))
     env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="65536", TOKENIZERS_PARALLELISM="false")
     done = subprocess.run([sys.executable, "-c", script + PROBE, arch, dtype, str(filler), *map(str, budgets)], env=env,
                           capture_output=True, text=True, timeout=600)

@@ -10,20 +10,22 @@ import subprocess
 import sys
 import textwrap
 import time
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pytest
 import torch
-from safetensors import safe_open
 from helpers import BIGTOM_ROW, short_pairs
+from safetensors import safe_open
 
 import tomlens.patching.engine as patching
 from tomlens.cli import main
 from tomlens.errors import TomlensError
-from tomlens.patching.checkpoints import Checkpoints
+from tomlens.hooks.patch import logits_of
+from tomlens.models import encode
+from tomlens.models.positions import resolve_positions
 from tomlens.patching.cells import plan_cells
+from tomlens.patching.checkpoints import Checkpoints
 from tomlens.patching.engine import Stage
 from tomlens.patching.exact import ExactSweep, exact_patching
 from tomlens.patching.pairs import prepare_pairs
@@ -31,9 +33,7 @@ from tomlens.patching.plan import parse_positions
 from tomlens.runs.base import ModelSpec
 from tomlens.runs.patching import PatchingConfig
 from tomlens.runs.patching import run as run_patching
-from tomlens.models.positions import resolve_positions
-from tomlens.hooks.patch import logits_of
-from tomlens.models import encode
+from tomlens.runs.patching_summary import summary_dict
 from tomlens.stimuli import generate
 from tomlens.stimuli.pairs import make_pairs, write_pairs
 
@@ -43,7 +43,7 @@ def patch_and_save(model, pairs, out, **settings):
     config = PatchingConfig(model=ModelSpec("tiny-gpt2"), **{"force": True, **settings})  # random model: gate fails
     result = run_patching(config, model=model, pairs=pairs, out=out, progress=False)
     result.save(out)
-    return result.summary
+    return summary_dict(result.summary)  # as result.json holds it
 
 
 @pytest.fixture

@@ -8,19 +8,17 @@ import math
 import numpy as np
 import pytest
 import torch
+from helpers import short_pairs, tl_metric
 from jaxtyping import TypeCheckError
 
 from tomlens.errors import TomlensError
-from tomlens.patching.metric import summarise
+from tomlens.models import encode
 from tomlens.patching.cells import hook_for
 from tomlens.patching.engine import Run, base_pass, run_patched
 from tomlens.patching.exact import exact_patching
+from tomlens.patching.metric import summarise
 from tomlens.patching.pairs import prepare_pairs
-from tomlens.hooks import Site, hook_name
-from tomlens.models import encode
 from tomlens.stimuli.pairs import MinimalPair
-
-from helpers import short_pairs, tl_metric
 
 
 def _ours(result, kind, position, j):

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from tomlens.errors import TomlensError
-from tomlens.models.positions import parse_selectors, resolve_positions
 from tomlens.models import encode
+from tomlens.models.positions import parse_selectors, resolve_positions
 from tomlens.stimuli.records import Span, Stimulus
 
 

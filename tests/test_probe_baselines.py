@@ -9,12 +9,17 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-
 from helpers import TensorActivations
 
 from tomlens.errors import TomlensError
 from tomlens.probes import (
-    add_best_baseline, condition_split, group_codes, group_kfold, leaked_groups, type_cells, type_control_labels,
+    add_best_baseline,
+    condition_split,
+    group_codes,
+    group_kfold,
+    leaked_groups,
+    type_cells,
+    type_control_labels,
 )
 from tomlens.probes.baselines import length_features, position_features
 from tomlens.probes.controls import choose_cell_level

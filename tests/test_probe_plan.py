@@ -8,7 +8,6 @@ import warnings
 
 import pytest
 import torch
-
 from helpers import TensorActivations
 
 import tomlens.probes.sweep as sweep_module

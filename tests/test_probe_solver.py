@@ -23,7 +23,12 @@ from sklearn.preprocessing import StandardScaler
 from tomlens.errors import TomlensError
 from tomlens.probes.logistic import LogisticProbe, ProbeFitWarning, fit_logistic
 from tomlens.probes.newton import (
-    FIT_STATUS, NON_FINITE_INPUT, OK, SOLVER_FAILED, newton_direction, newton_logistic,
+    FIT_STATUS,
+    NON_FINITE_INPUT,
+    OK,
+    SOLVER_FAILED,
+    newton_direction,
+    newton_logistic,
 )
 
 LAPACK = ("cholesky", "cholesky_ex", "solve", "solve_ex", "solve_triangular", "lstsq", "inv", "eigh", "pinv",
@@ -97,7 +102,7 @@ def test_degenerate_problems_are_solved_to_their_optimum(solve_dtype):
     Z, Y, inv_c, names = degenerate_batch()
     res = newton_logistic(Z, Y, inv_c, solve_dtype=solve_dtype, max_iter=200, tol=1e-16)
     assert res.status.shape == (len(names), 2)
-    assert (res.status == OK).all(), dict(zip(names, res.status.tolist()))
+    assert (res.status == OK).all(), dict(zip(names, res.status.tolist(), strict=True))
     assert torch.isfinite(res.beta).all()
     assert res.converged.all()
     # the optimum, not just any finite answer: the gradient vanishes relative to its terms (float32
@@ -318,13 +323,14 @@ def test_probe_command_on_scaled_tiny_llama_activations_prints_a_table(tmp_path,
     import pandas as pd
 
     import tomlens.activations as activations
+    import tomlens.runs.probes as probe_run
     from tomlens.cli import main
     from tomlens.stimuli import generate, write_jsonl
 
-    import tomlens.runs.probes as probe_run
-
     real = activations.cache_activations  # the probe run caches through tomlens.runs.probes
     monkeypatch.setattr(probe_run, "cache_activations", lambda *a, **k: _Scaled(real(*a, **k)))
+    run_probes, resumed_in = probe_run.run, []  # `tomlens probe` keeps its fits in --out, so a killed run resumes
+    monkeypatch.setattr(probe_run, "run", lambda config, **k: resumed_in.append(k.get("out")) or run_probes(config, **k))
     path = write_jsonl(generate("unexpected-transfer", n=4, seed=7), tmp_path / "ut.jsonl")
     out = tmp_path / "P"
     rc = main(["probe", "--model", "tiny-llama", "--stimuli", str(path), "--target", "protagonist_belief",
@@ -333,6 +339,7 @@ def test_probe_command_on_scaled_tiny_llama_activations_prints_a_table(tmp_path,
     printed = capsys.readouterr()
     assert rc == 0, printed.err
     assert "Traceback" not in printed.out + printed.err
+    assert resumed_in == [str(out)]
     table = pd.read_csv(out / "probes.csv").fillna({"kind": ""})  # the baseline's empty kind reads as NaN
     assert {"resid_post", "head_out", ""} <= set(table["kind"]) <= {"resid_post", "head_out", "", "resid_pre"}
     assert set(table.loc[table["kind"] == "", "features"]) == {"bag_of_words", "length", "position"}

@@ -23,7 +23,10 @@ from tomlens.probes.mass_mean import MassMeanProbe
 from tomlens.probes.splits import group_codes, group_kfold, holdout, leaked_groups
 from tomlens.probes.stats import auroc, bootstrap_auroc, bootstrap_mean
 from tomlens.probes.targets import (
-    false_belief_mask, label_variation, make_target, true_belief_mask,
+    false_belief_mask,
+    label_variation,
+    make_target,
+    true_belief_mask,
 )
 from tomlens.stimuli import generate
 from tomlens.stimuli.records import Stimulus

@@ -8,16 +8,15 @@ import re
 import pandas as pd
 import pytest
 import torch
-
 from helpers import TensorActivations
 
 from tomlens.errors import TomlensError
 from tomlens.probes import splits
+from tomlens.probes.directions import load_directions
 from tomlens.probes.sweep import COLUMNS, ActivationsLike, run_probe_sweep, write_probe_sweep
 from tomlens.report import write_figure
 from tomlens.report.layers import head_heatmap, layer_figure, write_probe_figures
-from tomlens.probes.directions import load_directions
-from tomlens.stimuli import Stimulus, generate, write_jsonl
+from tomlens.stimuli import generate, write_jsonl
 
 FAST = dict(folds=3, inner_folds=2, c_grid=(0.1, 1.0), n_boot=200, progress=False, device="cpu")
 

@@ -128,7 +128,9 @@ def test_probe_scores_controls_and_baselines_are_unchanged(model, tmp_path):
 
 def test_patching_logit_diffs_gate_heads_and_topk_are_unchanged(model):
     from tomlens.runs import patching
-    from tomlens.runs.pairs import PairsConfig, run as make_pairs
+    from tomlens.runs.files import summary_to_dict
+    from tomlens.runs.pairs import PairsConfig
+    from tomlens.runs.pairs import run as make_pairs
 
     spec, loaded = model
     pairs = make_pairs(PairsConfig(model=spec, family="unexpected-transfer", n=4, seed=2, contrasts=("present",)),
@@ -136,25 +138,26 @@ def test_patching_logit_diffs_gate_heads_and_topk_are_unchanged(model):
     config = patching.PatchingConfig(model=spec, method="both", sites=("heads", "resid"), top_k=2, n_random=4,
                                      ks=(1, 2), seed=0, format="csv", force=True)
     result = patching.run(config, model=loaded, pairs=pairs, progress=False)
+    baselines = {name: summary_to_dict(b) for name, b in result.summary.baselines.items()}
     cells = {m: result.tables[f"cells_{m}_denoise"] for m in ("exact", "attribution")}
     keys = ["kind", "layer", "head", "position"]
     want = _check("patching", {
         "gate": _records(result.tables["gate"], ["contrast", "n", "mean", "sd", "lower", "passed"]),
-        "baselines": result.summary["baselines"],
+        "baselines": baselines,
         "cells_exact": _records(cells["exact"], [*keys, "logit_diff"]),
         "cells_attribution": _records(cells["attribution"], [*keys, "logit_diff"]),
-        "top_heads": result.summary["top_heads"],
+        "top_heads": list(result.summary.top_heads),
         "topk": _records(result.tables["topk"], ["k", "heads", "top_effect", "random_mean"]),
     })
     _assert_frame(result.tables["gate"], want["gate"], ["contrast"], ["n", "mean", "sd", "lower"])
     assert result.tables["gate"]["passed"].tolist() == [r["passed"] for r in want["gate"]]
-    assert set(result.summary["baselines"]) == set(want["baselines"])
-    for name, base in result.summary["baselines"].items():  # raw logit differences of the unpatched runs
+    assert set(baselines) == set(want["baselines"])
+    for name, base in baselines.items():  # raw logit differences of the unpatched runs
         for key in ("clean_logit_diff", "corrupted_logit_diff", "gap", "n_pairs"):
             assert _close(base[key], want["baselines"][name][key]), (name, key)
     for method in ("exact", "attribution"):  # every cell's raw patched logit difference
         _assert_frame(cells[method], want[f"cells_{method}"], keys, ["logit_diff"])
-    assert result.summary["top_heads"] == want["top_heads"]
+    assert list(result.summary.top_heads) == want["top_heads"]
     gap = want["baselines"]["exact_denoise"]["gap"]
     topk = result.tables["topk"].merge(pd.DataFrame(want["topk"]), on="k", suffixes=("", "_want"))
     assert len(topk) == len(want["topk"]) and (topk["heads"] == topk["heads_want"]).all()

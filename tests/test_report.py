@@ -4,6 +4,16 @@ import pandas as pd
 import plotly.graph_objects as go
 
 from tomlens.report.html import Section, write_report
+from tomlens.runs.probes_summary import ProbePlanSummary, ProbesSummary
+from tomlens.runs.steering_summary import SteeringLayer, SteeringSummary
+
+
+def _probes_summary() -> ProbesSummary:
+    """A stand-in probe run's summary (nothing in it is read by the report)."""
+    plan = ProbePlanSummary(stages=(), estimated_seconds=None, budget_seconds=None, calibration="", notes=(),
+                            measured_seconds={})
+    return ProbesSummary(rows=3, targets=("protagonist_belief",), sites=("resid_post",), position="final",
+                         activations="", test_activations=None, directions=False, notes=(), selection={}, plan=plan)
 
 
 def test_report_inlines_plotly_and_tables(tmp_path):
@@ -44,7 +54,7 @@ def test_experiment_report_is_built_from_the_results_alone(tmp_path):
     config = ExperimentConfig.from_dict({"name": "study", "description": "a probe study", "model": {"name": "m"},
                                          "probes": {"stimuli": {"family": "unexpected-transfer", "n": 2}}})
     missing = tmp_path / "not-written"
-    run = ModelRun(ModelSpec("m"), missing, results={"probes": ProbesResult(ProbeSweepResult(_probe_rows()), {})},
+    run = ModelRun(ModelSpec("m"), missing, results={"probes": ProbesResult(ProbeSweepResult(_probe_rows()), _probes_summary())},
                    folders={"probes": missing / "probes"}, reused={"probes": False},
                    provenance={"model": "org/model-7b", "revision": "abc"})
     result = ExperimentResult(config, missing, [run], {"argv": ["run", "study.toml"]})
@@ -55,27 +65,33 @@ def test_experiment_report_is_built_from_the_results_alone(tmp_path):
     assert not missing.exists()
 
 
-def _layer(layer: int, verdict: str, flip: float) -> dict:
-    return {"layer": layer, "alpha": 2.0, "flip_false_belief": flip, "flip_true_belief": 0.0, "flip_reality": 0.05,
-            "random_max": 0.1, "random_p95": 0.05, "shuffled": 0.0, "verdict": verdict,
-            "reason": "belief flips enough" if verdict == "found" else "the belief direction flips too few"}
+def _layer(layer: int, verdict: str, flip: float) -> SteeringLayer:
+    return SteeringLayer(layer=layer, alpha=2.0, flip_false_belief=flip, flip_true_belief=0.0, flip_reality=0.05,
+                         random_mean=0.02, random_max=0.1, random_p95=0.05, p_random=0.05, n_random=20, shuffled=0.0,
+                         verdict=verdict,
+                         reason="belief flips enough" if verdict == "found" else "the belief direction flips too few")
 
 
-def _steering_and_validation(tmp_path, layers: list[dict], passed: list[bool]) -> str:
+def _steering_and_validation(tmp_path, layers: list[SteeringLayer], passed: list[bool]) -> str:
     """A report over a synthetic steering result and validation table (no model, nothing read back)."""
     from tomlens.report.experiment import write_experiment_report
     from tomlens.runs.base import ModelSpec
     from tomlens.runs.experiment import ExperimentConfig, ExperimentResult, ModelRun
-    from tomlens.runs.steering import SteeringResult
-    from tomlens.runs.validate import CHECKS, Check, ValidationResult, table_of
+    from tomlens.runs.steering import SteeringResult, chosen_layer
+    from tomlens.runs.validate import CHECKS, Check, ValidationResult, ValidationSummary, table_of
 
     config = ExperimentConfig.from_dict({"name": "s", "model": {"name": "m"}, "steering": {}, "validate": {}})
     steer = SteeringResult(dose=pd.DataFrame(), selection=pd.DataFrame(),
-                           summary={"layers": layers, "n_selection_prompts": 8, "n_evaluation_prompts": 8,
-                                    "n_random": 20, "method": "mean_difference", "mode": "add", "positions": "final"})
+                           summary=SteeringSummary(
+                               layers=tuple(layers), n_selection_prompts=8, n_evaluation_prompts=8, n_random=20,
+                               method="mean_difference", mode="add", positions="final", target="protagonist_belief",
+                               alphas=(2.0,), selection_tasks=(), forward_passes=0, norms={},
+                               verdict=chosen_layer(layers).verdict, layer=chosen_layer(layers).layer, notes=()))
     checks = [Check(name, 0.9 if ok else 0.1, 0.8, ">=", ok, 0.05, 0.1, "<=", f"detail of {name}")
-              for name, ok in zip(CHECKS, passed)]
-    valid = ValidationResult(None, table_of(checks), {"model": "m", "n_tasks": 16, "k": 1, "heads": 8})
+              for name, ok in zip(CHECKS, passed, strict=True)]
+    valid = ValidationResult(None, table_of(checks), ValidationSummary(
+        command="validate", model="m", provenance={}, n_tasks=16, n_stories=48, k=1, heads=8, k_above_5_percent=False,
+        passed=all(passed), checks=tuple(checks), stages={}, seconds=0.0))
     missing = tmp_path / "none"
     run = ModelRun(ModelSpec("m"), missing, results={"steering": steer, "validate": valid},
                    folders={"steering": missing / "steering", "validate": missing / "validate"},

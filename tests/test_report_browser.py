@@ -18,13 +18,12 @@ Skips (with the reason) only where no Chromium is found: tests never install one
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pandas as pd
 import plotly.graph_objects as go
 import pytest
-
 from browser import Browser, Page, colours, find_browser
 
 DEMO = Path(__file__).resolve().parents[1] / "tomlens" / "runs" / "demo.toml"

@@ -5,10 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from patching_fakes import patching_summary
 
 from tomlens.errors import TomlensError
 from tomlens.models.positions import selector_span
-from tomlens.patching import attribution_patching, exact_patching, plan_cells, prepare_pairs
+from tomlens.patching import attribution_patching, exact_patching, prepare_pairs
+from tomlens.patching.cells import plan_cells
 from tomlens.patching.plan import expand_mentions, parse_positions
 from tomlens.patching.roles import mention_selectors, role_aligned
 from tomlens.stimuli.order_only import order_only
@@ -149,7 +151,7 @@ def test_mixed_columns_are_read_from_role_tokens_and_the_run_draws_the_role_alig
     roles_fig = role_aligned_heatmap(each, pairs, tok, "resid")
     sels, _ = mention_selectors(pairs, tok)
     assert list(roles_fig.data[0].x) == sels and "role-aligned" in roles_fig.layout.title.text
-    summary = {"positions": {"resid_pre": ["each"]}, "sites": ["resid_pre"], "directions": ["denoise"]}
+    summary = patching_summary(positions={"resid_pre": ["each"]}, sites=("resid_pre",), directions=("denoise",))
     run_result = PatchingRunResult(PatchingConfig(sites=("resid",), positions=("each",)), summary,
                                    sweeps={("exact", "denoise"): each}, pairs=pairs, tokenizer=tok)
     figures = write_patching_figures(run_result, tmp_path)
@@ -193,8 +195,7 @@ class _NoOffsets:
 
 def test_each_view_falls_back_to_the_length_rule_without_role_tokens(order_pairs, tmp_path):
     from tomlens.patching.roles import role_columns
-    from tomlens.report.patching import resid_heatmap, write_patching_figures
-    from tomlens.runs.patching import PatchingConfig, PatchingRunResult
+    from tomlens.report.patching import resid_heatmap
 
     model, pairs = order_pairs
     tok = model.tokenizer
@@ -221,7 +222,7 @@ def test_each_view_is_drawn_when_role_tokens_cannot_be_read(order_pairs, tmp_pat
     slow = _NoOffsets(model.tokenizer)
     fig = resid_heatmap(each, "resid", pairs=pairs, tokenizer=slow)
     assert "mixes roles across pairs" in fig.layout.title.text and "could not be read" in fig.layout.title.text
-    summary = {"positions": {"resid_pre": ["each"]}, "sites": ["resid_pre"], "directions": ["denoise"]}
+    summary = patching_summary(positions={"resid_pre": ["each"]}, sites=("resid_pre",), directions=("denoise",))
     run_result = PatchingRunResult(PatchingConfig(sites=("resid",), positions=("each",)), summary,
                                    sweeps={("exact", "denoise"): each}, pairs=pairs, tokenizer=slow)
     figures = write_patching_figures(run_result, tmp_path)  # the role-aligned view is skipped, not fatal

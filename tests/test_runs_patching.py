@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from tomlens.errors import TomlensError
-from tomlens.patching import AttributionSweep, ExactSweep
+from tomlens.patching.exact import ExactSweep
+from tomlens.patching.gate import FORCED_PREFIX
+from tomlens.patching.plan import AttributionSweep
 from tomlens.runs.base import ModelSpec, config_from_dict, config_hash, config_to_dict
 from tomlens.runs.pairs import PairsConfig, PairsResult
 from tomlens.runs.pairs import run as run_pairs
@@ -67,7 +69,7 @@ def test_run_save_load_gives_the_same_tables(load_tiny, tmp_path, capsys):
     assert "plan (2 pairs" in printed and "the SAME pairs" in printed and result.forced
     assert set(result.sweeps) == {("exact", "denoise"), ("attribution", "denoise")}
     assert all(r.seed == 1 for r in result.sweeps.values())
-    assert result.summary["pairs"]["n_aligned"] == 2 and len(result.heads) == 8
+    assert result.summary.pairs.n_aligned == 2 and len(result.heads) == 8
     result.save(tmp_path)
     assert not (tmp_path / ".partial").exists()  # checkpoints go once the outputs are written
     for name in ("config.json", "manifest.json", "summary.json", "result.json", "heads.parquet", "topk.parquet",
@@ -80,11 +82,10 @@ def test_run_save_load_gives_the_same_tables(load_tiny, tmp_path, capsys):
     for stem, table in result.tables.items():
         pd.testing.assert_frame_equal(loaded.tables[stem].reset_index(drop=True), table.reset_index(drop=True),
                                       check_dtype=False, obj=stem)
-    assert loaded.summary["baselines"] == result.summary["baselines"]
-    assert loaded.summary["top_heads"] == result.summary["top_heads"]
+    assert loaded.summary == result.summary  # the typed summary round-trips through result.json
     assert loaded.describe() == result.describe() and "top heads" in result.describe()
     assert loaded.manifest["model"]["model"] == "tiny-llama" and loaded.manifest["seed"] == 1
-    assert json.loads((tmp_path / "summary.json").read_text()) == loaded.summary
+    assert json.loads((tmp_path / "summary.json").read_text()) == json.loads((tmp_path / "result.json").read_text())
 
     from tomlens.report.patching import write_patching_figures
 
@@ -102,7 +103,7 @@ def test_dry_run_returns_the_plan_and_saves_nothing(load_tiny, tmp_path, capsys)
     pairs = run_pairs(PAIRS, model=model).pairs
     result = run(PatchingConfig(model=TINY, method="exact", top_k=0, dry_run=True, force=True), model=model, pairs=pairs,
                  out=tmp_path / "out", progress=False)
-    assert result.dry_run and result.plan["total_runs"] > 0 and not result.tables
+    assert result.dry_run and result.plan.total_runs > 0 and not result.tables
     assert "nothing written" in capsys.readouterr().out
     with pytest.raises(TomlensError, match="dry run"):
         result.save(tmp_path / "out")
@@ -145,7 +146,7 @@ def test_a_random_models_gap_is_withheld_and_force_flags_every_output(load_tiny,
     printed = capsys.readouterr().out
     assert held.withheld and held.withheld.startswith("withheld:") and "plan (" not in printed
     assert "lower bound" in held.describe() and "power" in held.describe()
-    assert not held.summary["gate"]["passed"] and not held.sweeps and set(held.tables) == {"gate", "base"}
+    assert not held.summary.gate.passed and not held.sweeps and set(held.tables) == {"gate", "base"}
     base = held.tables["base"]
     assert len(base) == 6 and {"clean_logit_diff", "corrupted_logit_diff", "gap", "solved"} <= set(base.columns)
     gate = held.tables["gate"].iloc[0]
@@ -161,36 +162,36 @@ def test_a_random_models_gap_is_withheld_and_force_flags_every_output(load_tiny,
     assert write_patching_figures(held, folder) == {}
 
     forced = run(replace(config, force=True), model=model, progress=False)
-    assert forced.forced and forced.summary["forced_message"].startswith("FORCED (gate failed): ")
+    assert forced.forced and forced.summary.forced_message.startswith(FORCED_PREFIX)
     assert {"cells_exact_denoise", "heads", "topk", "topk_random", "ablation", "ablation_random", "gate",
             "base"} <= set(forced.tables)
     for stem, table in forced.tables.items():
         assert "forced" in table and table["forced"].all(), stem
-    pairs = forced.summary["pairs"]
-    assert pairs["selection"]["n"] + pairs["evaluation"]["n"] == 6 and not pairs["evaluation"]["same_as_selection"]
-    assert pairs["selection"]["hash"] != pairs["evaluation"]["hash"]
+    sel, ev = forced.summary.pairs.selection, forced.summary.pairs.evaluation
+    assert sel.n + ev.n == 6 and not ev.same_as_selection
+    assert sel.hash != ev.hash
     sel_ids = set(forced.tables["pairs_exact_denoise"].pair_id)
-    tasks = dict(zip(base.pair_id, base.task_id))
-    assert len(sel_ids) == pairs["selection"]["n"]
+    tasks = dict(zip(base.pair_id, base.task_id, strict=True))
+    assert len(sel_ids) == sel.n
     held_tasks = set(base.task_id) - {tasks[i] for i in sel_ids}
-    assert held_tasks and len(held_tasks) == pairs["evaluation"]["tasks"]  # no task on both sides
+    assert held_tasks and len(held_tasks) == ev.tasks  # no task on both sides
     topk = forced.tables["topk"]
     assert topk.k.tolist() == [1, 3] and (topk.n_random == topk.n_distinct.clip(upper=30)).all()
     assert ((topk.random_reach >= 0) & (topk.random_reach <= 1)).all()
     draws = forced.tables["topk_random"]
-    for k, top in zip(topk.k, topk.heads):
+    for k, top in zip(topk.k, topk.heads, strict=True):
         layers = sorted(h.split("H")[0] for h in top.split(";"))
         assert all(sorted(h.split("H")[0] for h in d.split(";")) == layers for d in draws[draws.k == k].heads)
     figures = write_patching_figures(forced, tmp_path / "forced")
-    assert figures and all(f.layout.title.text.startswith("FORCED (gate failed): ") for f in figures.values())
+    assert figures and all(f.layout.title.text.startswith(FORCED_PREFIX) for f in figures.values())
     assert "FORCED" in forced.describe() and "held-out" in forced.describe()
 
     solved = run(replace(config, solved_only=True), model=model, progress=False)
-    assert solved.withheld and solved.summary["gate"]["n_gated"] == 6  # the gate still sees every pair
+    assert solved.withheld and solved.summary.gate.n_gated == 6  # the gate still sees every pair
     forced_solved = run(replace(config, solved_only=True, force=True), model=model, progress=False)
     n_solved = int(base.solved.sum())
-    assert forced_solved.summary["pairs"]["n_kept"] == n_solved
-    assert f"of the 6 pairs it let through, kept {n_solved}" in " ".join(forced_solved.summary["notes"])
+    assert forced_solved.summary.pairs.n_kept == n_solved
+    assert f"of the 6 pairs it let through, kept {n_solved}" in " ".join(forced_solved.summary.notes)
 
 
 def _fake_base(monkeypatch, gap_of):
@@ -236,13 +237,13 @@ def test_a_half_with_a_non_positive_gap_withholds_the_ranking(load_tiny, monkeyp
     _fake_base(monkeypatch, lambda i, ps: (2.0, -1.0) if i in select else (-1.0, 1.0))
     config = PatchingConfig(model=TINY, sites=("heads",), positions=("final",), top_k=1, n_random=2, ablation="none")
     result = run(config, model=model, pairs=pairs, progress=False)
-    assert result.summary["gate"]["passed"] == ["present"] and not result.sweeps
+    assert result.summary.gate.passed == ("present",) and not result.sweeps
     assert result.withheld and "evaluation pairs' mean gap is -2.000" in result.withheld
     assert "selection" not in result.withheld.split("Reason:")[1].split("(")[0]
-    halves = result.summary["gate"]["half_gaps"]
+    halves = result.summary.gate.half_gaps
     assert halves["selection"] == pytest.approx(3.0) and halves["evaluation"] == pytest.approx(-2.0)
     forced = run(replace(config, force=True), model=model, pairs=pairs, progress=False)
-    assert forced.forced and "evaluation pairs' mean gap" in forced.summary["forced_message"]
+    assert forced.forced and "evaluation pairs' mean gap" in forced.summary.forced_message
     assert forced.tables["topk"]["forced"].all()
 
 
@@ -258,10 +259,10 @@ def test_too_few_pairs_for_a_split_are_refused_unless_forced(load_tiny, monkeypa
     monkeypatch.setattr(gate, "gate_pairs", passing)
     config = PatchingConfig(model=TINY, pairs=PAIRS, sites=("heads",), positions=("final",), top_k=1, n_random=2)
     result = run(config, model=model, progress=False)
-    assert result.summary["gate"]["passed"] == ["present"]
+    assert result.summary.gate.passed == ("present",)
     assert result.withheld and "cannot be split" in result.withheld and not result.sweeps
     forced = run(replace(config, force=True), model=model, progress=False)
-    assert forced.forced and forced.summary["pairs"]["evaluation"]["same_as_selection"]
+    assert forced.forced and forced.summary.pairs.evaluation.same_as_selection
     assert "topk" in forced.tables and forced.tables["topk"]["forced"].all()
 
 
@@ -309,7 +310,7 @@ def test_loading_an_unfinished_or_unrecorded_folder_is_a_clear_error(tmp_path):
 
 
 def test_positions_take_the_one_list_syntax():
-    from tomlens.patching import parse_positions
+    from tomlens.patching.plan import parse_positions
     from tomlens.runs import base
     from tomlens.syntax import split_items
 
@@ -350,12 +351,12 @@ def test_solved_only_reads_each_halfs_gap_over_all_its_gated_pairs(load_tiny, mo
                             ablation="none", solved_only=True)
     result = run(config, model=model, pairs=pairs, progress=False)
     assert result.withheld and "evaluation pairs' mean gap is -2.000" in result.withheld and not result.sweeps
-    assert result.summary["gate"]["half_gaps"]["evaluation"] == pytest.approx(-2.0)
+    assert result.summary.gate.half_gaps["evaluation"] == pytest.approx(-2.0)
     # the same pairs with the held-out half's wrong-way pairs put right: it runs, patching solved pairs only
     _fake_base(monkeypatch, lambda i, ps: (2.0, -1.0) if i in select or
                [p.clean.task_id for p in ps].index(ps[i].clean.task_id) == i else (-0.5, -1.0))
     ok = run(config, model=model, pairs=pairs, progress=False)
-    assert not ok.withheld and ok.summary["pairs"]["evaluation"]["n"] == len(pairs) - len(select) - 1
+    assert not ok.withheld and ok.summary.pairs.evaluation.n == len(pairs) - len(select) - 1
 
 
 def test_the_plan_counts_n_random_head_sets_per_k_and_rechecks_max_runs_once_ranked(load_tiny, monkeypatch,
@@ -363,7 +364,7 @@ def test_the_plan_counts_n_random_head_sets_per_k_and_rechecks_max_runs_once_ran
     """tiny-llama has 4 heads per layer: a one-head stand-in has 3 layer-matched sets, fewer than
     --n-random. The plan counts --n-random per k (the upper bound), so the recount can only shrink it;
     a recount over --max-runs is refused as the plan is, with the finished chunks kept."""
-    import tomlens.patching as patching
+    import tomlens.patching.heads as patching
 
     _passing_gate(monkeypatch)
     _fake_base(monkeypatch, lambda i, ps: (2.0, -1.0))
@@ -373,8 +374,8 @@ def test_the_plan_counts_n_random_head_sets_per_k_and_rechecks_max_runs_once_ran
                           dry_run=True)
 
     def topk_runs(n_random):
-        plan = run(replace(base, n_random=n_random), model=model, pairs=pairs, progress=False).summary["plan"]
-        return next(s["runs"] for s in plan["stages"] if s["name"] == "top-k recovery")
+        plan = run(replace(base, n_random=n_random), model=model, pairs=pairs, progress=False).summary.plan
+        return next(s.runs for s in plan.stages if s.name == "top-k recovery")
     r10, r20 = topk_runs(10), topk_runs(20)
     assert r10 * 21 == r20 * 11  # 1 top + n_random random sets, whatever the stand-in's layers allow
     # a ranking whose layer-matched sets outnumber the plan's (stubbed): refused after the recount
@@ -387,8 +388,8 @@ def test_the_plan_counts_n_random_head_sets_per_k_and_rechecks_max_runs_once_ran
     full = run(replace(base, n_random=2, dry_run=False), model=model, pairs=pairs, progress=False,
                out=tmp_path / "a").summary
     planned = replace(base, n_random=2, dry_run=True)
-    total = run(planned, model=model, pairs=pairs, progress=False).summary["plan"]["total_runs"]
-    assert full["plan"]["total_runs"] > total  # the stub grew the recount
+    total = run(planned, model=model, pairs=pairs, progress=False).summary.plan.total_runs
+    assert full.plan.total_runs > total  # the stub grew the recount
     capsys.readouterr()
     with pytest.raises(TomlensError, match=f"more than --max-runs {total:,}"):
         run(replace(base, n_random=2, dry_run=False, max_runs=total), model=model, pairs=pairs, progress=False,

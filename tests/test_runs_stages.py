@@ -12,6 +12,7 @@ import torch
 from tomlens.errors import TomlensError
 from tomlens.runs import behaviour, cache, patching, probes
 from tomlens.runs.base import ModelSpec, StimuliSpec, config_from_dict, config_hash, config_to_dict
+from tomlens.runs.files import summary_to_dict
 from tomlens.stimuli import generate, write_jsonl
 
 TINY = ModelSpec(name="tiny-llama", dtype="float32")
@@ -133,13 +134,14 @@ def test_bad_settings_fail_when_the_config_is_built():
 def test_behaviour_run_save_load(tmp_path, model):
     config = _configs(tmp_path)[0]
     result = behaviour.run(config, model=model, progress=False)
-    assert result.manifest["stimuli_hash"] == result.summary["provenance"]["stimuli_hash"]
+    assert result.manifest["stimuli_hash"] == result.summary.provenance["stimuli_hash"]
     assert len(result.object_bias) and len(result.strict)
     out = result.save(tmp_path / "behaviour")
     assert {"prompts.parquet", "accuracy.csv", "summary.json", "config.json", "manifest.json",
             "result.json"} <= {p.name for p in out.iterdir()}
     back = behaviour.BehaviourResult.load(out)
-    assert back.config == config and back.summary == json.loads((out / "result.json").read_text())
+    assert back.config == config and back.summary == result.summary
+    assert summary_to_dict(back.summary) == json.loads((out / "result.json").read_text())
     pd.testing.assert_frame_equal(_missing_as_none(back.table), _missing_as_none(result.table))
     for name in ("accuracy", "strict", "object_bias", "selective", "prefix_curves"):
         want, got = getattr(result, name), getattr(back, name)
@@ -167,7 +169,7 @@ def test_an_unfinished_folder_does_not_load(tmp_path, model):
 def test_cache_run_save_load_and_reuse(tmp_path, model):
     config = _configs(tmp_path)[1]
     first = cache.run(config, model=model, progress=False)
-    assert not first.summary["reused"] and first.summary["sites"] == ["resid_post:0", "resid_post:1", "head_out:1"]
+    assert not first.summary.reused and first.summary.sites == ("resid_post:0", "resid_post:1", "head_out:1")
     out = first.save(tmp_path / "cache")
     back = cache.CacheResult.load(out)
     assert back.path == first.path and back.config == config and back.describe() == first.describe()
@@ -175,7 +177,7 @@ def test_cache_run_save_load_and_reuse(tmp_path, model):
         for pos in ("final", "protagonist"):
             assert torch.equal(back.activations.get(kind, pos), first.activations.get(kind, pos))
     again = cache.run(config, model=model, progress=False)
-    assert again.summary["reused"] and again.path == first.path and "reused, model not run" in again.describe()
+    assert again.summary.reused and again.path == first.path and "reused, model not run" in again.describe()
 
 
 @pytest.mark.integration
@@ -199,7 +201,7 @@ def test_probes_run_save_load(tmp_path, model):
     sel = result.selection["protagonist_belief"]
     assert sel.n_perm == 9 and sel.n_evaluation == 32 and "random_init" in sel.baselines
     assert result.describe().startswith("selected unit, scored on held-out evaluation stories:")
-    assert result.summary["selection"]["world_state"]["verdict"] in ("found", "withheld")
+    assert result.summary.selection["world_state"].verdict in ("found", "withheld")
     acts = result.table[result.table["features"] == "activations"]
     assert acts["baseline_random_init"].notna().all()
     assert (acts["best_baseline"] >= acts["baseline_random_init"]).all()  # the best is taken over the twin too

@@ -11,20 +11,20 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
+from helpers import short_pairs, tl_metric
 from jaxtyping import TypeCheckError
 from scipy.stats import hypergeom
-from helpers import short_pairs, tl_metric
 
 from tomlens.cli import main
 from tomlens.errors import TomlensError
-from tomlens.patching.attribution import attribution_patching
-from tomlens.patching.heads import rank_heads
-from tomlens.patching.cells import Cell, hook_for
-from tomlens.patching.exact import exact_patching
-from tomlens.patching.pairs import prepare_pairs
-from tomlens.patching.search import atp_star, cell_hook, hypergeom_upper, plan_search, search
 from tomlens.hooks.attention import attention_hooks
 from tomlens.models import encode, load_model
+from tomlens.patching.attribution import attribution_patching
+from tomlens.patching.cells import Cell, hook_for
+from tomlens.patching.exact import exact_patching
+from tomlens.patching.heads import rank_heads
+from tomlens.patching.pairs import prepare_pairs
+from tomlens.patching.search import atp_star, cell_hook, hypergeom_upper, plan_search, search
 from tomlens.stimuli.pairs import write_pairs
 
 
@@ -115,7 +115,7 @@ def _reference(
             hooks += [(hook_for(k, layer), lambda act, hook=None: act.detach()) for k in ("attn_out", "mlp_out")]
     logits = model.run_with_hooks(corr_ids, fwd_hooks=hooks)
     names = plain + patterns
-    grads = dict(zip(names, torch.autograd.grad(metric(logits), [kept[n] for n in names], allow_unused=True)))
+    grads = dict(zip(names, torch.autograd.grad(metric(logits), [kept[n] for n in names], allow_unused=True), strict=True))
     out = torch.full((len(cells),), float("nan"), dtype=torch.float64)
     for i, cell in enumerate(cells):
         cols = _columns(cell, width, n_aligned, first)
@@ -281,7 +281,7 @@ def test_search_finds_the_exact_top_k_with_a_fraction_of_the_patches():
         res = search(model, prepared, sites=sites, k=k, budget=4 * k, fn_samples=5, progress=False)
         want = exact.summary().assign(i=np.abs(exact.summary().effect)).nlargest(k, "i")
         got = res.summary().assign(i=np.abs(res.summary().effect)).nlargest(k, "i")
-        assert list(zip(got.layer, got["head"], got.pos)) == list(zip(want.layer, want["head"], want.pos))
+        assert list(zip(got.layer, got["head"], got.pos, strict=True)) == list(zip(want.layer, want["head"], want.pos, strict=True))
         assert int(res.verified.sum()) <= 4 * k + 5 < n / 3
         assert (want.layer == 1).any() and (want["head"] == 2).any()  # the planted head is in the top
 
@@ -340,8 +340,8 @@ def test_search_ranks_like_the_other_methods(load_tiny):
     res = search(model, pairs, k=2, budget=4, fn_samples=2, progress=False)
     ranked = rank_heads(res, by="abs")
     assert len(ranked) == 8 and res.grid("head", "all").shape == (2, 4)
-    top = set(zip(ranked.layer[:2], ranked["head"][:2]))
-    verified = {(c.layer, c.head) for c, v in zip(res.cells, res.verified.tolist()) if v}
+    top = set(zip(ranked.layer[:2], ranked["head"][:2], strict=True))
+    verified = {(c.layer, c.head) for c, v in zip(res.cells, res.verified.tolist(), strict=True) if v}
     assert top <= verified
     assert res.exact().values.shape == (int(res.verified.sum()), 3)
     assert res.report()["n_verified_rule"] >= 2

@@ -11,7 +11,12 @@ import pytest
 import torch
 
 from tomlens.probes.selection import (
-    FOUND, WITHHELD, SelectionResult, max_statistic_null, select_and_evaluate, selection_split,
+    FOUND,
+    WITHHELD,
+    SelectionResult,
+    max_statistic_null,
+    select_and_evaluate,
+    selection_split,
 )
 from tomlens.probes.splits import group_codes
 from tomlens.probes.sweep import SweepConfig

@@ -13,8 +13,14 @@ from tomlens.stimuli.false_belief import unexpected_transfer
 from tomlens.stimuli.order_only import order_only
 from tomlens.stimuli.records import Span, Stimulus
 from tomlens.stimuli.statements import (
-    BELIEF_QUERY, MAX_ORDER, SOURCES, STATEMENT_QUERY, belief_statements, statements_for,
-    story_events, third_agents,
+    BELIEF_QUERY,
+    MAX_ORDER,
+    SOURCES,
+    STATEMENT_QUERY,
+    belief_statements,
+    statements_for,
+    story_events,
+    third_agents,
 )
 
 GENERATORS = {"unexpected-transfer": lambda n, s: generate("unexpected-transfer", n=n, seed=s),

@@ -85,19 +85,19 @@ def test_run_saves_and_loads_and_judges_each_layer(llama, tmp_path) -> None:
                          stimuli=StimuliSpec(family="order-only", n=8), layers=(0, 1), alphas=(-2.0, 0.0, 2.0),
                          n_random=4, store=str(tmp_path / "store"))
     result = run(cfg, model=llama, progress=False)
-    layers = result.summary["layers"]
-    assert [d["layer"] for d in layers] == [0, 1] and all(d["verdict"] in ("found", "withheld") for d in layers)
+    layers = result.summary.layers
+    assert [d.layer for d in layers] == [0, 1] and all(d.verdict in ("found", "withheld") for d in layers)
     assert set(result.dose["condition"]) == {"false_belief", "true_belief", "reality"}
     assert set(result.dose["direction"]) == {"belief", "shuffled", "random:0", "random:1", "random:2", "random:3"}
     # the selection half runs the belief direction beside random directions of its own draw
     assert set(result.selection["direction"]) == {"belief", "random:0", "random:1", "random:2", "random:3"}
-    assert all(isinstance(d.get("selection_margin"), float) and "selection_random_max" in d for d in layers)
+    assert all(isinstance(d.selection_margin, float) and d.selection_random_max is not None for d in layers)
     # margins and verdicts over the random directions' 95th percentile and mean, never their maximum
-    assert result.summary["random_quantile"] == 0.95
+    assert result.summary.random_quantile == 0.95
     for d in layers:
-        assert d["selection_margin"] == pytest.approx(d["selection_flip"] - d["selection_random_p95"])
-        assert 0.0 <= d["random_mean"] <= d["random_max"] and d["random_p95"] <= d["random_max"]
-        assert d["n_random"] == 4 and 1 / 5 <= d["p_random"] <= 1.0
+        assert d.selection_margin == pytest.approx(d.selection_flip - d.selection_random_p95)
+        assert 0.0 <= d.random_mean <= d.random_max and d.random_p95 <= d.random_max
+        assert d.n_random == 4 and 1 / 5 <= d.p_random <= 1.0
     # ... and not the evaluation half's: a dose chosen where those happen to be weak would flatter their null
     from tomlens.runs.steering import SELECTION_SEED
     from tomlens.steering import random_directions
@@ -107,7 +107,7 @@ def test_run_saves_and_loads_and_judges_each_layer(llama, tmp_path) -> None:
         evaluation = [d for d in result.directions[layer] if d.source == "random"]
         drawn = random_directions(belief, 4, seed=cfg.seed + SELECTION_SEED)
         assert len(evaluation) == 4 and not any(torch.allclose(a.vector, b.vector) for a in drawn for b in evaluation)
-    assert result.best()["layer"] in (0, 1)
+    assert result.best().layer in (0, 1)
     out = result.save(tmp_path / "run")
     back = SteeringResult.load(out)
     assert back.summary == result.summary and back.config == cfg

@@ -7,10 +7,28 @@ import pytest
 import torch
 
 from tomlens.errors import TomlensError
-from tomlens.runs.steering import FOUND, WITHHELD, RandomFlips, SteeringConfig, choose_alpha, chosen_layer, \
-    layer_summary, random_quantile, selection_scores
-from tomlens.steering import Direction, edit, mean_difference, random_directions, row_hooks, \
-    balanced_shuffle, shuffled_direction, steering_hooks
+from tomlens.runs.steering import (
+    FOUND,
+    WITHHELD,
+    RandomFlips,
+    SteeringConfig,
+    SteeringLayer,
+    choose_alpha,
+    chosen_layer,
+    layer_summary,
+    random_quantile,
+    selection_scores,
+)
+from tomlens.steering import (
+    Direction,
+    balanced_shuffle,
+    edit,
+    mean_difference,
+    random_directions,
+    row_hooks,
+    shuffled_direction,
+    steering_hooks,
+)
 
 
 def _acts(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -119,20 +137,20 @@ def _table(fb_belief: float, rand: list[float], shuffled: float) -> pd.DataFrame
 
 def test_verdict_needs_the_threshold_and_to_beat_every_control() -> None:
     ok = layer_summary(_table(0.9, [0.0, 0.05, 0.1], 0.05), 2, -2.0)
-    assert ok["verdict"] == FOUND and ok["random_max"] == 0.1 and ok["shuffled"] == 0.05
-    assert ok["random_mean"] == pytest.approx(0.05) and ok["random_p95"] == pytest.approx(0.095)
-    assert ok["p_random"] == pytest.approx(1 / 4) and ok["n_random"] == 3  # none of 3 reaches 0.9: (1 + 0) / 4
-    assert set(ok) == {"layer", "alpha", "flip_false_belief", "flip_true_belief", "flip_reality", "random_mean",
-                       "random_p95", "random_max", "p_random", "n_random", "shuffled", "verdict", "reason"}
+    assert ok.verdict == FOUND and ok.random_max == 0.1 and ok.shuffled == 0.05
+    assert ok.random_mean == pytest.approx(0.05) and ok.random_p95 == pytest.approx(0.095)
+    assert ok.p_random == pytest.approx(1 / 4) and ok.n_random == 3  # none of 3 reaches 0.9: (1 + 0) / 4
+    assert (ok.layer, ok.alpha, ok.flip_true_belief, ok.flip_reality) == (2, -2.0, 0.1, 0.0)
+    assert ok.selection_flip is None and ok.selection_margin is None  # the run fills the selection half's numbers
     low = layer_summary(_table(0.7, [0.0], 0.0), 2, -2.0)
-    assert low["verdict"] == WITHHELD and "< 0.80" in low["reason"]
+    assert low.verdict == WITHHELD and "< 0.80" in low.reason
     beaten = layer_summary(_table(0.9, [0.0, 0.95], 0.0), 2, -2.0)  # 95th percentile 0.9025
-    assert beaten["verdict"] == WITHHELD
-    assert "95th percentile flips 0.90 >= the belief direction's 0.90" in beaten["reason"]
-    assert layer_summary(_table(0.9, [0.0], 0.9), 2, -2.0)["verdict"] == WITHHELD
+    assert beaten.verdict == WITHHELD
+    assert "95th percentile flips 0.90 >= the belief direction's 0.90" in beaten.reason
+    assert layer_summary(_table(0.9, [0.0], 0.9), 2, -2.0).verdict == WITHHELD
     above = layer_summary(_table(0.9, [0.2], 0.0), 2, -2.0, max_random_flip=0.1)
-    assert above["verdict"] == WITHHELD and "flip 0.200 on average (> 0.10)" in above["reason"]
-    assert layer_summary(_table(0.9, [0.1, 0.1], 0.0), 2, -2.0, max_random_flip=0.1)["verdict"] == FOUND  # equal
+    assert above.verdict == WITHHELD and "flip 0.200 on average (> 0.10)" in above.reason
+    assert layer_summary(_table(0.9, [0.1, 0.1], 0.0), 2, -2.0, max_random_flip=0.1).verdict == FOUND  # equal
 
 
 def test_the_verdict_does_not_depend_on_how_many_random_directions_were_drawn() -> None:
@@ -143,17 +161,17 @@ def test_the_verdict_does_not_depend_on_how_many_random_directions_were_drawn() 
         return [0.5 if i % 100 == 99 else 0.0 for i in range(n)]
 
     few, many = (layer_summary(_table(1.0, drawn(n), 0.0), 2, -2.0, max_random_flip=0.1) for n in (50, 5000))
-    assert few["verdict"] == many["verdict"] == FOUND
-    assert few["random_p95"] == many["random_p95"] == 0.0
-    assert few["random_mean"] == 0.0 and many["random_mean"] == pytest.approx(0.005)  # both near the true 0.005
-    assert few["random_max"] == 0.0 and many["random_max"] == 0.5  # the old rule: passes 50 draws, fails 5,000
-    assert few["p_random"] == pytest.approx(1 / 51) and many["p_random"] == pytest.approx(1 / 5001)
+    assert few.verdict == many.verdict == FOUND
+    assert few.random_p95 == many.random_p95 == 0.0
+    assert few.random_mean == 0.0 and many.random_mean == pytest.approx(0.005)  # both near the true 0.005
+    assert few.random_max == 0.0 and many.random_max == 0.5  # the old rule: passes 50 draws, fails 5,000
+    assert few.p_random == pytest.approx(1 / 51) and many.p_random == pytest.approx(1 / 5001)
     # the organism at --seed 4242: 20 directions, the most-flipping one at 3 of 24 answers
     seed_4242 = [0.0] * 15 + [1 / 24] * 2 + [2 / 24] * 2 + [3 / 24]
     organism = layer_summary(_table(1.0, seed_4242, 0.0), 2, -2.0, max_random_flip=0.1)
-    assert organism["verdict"] == FOUND and organism["random_max"] == 0.125
-    assert organism["random_p95"] == pytest.approx(0.0854, abs=1e-4)
-    assert organism["random_mean"] == pytest.approx(0.01875)
+    assert organism.verdict == FOUND and organism.random_max == 0.125
+    assert organism.random_p95 == pytest.approx(0.0854, abs=1e-4)
+    assert organism.random_mean == pytest.approx(0.01875)
 
 
 def test_random_flips_summarise_rates_against_the_belief_direction() -> None:
@@ -215,15 +233,17 @@ def test_with_random_directions_the_dose_is_the_widest_margin_over_their_95th_pe
 
 
 def test_the_layer_is_the_widest_selection_margin_and_old_summaries_still_choose() -> None:
-    def layer(i: int, margin: float | None, flip_max: float, reached: bool = True) -> dict:
-        d = {"layer": i, "flip_false_belief": 0.5, "selection_flip_max": flip_max}
-        return d | ({"selection_margin": margin, "selection_reached": reached} if margin is not None else {})
+    def layer(i: int, margin: float | None, flip_max: float, reached: bool = True) -> SteeringLayer:
+        return SteeringLayer(layer=i, alpha=1.0, flip_false_belief=0.5, flip_true_belief=0.0, flip_reality=0.0,
+                             random_mean=0.0, random_p95=0.0, random_max=0.0, p_random=0.05, n_random=20,
+                             shuffled=0.0, verdict=FOUND, reason="", selection_flip_max=flip_max,
+                             selection_margin=margin, selection_reached=reached if margin is not None else None)
 
-    assert chosen_layer([layer(2, 0.79, 1.0), layer(3, 0.88, 0.92), layer(4, 0.88, 0.95)])["layer"] == 3
+    assert chosen_layer([layer(2, 0.79, 1.0), layer(3, 0.88, 0.92), layer(4, 0.88, 0.95)]).layer == 3
     # a wider margin that never reached min_flip on the selection half would only fail on the evaluation half
-    assert chosen_layer([layer(2, 0.79, 0.79, reached=False), layer(3, 0.75, 0.95)])["layer"] == 3
-    assert chosen_layer([layer(2, 0.5, 0.5, False), layer(3, 0.3, 0.6, False)])["layer"] == 2  # none reached
-    assert chosen_layer([layer(2, None, 1.0), layer(3, None, 0.92)])["layer"] == 2  # before random ran there
+    assert chosen_layer([layer(2, 0.79, 0.79, reached=False), layer(3, 0.75, 0.95)]).layer == 3
+    assert chosen_layer([layer(2, 0.5, 0.5, False), layer(3, 0.3, 0.6, False)]).layer == 2  # none reached
+    assert chosen_layer([layer(2, None, 1.0), layer(3, None, 0.92)]).layer == 2  # before random ran there
 
 
 def test_config_rejects_bad_settings() -> None:

@@ -16,9 +16,21 @@ from tomlens.cli import main
 from tomlens.errors import TomlensError
 from tomlens.models.registry import local_weights_revision
 from tomlens.runs.experiment import ExperimentConfig, expand_model_entry, model_slug
-from tomlens.runs.sweep import (DONE, FAILED, LOGS, SWEEP, ExecutorOptions, finished_record, in_environment,
-                                job_environment, local_parameters, make_executor, parse_slurm_args, plan_jobs,
-                                slurm_parameters)
+from tomlens.runs.sweep import (
+    DONE,
+    FAILED,
+    LOGS,
+    SWEEP,
+    ExecutorOptions,
+    finished_record,
+    in_environment,
+    job_environment,
+    local_parameters,
+    make_executor,
+    parse_slurm_args,
+    plan_jobs,
+    slurm_parameters,
+)
 
 SWEEP_TOML = """
 name = "seed-sweep"

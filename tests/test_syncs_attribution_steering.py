@@ -33,8 +33,15 @@ from tomlens.patching.exact import exact_patching
 from tomlens.patching.search import _raise_on_bad_scores, atp_star, search
 from tomlens.runs.base import StimuliSpec
 from tomlens.runs.steering import SteeringConfig, run
-from tomlens.steering import Direction, dose_response, fit_directions, paired_sources, random_directions, steering, \
-    steering_hooks
+from tomlens.steering import (
+    Direction,
+    dose_response,
+    fit_directions,
+    paired_sources,
+    random_directions,
+    steering,
+    steering_hooks,
+)
 from tomlens.stimuli import generate
 
 pytestmark = pytest.mark.integration

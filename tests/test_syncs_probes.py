@@ -20,16 +20,15 @@ import warnings
 
 import pytest
 import torch
-
 from helpers import TensorActivations
 from syncs import count_syncs
 
 from tomlens.probes.logistic import fit_logistic
 from tomlens.probes.newton import newton_logistic
 from tomlens.probes.selection import max_statistic_null
+from tomlens.probes.splits import group_codes
 from tomlens.probes.sweep import run_probe_sweep
 from tomlens.probes.targets import make_target
-from tomlens.probes.splits import group_codes
 from tomlens.stimuli import generate
 
 pytestmark = pytest.mark.unit

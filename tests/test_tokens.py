@@ -72,7 +72,7 @@ def test_batch_fields(load_tiny):
     assert isinstance(batch, EncodedBatch) and len(batch) == len(TEXTS)
     assert isinstance(batch.input_ids, Int[Tensor, "batch pos"])
     assert isinstance(batch.attention_mask, Int[Tensor, "batch pos"])
-    assert isinstance(batch.last, Int[Tensor, "batch"])
+    assert isinstance(batch.last, Int[Tensor, " batch"])
     width = batch.input_ids.shape[1]
     assert width == max(batch.lengths)
     assert batch.attention_mask.sum(1).tolist() == batch.lengths
@@ -120,7 +120,7 @@ def test_offsets_name_each_token_s_characters(load_tiny):
             assert tok.decode([batch.input_ids[row, position].item()]).strip() == text[start:end].strip()
             covered += end - start
         assert covered >= len(text.replace(" ", ""))
-        assert all(a[1] <= b[0] for a, b in zip(batch.offsets[row], batch.offsets[row][1:]))  # in text order
+        assert all(a[1] <= b[0] for a, b in zip(batch.offsets[row], batch.offsets[row][1:], strict=False))  # in text order
     # "marble" in row 0: the token covering its last character ends the word
     last = TEXTS[0].index("marble") + len("marble") - 1
     (t,) = [t for t, (start, end) in enumerate(batch.offsets[0]) if start <= last < end]

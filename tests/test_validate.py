@@ -43,7 +43,7 @@ def test_tiny_llama_fails_every_check_and_writes_the_table(tmp_path: Path, capsy
     for f in ("checks.csv", "checks.json", "config.json", "manifest.json", "result.json",
               "probes/result.json", "patching/result.json", "steering/result.json"):
         assert (out / f).is_file(), f
-    assert result.summary["k"] == 1 and result.summary["heads"] == 8  # 2 layers x 4 heads: 5% floors to 0 -> 1
+    assert result.summary.k == 1 and result.summary.heads == 8  # 2 layers x 4 heads: 5% floors to 0 -> 1
     # the numbers are the stages' own
     rows = result.table.set_index("check")
     sel = json.loads((out / "probes" / "selection.json").read_text())["protagonist_belief"]

@@ -4,16 +4,35 @@ withheld stage, values equal to their thresholds, thresholds from the config, ex
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
+from patching_fakes import ablation, comparison, topk_row
+from patching_fakes import patching_summary as fake_patching_summary
 
 from tomlens.cli import main
 from tomlens.errors import TomlensError
 from tomlens.probes.selection import Estimate, SelectionResult
 from tomlens.runs.base import config_from_dict, config_to_dict
+from tomlens.runs.files import summary_from_dict, summary_to_dict
+from tomlens.runs.patching_summary import PatchingSummary
+from tomlens.runs.steering_summary import SteeringLayer, SteeringSummary
 from tomlens.runs.validate import (
-    CHECKS, Thresholds, ValidateConfig, ValidationResult, check_ablation, check_attribution, check_probe,
-    check_recovery, check_steering, default_k, exit_code, meets, table_of,
+    CHECKS,
+    Check,
+    Thresholds,
+    ValidateConfig,
+    ValidationResult,
+    ValidationSummary,
+    check_ablation,
+    check_attribution,
+    check_probe,
+    check_recovery,
+    check_steering,
+    default_k,
+    exit_code,
+    meets,
+    table_of,
 )
 
 T = Thresholds()
@@ -28,22 +47,21 @@ def selection(score: float = 0.97, bow: float = 0.5, verdict: str = "found", rea
 
 
 def patching_summary(top: float = 0.9, random_mean: float = 0.05, spearman: float = 0.9, fb: float = 0.4,
-                     random_drop: float = 0.02, base_fb: float = 1.0, k: int = 1, **extra) -> dict:
-    return {
-        "rank_position": "final", "validated_on": "24 held-out evaluation pairs", "ranked_by": "exact denoise",
-        "topk": [{"k": k, "heads": "L3H1", "top_effect": top, "random_mean": random_mean, "p_random": 0.01,
-                  "n_random": 200, "n_distinct": 300}],
-        "comparisons": [{"direction": "denoise", "kind": "head", "position": "final", "spearman": spearman,
-                         "k": 10, "n_cells": 32, "topk_overlap": 0.7},
-                        {"direction": "denoise", "kind": "head", "position": "query_object", "spearman": -1.0}],
-        "ablation": {"mode": "final", "baseline": {"fb_accuracy": base_fb},
-                     "table": [{"k": k, "heads": "L3H1", "fb_accuracy": fb, "random_fb_drop_mean": random_drop,
-                                "n_random": 200, "p_random": 0.01}]},
-        **extra,
-    }
+                     random_drop: float = 0.02, base_fb: float = 1.0, k: int = 1, **extra) -> PatchingSummary:
+    return fake_patching_summary(
+        rank_position="final", validated_on="24 held-out evaluation pairs", ranked_by="exact denoise",
+        topk=(topk_row(k, top_effect=top, random_mean=random_mean),),
+        comparisons=(comparison(spearman=spearman), comparison("query_object", spearman=-1.0)),
+        ablation=ablation(k, fb=fb, random_drop=random_drop, base_fb=base_fb), **extra)
 
 
-def steering_summary(*layers: tuple[float, ...]) -> dict:
+def with_comparison(s: PatchingSummary, **fields) -> PatchingSummary:
+    """`s` with its first comparison's `fields` changed."""
+    first, *rest = s.comparisons
+    return replace(s, comparisons=(replace(first, **fields), *rest))
+
+
+def steering_summary(*layers: tuple[float, ...]) -> SteeringSummary:
     """Per layer (evaluation flip, random mean[, selection flip[, shuffled[, random p95[, random
     max]]]]); the selection flip defaults to the evaluation one, the 95th percentile to the mean, the
     maximum to the 95th percentile."""
@@ -53,10 +71,20 @@ def steering_summary(*layers: tuple[float, ...]) -> dict:
         shuffled = rest[1] if len(rest) > 1 else 0.0
         p95 = rest[2] if len(rest) > 2 else r
         top = rest[3] if len(rest) > 3 else p95
-        rows.append({"layer": i, "alpha": 2.0, "flip_false_belief": f, "flip_true_belief": 0.1, "flip_reality": 0.0,
-                     "random_mean": r, "random_p95": p95, "random_max": top, "p_random": 1 / 21, "n_random": 20,
-                     "shuffled": shuffled, "selection_flip": sel, "verdict": "found", "reason": ""})
-    return {"layers": rows, "n_random": 20}
+        rows.append(SteeringLayer(layer=i, alpha=2.0, flip_false_belief=f, flip_true_belief=0.1, flip_reality=0.0,
+                                  random_mean=r, random_p95=p95, random_max=top, p_random=1 / 21, n_random=20,
+                                  shuffled=shuffled, selection_flip=sel, verdict="found", reason=""))
+    return SteeringSummary(layers=tuple(rows), mode="add", positions="final", method="mean_difference",
+                           target="protagonist_belief", alphas=(2.0,), n_random=20, n_selection_prompts=8,
+                           n_evaluation_prompts=8, selection_tasks=(), forward_passes=0, norms={},
+                           verdict="found", layer=0, notes=())
+
+
+def validation_summary(checks: list[Check]) -> ValidationSummary:
+    """A validation run's summary around `checks` (model "m", 8 tasks, k = 1)."""
+    return ValidationSummary(command="validate", model="m", provenance={}, n_tasks=8, n_stories=24, k=1, heads=64,
+                             k_above_5_percent=False, passed=all(c.passed for c in checks), checks=tuple(checks),
+                             stages={}, seconds=0.0)
 
 
 def test_meets_passes_at_the_threshold_and_never_on_nan() -> None:
@@ -105,12 +133,11 @@ def test_recovery_attribution_and_ablation_checks() -> None:
 def test_attribution_fails_when_its_top_k_misses_exact_patchings_heads_whatever_its_spearman() -> None:
     """A Spearman over all heads is carried by the many that do nothing in both methods: the
     organism's plain attribution scored 0.99 while ranking the planted head ninth."""
-    s = patching_summary(spearman=0.99, attribution_steps=1)
-    s["comparisons"][0]["topk_overlap"] = 0.0
+    s = with_comparison(patching_summary(spearman=0.99, attribution_steps=1), topk_overlap=0.0)
     missed = check_attribution(s, T)
     assert not missed.passed and missed.value == 0.99 and "misses heads exact patching finds" in missed.detail
     assert "plain attribution" in missed.detail
-    s["comparisons"][0]["topk_overlap"] = 0.5  # at the threshold
+    s = with_comparison(s, topk_overlap=0.5)  # at the threshold
     assert check_attribution(s, T).passed
     assert not check_attribution(s, Thresholds(min_topk_overlap=0.6)).passed
     assert "integrated gradients, 8 steps" in check_attribution(patching_summary(attribution_steps=8), T).detail
@@ -122,27 +149,27 @@ def test_attribution_fails_when_it_leaves_exact_patchings_top_head_out_of_its_to
     """Half of the top 2 passed a ranking that put the head carrying belief third (its two readers
     first): the head exact patching ranks first must be in attribution's top k."""
     s = patching_summary(spearman=0.9)
-    s["comparisons"][0].update(k=2, topk_overlap=0.5, exact_top="L2H0", exact_top_rank=3)
+    s = with_comparison(s, k=2, topk_overlap=0.5, exact_top="L2H0", exact_top_rank=3)
     third = check_attribution(s, T)
     assert not third.passed and "misses the head exact patching ranks first (L2H0, its #3)" in third.detail
-    s["comparisons"][0].update(exact_top_rank=2)  # in the top 2, not first: passes
+    s = with_comparison(s, exact_top_rank=2)  # in the top 2, not first: passes
     second = check_attribution(s, T)
     assert second.passed and "top head L2H0 is attribution's #2" in second.detail
-    del s["comparisons"][0]["exact_top_rank"]  # results from before it was recorded: not judged on it
+    s = with_comparison(s, exact_top_rank=None)  # none recorded (no ranking to read it from): not judged on it
     assert check_attribution(s, T).passed
 
 
 def test_attribution_is_judged_on_the_heads_that_matter_and_on_overlap_alone_when_too_few_do() -> None:
     s = patching_summary(spearman=0.99)
-    s["comparisons"][0].update(spearman_active=0.6, n_active=11, active=0.01)
+    s = with_comparison(s, spearman_active=0.6, n_active=11, active=0.01)
     low = check_attribution(s, T)
     assert not low.passed and low.value == 0.6 and "over the 11 of 32 heads" in low.detail
-    s["comparisons"][0].update(spearman_active=0.95)
+    s = with_comparison(s, spearman_active=0.95)
     assert check_attribution(s, T).passed
-    s["comparisons"][0].update(spearman_active=float("nan"), n_active=2, spearman=0.1)  # a sparse circuit
+    s = with_comparison(s, spearman_active=None, n_active=2, spearman=0.1)  # a sparse circuit
     sparse = check_attribution(s, T)
     assert sparse.passed and "too few to rank" in sparse.detail  # overlap 0.7 judges alone
-    s["comparisons"][0]["topk_overlap"] = 0.0
+    s = with_comparison(s, topk_overlap=0.0)
     assert not check_attribution(s, T).passed
     with pytest.raises(TomlensError, match="attribution_steps"):
         ValidateConfig(attribution_steps=0)
@@ -162,7 +189,7 @@ def test_the_runs_layer_names_the_same_attribution_paths_as_the_patching_code() 
 
 
 def test_a_withheld_or_forced_patching_stage_fails_every_patching_check_with_its_reason() -> None:
-    withheld = {"withheld": "withheld: gap not above 0", "gate": {}}
+    withheld = fake_patching_summary(withheld="withheld: gap not above 0")
     for c in (check_recovery(withheld, 1, T, n_heads_total=8), check_attribution(withheld, T),
               check_ablation(withheld, 1, T, n_heads_total=8)):
         assert not c.passed and "gap not above 0" in c.detail
@@ -181,7 +208,7 @@ def test_steering_check() -> None:
     assert not fails.passed and fails.value == 0.95 and "null 0.300 is not <= 0.1" in fails.detail
     shuffled = check_steering(steering_summary((0.9, 0.0, 0.9, 0.9)), T)
     assert not shuffled.passed and "shuffled-label direction flips 0.900" in shuffled.detail
-    empty = check_steering({}, T, withheld="the steering stage is not available")
+    empty = check_steering(None, T, withheld="the steering stage is not available")
     assert not empty.passed and "not available" in empty.detail
 
 
@@ -199,9 +226,10 @@ def test_steering_is_judged_on_the_random_directions_mean_and_95th_percentile_ne
     assert not heavy.passed and "95th percentile flips 1.000 >= the belief direction's 1.000" in heavy.detail
     on_average = check_steering(steering_summary((1.0, 0.15, 1.0, 0.0, 0.3)), T)
     assert not on_average.passed and "null 0.150 is not <= 0.1" in on_average.detail
-    old = steering_summary((1.0, 0.0))  # a summary from before the mean was recorded
+    old = summary_to_dict(steering_summary((1.0, 0.0)))  # a result.json from before the mean was recorded
     del old["layers"][0]["random_mean"]
-    assert not check_steering(old, T).passed
+    with pytest.raises(TomlensError, match="rerun the steering stage"):
+        summary_from_dict(SteeringSummary, old, folder="old", stage="steering")
 
 
 def test_thresholds_come_from_the_config() -> None:
@@ -232,14 +260,15 @@ def test_result_passes_only_when_every_check_does_and_round_trips(tmp_path) -> N
         lambda s: check_ablation(s, 1, T, n_heads_total=64))), check_steering(steering_summary((0.9, 0.0)), T)]
     assert [c.check for c in good] == list(CHECKS)
     cfg = ValidateConfig(n_tasks=8)
-    ok = ValidationResult(cfg, table_of(good), {"model": "m", "n_tasks": 8, "k": 1})
+    ok = ValidationResult(cfg, table_of(good), validation_summary(good))
     assert ok.passed and ok.exit_code == 0 and "5 of 5 checks pass: PASSED" in ok.describe()
-    bad = ValidationResult(cfg, table_of([*good[:4], check_steering({}, T, withheld="no stage")]),
-                           {"model": "m", "n_tasks": 8, "k": 1})
+    worse = [*good[:4], check_steering(None, T, withheld="no stage")]
+    bad = ValidationResult(cfg, table_of(worse), validation_summary(worse))
     assert not bad.passed and bad.exit_code == 1 and "FAIL  steering" in bad.describe()
     back = ValidationResult.load(bad.save(tmp_path / "v"))
     assert back.config == cfg and list(back.table["passed"]) == [True] * 4 + [False]
     assert back.describe() == bad.describe() and (tmp_path / "v" / "checks.csv").is_file()
+    assert repr(back.summary) == repr(bad.summary)  # repr: a NaN (the withheld check's value) equals no NaN
     assert exit_code(True) == 0 and exit_code(False) == 1
 
 

@@ -10,9 +10,12 @@ import dataclasses
 import platform
 import sys
 from collections.abc import Mapping
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # a type only: tomlens.models.registry imports this module, so no import at run time
+    from tomlens.models.protocol import Model
 
 # Distribution name -> key in `versions()`; the keys are the import names.
 _DISTRIBUTIONS: dict[str, str] = {
@@ -75,7 +78,7 @@ def _seed(config: Any, as_dict: dict[str, Any]) -> int | None:
     return getattr(config, "seed", None)
 
 
-def run_manifest(model: Any, config: Any, *, stimuli_hash: str | None = None,
+def run_manifest(model: Model | None, config: Any, *, stimuli_hash: str | None = None,
                  extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The provenance manifest of one run: `model` (tomlens.models.provenance of the loaded model, or
     None for a run without one), `config` (as plain values), `seed`, `stimuli_hash`, `versions`,
@@ -90,7 +93,7 @@ def run_manifest(model: Any, config: Any, *, stimuli_hash: str | None = None,
         "stimuli_hash": stimuli_hash,
         "versions": versions(),
         "argv": list(sys.argv),
-        "time": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "time": datetime.now(UTC).isoformat(timespec="seconds"),
     }
     for key, value in (extra or {}).items():
         if key in manifest:

@@ -9,7 +9,8 @@ layer (it imports only torch), so behaviour, patching and runs may all call it.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 

@@ -147,7 +147,8 @@ class ActivationSet:
             for i, s in enumerate(self.manifest["shards"]):
                 path = self.path / s["file"]
                 got = st.read_finished_shard(path, st.shard_meta(key, i, stop, s["stop"]), self._shapes, load=True)
-                if got is None or s["start"] != stop or not bool((got[2][1:] > got[2][:-1]).all()):
+                if (got is None or got[3] is None or s["start"] != stop  # (load=True: never None)
+                        or not bool((got[2][1:] > got[2][:-1]).all())):
                     raise st.DamagedStore(
                         f"{path} is damaged or does not hold the rows its manifest lists (written by another run?)",
                         f"run the same cache request again (it recomputes what is damaged), or delete {self.path}",
@@ -182,19 +183,14 @@ class ActivationSet:
 
 
 def _ranges(xs: list[int]) -> str:
-    out: list[str] = []
-    start = prev = None
+    """Runs of consecutive layers as ranges: [0, 1, 2, 5] -> "0-2,5"."""
+    runs: list[list[int]] = []  # [first, last] of each run
     for x in xs:
-        if start is None:
-            start = prev = x
-        elif x == prev + 1:
-            prev = x
+        if runs and x == runs[-1][1] + 1:
+            runs[-1][1] = x
         else:
-            out.append(f"{start}-{prev}" if start != prev else str(start))
-            start = prev = x
-    if start is not None:
-        out.append(f"{start}-{prev}" if start != prev else str(start))
-    return ",".join(out)
+            runs.append([x, x])
+    return ",".join(f"{a}-{b}" if a != b else str(a) for a, b in runs)
 
 
 def load_activations(path: str | Path) -> ActivationSet:

@@ -21,6 +21,7 @@ import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,11 +33,13 @@ from tomlens.activations import store as st
 from tomlens.activations.activation_set import ActivationSet, row_labels
 from tomlens.devices import dtype_name, parse_dtype
 from tomlens.errors import TomlensError
-from tomlens.io import sha256_hex, write_json, write_jsonl
 from tomlens.hooks import capture, check_sites, parse_sites
-from tomlens.models.positions import check_selectors, parse_selectors, resolve_positions
 from tomlens.hooks.sites import Site
+from tomlens.io import sha256_hex, write_json, write_jsonl
+from tomlens.messages import warn
 from tomlens.models import encode, provenance
+from tomlens.models.positions import check_selectors, parse_selectors, resolve_positions
+from tomlens.models.protocol import Model
 from tomlens.oom import OOM_ERRORS, release_memory
 from tomlens.stimuli.records import Stimulus, stimuli_hash
 
@@ -46,7 +49,7 @@ _FINGERPRINTS: dict[int, tuple[Any, dict[str, Any]]] = {}
 
 
 def cache_activations(
-    model: Any,
+    model: Model,
     stimuli: Sequence[Stimulus],
     sites: str | Site | Sequence[str | Site],
     positions: str | Sequence[str],
@@ -69,6 +72,8 @@ def cache_activations(
     the numbers, and a resumed run may use other values.
     Per-head kinds are cached for every head; pick heads from the loaded tensor.
     """
+    root = st.default_store() if store is None else Path(store)
+    st.check_writable(root)  # before the model does any work: a read-only store is one clear error
     stimuli = list(stimuli)
     layers, selectors = _validate(model, stimuli, sites, positions)
     flush_seconds = FLUSH_SECONDS if flush_seconds is None else float(flush_seconds)
@@ -78,76 +83,110 @@ def cache_activations(
                            "pass shard_rows >= 1 and flush_seconds >= 0 (0 writes a shard after every batch)")
     model_dtype, device = _model_dtype_device(model)
     store_dtype = parse_dtype(dtype) if isinstance(dtype, str) else (dtype or model_dtype)
-    prov, tokenizer = provenance(model), _tokenizer_fingerprint(model)
-    request = {
-        "format": st.FORMAT,
-        "model": {k: v for k, v in prov.items() if k not in ("device", "bos")},
-        "prepend_bos": prov["bos"]["prepend"],  # what the model saw; not who chose it
-        "tokenizer": tokenizer["hash"],
-        "weights": weights_fingerprint(model),
-        "dtype": dtype_name(store_dtype),
-        "stimuli_hash": stimuli_hash(stimuli),
-        "n": len(stimuli),
-        "sites": [Site(k, layer).label() for k, ls in layers.items() for layer in ls],
-        "positions": selectors,
-    }
-    key = st.request_key(request)
-    folder = (st.default_store() if store is None else Path(store)) / key
+    req = _Request.of(model, stimuli, layers, selectors, store_dtype)
+    folder = root / req.key
     with st.writer_lock(folder):
         if st.is_complete(folder):
             try:
                 return ActivationSet.load(folder, stimuli, reused=True)
             except st.DamagedStore as damaged:  # recompute from the first damaged shard on
-                tqdm.write(f"{damaged.problem}: recomputing it", file=sys.stderr)
+                warn(f"{damaged.problem}: recomputing it")
                 (folder / st.MANIFEST).unlink()
         st.remove_stale_temps(folder)
-
-        tail = {kind: _per_site_shape(model, kind) for kind in layers}
-        row_bytes = sum(len(selectors) * len(ls) * math.prod(tail[k]) * store_dtype.itemsize for k, ls in layers.items())
-        rows_per = shard_rows or max(64, min(16384, SHARD_BYTES // row_bytes))
-
-        def shapes_for(n_rows: int) -> dict[str, tuple[int, ...]]:
-            return {st.tensor_name(k, p): (n_rows, len(ls), *tail[k]) for k, ls in layers.items() for p in selectors}
-
         runner = _Runner(model, stimuli, layers, selectors, store_dtype, batch_size or _default_batch_size(device),
                          progress)
         try:
-            order = runner.measure()  # fails on a bad span before any forward
-            shards = _finished_shards(folder, key, order, shapes_for)
-            st.remove_shards_from(folder, len(shards))
-            start = shards[-1]["stop"] if shards else 0
-            for a, b, rows, tensors in runner.shards(order, start, rows_per, flush_seconds):
-                name = st.shard_file(len(shards))
-                st.write_shard(folder / name, {**tensors, st.ROWS: rows}, st.shard_meta(key, len(shards), a, b))
-                shards.append({"file": name, "start": a, "stop": b})
+            shards = _run_into_shards(runner, req, folder, shard_rows, flush_seconds)
         finally:
             runner.close()
-
         write_jsonl((s.to_dict() for s in stimuli), folder / st.STIMULI)
-        write_json({  # written last: its presence marks the store complete
-            "format": st.FORMAT,
-            "complete": True,
-            "key": key,
-            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "model": prov,
-            "tokenizer": tokenizer,
-            "dtype": request["dtype"],
-            "stimuli_hash": request["stimuli_hash"],
-            "n": len(stimuli),
-            "sites": request["sites"],
-            "layers": layers,
-            "positions": selectors,
-            "shapes": {k: list(v) for k, v in shapes_for(len(stimuli)).items()},
-            "shards": shards,  # stretches [start, stop) of the length-sorted run order
-            "batch_size": runner.batch_size,
-            "rows": [row_labels(s) for s in stimuli],
-        }, folder / st.MANIFEST, indent=1)
+        write_json(req.manifest(stimuli, shards, runner.batch_size), folder / st.MANIFEST, indent=1)  # last: complete
         st.remove_stale_temps(folder)
         return ActivationSet.load(folder, stimuli, reused=False)
 
 
+@dataclass(frozen=True)
+class _Request:
+    """What determines the cached numbers (`request`: its hash names the store folder) and what the
+    manifest records beside it: the provenance, the tokenizer's fingerprint, the layers per site
+    kind, the position selectors, and each kind's per-row shape."""
+
+    request: dict[str, Any]
+    key: str
+    prov: dict[str, Any]
+    tokenizer: dict[str, Any]
+    layers: dict[str, list[int]]
+    selectors: list[str]
+    tail: dict[str, tuple[int, ...]]  # kind -> per-row shape of one layer at one position
+    dtype: torch.dtype
+
+    @classmethod
+    def of(cls, model: Model, stimuli: list[Stimulus], layers: dict[str, list[int]], selectors: list[str],
+           store_dtype: torch.dtype) -> _Request:
+        prov, tokenizer = provenance(model), _tokenizer_fingerprint(model)
+        request = {
+            "format": st.FORMAT,
+            "model": {k: v for k, v in prov.items() if k not in ("device", "bos")},
+            "prepend_bos": prov["bos"]["prepend"],  # what the model saw; not who chose it
+            "tokenizer": tokenizer["hash"],
+            "weights": weights_fingerprint(model),
+            "dtype": dtype_name(store_dtype),
+            "stimuli_hash": stimuli_hash(stimuli),
+            "n": len(stimuli),
+            "sites": [Site(k, layer).label() for k, ls in layers.items() for layer in ls],
+            "positions": selectors,
+        }
+        tail = {kind: _per_site_shape(model, kind) for kind in layers}
+        return cls(request, st.request_key(request), prov, tokenizer, layers, selectors, tail, store_dtype)
+
+    def shapes_for(self, n_rows: int) -> dict[str, tuple[int, ...]]:
+        return {st.tensor_name(k, p): (n_rows, len(ls), *self.tail[k]) for k, ls in self.layers.items()
+                for p in self.selectors}
+
+    def rows_per_shard(self, shard_rows: int | None) -> int:
+        """`shard_rows`, else the rows that make about `SHARD_BYTES` (64 to 16384)."""
+        row_bytes = sum(len(self.selectors) * len(ls) * math.prod(self.tail[k]) * self.dtype.itemsize
+                        for k, ls in self.layers.items())
+        return shard_rows or max(64, min(16384, SHARD_BYTES // row_bytes))
+
+    def manifest(self, stimuli: list[Stimulus], shards: list[dict[str, Any]], batch_size: int) -> dict[str, Any]:
+        """`manifest.json`: written last, its presence marks the store complete."""
+        return {
+            "format": st.FORMAT,
+            "complete": True,
+            "key": self.key,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "model": self.prov,
+            "tokenizer": self.tokenizer,
+            "dtype": self.request["dtype"],
+            "stimuli_hash": self.request["stimuli_hash"],
+            "n": len(stimuli),
+            "sites": self.request["sites"],
+            "layers": self.layers,
+            "positions": self.selectors,
+            "shapes": {k: list(v) for k, v in self.shapes_for(len(stimuli)).items()},
+            "shards": shards,  # stretches [start, stop) of the length-sorted run order
+            "batch_size": batch_size,
+            "rows": [row_labels(s) for s in stimuli],
+        }
+
+
+def _run_into_shards(runner: _Runner, req: _Request, folder: Path, shard_rows: int | None,
+                     flush_seconds: float) -> list[dict[str, Any]]:
+    """Keep the shards an interrupted run finished, run the rest and write each new shard as it
+    fills; the shard list, in run order."""
+    order = runner.measure()  # fails on a bad span before any forward
+    shards = _finished_shards(folder, req.key, order, req.shapes_for)
+    st.remove_shards_from(folder, len(shards))
+    start = shards[-1]["stop"] if shards else 0
+    for a, b, rows, tensors in runner.shards(order, start, req.rows_per_shard(shard_rows), flush_seconds):
+        name = st.shard_file(len(shards))
+        st.write_shard(folder / name, {**tensors, st.ROWS: rows}, st.shard_meta(req.key, len(shards), a, b))
+        shards.append({"file": name, "start": a, "stop": b})
+    return shards
+
 def _validate(
-    model: Any, stimuli: list[Stimulus], sites: Any, positions: Any
+    model: Model, stimuli: list[Stimulus], sites: Any, positions: Any
 ) -> tuple[dict[str, list[int]], list[str]]:
     """Check the request before anything runs; return {kind: sorted layers} and the selectors."""
     if not stimuli:
@@ -188,7 +227,7 @@ def _finished_shards(
     return shards
 
 
-def _model_dtype_device(model: Any) -> tuple[torch.dtype, torch.device]:
+def _model_dtype_device(model: Model) -> tuple[torch.dtype, torch.device]:
     p = next(model.parameters())
     return p.dtype, p.device
 
@@ -197,7 +236,7 @@ def _default_batch_size(device: torch.device) -> int:
     return 64 if device.type == "cuda" else 16
 
 
-def _per_site_shape(model: Any, kind: str) -> tuple[int, ...]:
+def _per_site_shape(model: Model, kind: str) -> tuple[int, ...]:
     cfg = model.cfg
     if kind == "z":
         return (int(cfg.n_heads), int(cfg.d_head))
@@ -206,7 +245,7 @@ def _per_site_shape(model: Any, kind: str) -> tuple[int, ...]:
     return (int(cfg.d_model),)
 
 
-def weights_fingerprint(model: Any, per_tensor: int = 256) -> str:
+def weights_fingerprint(model: Model, per_tensor: int = 256) -> str:
     """Hash of `per_tensor` evenly spaced values of every parameter (one transfer from the device).
 
     The provenance names the weights only as well as the loader knew them (a model built by hand
@@ -223,7 +262,7 @@ def weights_fingerprint(model: Any, per_tensor: int = 256) -> str:
     return sha256_hex("|".join(names).encode() + values, 24)
 
 
-def _tokenizer_fingerprint(model: Any) -> dict[str, Any]:
+def _tokenizer_fingerprint(model: Model) -> dict[str, Any]:
     """Name, class, size and a hash of the vocabulary (computed once per tokenizer object)."""
     tok = model.tokenizer
     hit = _FINGERPRINTS.get(id(tok))
@@ -243,7 +282,7 @@ def _tokenizer_fingerprint(model: Any) -> dict[str, Any]:
 class _Runner:
     """Runs rows in length-sorted batches, halving the batch on out-of-memory, with a progress bar."""
 
-    def __init__(self, model: Any, stimuli: list[Stimulus], layers: dict[str, list[int]], selectors: list[str],
+    def __init__(self, model: Model, stimuli: list[Stimulus], layers: dict[str, list[int]], selectors: list[str],
                  dtype: torch.dtype, batch_size: int, progress: bool):
         self.model, self.stimuli, self.layers, self.selectors, self.dtype = model, stimuli, layers, selectors, dtype
         self.device = _model_dtype_device(model)[1]
@@ -266,7 +305,7 @@ class _Runner:
             rows = self.stimuli[c : c + chunk]
             batch = encode(self.model, [s.text for s in rows])
             resolve_positions(rows, batch, self.selectors)
-            self.lengths.update(zip(range(c, c + len(rows)), batch.lengths))
+            self.lengths.update(zip(range(c, c + len(rows)), batch.lengths, strict=True))
         return sorted(range(len(self.stimuli)), key=lambda r: (self.lengths[r], r))
 
     def shards(

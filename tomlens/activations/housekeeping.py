@@ -18,7 +18,7 @@ import re
 import shutil
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -86,7 +86,7 @@ def read_entry(folder: Path) -> StoreEntry:
     manifest = st.read_manifest(folder) or {}
     provenance = manifest.get("model")
     model = str(provenance.get("model", "?")) if isinstance(provenance, dict) else "?"
-    created = _parse_time(manifest.get("created")) or datetime.fromtimestamp(folder.stat().st_mtime, timezone.utc)
+    created = _parse_time(manifest.get("created")) or datetime.fromtimestamp(folder.stat().st_mtime, UTC)
     return StoreEntry(key=folder.name, path=folder, model=model, rows=int(manifest.get("n", 0) or 0),
                       sites=_sites_text(manifest), positions=", ".join(map(str, manifest.get("positions", []))) or "?",
                       created=created, complete=st.is_complete(folder), bytes=_all_bytes(folder))
@@ -96,7 +96,7 @@ def list_entries(root: Path | None = None) -> list[StoreEntry]:
     """Every entry under the store `root` (default: `$TOMLENS_HOME/activations`), oldest first."""
     root = Path(root) if root is not None else st.default_store()
     entries = [read_entry(f) for f in _entry_folders(root)]
-    return sorted(entries, key=lambda e: (e.created or datetime.min.replace(tzinfo=timezone.utc), e.key))
+    return sorted(entries, key=lambda e: (e.created or datetime.min.replace(tzinfo=UTC), e.key))
 
 
 def usage_by_model(entries: Iterable[StoreEntry]) -> list[ModelUsage]:
@@ -136,7 +136,7 @@ def store_folders_named_in(run_folder: Path, root: Path) -> set[str]:
             text = path.read_text(encoding="utf-8")
         except OSError:
             continue
-        keys |= present.intersection(re.findall(r"(?<![0-9a-f])[0-9a-f]{%d}(?![0-9a-f])" % KEY_LENGTH, text))
+        keys |= present.intersection(re.findall(rf"(?<![0-9a-f])[0-9a-f]{{{KEY_LENGTH}}}(?![0-9a-f])", text))
     return keys
 
 
@@ -148,7 +148,7 @@ def select_for_pruning(entries: Iterable[StoreEntry], *, older_than: timedelta |
     if older_than is None and run_keys is None and not incomplete and not everything:
         raise TomlensError("prune needs a criterion: nothing is removed without one",
                            "add --older-than 30d, --run FOLDER or --incomplete (or --all to empty the store)")
-    now = now or datetime.now(timezone.utc)
+    now = now or datetime.now(UTC)
     picked = []
     for e in entries:
         if older_than is not None and (e.created is None or now - e.created < older_than):

@@ -23,7 +23,6 @@ from __future__ import annotations
 import fcntl
 import os
 import re
-import sys
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -36,6 +35,7 @@ from torch import Tensor
 
 from tomlens.errors import TomlensError
 from tomlens.io import atomic_path, json_key, read_json
+from tomlens.messages import warn
 
 FORMAT = 2  # 2: shards are stretches of the length-sorted order and carry their row indices
 MANIFEST = "manifest.json"
@@ -122,17 +122,41 @@ def read_finished_shard(
     return (start, stop, rows, tensors) if rows.dtype == torch.int64 else None
 
 
+def check_writable(folder: str | os.PathLike[str]) -> None:
+    """Refuse a store folder this process cannot write (or, not made yet, cannot make), with one
+    error naming it and the way out. Called before any work (a caller that loads a model calls it
+    first), so a read-only store is not found out as a bare PermissionError after the model has
+    loaded. Even a finished request needs it: its reader takes the writer's lock file."""
+    folder = Path(folder)
+    existing = folder
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise _not_writable(folder, existing)
+
+
+def _not_writable(folder: Path, blocked: Path) -> TomlensError:
+    where = "" if blocked == folder else f" ({blocked} is not writable)"
+    return TomlensError(f"cannot write to the activation store {folder}{where}",
+                        "choose a store folder you can write (--store DIR, or store = \"DIR\" in the settings), "
+                        f"or give yourself write permission on it (chmod u+w {blocked})")
+
+
 @contextmanager
 def writer_lock(folder: Path) -> Iterator[None]:
     """Hold the folder's lock while a request is resumed and written: two processes caching the
     same request (two probe runs on one stimulus file, jobs sharing a store) take turns instead of
     deleting or overwriting each other's shards. The second one then finds the store finished."""
-    folder.mkdir(parents=True, exist_ok=True)
-    with open(folder / LOCK, "a+") as handle:
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        handle = open(folder / LOCK, "a+")  # closed by the `with` below
+    except PermissionError:
+        raise _not_writable(folder, folder if folder.exists() else folder.parent) from None
+    with handle:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            print(f"tomlens: another process is caching {folder.name}; waiting for it", file=sys.stderr)
+            warn(f"tomlens: another process is caching {folder.name}; waiting for it")
             fcntl.flock(handle, fcntl.LOCK_EX)
         try:
             yield

@@ -36,7 +36,6 @@ from scipy import stats
 from sklearn.linear_model import LogisticRegression
 from sklearn.multiclass import OneVsRestClassifier
 
-
 N_FOLDS = 5
 MIN_TASKS = 8  # fewer held-out tasks than this cannot tell a cue from luck
 BAG_CEILING = 0.60
@@ -122,7 +121,7 @@ def held_out_correct(features: list[Hashable | None] | Any, labels: list[Hashabl
             predicted = _predict_cue(features, labels, weights, train, test)
         else:
             predicted = _predict_bag(features, labels, balanced, train, test)
-        correct[test] = [p == labels[i] for p, i in zip(predicted, test)]
+        correct[test] = [p == labels[i] for p, i in zip(predicted, test, strict=True)]
     return correct
 
 
@@ -171,10 +170,10 @@ def shuffled_labels(labels: Sequence[Hashable], tasks: Sequence[str], rng: np.ra
     single = [idx for idx in by_task.values() if len({labels[i] for i in idx}) == 1]
     for idx in by_task.values():
         if len({labels[i] for i in idx}) > 1:
-            for i, j in zip(idx, rng.permutation(idx)):
+            for i, j in zip(idx, rng.permutation(idx), strict=True):
                 out[i] = labels[j]
     donors = rng.permutation(len(single))
-    for idx, j in zip(single, donors):
+    for idx, j in zip(single, donors, strict=True):
         for i in idx:
             out[i] = labels[single[j][0]]
     return out

@@ -42,7 +42,8 @@ class AuditRow:
 def _row(d: dict[str, Any]) -> AuditRow:
     """A saved row (JSON writes NaN as null)."""
     floats = ("accuracy", "ci_low", "ci_high", "chance", "null_mean", "null_sd")
-    return AuditRow(**{k: (float("nan") if v is None else float(v)) if k in floats else v for k, v in d.items()})
+    fields: dict[str, Any] = {k: (float("nan") if v is None else float(v)) if k in floats else v for k, v in d.items()}
+    return AuditRow(**fields)
 
 
 @dataclass(frozen=True)

@@ -162,12 +162,12 @@ def audit_stimuli(stimuli: Sequence[Stimulus], *, seed: int = 0, alpha: float = 
             skipped.append(f"{fam}: {n_tasks} tasks; at least {MIN_TASKS} are needed to tell a cue from luck "
                            f"(generate more, e.g. --n 64)")
     level = 1 - alpha / max(len(jobs), 1)
-    rows = []
+    audit_rows: list[AuditRow] = []
     for i, job in enumerate(jobs):
-        rows.append(_run_job(job, features[job.family], level, seed))
+        audit_rows.append(_run_job(job, features[job.family], level, seed))
         if progress is not None:
             progress(i + 1, len(jobs), f"{job.family}: {job.contrast.name} <- {job.heuristic.name}")
-    return AuditReport(tuple(rows), tuple(dict.fromkeys(skipped)), level, seed, stimuli_hash(stimuli),
+    return AuditReport(tuple(audit_rows), tuple(dict.fromkeys(skipped)), level, seed, stimuli_hash(stimuli),
                        tuple(by_family))
 
 

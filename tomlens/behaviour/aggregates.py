@@ -146,7 +146,7 @@ def accuracy_table(df: pd.DataFrame, by: tuple[str, ...] = ("family", "condition
         key = key if isinstance(key, tuple) else (key,)
         total, count = per_task(g[column], tasks.loc[g.index])
         lo, hi = task_bootstrap(total, count, n_boot=n_boot, rng=_cell_rng(seed, key))
-        rows.append({**dict(zip(by, key)), "n": len(g), "n_tasks": len(total),
+        rows.append({**dict(zip(by, key, strict=True)), "n": len(g), "n_tasks": len(total),
                      "accuracy": float(g[column].astype(float).mean()), "ci_low": lo, "ci_high": hi,
                      "mean_p_answer": float(g["p_answer"].mean()), **option_mass_columns(g, min_mass)})
     return pd.DataFrame(rows, columns=cols)
@@ -161,7 +161,7 @@ def _story_keys(df: pd.DataFrame) -> pd.Series:
     """One key per story: the `story_id` the scorer writes (the text before the question, which the
     reality and belief prompts of a story share), else family x task x condition x version."""
     parts = [df[c].astype(str) for c in ("family", "task_id", "condition", "reversed") if c in df]
-    fallback = pd.Series(["|".join(x) for x in zip(*parts)], index=df.index, dtype=object)
+    fallback = pd.Series(["|".join(x) for x in zip(*parts, strict=True)], index=df.index, dtype=object)
     if "story_id" not in df:
         return fallback
     sid = df["story_id"]
@@ -208,7 +208,7 @@ def reality_gated_accuracy(df: pd.DataFrame, *, by: tuple[str, ...] = ("family",
             lo = hi = float("nan")
         joint = correct & ok
         jlo, jhi = task_bootstrap(*per_task(joint, matched["_task"]), n_boot=n_boot, rng=rng)
-        rows.append({**dict(zip(by, key)), "n_belief": len(matched), "n_kept": len(kept),
+        rows.append({**dict(zip(by, key, strict=True)), "n_belief": len(matched), "n_kept": len(kept),
                      "n_dropped": len(matched) - len(kept), "n_unmatched": len(g) - len(matched),
                      "n_tasks": int(kept["_task"].nunique()),
                      "accuracy": float(kept["correct"].astype(float).mean()) if len(kept) else float("nan"),
@@ -301,7 +301,7 @@ def knowledge_state_effect(df: pd.DataFrame, *, n_boot: int = 1000, seed: int = 
         return pd.DataFrame(columns=cols)
     belief = _column(d, "protagonist_belief").where(lambda x: x.notna(), d["answer"].astype(object))
     ref = _column(d, "reference_state")
-    options = ["\x1f".join(sorted(map(str, ab))) for ab in zip(d["option_a"], d["option_b"])]
+    options = ["\x1f".join(sorted(map(str, ab))) for ab in zip(d["option_a"], d["option_b"], strict=True)]
     d = d.assign(_fb=_is_false_belief(d), _task=task_of(d), _belief=belief, _ref=ref, _options=options)
     keys = ["family", "_task", "_options"] + [c for c in ("reversed", *PAIR_FACTORS) if c in d]
     d[keys] = d[keys].astype(object).where(d[keys].notna(), "")
@@ -319,7 +319,7 @@ def knowledge_state_effect(df: pd.DataFrame, *, n_boot: int = 1000, seed: int = 
     m = m[m["_lo_tb"].notna() & m["_lo_fb"].notna()]
     m["_diff"] = m["_lo_fb"] - m["_lo_tb"]
     label = m["_ref"].notna() & (m["_ref"] != m["_start"])
-    label |= pd.Series([c in LABEL_CONTRASTS.get(f, ()) for f, c in zip(m["family"], m["condition"])],
+    label |= pd.Series([c in LABEL_CONTRASTS.get(f, ()) for f, c in zip(m["family"], m["condition"], strict=True)],
                        index=m.index, dtype=bool)
     m["_kind"] = np.where(label, "label", "knowledge")
     rows = []
@@ -400,7 +400,7 @@ def object_bias_table(df: pd.DataFrame, *, n_boot: int = 1000, seed: int = 0,
     for key, g in goal.groupby(list(GOAL_CELL), sort=True):
         v = g["o_b"].to_numpy()
         boots = rng.choice(v, size=(n_boot, len(v)), replace=True).mean(axis=1)
-        rows.append({**dict(zip(GOAL_CELL, key)), "n": len(v), "o_b": float(v.mean()),
+        rows.append({**dict(zip(GOAL_CELL, key, strict=True)), "n": len(v), "o_b": float(v.mean()),
                      "sd": float(v.std(ddof=1)) if len(v) > 1 else 0.0,
                      "ci_low": float(np.quantile(boots, 0.025)),
                      "ci_high": float(np.quantile(boots, 0.975)),
@@ -591,6 +591,6 @@ def prefix_curves(df: pd.DataFrame, *, min_mass: float = MIN_OPTION_MASS) -> pd.
     tr["p_reference"] = np.where(ref_is_a, tr["p_a"], 1 - tr["p_a"])
     rows = []
     for key, g in tr.groupby(keys, sort=True):
-        rows.append({**dict(zip(keys, key)), "p_reference": float(g["p_reference"].mean()),
+        rows.append({**dict(zip(keys, key, strict=True)), "p_reference": float(g["p_reference"].mean()),
                      "p_answer": float(g["p_answer"].mean()), "n": len(g), **option_mass_columns(g, min_mass)})
     return pd.DataFrame(rows, columns=keys + ["p_reference", "p_answer", "n", *MASS_COLUMNS])

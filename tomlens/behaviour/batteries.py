@@ -6,16 +6,17 @@ case variants), which the behaviour stage runs before it summarises."""
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import pandas as pd
 
 from tomlens.behaviour import epitome, kosoy, motomqa
 from tomlens.behaviour.aggregates import MIN_OPTION_MASS
+from tomlens.models.protocol import Model
 from tomlens.stimuli.records import Stimulus
 
 
-def _motomqa_pooled(model: Any, stimuli: Sequence[Stimulus], table: pd.DataFrame, *, batch_size: int = 8,
+def _motomqa_pooled(model: Model, stimuli: Sequence[Stimulus], table: pd.DataFrame, *, batch_size: int = 8,
                     progress: bool = False) -> pd.DataFrame:
     """Street et al.'s P(true) pooled over the answer's case variants, joined to the motomqa rows."""
     rows = [s for s in stimuli if s.family == "motomqa"]
@@ -41,7 +42,7 @@ ENRICHERS: dict[str, Callable[..., pd.DataFrame]] = {
 }
 
 
-def enrich_table(model: Any, stimuli: Sequence[Stimulus], table: pd.DataFrame, *, batch_size: int = 8,
+def enrich_table(model: Model, stimuli: Sequence[Stimulus], table: pd.DataFrame, *, batch_size: int = 8,
                  progress: bool = False) -> pd.DataFrame:
     """The behaviour table with every present battery's extra scores (each enricher runs once,
     however many of its families are present)."""

@@ -31,8 +31,9 @@ from __future__ import annotations
 import csv
 import itertools
 import zlib
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -41,6 +42,7 @@ from tomlens.behaviour import aggregates
 from tomlens.behaviour.generate import CUT_OFF_REASONS, allowed_codes
 from tomlens.behaviour.scoring import score_options
 from tomlens.errors import TomlensError
+from tomlens.models.protocol import Model
 from tomlens.stimuli.epitome import free_text_items
 from tomlens.stimuli.records import Stimulus
 
@@ -85,7 +87,7 @@ def story_free_stimuli(stimuli: Sequence[Stimulus]) -> list[Stimulus]:
     return out
 
 
-def story_free_scores(model: Any, stimuli: Sequence[Stimulus], *, batch_size: int = 8,
+def story_free_scores(model: Model, stimuli: Sequence[Stimulus], *, batch_size: int = 8,
                       progress: bool = False) -> pd.DataFrame:
     """`id`, `logp_a_nostory`, `logp_b_nostory`: each option's summed log-prob without the story."""
     scores = score_options(model, story_free_stimuli(stimuli), batch_size=batch_size, progress=progress)
@@ -93,7 +95,7 @@ def story_free_scores(model: Any, stimuli: Sequence[Stimulus], *, batch_size: in
                          "logp_b_nostory": [b.logp_sum for _, b in scores]})
 
 
-def bet_scores(model: Any, stimuli: Sequence[Stimulus], *, batch_size: int = 8,
+def bet_scores(model: Model, stimuli: Sequence[Stimulus], *, batch_size: int = 8,
                progress: bool = False) -> pd.DataFrame:
     """`id`, `logp_0`..`logp_3` (each count's summed log-prob as the answer) and `p_0`..`p_3` (the
     four normalised to sum to 1, as the paper does). Two helper prompts per stimulus carry the
@@ -109,12 +111,12 @@ def bet_scores(model: Any, stimuli: Sequence[Stimulus], *, batch_size: int = 8,
         lps = np.array([l0.logp_sum, l1.logp_sum, l2.logp_sum, l3.logp_sum], dtype=float)
         p = np.exp(lps - lps.max())
         p = p / p.sum()
-        rows.append({"id": s.id, **{f"logp_{k}": float(v) for k, v in zip(BETS, lps)},
-                     **{f"p_{k}": float(v) for k, v in zip(BETS, p)}})
+        rows.append({"id": s.id, **{f"logp_{k}": float(v) for k, v in zip(BETS, lps, strict=True)},
+                     **{f"p_{k}": float(v) for k, v in zip(BETS, p, strict=True)}})
     return pd.DataFrame(rows)
 
 
-def enrich(model: Any, stimuli: Sequence[Stimulus], table: pd.DataFrame, *, batch_size: int = 8,
+def enrich(model: Model, stimuli: Sequence[Stimulus], table: pd.DataFrame, *, batch_size: int = 8,
            progress: bool = False) -> pd.DataFrame:
     """The behaviour table with EPITOME's extra columns: story-free option scores for recursive
     mindreading, the four bets for scalar implicature, and the meta labels the summaries use
@@ -378,7 +380,7 @@ def si_deltas(df: pd.DataFrame, *, e1_rule: str = "text") -> pd.DataFrame:
         after[f"before_{k}"] = before.loc[after["_story"], f"p_{k}"].to_numpy()
         after[f"delta_{k}"] = after[f"p_{k}"].astype(float) - after[f"before_{k}"]
     after["correct_si"] = [si_criterion(e, int(a), str(s), d2, d3, e1_rule=e1_rule) for e, a, s, d2, d3 in zip(
-        after["experiment"], after["access"], after["said"], after["delta_2"], after["delta_3"])]
+        after["experiment"], after["access"], after["said"], after["delta_2"], after["delta_3"], strict=True)]
     return after.drop(columns="_story")
 
 
@@ -390,7 +392,7 @@ def constant_preference_chance(df: pd.DataFrame) -> float:
     best = 0.0
     for order in itertools.permutations(BETS):
         rank = {k: i for i, k in enumerate(order)}
-        best = max(best, float(np.mean([rank.get(x, 9) < rank.get(y, 9) for x, y in zip(ans, foil)])))
+        best = max(best, float(np.mean([rank.get(x, 9) < rank.get(y, 9) for x, y in zip(ans, foil, strict=True)])))
     return best
 
 
@@ -500,7 +502,7 @@ def export_for_coding(answers: pd.DataFrame, path: str | Path) -> Path:
     else:
         cut = pd.Series("unknown", index=answers.index)
     out["cut_off"] = cut
-    out["rubric"] = [f"{CUT_OFF_NOTE} {r}" if c == "true" else str(r) for c, r in zip(out["cut_off"], out["rubric"])]
+    out["rubric"] = [f"{CUT_OFF_NOTE} {r}" if c == "true" else str(r) for c, r in zip(out["cut_off"], out["rubric"], strict=True)]
     out["allowed"] = out["max_score"].map(allowed_codes)
     out["code"] = ""
     out = out[CODING_COLUMNS]

@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import re
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import pandas as pd
 import torch
@@ -32,6 +33,7 @@ from tqdm.auto import tqdm
 from tomlens.behaviour.aggregates import MIN_OPTION_MASS, accuracy_table
 from tomlens.devices import to_device
 from tomlens.errors import TomlensError
+from tomlens.models.protocol import Model
 from tomlens.models.tokens import encode
 from tomlens.oom import OOM_ERRORS, release_memory
 from tomlens.stimuli.records import Stimulus
@@ -103,7 +105,7 @@ def _keep_rows(tensors: dict[str, Tensor], keep: list[int]) -> dict[str, Tensor]
     return {k: v.index_select(0, index) for k, v in tensors.items()}
 
 
-def _decode_batch(model: Any, texts: Sequence[str], max_new_tokens: int) -> list[Completion]:
+def _decode_batch(model: Model, texts: Sequence[str], max_new_tokens: int) -> list[Completion]:
     """Greedy first words of one batch: one forward and one host read of the new tokens per step."""
     tokenizer = model.tokenizer
     batch = encode(model, texts)
@@ -149,7 +151,7 @@ def _decode_batch(model: Any, texts: Sequence[str], max_new_tokens: int) -> list
     return [done[row] for row in range(len(texts))]
 
 
-def greedy_first_words(model: Any, prompts: Sequence[str], *, batch_size: int = 8,
+def greedy_first_words(model: Model, prompts: Sequence[str], *, batch_size: int = 8,
                        max_new_tokens: int = MAX_NEW_TOKENS, progress: bool = True) -> list[Completion]:
     """The greedy completion of every prompt, decoded until its first word has ended; in input order.
 
@@ -182,7 +184,7 @@ def greedy_first_words(model: Any, prompts: Sequence[str], *, batch_size: int = 
                 release_memory()
                 bar.write(f"out of memory: batch size now {batch_size}", file=sys.stderr)
                 continue
-            out.update(zip(chunk, got))
+            out.update(zip(chunk, got, strict=True))
             done += len(chunk)
             bar.update(len(chunk))
     bar.close()
@@ -244,7 +246,7 @@ def first_word_columns(model: Any, stimuli: Sequence[Stimulus], table: pd.DataFr
                                      max_new_tokens=max_new_tokens, progress=progress)
     values: dict[str, list[Any]] = {c: [None] * len(table) for c in COLUMNS}
     positions = [table.index.get_loc(i) for i in table.index[rows]]
-    for at, s, words, c in zip(positions, chosen, keys, completions):
+    for at, s, words, c in zip(positions, chosen, keys, completions, strict=True):
         said = c.first_word.casefold()
         picked = words.index(said) if said in words else None
         values["completion"][at] = c.text

@@ -12,9 +12,9 @@ No hub model and no judge model is involved.
 
 from __future__ import annotations
 
-import sys
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import pandas as pd
 import torch
@@ -23,6 +23,8 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from tomlens.errors import TomlensError
+from tomlens.messages import warn
+from tomlens.models.protocol import Model
 from tomlens.models.tokens import encode
 from tomlens.timing import format_seconds, time_call
 
@@ -34,7 +36,7 @@ STOP_AT = "\n"
 CUT_OFF_REASONS: frozenset[str] = frozenset({"max_new_tokens", "context"})
 
 
-def _forward_seconds(model: Any, prompt: str) -> float:
+def _forward_seconds(model: Model, prompt: str) -> float:
     """Seconds of one forward over `prompt` (timed after a warm-up, GPU synchronised), to say
     beforehand how long decoding will take; an upper bound per step, since answers add few tokens."""
     ids = encode(model, [prompt]).input_ids
@@ -54,7 +56,7 @@ def _stop_ids(tokenizer: Any) -> set[int]:
     return ids
 
 
-def _prompt_tokens(model: Any, prompt: str) -> int:
+def _prompt_tokens(model: Model, prompt: str) -> int:
     """The prompt's length in tokens, or a number past any window when `encode` refuses it as too long."""
     try:
         return int(encode(model, [prompt]).input_ids.shape[1])
@@ -62,7 +64,7 @@ def _prompt_tokens(model: Any, prompt: str) -> int:
         return 1 << 62
 
 
-def greedy_continuation(model: Any, prompt: str, *, max_new_tokens: int = 48,
+def greedy_continuation(model: Model, prompt: str, *, max_new_tokens: int = 48,
                         stop: str | None = STOP_AT) -> tuple[str, Int[Tensor, " new"]]:
     """The greedy continuation of `prompt` (argmax token each step) until EOS, `stop` in the text
     or `max_new_tokens`; returns (text, token ids). The text is decoded from the new tokens."""
@@ -70,7 +72,7 @@ def greedy_continuation(model: Any, prompt: str, *, max_new_tokens: int = 48,
     return text, toks
 
 
-def greedy_with_reason(model: Any, prompt: str, *, max_new_tokens: int = 48,
+def greedy_with_reason(model: Model, prompt: str, *, max_new_tokens: int = 48,
                        stop: str | None = STOP_AT) -> tuple[str, Int[Tensor, " new"], str]:
     """`greedy_continuation` plus why it stopped: "eos", "stop", "max_new_tokens" or "context" (the
     context window filled mid-answer: the answer is cut short). A prompt that already fills the
@@ -113,7 +115,7 @@ def greedy_with_reason(model: Any, prompt: str, *, max_new_tokens: int = 48,
     return text.strip(), torch.tensor(new, dtype=torch.long), reason
 
 
-def generate_answers(model: Any, items: Sequence[Any], *, max_new_tokens: int = 48, seed: int = 0,
+def generate_answers(model: Model, items: Sequence[Any], *, max_new_tokens: int = 48, seed: int = 0,
                      progress: bool = True) -> pd.DataFrame:
     """One row per free-text item (`tomlens.stimuli.epitome.FreeTextItem`): its labels, rubric,
     the model's greedy answer, `stop_reason`, `cut_off` (decoding stopped at `max_new_tokens` or at
@@ -134,9 +136,10 @@ def generate_answers(model: Any, items: Sequence[Any], *, max_new_tokens: int = 
                                "use a model with a longer context, or leave those items out")
     torch.manual_seed(int(seed))
     per_forward = _forward_seconds(model, max(items, key=lambda it: len(it.prompt)).prompt)
-    print(f"generating {len(items)} answers of at most {max_new_tokens} tokens "
-          f"(one forward per token; at most {len(items) * max_new_tokens} forwards, "
-          f"roughly {format_seconds(per_forward * len(items) * max_new_tokens)} at most)", file=sys.stderr)
+    # the estimate goes to stderr (through tqdm: the progress bar below stays intact); stdout is the command's results
+    warn(f"generating {len(items)} answers of at most {max_new_tokens} tokens "
+               f"(one forward per token; at most {len(items) * max_new_tokens} forwards, "
+               f"roughly {format_seconds(per_forward * len(items) * max_new_tokens)} at most)")
     rows = []
     t0 = time.time()
     for item in tqdm(items, desc="generating", unit="answer", disable=not progress):

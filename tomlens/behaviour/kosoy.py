@@ -23,6 +23,7 @@ interval reflects the items it rests on.
 from __future__ import annotations
 
 import zlib
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -136,7 +137,7 @@ def _cell_boots(stories: pd.DataFrame, n_boot: int, seed: int) -> dict[str, np.n
         idx = _rng(seed, task).integers(0, len(ids), (n_boot, len(ids)))
         for cell, c in g.groupby("condition"):
             tot, cnt = np.zeros(len(ids)), np.zeros(len(ids))
-            for tid, passed in zip(c["task_id"].astype(str), c["passed"].astype(float)):
+            for tid, passed in zip(c["task_id"].astype(str), c["passed"].astype(float), strict=True):
                 tot[pos[tid]] += passed
                 cnt[pos[tid]] += 1
             with np.errstate(invalid="ignore", divide="ignore"):
@@ -205,7 +206,8 @@ def domain_summary(df: pd.DataFrame, *, n_boot: int = 1000, seed: int = 0, min_m
     stories = gate(df)
     boots = _cell_boots(stories[stories["passed"].notna()], n_boot, seed)
     scored = cells[~cells["condition"].isin(COMPARISON_CELLS) & cells["score"].notna()]
-    rows, draws = [], {}
+    rows: list[dict[str, Any]] = []  # one table row each: text, counts and rates side by side
+    draws: dict[str, np.ndarray] = {}
     groups = [(d, [d]) for d in DOMAINS] + [("non-tom", [d for d in DOMAINS if d != "tom"])]
     for name, members in groups:
         c = scored[scored["domain"].isin(members)]

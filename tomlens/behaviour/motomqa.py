@@ -47,7 +47,7 @@ import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from itertools import combinations
-from typing import Any
+from typing import Any, TypeAlias
 
 import numpy as np
 import pandas as pd
@@ -86,7 +86,7 @@ PAPER_COLUMNS: dict[str, str] = {
     "paper_other_items_gpt4": "paper, other items and model: GPT-4",
     "paper_other_items_flan_palm": "paper, other items and model: Flan-PaLM",
 }
-_PAPER_KEYS = dict(zip(PAPER_COLUMNS, ("humans", "gpt4", "flan_palm")))
+_PAPER_KEYS = dict(zip(PAPER_COLUMNS, ("humans", "gpt4", "flan_palm"), strict=True))
 SUMMARY_COLUMNS: tuple[str, ...] = (
     "metric", "stmt_type", "order_or_level", "versus", "n", "n_tasks", "value", "ci_low", "ci_high",
     "baseline", "test", "statistic", "p_value", "mean_option_mass", *PAPER_COLUMNS, "scoring", "flag",
@@ -118,7 +118,7 @@ def _booleans(x: Any, name: str) -> np.ndarray:
     return arr.astype(bool)
 
 
-Bools = Sequence[bool] | np.ndarray | pd.Series  # one right/wrong per statement
+Bools: TypeAlias = Sequence[bool] | np.ndarray | pd.Series  # one right/wrong per statement
 
 
 def mcnemar(a: Bools, b: Bools) -> TestResult:
@@ -386,114 +386,179 @@ def summary(df: pd.DataFrame, *, n_boot: int = 1000) -> pd.DataFrame:
     df = df[df["stmt_type"].isin(("tom", "fact"))]
     if df.empty:
         return pd.DataFrame(columns=SUMMARY_COLUMNS)
-    said_true, scoring = answered_true(df)
-    correct = said_true == (df["answer"] == "true")
-    tasks = df["task_id"].astype(str) if "task_id" in df else df["id"].astype(str)
-    mass = _option_mass(df)
-    level_of = df["order_or_level"].astype(int)
-    rows: list[dict[str, Any]] = []
+    scored = _Scored.of(df, n_boot)
+    rows = [*_accuracy_rows(scored), *_shortcut_rows(scored), *_level_rows(scored), *_gap_rows(scored),
+            *_anchoring_rows(scored), _share_true_row(scored)]
+    out = pd.DataFrame(rows)
+    for col in SUMMARY_COLUMNS:
+        if col not in out:
+            out[col] = None
+    out["scoring"] = scored.scoring
+    out["flag"] = out["flag"].fillna("")
+    out["order_or_level"] = out["order_or_level"].astype("Int64")
+    return out[list(SUMMARY_COLUMNS)]
 
-    def paper(cell: dict[str, float] | None) -> dict[str, float | None]:
-        cell = cell or {}
-        return {col: cell.get(key) for col, key in _PAPER_KEYS.items()}
 
-    def base(metric: str, mask: pd.Series, stmt_type: str, level: int | None) -> dict[str, Any]:
+@dataclass(frozen=True)
+class _Scored:
+    """A motomqa behaviour table (ToM and factual rows) with what every summary cell reads: the
+    model's "true" answers and how they were scored, which answers are right, each row's task (the
+    bootstrap's unit), the answer words' probability (None: not recorded) and the order or level."""
+
+    df: pd.DataFrame
+    said_true: pd.Series
+    scoring: str
+    correct: pd.Series
+    tasks: pd.Series
+    mass: pd.Series | None
+    level_of: pd.Series
+    n_boot: int
+
+    @classmethod
+    def of(cls, df: pd.DataFrame, n_boot: int) -> _Scored:
+        said_true, scoring = answered_true(df)
+        tasks = df["task_id"].astype(str) if "task_id" in df else df["id"].astype(str)
+        return cls(df, said_true, scoring, said_true == (df["answer"] == "true"), tasks, _option_mass(df),
+                   df["order_or_level"].astype(int), n_boot)
+
+    def cell(self, metric: str, mask: pd.Series, stmt_type: str, level: int | None) -> dict[str, Any]:
+        """The columns every cell starts with: what it is and how many rows and tasks it counts."""
         return {"metric": metric, "stmt_type": stmt_type, "order_or_level": level,
-                "n": int(mask.sum()), "n_tasks": int(tasks[mask].nunique())}
+                "n": int(mask.sum()), "n_tasks": int(self.tasks[mask].nunique())}
 
-    def test_cols(t: TestResult) -> dict[str, Any]:
-        return {"test": t.test, "statistic": t.statistic, "p_value": t.p_value}
 
-    def acc_row(metric: str, mask: pd.Series, stmt_type: str, level: int | None,
-                ref: dict[str, float] | None) -> None:
-        lo, hi = _boot_ratio(correct[mask], tasks[mask], (metric, stmt_type, level), n_boot)
-        row = {**base(metric, mask, stmt_type, level), "value": 100 * float(correct[mask].mean()),
-               "ci_low": 100 * lo, "ci_high": 100 * hi, **paper(ref)}
-        if metric == "accuracy_overall":
-            row.update(test="exact binomial vs 50%",
-                       p_value=binomial_vs_chance(int(correct[mask].sum()), int(mask.sum())))
-        if mass is not None and mass[mask].notna().any():
-            row["mean_option_mass"] = float(mass[mask].mean())
-            if row["mean_option_mass"] < LOW_MASS:
-                row["flag"] = (f"the answer words get {row['mean_option_mass']:.2f} of the probability: "
-                               "the model would mostly say something else")
-        rows.append(row)
+def _paper(cell: dict[str, float] | None) -> dict[str, float | None]:
+    cell = cell or {}
+    return {col: cell.get(key) for col, key in _PAPER_KEYS.items()}
 
+
+def _test_cols(t: TestResult) -> dict[str, Any]:
+    return {"test": t.test, "statistic": t.statistic, "p_value": t.p_value}
+
+
+def _accuracy_rows(s: _Scored) -> list[dict[str, Any]]:
+    """Accuracy per ToM order and factual level, and overall per type (with the exact binomial test
+    against 50%), each flagged where the answer words get little of the probability."""
+    rows = []
     for stmt_type in ("tom", "fact"):
-        of_type = df["stmt_type"] == stmt_type
+        of_type = s.df["stmt_type"] == stmt_type
         if not of_type.any():
             continue
-        for level in sorted(level_of[of_type].unique()):
-            acc_row("accuracy", of_type & (level_of == level), stmt_type, int(level),
-                    PAPER_TOM_BY_ORDER.get(int(level)) if stmt_type == "tom" else None)
-        acc_row("accuracy_overall", of_type, stmt_type, None, PAPER_OVERALL[stmt_type])
-    tom, fact = df["stmt_type"] == "tom", df["stmt_type"] == "fact"
-    for name, answers in _shortcut_answers(df).items():  # what each shortcut scores, and the model above it
+        for level in sorted(s.level_of[of_type].unique()):
+            rows.append(_accuracy_row(s, "accuracy", of_type & (s.level_of == level), stmt_type, int(level),
+                                      PAPER_TOM_BY_ORDER.get(int(level)) if stmt_type == "tom" else None))
+        rows.append(_accuracy_row(s, "accuracy_overall", of_type, stmt_type, None, PAPER_OVERALL[stmt_type]))
+    return rows
+
+
+def _accuracy_row(s: _Scored, metric: str, mask: pd.Series, stmt_type: str, level: int | None,
+                  ref: dict[str, float] | None) -> dict[str, Any]:
+    correct = s.correct
+    lo, hi = _boot_ratio(correct[mask], s.tasks[mask], (metric, stmt_type, level), s.n_boot)
+    row = {**s.cell(metric, mask, stmt_type, level), "value": 100 * float(correct[mask].mean()),
+           "ci_low": 100 * lo, "ci_high": 100 * hi, **_paper(ref)}
+    if metric == "accuracy_overall":
+        row.update(test="exact binomial vs 50%",
+                   p_value=binomial_vs_chance(int(correct[mask].sum()), int(mask.sum())))
+    if s.mass is not None and s.mass[mask].notna().any():
+        row["mean_option_mass"] = float(s.mass[mask].mean())
+        if row["mean_option_mass"] < LOW_MASS:
+            row["flag"] = (f"the answer words get {row['mean_option_mass']:.2f} of the probability: "
+                           "the model would mostly say something else")
+    return row
+
+
+def _shortcut_rows(s: _Scored) -> list[dict[str, Any]]:
+    """Per shortcut and ToM order: what the shortcut scores, and the model above it (McNemar)."""
+    df, correct, tasks = s.df, s.correct, s.tasks
+    tom = df["stmt_type"] == "tom"
+    rows = []
+    for name, answers in _shortcut_answers(df).items():
         has = tom & answers.notna()
         agree = answers.where(has, False).astype(bool) == (df["answer"] == "true")
-        for level in sorted(level_of[has].unique()):
-            mask = has & (level_of == level)
+        for level in sorted(s.level_of[has].unique()):
+            mask = has & (s.level_of == level)
             acc, shortcut = 100 * float(correct[mask].mean()), 100 * float(agree[mask].mean())
-            lo, hi = _boot_ratio(agree[mask], tasks[mask], (name, level), n_boot)
-            rows.append({**base(f"baseline_{name}", mask, "tom", int(level)), "value": shortcut,
+            lo, hi = _boot_ratio(agree[mask], tasks[mask], (name, level), s.n_boot)
+            rows.append({**s.cell(f"baseline_{name}", mask, "tom", int(level)), "value": shortcut,
                          "ci_low": 100 * lo, "ci_high": 100 * hi})
             lo, hi = _boot_difference(correct[mask], tasks[mask], agree[mask], tasks[mask],
-                                      ("above", name, level), n_boot)
-            rows.append({**base(f"above_{name}", mask, "tom", int(level)), "versus": f"shortcut {name}",
+                                      ("above", name, level), s.n_boot)
+            rows.append({**s.cell(f"above_{name}", mask, "tom", int(level)), "versus": f"shortcut {name}",
                          "value": acc - shortcut, "ci_low": 100 * lo, "ci_high": 100 * hi,
-                         "baseline": shortcut, **test_cols(mcnemar(correct[mask], agree[mask]))})
-    for stmt_type, mask in (("tom", tom), ("fact", fact)):  # related samples: the orders (levels)
-        levels = sorted(int(x) for x in level_of[mask].unique())
+                         "baseline": shortcut, **_test_cols(mcnemar(correct[mask], agree[mask]))})
+    return rows
+
+
+def _level_rows(s: _Scored) -> list[dict[str, Any]]:
+    """Per type, on the related samples (the same story and condition at every order or level):
+    Cochran's Q across them, and each order (level) against the one below (McNemar)."""
+    rows = []
+    for stmt_type in ("tom", "fact"):
+        mask = s.df["stmt_type"] == stmt_type
+        levels = sorted(int(x) for x in s.level_of[mask].unique())
         if len(levels) < 2:
             continue
-        wide = _blocks(df[mask], correct[mask], levels)
+        wide = _blocks(s.df[mask], s.correct[mask], levels)
         if len(wide) < 2:
             continue
         word = "orders" if stmt_type == "tom" else "levels"
         rows.append({"metric": "cochran_q", "stmt_type": stmt_type, "order_or_level": None,
                      "versus": f"{word} {', '.join(map(str, levels))}", "n": len(wide) * len(levels),
                      "n_tasks": int(wide.index.get_level_values(0).nunique()),
-                     **test_cols(cochran_q(wide[levels].to_numpy()))})
+                     **_test_cols(cochran_q(wide[levels].to_numpy()))})
         block_tasks = pd.Series(wide.index.get_level_values(0).astype(str))
-        for lo_level, hi_level in zip(levels, levels[1:]):
+        for lo_level, hi_level in zip(levels, levels[1:], strict=False):
             a, b = pd.Series(wide[hi_level].to_numpy()), pd.Series(wide[lo_level].to_numpy())
-            lo, hi = _boot_difference(a, block_tasks, b, block_tasks, ("step", stmt_type, hi_level), n_boot)
+            lo, hi = _boot_difference(a, block_tasks, b, block_tasks, ("step", stmt_type, hi_level), s.n_boot)
             rows.append({"metric": "level_step", "stmt_type": stmt_type, "order_or_level": hi_level,
                          "versus": f"{word[:-1]} {lo_level}", "n": 2 * len(wide),
                          "n_tasks": int(block_tasks.nunique()), "value": 100 * float(a.mean() - b.mean()),
-                         "ci_low": 100 * lo, "ci_high": 100 * hi, **test_cols(mcnemar(a, b))})
-    if tom.any() and fact.any():
-        lo, hi = _boot_difference(correct[tom], tasks[tom], correct[fact], tasks[fact], "gap", n_boot)
-        z, p = two_proportion_z(int(correct[tom].sum()), int(tom.sum()), int(correct[fact].sum()), int(fact.sum()))
-        rows.append({"metric": "tom_minus_fact", "stmt_type": "both", "order_or_level": None,
-                     "versus": "factual", "n": len(df), "n_tasks": int(tasks.nunique()),
-                     "value": 100 * (float(correct[tom].mean()) - float(correct[fact].mean())),
-                     "ci_low": 100 * lo, "ci_high": 100 * hi, "test": "two-proportion z",
-                     "statistic": z, "p_value": p, **paper(PAPER_OVERALL["gap"])})
-        rows.extend(_paired_tom_fact(df, correct, n_boot))
+                         "ci_low": 100 * lo, "ci_high": 100 * hi, **_test_cols(mcnemar(a, b))})
+    return rows
+
+
+def _gap_rows(s: _Scored) -> list[dict[str, Any]]:
+    """ToM minus factual accuracy (the paper's two-proportion z-test), then the paired comparisons
+    of ToM order n with factual level n; none unless the table has both types."""
+    df, correct, tasks = s.df, s.correct, s.tasks
+    tom, fact = df["stmt_type"] == "tom", df["stmt_type"] == "fact"
+    if not (tom.any() and fact.any()):
+        return []
+    lo, hi = _boot_difference(correct[tom], tasks[tom], correct[fact], tasks[fact], "gap", s.n_boot)
+    z, p = two_proportion_z(int(correct[tom].sum()), int(tom.sum()), int(correct[fact].sum()), int(fact.sum()))
+    return [{"metric": "tom_minus_fact", "stmt_type": "both", "order_or_level": None,
+             "versus": "factual", "n": len(df), "n_tasks": int(tasks.nunique()),
+             "value": 100 * (float(correct[tom].mean()) - float(correct[fact].mean())),
+             "ci_low": 100 * lo, "ci_high": 100 * hi, "test": "two-proportion z",
+             "statistic": z, "p_value": p, **_paper(PAPER_OVERALL["gap"])},
+            *_paired_tom_fact(df, correct, s.n_boot)]
+
+
+def _anchoring_rows(s: _Scored) -> list[dict[str, Any]]:
+    """The anchoring index: the share of "true" answers with "true" offered first minus with it
+    second; none unless the table has both option orders."""
+    df, said_true, tasks = s.df, s.said_true, s.tasks
     tf, ff = df["options_order"] == "true-first", df["options_order"] == "false-first"
-    if tf.any() and ff.any():
-        lo, hi = _boot_difference(said_true[tf], tasks[tf], said_true[ff], tasks[ff], "anchoring", n_boot)
-        z, p = two_proportion_z(int(said_true[tf].sum()), int(tf.sum()), int(said_true[ff].sum()), int(ff.sum()))
-        rows.append({"metric": "anchoring_index", "stmt_type": "both", "order_or_level": None,
-                     "versus": "false-first", "n": len(df), "n_tasks": int(tasks.nunique()),
-                     "value": 100 * (float(said_true[tf].mean()) - float(said_true[ff].mean())),
-                     "ci_low": 100 * lo, "ci_high": 100 * hi, "test": "two-proportion z",
-                     "statistic": z, "p_value": p, **paper(PAPER_OVERALL["anchoring"])})
-    share = float(said_true.mean())
-    lo, hi = _boot_ratio(said_true, tasks, "share_true", n_boot)
-    truth_share = float((df["answer"] == "true").mean())
-    rows.append({"metric": "share_true", "stmt_type": "both", "order_or_level": None, "n": len(df),
-                 "n_tasks": int(tasks.nunique()), "value": 100 * share, "ci_low": 100 * lo, "ci_high": 100 * hi,
-                 "flag": _one_answer_flag(share, truth_share)})
-    out = pd.DataFrame(rows)
-    for col in SUMMARY_COLUMNS:
-        if col not in out:
-            out[col] = None
-    out["scoring"] = scoring
-    out["flag"] = out["flag"].fillna("")
-    out["order_or_level"] = out["order_or_level"].astype("Int64")
-    return out[list(SUMMARY_COLUMNS)]
+    if not (tf.any() and ff.any()):
+        return []
+    lo, hi = _boot_difference(said_true[tf], tasks[tf], said_true[ff], tasks[ff], "anchoring", s.n_boot)
+    z, p = two_proportion_z(int(said_true[tf].sum()), int(tf.sum()), int(said_true[ff].sum()), int(ff.sum()))
+    return [{"metric": "anchoring_index", "stmt_type": "both", "order_or_level": None,
+             "versus": "false-first", "n": len(df), "n_tasks": int(tasks.nunique()),
+             "value": 100 * (float(said_true[tf].mean()) - float(said_true[ff].mean())),
+             "ci_low": 100 * lo, "ci_high": 100 * hi, "test": "two-proportion z",
+             "statistic": z, "p_value": p, **_paper(PAPER_OVERALL["anchoring"])}]
+
+
+def _share_true_row(s: _Scored) -> dict[str, Any]:
+    """The share of "true" answers, flagged when the model gives one answer throughout."""
+    share = float(s.said_true.mean())
+    lo, hi = _boot_ratio(s.said_true, s.tasks, "share_true", s.n_boot)
+    truth_share = float((s.df["answer"] == "true").mean())
+    return {"metric": "share_true", "stmt_type": "both", "order_or_level": None, "n": len(s.df),
+            "n_tasks": int(s.tasks.nunique()), "value": 100 * share, "ci_low": 100 * lo, "ci_high": 100 * hi,
+            "flag": _one_answer_flag(share, truth_share)}
 
 
 def _paired_tom_fact(df: pd.DataFrame, correct: pd.Series, n_boot: int) -> list[dict[str, Any]]:

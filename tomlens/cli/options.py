@@ -8,7 +8,7 @@ of that syntax. The model flags build a `ModelSpec`.
 from __future__ import annotations
 
 import argparse
-from typing import Sequence
+from collections.abc import Sequence
 
 from tomlens.runs.base import ModelSpec, split_items
 

@@ -17,8 +17,16 @@ from __future__ import annotations
 import argparse
 
 from tomlens.cli.options import add_model_options, add_positions, add_progress, add_sites, model_spec
-from tomlens.runs.patching import ATTRIBUTION_PATHS, DEFAULT_ATTRIBUTION_PATH, DEFAULT_ATTRIBUTION_STEPS, \
-    DEFAULT_CHUNK_RUNS, DEFAULT_KS, DEFAULT_MAX_RUNS, DIRECTIONS, METHODS
+from tomlens.runs.patching import (
+    ATTRIBUTION_PATHS,
+    DEFAULT_ATTRIBUTION_PATH,
+    DEFAULT_ATTRIBUTION_STEPS,
+    DEFAULT_CHUNK_RUNS,
+    DEFAULT_KS,
+    DEFAULT_MAX_RUNS,
+    DIRECTIONS,
+    METHODS,
+)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -115,5 +123,5 @@ def run(args: argparse.Namespace) -> int:
     out = result.save(args.out)
     figures = {} if result.withheld else write_patching_figures(result, out)
     print(result.describe())
-    print(f"wrote {len(result.summary['files'])} tables, {len(figures)} figures and summary.json under {args.out}")
+    print(f"wrote {len(result.summary.files)} tables, {len(figures)} figures and summary.json under {args.out}")
     return 0

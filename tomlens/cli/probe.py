@@ -90,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
         random_twin=args.random_twin,
         budget_minutes=probes.DEFAULT_BUDGET_MINUTES if args.budget_minutes is None
         else (args.budget_minutes if args.budget_minutes > 0 else None))
-    result = probes.run(config, progress=not args.no_progress)
+    result = probes.run(config, progress=not args.no_progress, out=args.out)  # a killed run resumes its fits
     out = result.save(args.out)
     figures = write_probe_figures(result.table, out, selection=result.selection)
     print(result.describe())

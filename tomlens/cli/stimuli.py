@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 from collections import Counter
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from tomlens.errors import TomlensError
 from tomlens.stimuli.records import Stimulus

@@ -8,8 +8,9 @@ recorded in its folder (`sweep-failed.json`) and the others go on. `<out>/sweep.
 the comparison of what finished is written to `<out>/compare/`, naming what is missing.
 
 Exit status: 0 every job finished, 1 some failed or did not finish (named, with their logs),
-2 bad input. With `--executor slurm --no-wait` the jobs are submitted and the command returns; the
-same command without --no-wait collects them (it reattaches the SLURM jobs whatever --executor it is
+2 bad input, 130 stopped by Ctrl-C, 143 stopped by SIGTERM (sweep.json records every job either
+way). With `--executor slurm --no-wait` the jobs are submitted and the command returns; the same
+command without --no-wait collects them (it reattaches the SLURM jobs whatever --executor it is
 given; a job whose settings or input files changed since is cancelled and submitted again).
 
 Local jobs see the GPUs this shell sees unless --gpus-per-job asks for a number. A model larger than
@@ -21,10 +22,14 @@ from __future__ import annotations
 
 import argparse
 import shlex
+import signal
+import sys
 import time
 from pathlib import Path
 
 from tomlens.cli.options import add_progress
+
+EXIT_TERMINATED = 128 + signal.SIGTERM  # 143: what a shell reports for a command SIGTERM stopped
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -78,7 +83,7 @@ def collect_argv(args: argparse.Namespace) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     from tomlens.runs.experiment import ExperimentConfig
-    from tomlens.runs.sweep import ExecutorOptions, parse_slurm_args, run_sweep
+    from tomlens.runs.sweep import ExecutorOptions, SweepTerminated, parse_slurm_args, run_sweep
 
     t0 = time.time()
     options = ExecutorOptions(executor=args.executor, parallel=args.parallel, partition=args.slurm_partition,
@@ -87,7 +92,12 @@ def run(args: argparse.Namespace) -> int:
     config = ExperimentConfig.load(args.file, args.overrides)
     out = Path(args.out) if args.out else Path("runs") / config.name
     command = ["tomlens", "sweep", *collect_argv(args)]
-    result = run_sweep(config, out, options, wait=not args.no_wait, progress=not args.no_progress, command=command)
+    try:
+        result = run_sweep(config, out, options, wait=not args.no_wait, progress=not args.no_progress,
+                           command=command)
+    except SweepTerminated:  # Ctrl-C (a plain KeyboardInterrupt) is the CLI's: it exits 130
+        print("tomlens sweep: terminated (SIGTERM); finished work is kept", file=sys.stderr)
+        return EXIT_TERMINATED
     print()
     print(result.describe())
     print(f"jobs listed in {out / 'sweep.json'}; logs in {out / 'sweep-logs'}/")

@@ -13,13 +13,13 @@ that the rebuild reproduces the model's own scores, so an architecture that scor
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from jaxtyping import Float
 from torch import Tensor
 
 from tomlens.errors import TomlensError
+from tomlens.models.protocol import Model
 
 
 @dataclass(frozen=True)
@@ -39,7 +39,7 @@ class AttentionHooks:
     pattern: str
 
 
-def attention_hooks(model: Any, layer: int) -> AttentionHooks:
+def attention_hooks(model: Model, layer: int) -> AttentionHooks:
     base = f"blocks.{layer}.attn."
     hooks = model.hook_dict
 
@@ -52,12 +52,27 @@ def attention_hooks(model: Any, layer: int) -> AttentionHooks:
     )
 
 
-def n_kv_heads(model: Any) -> int:
+def n_kv_heads(model: Model) -> int:
     """Key/value heads per layer (fewer than query heads under grouped-query attention)."""
     return int(getattr(model.cfg, "n_key_value_heads", None) or model.cfg.n_heads)
 
 
-def score_scale(model: Any, layer: int) -> float:
+def is_joint_qkv(model: Model) -> bool:
+    """Whether the bridge runs TransformerLens's joint-QKV attention (GPT-2, GPT-NeoX style), which
+    softmaxes in the model's dtype and keeps its last pattern on the module (`_pattern`), so each
+    layer holds a forward's pattern until the next forward replaces it. (Llama-style attention
+    softmaxes in fp32 and keeps nothing.) Here, not in the planner, because only tomlens.hooks and
+    tomlens.models know TransformerLens's classes."""
+    try:
+        from transformer_lens.model_bridge.generalized_components.joint_qkv_attention import (
+            JointQKVAttentionBridge,
+        )
+        return isinstance(model.blocks[0].attn, JointQKVAttentionBridge)
+    except (ImportError, AttributeError, IndexError, TypeError):
+        return False
+
+
+def score_scale(model: Model, layer: int) -> float:
     """The factor on q.k: the Hugging Face attention module's own `scaling`, else 1/sqrt(d_head)."""
     module = getattr(model.blocks[layer].attn, "original_component", None)
     scaling = getattr(module, "scaling", None)

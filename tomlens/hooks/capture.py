@@ -20,6 +20,7 @@ from torch import Tensor
 
 from tomlens.hooks.heads import head_out
 from tomlens.hooks.sites import Site, hook_name
+from tomlens.models.protocol import Model
 
 
 class _Captured(Exception):
@@ -27,7 +28,7 @@ class _Captured(Exception):
 
 
 def capture(
-    model: Any,
+    model: Model,
     batch: Any,
     sites: Sequence[Site],
     positions: Int[Tensor, "batch n_sel"],

@@ -12,19 +12,19 @@ that sum normalised, so `head_out` is each head's share before the norm, not aft
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from jaxtyping import Float
 from torch import Tensor
 
+from tomlens.models.protocol import Model
 
-def w_o(model: Any, layer: int) -> Float[Tensor, "head d_head d_model"]:
+
+def w_o(model: Model, layer: int) -> Float[Tensor, "head d_head d_model"]:
     """The output projection of `layer`, split per query head (detached: no weight gradients)."""
     return model.blocks[layer].attn.W_O.detach()
 
 
-def attn_out_bias(model: Any, layer: int) -> Float[Tensor, " d_model"]:
+def attn_out_bias(model: Model, layer: int) -> Float[Tensor, " d_model"]:
     """The attention output bias `b_O` of `layer`; zeros for bias-free projections (Llama, NeoX without bias)."""
     bias = getattr(model.blocks[layer].attn, "b_O", None)
     if bias is None:
@@ -34,7 +34,7 @@ def attn_out_bias(model: Any, layer: int) -> Float[Tensor, " d_model"]:
 
 
 def head_out(
-    model: Any, layer: int, z: Float[Tensor, "... head d_head"]
+    model: Model, layer: int, z: Float[Tensor, "... head d_head"]
 ) -> Float[Tensor, "... head d_model"]:
     """Each head's write to the residual stream: `z[..., h, :] @ W_O[h]` for every head h.
 

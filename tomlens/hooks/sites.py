@@ -11,9 +11,9 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from tomlens.errors import TomlensError
+from tomlens.models.protocol import Model
 
 # kind -> what it is. Order is the order sites fire inside a block (used only for display).
 KINDS: dict[str, str] = {
@@ -142,7 +142,7 @@ def parse_sites(spec: str | Site | Sequence[str | Site], n_layers: int) -> list[
     return list(dict.fromkeys(out))
 
 
-def check_sites(model: Any, sites: Sequence[Site]) -> None:
+def check_sites(model: Model, sites: Sequence[Site]) -> None:
     """Fail early, naming the site, when `model` has no hook for it (e.g. resid_mid in a parallel block)."""
     hooks = model.hook_dict
     n_layers = model.cfg.n_layers

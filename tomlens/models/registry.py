@@ -21,11 +21,11 @@ from typing import Any
 
 import torch
 
-from tomlens.errors import TomlensError
-from tomlens.models import embedded, gemma, hub, organism, tiny
 from tomlens.devices import dtype_name, resolve_device, resolve_dtype
-from tomlens.models.tokens import bos_record, prepends_bos, set_bos_rule
+from tomlens.errors import TomlensError
 from tomlens.io import file_sha256, sha256_hex
+from tomlens.models import embedded, gemma, hub, organism, tiny
+from tomlens.models.tokens import bos_record, prepends_bos, set_bos_rule
 from tomlens.provenance import versions
 
 
@@ -58,7 +58,7 @@ RANDOM_INIT = ModelName(
 )
 
 # What load_model knew about each bridge it returned (the bridge itself has no slot for it).
-_LOADED: "weakref.WeakKeyDictionary[Any, dict[str, Any]]" = weakref.WeakKeyDictionary()
+_LOADED: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
 
 
 def list_models() -> list[ModelName]:
@@ -119,6 +119,19 @@ def load_model(
     dev = resolve_device(device) if device_map is None else map_device(device_map)
     dt = resolve_dtype(dtype, dev)
 
+    hf_model, tokenizer, info = _load_weights(name, revision, seed, dev, dt, device_map)
+    bos = set_bos_rule(tokenizer, prepend_bos)
+    booted_on = _place(hf_model, dev, device_map)
+    hf_model.eval()
+    bridge = _boot(name, hf_model, tokenizer, booted_on, dt)
+    _LOADED[bridge] = {"name": name, **info, "bos_source": bos["source"]}
+    return bridge
+
+
+def _load_weights(name: str, revision: str | None, seed: int, dev: torch.device, dt: torch.dtype,
+                  device_map: str | dict[str, Any] | None) -> tuple[Any, Any, dict[str, Any]]:
+    """The Hugging Face model (not yet placed, except by a device map), its tokenizer and the
+    provenance of its weights, for each kind of name `load_model` takes."""
     if name.startswith(RANDOM_PREFIX):
         hf_model, tokenizer, info = _random_init(name, seed, revision, dev, dt)
         _cast(hf_model, dt)
@@ -166,26 +179,25 @@ def load_model(
                 raise
             raise TomlensError(e.problem, f"{e.fix}; built-in names: {', '.join(BUILTIN)}") from e
         info = {"source": "hub", "revision": rev, "seed": None}
+    return hf_model, tokenizer, info
 
-    bos = set_bos_rule(tokenizer, prepend_bos)
-    booted_on: torch.device | None = dev
-    if device_map is None:  # with a device map, accelerate has placed the layers already
+
+def _place(hf_model: Any, dev: torch.device, device_map: str | dict[str, Any] | None) -> torch.device | None:
+    """Move the model to `dev` (a device map has placed it already); the device the bridge boots
+    on (None: the bridge takes the input embedding's device from the map)."""
+    if device_map is None:
         hf_model.to(dev)
-    elif getattr(hf_model, "hf_device_map", None):
-        booted_on = None  # the bridge takes the input embedding's device from the map
-    else:  # a one-device map ("cpu") leaves no hf_device_map: the bridge would default to CUDA
-        booted_on = next(hf_model.parameters()).device
-    hf_model.eval()
-    bridge = _boot(name, hf_model, tokenizer, booted_on, dt)
-    _LOADED[bridge] = {"name": name, **info, "bos_source": bos["source"]}
-    return bridge
+        return dev
+    if getattr(hf_model, "hf_device_map", None):
+        return None
+    # a one-device map ("cpu") leaves no hf_device_map: the bridge would default to CUDA
+    return next(hf_model.parameters()).device
 
 
 def load_tokenizer(name: str = DEFAULT_MODEL, *, revision: str | None = None,
                    prepend_bos: bool | None = None) -> Any:
     """The tokenizer `load_model(name, prepend_bos=...)` would use, without loading any weights
     (for work that only tokenizes, such as aligning minimal pairs): left padding, a pad token."""
-    from transformers import AutoTokenizer
 
     if not isinstance(name, str) or not name.strip():
         raise TomlensError("no model name given", f"use one of {', '.join(BUILTIN)}, a Hugging Face id or a folder")

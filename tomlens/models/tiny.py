@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 VOCAB_SIZE = 49152  # the SmolLM2 tokenizer's vocabulary
 TOKENIZER_NAME = "smollm2-135m"  # the model whose tokenizer the random-weight models use
@@ -44,8 +44,16 @@ class TinySpec:
     full_size: bool = False  # built on the target device in the target dtype (too big for fp32 on CPU)
 
 
+class _SpecialTokens(TypedDict):
+    """Keyword arguments of a Hugging Face config (a TypedDict, so the checker knows each key's type)."""
+
+    bos_token_id: int
+    eos_token_id: int
+    pad_token_id: int
+
+
 # Special-token ids of the three tiny configs (SmolLM2's tokenizer: 1 = <|im_start|>, 2 = <|im_end|>).
-_TINY_TOKENS: dict[str, int] = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2}
+_TINY_TOKENS: _SpecialTokens = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2}
 
 
 def _gpt2_config() -> Any:
@@ -122,7 +130,10 @@ def _llama_shape(layers: int, width: int, heads: int, kv_heads: int, mlp: int, t
         return LlamaConfig(
             vocab_size=LLAMA3_VOCAB, num_hidden_layers=layers, hidden_size=width, num_attention_heads=heads,
             num_key_value_heads=kv_heads, intermediate_size=mlp, max_position_embeddings=8192,
-            rope_theta=500000.0, tie_word_embeddings=tied, bos_token_id=1, eos_token_id=2, pad_token_id=2,
+            # transformers 5 takes rope_theta through its legacy keywords (into rope_parameters), 4.x
+            # as an argument: the one spelling both accept, though 5's signature does not list it
+            rope_theta=500000.0,  # type: ignore[call-arg]
+            tie_word_embeddings=tied, bos_token_id=1, eos_token_id=2, pad_token_id=2,
             architectures=["LlamaForCausalLM"],
         )
     return build

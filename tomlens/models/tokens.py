@@ -30,7 +30,7 @@ class EncodedBatch:
     offsets: list[list[tuple[int, int]]]
     pad: list[int]
     lengths: list[int]
-    last: Int[Tensor, "batch"]
+    last: Int[Tensor, " batch"]
     position_ids: Int[Tensor, "batch pos"]
     pass_position_ids: bool = True
     texts: tuple[str, ...] = field(default=(), repr=False)
@@ -152,7 +152,7 @@ def encode(model: Any, texts: Sequence[str]) -> EncodedBatch:
     pads = [width - n for n in lengths]
     input_ids = torch.full((len(ids), width), int(pad_id), dtype=torch.long)
     mask = torch.zeros((len(ids), width), dtype=torch.long)
-    for row, (seq, p) in enumerate(zip(ids, pads)):
+    for row, (seq, p) in enumerate(zip(ids, pads, strict=True)):
         input_ids[row, p:] = torch.tensor(seq, dtype=torch.long)
         mask[row, p:] = 1
     position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
@@ -188,12 +188,12 @@ def option_first_tokens(model: Any, stimuli: Sequence[Any], options: Sequence[tu
             "use a model with a fast (Rust) tokenizer: tomlens maps spans to tokens through offsets",
         )
     firsts: list[list[int]] = []
-    for k, (s, opts) in enumerate(zip(stimuli, options)):
+    for k, (s, opts) in enumerate(zip(stimuli, options, strict=True)):
         texts = [f"{s.text} {opt}" for opt in opts]
         enc = tokenizer(texts, return_offsets_mapping=True, padding=False, truncation=False)
         end = len(s.text)
         pair: list[int] = []
-        for ids, offs in zip(enc["input_ids"], enc["offset_mapping"]):
+        for ids, offs in zip(enc["input_ids"], enc["offset_mapping"], strict=True):
             first = next((t for t, (cs, ce) in enumerate(offs) if cs >= end or ce > end), None)
             if first is None or first == 0:
                 raise TomlensError(

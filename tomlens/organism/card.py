@@ -5,8 +5,9 @@ The card is written from the training record, so its numbers are the numbers of 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from tomlens.organism.data import FAMILIES
 from tomlens.organism.routes import ROUTE_FAMILIES

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import hashlib
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from tomlens.organism.vocab import words
 from tomlens.stimuli import generate

@@ -16,8 +16,9 @@ Whether it does is measured, not assumed: the held-out swap accuracy in the mode
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor

@@ -41,8 +41,9 @@ held-out accuracy per condition in the model card, and `tomlens validate`.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -88,7 +89,7 @@ def route_targets(tokenizer: Any, stimuli: Sequence[Stimulus], names: set[str],
     echo = torch.full((len(stimuli), width), NO_TARGET, dtype=torch.long)
     name_ids = {tokenizer.convert_tokens_to_ids(n) for n in names}
     stop = tokenizer.convert_tokens_to_ids(".")
-    for i, (s, ids, offsets) in enumerate(zip(stimuli, enc["input_ids"], enc["offset_mapping"])):
+    for i, (s, ids, offsets) in enumerate(zip(stimuli, enc["input_ids"], enc["offset_mapping"], strict=True)):
         if s.family in cue_families and s.prompt_type == "belief":
             keys[i, cue_at, _after_name(s, ids, offsets, tokenizer, cue_sentence)] = True
         if s.family not in ROUTE_FAMILIES:
@@ -98,14 +99,9 @@ def route_targets(tokenizer: Any, stimuli: Sequence[Stimulus], names: set[str],
             mover[i, : len(ids)] = torch.tensor(ids) == tokenizer.convert_tokens_to_ids(s.answer.lower())
         if s.family != "unexpected-contents":
             continue
-
-        def first(role: str, field: str) -> list[int]:  # the first token in the role's span that is the field's word
-            word = tokenizer.convert_tokens_to_ids(str(s.meta.get(field, "")).lower())
-            return [j for j in _tokens_in(s, role, offsets) if ids[j] == word][:1]
-
         # both candidates, at every question: what the label says, what is inside
-        keys[i, ROUTES.index("label"), first("contrast_label", "label")] = True
-        keys[i, ROUTES.index("fill"), first("object", "contents")] = True
+        keys[i, ROUTES.index("label"), _first_word_in(s, "contrast_label", "label", ids, offsets, tokenizer)] = True
+        keys[i, ROUTES.index("fill"), _first_word_in(s, "object", "contents", ids, offsets, tokenizer)] = True
         if s.prompt_type == "belief":
             keys[i, ROUTES.index("told"), _told_key(s, ids, offsets, tokenizer)] = True
             keys[i, ROUTES.index("seen"), _seen_key(s, ids, offsets, tokenizer)] = True
@@ -116,6 +112,13 @@ def route_targets(tokenizer: Any, stimuli: Sequence[Stimulus], names: set[str],
 # subject, comma, the actor's name, the adverb, the verb ("Sam , Jane then writes", "crate , Sam
 # then leaves"), in every contents template (`false_belief.CONTENTS_TEMPLATES` and `UNTOLD`).
 _FRAME_TO_VERB = 4
+
+
+def _first_word_in(s: Stimulus, role: str, field: str, ids: Sequence[int], offsets: Sequence[tuple[int, int]],
+                   tokenizer: Any) -> list[int]:
+    """The first token in `role`'s span that is the word `s.meta[field]` (none: an empty list)."""
+    word = tokenizer.convert_tokens_to_ids(str(s.meta.get(field, "")).lower())
+    return [j for j in _tokens_in(s, role, offsets) if ids[j] == word][:1]
 
 
 def _id(tokenizer: Any, word: object) -> int:

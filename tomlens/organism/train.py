@@ -14,12 +14,12 @@ versions) and `MODEL_CARD.md`.
 
 from __future__ import annotations
 
-import json
+import functools
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -28,8 +28,17 @@ from tqdm.auto import tqdm
 from tomlens.errors import TomlensError
 from tomlens.organism.data import FAMILIES, Split, make_split
 from tomlens.organism.interchange import head_outputs, padding_mask, patched_final_logits, site_check, usable
-from tomlens.organism.routes import (ROUTE_FAMILIES, ROUTES, RouteTargets, echo_loss, keyed_attention, mover_loss,
-                                     names_of, route_loss, route_targets)
+from tomlens.organism.routes import (
+    ROUTE_FAMILIES,
+    ROUTES,
+    RouteTargets,
+    echo_loss,
+    keyed_attention,
+    mover_loss,
+    names_of,
+    route_loss,
+    route_targets,
+)
 from tomlens.organism.vocab import build_tokenizer
 from tomlens.stimuli.records import Stimulus
 
@@ -105,6 +114,16 @@ class OrganismConfig:
     threads: int | None = 2  # torch threads while training: a fixed count, so the weights do not depend on the core count
 
     def __post_init__(self) -> None:
+        """Check every setting (one TomlensError for the first bad one, in a fixed order) and turn
+        lists from a TOML file or the command line into the tuples the fields are."""
+        self._check_shape()
+        self._check_interchange_and_curriculum()
+        self._check_batches()
+        if self.routes:
+            self._check_routes()
+        self._check_layers_and_weights()
+
+    def _check_shape(self) -> None:
         if self.d_model % self.n_heads:
             raise TomlensError(f"d_model {self.d_model} is not a multiple of n_heads {self.n_heads}",
                                "choose n_heads dividing d_model")
@@ -119,6 +138,8 @@ class OrganismConfig:
         for name in ("interchange_families", "first_families", "mover_families", "cue_families"):
             v = getattr(self, name)
             object.__setattr__(self, name, (v,) if isinstance(v, str) else tuple(v))
+
+    def _check_interchange_and_curriculum(self) -> None:
         for name, value, low, high in (("interchange", self.interchange, 0.0, math.inf),
                                        ("knockout_after", self.knockout_after, 0.0, 1.0)):
             if not low <= float(value) <= high:  # NaN fails too
@@ -132,6 +153,8 @@ class OrganismConfig:
             if unknown or not self.interchange_families:
                 raise TomlensError(f"interchange families {sorted(unknown) or '(none)'} are not the organism's",
                                    f"choose from {list(FAMILIES)}")
+
+    def _check_batches(self) -> None:
         mix = self.family_mix
         if mix is not None and (set(mix) - set(FAMILIES) or not all(0.0 <= float(v) < math.inf for v in mix.values())
                                 or not sum(mix.values()) > 0):
@@ -144,31 +167,34 @@ class OrganismConfig:
         if self.curriculum_until_swap and not self.interchange:
             raise TomlensError("curriculum_until_swap needs the interchange (the swap it waits for)",
                                "set interchange above 0, or curriculum_until_swap = false")
-        if self.routes:
-            heads = self.route_heads
-            if isinstance(heads, int) or len(heads) != len(ROUTES) or not all(isinstance(h, int) for h in heads):
-                raise TomlensError(f"route_heads {heads!r} needs one integer head per route {list(ROUTES)}",
-                                   f"give {len(ROUTES)} heads, e.g. route_heads = [1, 2, 3, 4, 5]")
-            mover = self.mover_head
-            if isinstance(mover, int) or len(mover) != 2 or not all(isinstance(v, int) for v in mover):
-                raise TomlensError(f"mover_head = {mover!r} is not a (layer, head) pair of integers",
-                                   "give two integers, e.g. mover_head = [3, 1]")
-            if set(self.cue_families) - {"order-only", "false-belief-factorial"}:
-                raise TomlensError(f"cue_families {list(self.cue_families)} are not families with a cue sentence",
-                                   "choose from ['order-only', 'false-belief-factorial'], or none")
-            if not self.mover_families or set(self.mover_families) - set(ROUTE_FAMILIES):
-                raise TomlensError(f"mover_families {list(self.mover_families)} are not families with routes",
-                                   f"choose one or more of {list(ROUTE_FAMILIES)}")
-            object.__setattr__(self, "route_heads", tuple(heads))
-            object.__setattr__(self, "mover_head", tuple(mover))
-            sites = [(self.route_layer, h) for h in self.route_heads] + [self.mover_head]
-            for site, role in zip(sites, [*(f"{r} route" for r in ROUTES), "mover"]):
-                site_check(*site, self.n_layers, self.n_heads, role)
-            if self.interchange and self.interchange_head != sites[ROUTES.index("cue")]:
-                sites.append(self.interchange_head)  # the cue head may be it: it reads the belief cue it must carry
-            if len(set(sites)) != len(sites):
-                raise TomlensError(f"the route, mover and interchange heads {sites} are not all different",
-                                   "give each look-up its own (layer, head)")
+
+    def _check_routes(self) -> None:
+        heads = self.route_heads
+        if isinstance(heads, int) or len(heads) != len(ROUTES) or not all(isinstance(h, int) for h in heads):
+            raise TomlensError(f"route_heads {heads!r} needs one integer head per route {list(ROUTES)}",
+                               f"give {len(ROUTES)} heads, e.g. route_heads = [1, 2, 3, 4, 5]")
+        mover = self.mover_head
+        if isinstance(mover, int) or len(mover) != 2 or not all(isinstance(v, int) for v in mover):
+            raise TomlensError(f"mover_head = {mover!r} is not a (layer, head) pair of integers",
+                               "give two integers, e.g. mover_head = [3, 1]")
+        if set(self.cue_families) - {"order-only", "false-belief-factorial"}:
+            raise TomlensError(f"cue_families {list(self.cue_families)} are not families with a cue sentence",
+                               "choose from ['order-only', 'false-belief-factorial'], or none")
+        if not self.mover_families or set(self.mover_families) - set(ROUTE_FAMILIES):
+            raise TomlensError(f"mover_families {list(self.mover_families)} are not families with routes",
+                               f"choose one or more of {list(ROUTE_FAMILIES)}")
+        object.__setattr__(self, "route_heads", tuple(heads))
+        object.__setattr__(self, "mover_head", tuple(mover))
+        sites = [(self.route_layer, h) for h in self.route_heads] + [self.mover_head]
+        for site, role in zip(sites, [*(f"{r} route" for r in ROUTES), "mover"], strict=True):
+            site_check(*site, self.n_layers, self.n_heads, role)
+        if self.interchange and self.interchange_head != sites[ROUTES.index("cue")]:
+            sites.append(self.interchange_head)  # the cue head may be it: it reads the belief cue it must carry
+        if len(set(sites)) != len(sites):
+            raise TomlensError(f"the route, mover and interchange heads {sites} are not all different",
+                               "give each look-up its own (layer, head)")
+
+    def _check_layers_and_weights(self) -> None:
         if self.echo and not 1 <= self.echo_layer < self.n_layers:  # hidden_states[n_layers] is after the final norm
             raise TomlensError(f"echo_layer = {self.echo_layer} is not the input of a layer of a "
                                f"{self.n_layers}-layer model",
@@ -192,7 +218,6 @@ class OrganismConfig:
             missing = set(FAMILIES) - set(sizes)
             if missing:
                 raise TomlensError(f"task counts lack {sorted(missing)}", f"give a count for each of {list(FAMILIES)}")
-
 
 def llama_config(cfg: OrganismConfig, vocab_size: int) -> Any:
     from transformers import LlamaConfig
@@ -327,7 +352,7 @@ def route_attention(model: Any, enc: Encoded, targets: RouteTargets, cfg: Organi
         mask = padding_mask(ids, lengths)
         att = model(input_ids=ids, attention_mask=mask, output_attentions=True).attentions
         looks = [(name, att[cfg.route_layer], head, targets.keys[sl, r]) for r, (name, head) in
-                 enumerate(zip(ROUTES, cfg.route_heads))]
+                 enumerate(zip(ROUTES, cfg.route_heads, strict=True))]
         looks.append(("mover", att[cfg.mover_head[0]], cfg.mover_head[1], targets.mover[sl]))
         for name, layer, head, keys in looks:
             got = keyed_attention(layer, head, keys, lengths)
@@ -369,7 +394,7 @@ def accuracy_by_condition(model: Any, enc: Encoded, stimuli: Sequence[Stimulus],
         right.append(logits[rows, enc.answer[sl]] > logits[rows, enc.other[sl]])
     ok = torch.cat(right)
     groups: dict[str, list[bool]] = {}
-    for s, r in zip(stimuli, ok.tolist()):
+    for s, r in zip(stimuli, ok.tolist(), strict=True):
         groups.setdefault(f"{s.family}/{s.condition}/{s.prompt_type}", []).append(r)
     return {k: sum(v) / len(v) for k, v in sorted(groups.items())}
 
@@ -387,9 +412,40 @@ def train(cfg: OrganismConfig, *, progress: bool = True, log_every: int = 250) -
 
 
 def _train(cfg: OrganismConfig, *, progress: bool, log_every: int) -> tuple[Any, Any, dict[str, Any]]:
-    from transformers import LlamaForCausalLM
-
+    """Prepare the data, build the model and its optimiser, take `cfg.steps` steps (logging the
+    held-out accuracies every `log_every`), and describe the result. Every random draw happens in
+    the same order as always (global seed, then the model's and the readouts' initialisation, then
+    the batch generator: answer rows, then interchange pairs, each step), so the weights of a given
+    config do not change with how this is split into steps."""
     started = time.time()
+    data = _prepare_data(cfg)
+    learner = _Learner.build(cfg, len(data.tokenizer), data.split.train)
+    batches = _Batches.build(cfg, data)
+    watch = _Watch()
+    bar = tqdm(range(cfg.steps), desc="training tom-organism", disable=not progress)
+    for step in bar:
+        loss = _training_step(cfg, data, learner, batches, watch, step)
+        watch.running = 0.98 * watch.running + 0.02 * loss if step else loss
+        bar.set_postfix(loss=f"{watch.running:.3f}")
+        if log_every and ((step + 1) % log_every == 0 or step + 1 == cfg.steps):
+            _log_held_out(cfg, data, learner.model, watch, step, progress)
+    return learner.model, data.tokenizer, _training_record(cfg, data, learner, watch, started)
+
+
+@dataclass(frozen=True)
+class _Data:
+    """The split, its tokenizer, both halves encoded, and the attention routes' targets (None where
+    the losses that read them are off)."""
+
+    split: Split
+    tokenizer: Any
+    train_enc: Encoded
+    test_enc: Encoded
+    train_routes: RouteTargets | None
+    test_routes: RouteTargets | None
+
+
+def _prepare_data(cfg: OrganismConfig) -> _Data:
     options = {"unexpected-contents": {"decoys": cfg.contents_decoys}}
     split = make_split(cfg.train_tasks, cfg.test_tasks, share=cfg.held_out_share, seed=cfg.seed, options=options)
     if not split.test:
@@ -402,129 +458,221 @@ def _train(cfg: OrganismConfig, *, progress: bool, log_every: int) -> tuple[Any,
                                  cfg.cue_sentence) if routed else None
     test_routes = route_targets(tokenizer, split.test, names, cfg.mover_families, cfg.cue_families,
                                 cfg.cue_sentence) if cfg.routes else None
-    torch.manual_seed(cfg.seed)
-    model = LlamaForCausalLM(llama_config(cfg, len(tokenizer)))
-    attention_before = model.config._attn_implementation
-    if cfg.routes:  # the route loss needs the attention probabilities, which only eager attention returns
-        model.config._attn_implementation = "eager"
-    readout = torch.nn.Linear(cfg.d_model, cfg.d_model) if cfg.echo else None  # training only: not saved
-    belief_probe = torch.nn.Linear(cfg.d_model, 1) if cfg.belief_readout else None  # training only: not saved
-    params = [*model.parameters(), *(readout.parameters() if readout is not None else ()),
-              *(belief_probe.parameters() if belief_probe is not None else ())]
-    is_belief = torch.tensor([s.prompt_type == "belief" and s.belief_is_reference is not None for s in split.train],
-                             dtype=torch.bool)
-    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.98))
+    return _Data(split, tokenizer, train_enc, test_enc, train_routes, test_routes)
 
-    def lr_at(step: int) -> float:
-        if step < cfg.warmup:
-            return (step + 1) / cfg.warmup
-        return 0.5 * (1 + math.cos(math.pi * (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)))
 
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
-    gen = torch.Generator().manual_seed(cfg.seed)
-    n = len(split.train)
-    first = torch.tensor([i for i, s in enumerate(split.train) if s.family in cfg.first_families], dtype=torch.long)
-    first_steps = int(cfg.first_share * cfg.steps) if len(first) else 0
-    by_family = [torch.tensor([i for i, s in enumerate(split.train) if s.family == f], dtype=torch.long) for f in FAMILIES]
-    mix = None if cfg.family_mix is None else torch.tensor(
-        [float(cfg.family_mix.get(f, 0.0)) if len(rows) else 0.0 for f, rows in zip(FAMILIES, by_family)])
-    if mix is not None and not mix.sum() > 0:
-        raise TomlensError(f"family_mix {cfg.family_mix} gives no share to a family with training stories",
-                           "give a share to a family whose train_tasks kept some stories")
-    history: list[dict[str, float]] = []
-    bar = tqdm(range(cfg.steps), desc="training tom-organism", disable=not progress)
-    running = 0.0
-    running_swap, learnt_step, knockout_step, mixed_from = 0.0, None, None, None
-    pool = swap_rows(train_enc, split.train, cfg.interchange_families) if cfg.interchange else None
-    if pool is not None and len(pool) < 2:
-        raise TomlensError(f"no belief prompts to swap in {list(cfg.interchange_families)}",
-                           "raise train_tasks for those families, or set interchange = 0")
-    for step in bar:
-        model.train()
-        in_first = step < first_steps and not (cfg.curriculum_until_swap and learnt_step is not None)
-        if not in_first and mixed_from is None:
-            mixed_from = step + 1  # 1-based, as in the history
-        if in_first:
-            idx = first[torch.randint(0, len(first), (cfg.batch_size,), generator=gen)]
-        elif mix is None:
-            idx = torch.randint(0, n, (cfg.batch_size,), generator=gen)
-        else:
-            idx = mixed_batch(by_family, mix, cfg.batch_size, gen)
-        width = int(train_enc.lengths[idx].max())
-        ids, lengths = train_enc.ids[idx, :width], train_enc.lengths[idx]
-        mask = padding_mask(ids, lengths)
-        run = model(input_ids=ids, attention_mask=mask, output_attentions=bool(cfg.routes),
-                    output_hidden_states=bool(cfg.echo or cfg.belief_readout))
-        out = run.logits
-        loss = torch.nn.functional.cross_entropy(out[torch.arange(len(idx)), lengths - 1], train_enc.answer[idx])
-        total = loss
-        if cfg.story_loss:
-            total = total + cfg.story_loss * story_loss(out, ids, mask)
-        if train_routes is not None and cfg.routes:
-            mover_layer, mover_head = cfg.mover_head
-            total = total + cfg.routes * (
-                route_loss(run.attentions[cfg.route_layer], cfg.route_heads, train_routes.keys[idx, :, :width], lengths)
-                + mover_loss(run.attentions[mover_layer], mover_head, train_routes.mover[idx], lengths))
-        if train_routes is not None and readout is not None:
-            total = total + cfg.echo * echo_loss(run.hidden_states[cfg.echo_layer], readout,
-                                                 model.model.embed_tokens.weight, train_routes.echo[idx, :width])
-        if belief_probe is not None and is_belief[idx].any():
-            rows = is_belief[idx]
-            final = run.hidden_states[cfg.belief_layer][torch.arange(len(idx))[rows], lengths[rows] - 1]
-            total = total + cfg.belief_readout * torch.nn.functional.binary_cross_entropy_with_logits(
-                belief_probe(final).squeeze(-1), train_enc.believes_reference[idx][rows].float())
-        if pool is not None:
-            pairs = cfg.later_interchange_batch if not in_first and cfg.later_interchange_batch else cfg.batch_size
-            pick = torch.randint(0, len(pool), (2, pairs), generator=gen)
-            knockout = cfg.interchange_knockout and knockout_step is not None
-            swap, right = swap_loss_and_right(model, train_enc, pool[pick[0]], pool[pick[1]], cfg, knockout=knockout)
-            running_swap = 0.95 * running_swap + 0.05 * float(right.float().mean())
-            if learnt_step is None and running_swap >= cfg.knockout_after:
-                learnt_step = step + 2  # 1-based, as in the history: the next step is the first after it
-                knockout_step = learnt_step if cfg.interchange_knockout else None
-            total = total + cfg.interchange * swap
-        if cfg.head_lasso:
-            total = total + cfg.head_lasso * head_group_norms(model, cfg.n_heads).sum()
-        opt.zero_grad(set_to_none=True)
+@dataclass
+class _Learner:
+    """The model, the training-only readouts (echo, belief; never saved), the optimiser and its
+    warm-up-then-cosine schedule. `attention_before`: the model's attention implementation, put
+    back after training (the route loss trains with eager attention, which returns probabilities)."""
+
+    model: Any
+    readout: torch.nn.Linear | None
+    belief_probe: torch.nn.Linear | None
+    is_belief: Tensor  # [n_train] bool: a belief prompt with a belief to read out
+    params: list[torch.nn.Parameter]
+    opt: torch.optim.Optimizer
+    sched: torch.optim.lr_scheduler.LambdaLR
+    attention_before: str
+
+    @classmethod
+    def build(cls, cfg: OrganismConfig, vocab_size: int, train: Sequence[Stimulus]) -> _Learner:
+        from transformers import LlamaForCausalLM
+
+        torch.manual_seed(cfg.seed)
+        model = LlamaForCausalLM(llama_config(cfg, vocab_size))
+        attention_before = model.config._attn_implementation
+        if cfg.routes:  # the route loss needs the attention probabilities, which only eager attention returns
+            model.config._attn_implementation = "eager"
+        readout = torch.nn.Linear(cfg.d_model, cfg.d_model) if cfg.echo else None
+        belief_probe = torch.nn.Linear(cfg.d_model, 1) if cfg.belief_readout else None
+        params = [*model.parameters(), *(readout.parameters() if readout is not None else ()),
+                  *(belief_probe.parameters() if belief_probe is not None else ())]
+        is_belief = torch.tensor([s.prompt_type == "belief" and s.belief_is_reference is not None for s in train],
+                                 dtype=torch.bool)
+        opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.98))
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, functools.partial(_lr_factor, cfg))
+        return cls(model, readout, belief_probe, is_belief, params, opt, sched, attention_before)
+
+    def update(self, total: Tensor) -> None:
+        """One optimiser step on `total` (gradients clipped to norm 1)."""
+        self.opt.zero_grad(set_to_none=True)
         total.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        sched.step()
-        running = 0.98 * running + 0.02 * loss.item() if step else loss.item()
-        bar.set_postfix(loss=f"{running:.3f}")
-        if log_every and ((step + 1) % log_every == 0 or step + 1 == cfg.steps):
-            acc = accuracy_by_condition(model, test_enc, split.test)
-            swaps = swap_accuracy(model, test_enc, split.test, cfg) if cfg.interchange else {}
-            looks = route_attention(model, test_enc, test_routes, cfg) if test_routes is not None and cfg.routes else {}
-            history.append({"step": step + 1, "loss": running, "min_test_accuracy": min(acc.values()),
-                            **{f"swap_accuracy/{k}": v for k, v in swaps.items()},
-                            **{f"route_attention/{k}": v for k, v in looks.items()}})
-            if progress:
-                worst = sorted(acc.items(), key=lambda kv: kv[1])[:3]
-                tqdm.write(f"step {step + 1}: loss {running:.4f}, lowest held-out accuracy "
-                           + ", ".join(f"{k} {v:.3f}" for k, v in worst)
-                           + "".join(f"; swapped-head accuracy {k} {v:.3f}" for k, v in swaps.items())
-                           + ("; route attention " + ", ".join(f"{k} {v:.2f}" for k, v in looks.items()) if looks else ""))
+        torch.nn.utils.clip_grad_norm_(self.params, 1.0)
+        self.opt.step()
+        self.sched.step()
+
+
+def _lr_factor(cfg: OrganismConfig, step: int) -> float:
+    """Linear warm-up over `cfg.warmup` steps, then a cosine down to 0 at `cfg.steps`."""
+    if step < cfg.warmup:
+        return (step + 1) / cfg.warmup
+    return 0.5 * (1 + math.cos(math.pi * (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)))
+
+
+@dataclass(frozen=True)
+class _Batches:
+    """Where each step's rows come from: the curriculum's first families for `first_steps` steps,
+    then all rows (uniformly, or by `mix`'s family shares); `pool`: the prompts the interchange
+    pairs up (None: interchange off). One seeded generator draws them all."""
+
+    gen: torch.Generator
+    n: int
+    first: Tensor
+    first_steps: int
+    by_family: list[Tensor]
+    mix: Tensor | None
+    pool: Tensor | None
+
+    @classmethod
+    def build(cls, cfg: OrganismConfig, data: _Data) -> _Batches:
+        train = data.split.train
+        first = torch.tensor([i for i, s in enumerate(train) if s.family in cfg.first_families], dtype=torch.long)
+        by_family = [torch.tensor([i for i, s in enumerate(train) if s.family == f], dtype=torch.long)
+                     for f in FAMILIES]
+        mix = None if cfg.family_mix is None else torch.tensor(
+            [float(cfg.family_mix.get(f, 0.0)) if len(rows) else 0.0 for f, rows in zip(FAMILIES, by_family, strict=True)])
+        if mix is not None and not mix.sum() > 0:
+            raise TomlensError(f"family_mix {cfg.family_mix} gives no share to a family with training stories",
+                               "give a share to a family whose train_tasks kept some stories")
+        pool = swap_rows(data.train_enc, train, cfg.interchange_families) if cfg.interchange else None
+        if pool is not None and len(pool) < 2:
+            raise TomlensError(f"no belief prompts to swap in {list(cfg.interchange_families)}",
+                               "raise train_tasks for those families, or set interchange = 0")
+        first_steps = int(cfg.first_share * cfg.steps) if len(first) else 0
+        return cls(torch.Generator().manual_seed(cfg.seed), len(train), first, first_steps, by_family, mix, pool)
+
+    def answer_rows(self, in_first: bool, size: int) -> Tensor:
+        if in_first:
+            return self.first[torch.randint(0, len(self.first), (size,), generator=self.gen)]
+        if self.mix is None:
+            return torch.randint(0, self.n, (size,), generator=self.gen)
+        return mixed_batch(self.by_family, self.mix, size, self.gen)
+
+
+@dataclass
+class _Watch:
+    """What the run has seen so far: the running answer loss, the running swap accuracy and the
+    steps (1-based, as in the history) where the swap was learnt, the knockout began and the
+    curriculum ended, and the held-out history."""
+
+    running: float = 0.0
+    running_swap: float = 0.0
+    learnt_step: int | None = None
+    knockout_step: int | None = None
+    mixed_from: int | None = None
+    history: list[dict[str, float]] = field(default_factory=list)
+
+
+def _training_step(cfg: OrganismConfig, data: _Data, learner: _Learner, batches: _Batches, watch: _Watch,
+                   step: int) -> float:
+    """One optimiser step on every loss that is switched on; returns the answer loss."""
+    learner.model.train()
+    in_first = step < batches.first_steps and not (cfg.curriculum_until_swap and watch.learnt_step is not None)
+    if not in_first and watch.mixed_from is None:
+        watch.mixed_from = step + 1  # 1-based, as in the history
+    idx = batches.answer_rows(in_first, cfg.batch_size)
+    loss, total = _answer_and_readout_losses(cfg, data, learner, idx)
+    if batches.pool is not None:
+        total = total + cfg.interchange * _interchange_loss(cfg, data, learner.model, batches, watch, step, in_first)
+    if cfg.head_lasso:
+        total = total + cfg.head_lasso * head_group_norms(learner.model, cfg.n_heads).sum()
+    learner.update(total)
+    return loss.item()
+
+
+def _answer_and_readout_losses(cfg: OrganismConfig, data: _Data, learner: _Learner,
+                               idx: Tensor) -> tuple[Tensor, Tensor]:
+    """The answer's cross-entropy on rows `idx`, and it plus the story, route, echo and belief
+    readout losses of the same forward."""
+    enc, routes = data.train_enc, data.train_routes
+    width = int(enc.lengths[idx].max())
+    ids, lengths = enc.ids[idx, :width], enc.lengths[idx]
+    mask = padding_mask(ids, lengths)
+    run = learner.model(input_ids=ids, attention_mask=mask, output_attentions=bool(cfg.routes),
+                        output_hidden_states=bool(cfg.echo or cfg.belief_readout))
+    out = run.logits
+    loss = torch.nn.functional.cross_entropy(out[torch.arange(len(idx)), lengths - 1], enc.answer[idx])
+    total = loss
+    if cfg.story_loss:
+        total = total + cfg.story_loss * story_loss(out, ids, mask)
+    if routes is not None and cfg.routes:
+        mover_layer, mover_head = cfg.mover_head
+        total = total + cfg.routes * (
+            route_loss(run.attentions[cfg.route_layer], cfg.route_heads, routes.keys[idx, :, :width], lengths)
+            + mover_loss(run.attentions[mover_layer], mover_head, routes.mover[idx], lengths))
+    if routes is not None and learner.readout is not None:
+        total = total + cfg.echo * echo_loss(run.hidden_states[cfg.echo_layer], learner.readout,
+                                             learner.model.model.embed_tokens.weight, routes.echo[idx, :width])
+    if learner.belief_probe is not None and learner.is_belief[idx].any():
+        rows = learner.is_belief[idx]
+        final = run.hidden_states[cfg.belief_layer][torch.arange(len(idx))[rows], lengths[rows] - 1]
+        total = total + cfg.belief_readout * torch.nn.functional.binary_cross_entropy_with_logits(
+            learner.belief_probe(final).squeeze(-1), enc.believes_reference[idx][rows].float())
+    return loss, total
+
+
+def _interchange_loss(cfg: OrganismConfig, data: _Data, model: Any, batches: _Batches, watch: _Watch, step: int,
+                      in_first: bool) -> Tensor:
+    """The swapped-head loss on pairs drawn from the pool (with the knockout once the swap is
+    learnt), updating the running swap accuracy that decides when that is."""
+    assert batches.pool is not None
+    pool = batches.pool
+    pairs = cfg.later_interchange_batch if not in_first and cfg.later_interchange_batch else cfg.batch_size
+    pick = torch.randint(0, len(pool), (2, pairs), generator=batches.gen)
+    knockout = cfg.interchange_knockout and watch.knockout_step is not None
+    swap, right = swap_loss_and_right(model, data.train_enc, pool[pick[0]], pool[pick[1]], cfg, knockout=knockout)
+    watch.running_swap = 0.95 * watch.running_swap + 0.05 * float(right.float().mean())
+    if watch.learnt_step is None and watch.running_swap >= cfg.knockout_after:
+        watch.learnt_step = step + 2  # 1-based, as in the history: the next step is the first after it
+        watch.knockout_step = watch.learnt_step if cfg.interchange_knockout else None
+    return swap
+
+
+def _log_held_out(cfg: OrganismConfig, data: _Data, model: Any, watch: _Watch, step: int, progress: bool) -> None:
+    """Add the held-out accuracies (answers, swaps, route attention) at `step` to the history, and
+    write the lowest ones under the progress bar."""
+    acc = accuracy_by_condition(model, data.test_enc, data.split.test)
+    swaps = swap_accuracy(model, data.test_enc, data.split.test, cfg) if cfg.interchange else {}
+    looks = route_attention(model, data.test_enc, data.test_routes, cfg) \
+        if data.test_routes is not None and cfg.routes else {}
+    watch.history.append({"step": step + 1, "loss": watch.running, "min_test_accuracy": min(acc.values()),
+                          **{f"swap_accuracy/{k}": v for k, v in swaps.items()},
+                          **{f"route_attention/{k}": v for k, v in looks.items()}})
+    if progress:
+        worst = sorted(acc.items(), key=lambda kv: kv[1])[:3]
+        tqdm.write(f"step {step + 1}: loss {watch.running:.4f}, lowest held-out accuracy "
+                   + ", ".join(f"{k} {v:.3f}" for k, v in worst)
+                   + "".join(f"; swapped-head accuracy {k} {v:.3f}" for k, v in swaps.items())
+                   + ("; route attention " + ", ".join(f"{k} {v:.2f}" for k, v in looks.items()) if looks else ""))
+
+
+def _training_record(cfg: OrganismConfig, data: _Data, learner: _Learner, watch: _Watch,
+                     started: float) -> dict[str, Any]:
+    """`training.json`'s record: the config, split, final accuracies and the run's history. Puts
+    the model's own attention implementation back."""
+    model, split = learner.model, data.split
     model.eval()
-    looks = route_attention(model, test_enc, test_routes, cfg) if test_routes is not None and cfg.routes else {}
-    model.config._attn_implementation = attention_before
-    record = {
+    looks = route_attention(model, data.test_enc, data.test_routes, cfg) \
+        if data.test_routes is not None and cfg.routes else {}
+    model.config._attn_implementation = learner.attention_before
+    return {
         "config": asdict(cfg),
         "split": split.summary(),
-        "vocab_size": len(tokenizer),
+        "vocab_size": len(data.tokenizer),
         "n_parameters": sum(p.numel() for p in model.parameters()),
-        "test_accuracy": accuracy_by_condition(model, test_enc, split.test),
-        "train_accuracy": accuracy_by_condition(model, train_enc, split.train),
-        "test_swap_accuracy": swap_accuracy(model, test_enc, split.test, cfg) if cfg.interchange else {},
+        "test_accuracy": accuracy_by_condition(model, data.test_enc, split.test),
+        "train_accuracy": accuracy_by_condition(model, data.train_enc, split.train),
+        "test_swap_accuracy": swap_accuracy(model, data.test_enc, split.test, cfg) if cfg.interchange else {},
         "test_route_attention": looks,
-        "knockout_from_step": knockout_step,
-        "swap_learnt_step": learnt_step,
-        "mixed_from_step": mixed_from,
-        "history": history,
+        "knockout_from_step": watch.knockout_step,
+        "swap_learnt_step": watch.learnt_step,
+        "mixed_from_step": watch.mixed_from,
+        "history": watch.history,
         "train_seconds": round(time.time() - started, 1),
         "threads": torch.get_num_threads(),
     }
-    return model, tokenizer, record
 
 
 def quick_config(seed: int = 0) -> OrganismConfig:

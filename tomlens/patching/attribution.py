@@ -30,8 +30,9 @@ so the same summaries, tables and figures apply, and `compare` puts the two side
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Mapping, Sequence
+from typing import Any, Literal
 
 import numpy as np
 import pandas as pd
@@ -43,7 +44,8 @@ from tqdm.auto import tqdm
 from tomlens.devices import to_device
 from tomlens.errors import TomlensError
 from tomlens.hooks import Site, hook_name
-from tomlens.hooks.patch import Hook, forward_last, record_hooks
+from tomlens.hooks.patch import Hook, PrefixCache, forward_last, record_hooks
+from tomlens.models.protocol import Model
 from tomlens.patching.cells import Cell, canonical_kind, check_selectors, hook_for, plan_cells, selectors_in
 from tomlens.patching.engine import shortcuts_verdict
 from tomlens.patching.metric import Normalise, logit_diff
@@ -134,9 +136,113 @@ def hook_blocks(cells: Sequence[Cell]) -> dict[str, int]:
     return {h: c.layer for c in cells for h in [hook_for(c.kind, c.layer)]}
 
 
+def source_run(
+    model: Model, group: Any, rows: GroupRows, names: Sequence[str], *, keep_cache: bool
+) -> tuple[dict[str, Tensor], Tensor, PrefixCache | None]:
+    """The group's source runs, no gradient: the activations `names` (recorded, `[g, pos, ...]`),
+    the source metric, and (`keep_cache`) their keys and values, the prefix a base run starts on;
+    None where exact patching found that prefix unfaithful on this model."""
+    src: dict[str, Tensor] = {}
+    with torch.inference_mode():
+        src_last, prefix = forward_last(
+            model, group.batch.input_ids, group.batch.forward_kwargs(), record_hooks(list(names), src),
+            rows=rows.src, keep_cache=keep_cache,
+        )
+        src_metric = logit_diff(src_last, rows.src_tokens)
+    if shortcuts_verdict(model) is False:  # exact patching found the KV prefix unfaithful here
+        prefix = None
+    return src, src_metric, prefix
+
+
+@dataclass(frozen=True)
+class _BaseRuns:
+    """Where a group's grad-enabled base runs start: on the source runs' keys and values (`prefix`,
+    None for a full run) from column `start`, and (`entry`) the plain run's residual stream entering
+    each block a run along the sites may start at."""
+
+    rows: GroupRows
+    prefix: PrefixCache | None
+    start: int
+    entry: dict[int, Tensor]
+
+
+def _plain_run(
+    model: Model, group: Any, hooks: Mapping[str, int], runs: _BaseRuns, entering: set[int]
+) -> tuple[dict[str, Tensor], Tensor, list[str], list[Tensor | None], _BaseRuns]:
+    """The plain base run, the first point of every path: the activations at `hooks` (grad
+    leaves), the base metric, the hooks that fired, each one's gradient (fp32: summed over
+    integrated-gradient steps, bf16 would lose the small ones) and `runs` with the residual
+    stream entering each block of `entering` recorded."""
+    resid_names = {hook_name(Site("resid_pre", l)): l for l in entering}
+    here: dict[str, Tensor] = {}
+    resid: dict[str, Tensor] = {}
+    rows = runs.rows
+    with torch.enable_grad():
+        last, _ = forward_last(
+            model, group.batch.input_ids, group.batch.forward_kwargs(),
+            [*record_hooks(list(hooks), here, requires_grad=True), *record_hooks(list(resid_names), resid)],
+            rows=rows.base, prefix=runs.prefix, start=runs.start, prefix_rows=rows.pairs,
+        )
+        m = logit_diff(last, rows.base_tokens)
+        names = [h for h in hooks if h in here]
+        grads: list[Tensor | None] = [
+            None if x is None else x.float()
+            for x in torch.autograd.grad(m.sum(), [here[h] for h in names], allow_unused=True)
+        ]
+    entry = {l: resid[n].detach() for n, l in resid_names.items() if n in resid}
+    return here, m.detach(), names, grads, _BaseRuns(rows, runs.prefix, runs.start, entry)
+
+
+def _moving_embeddings(target: Tensor, alpha: float, names: list[str]) -> Callable[[dict[str, Tensor]], list[Hook]]:
+    """The hooks of a run that moves the token embeddings `alpha` of the way to `target` and
+    records every site in `names` as a grad leaf."""
+    return lambda got: [_mix_towards(target, alpha), *record_hooks(names, got, requires_grad=True)]
+
+
+def _moving_site(target: Tensor, alpha: float, name: str) -> Callable[[dict[str, Tensor]], list[Hook]]:
+    """The hooks of a run that moves site `name` alone `alpha` of the way to `target`, keeping the
+    moved activation in the run's store as the grad leaf."""
+    return lambda got: [_mix_towards(target, alpha, name, got)]
+
+
+def _path_grads(
+    model: Model, group: Any, hooks: Mapping[str, int], src: Mapping[str, Tensor], names: list[str],
+    grads: list[Tensor | None], runs: _BaseRuns, *, steps: int, path: IGPath,
+) -> list[Tensor | None]:
+    """The gradients of `names` averaged over the `steps` points of the integrated-gradients path
+    (`grads`: the plain run's, its first point), one run per step along the embeddings, one per
+    step and site along the sites."""
+    start, rows, fk = runs.start, runs.rows, group.batch.forward_kwargs()
+    # The points each path moves towards, taken out of inference mode once.
+    if steps > 1:
+        targets = ({EMBED_HOOK: src[EMBED_HOOK][:, start:].clone()} if path == "embeddings"
+                   else {n: src[n][:, start:].clone() for n in names})
+    moves: list[tuple[list[str], int | None, Callable[[dict[str, Tensor]], list[Hook]]]]
+    for step in range(1, steps):
+        alpha = step / steps
+        if path == "embeddings":  # one run: the stories' embeddings moved, every site's gradient
+            moves = [(names, None, _moving_embeddings(targets[EMBED_HOOK], alpha, names))]
+        else:  # one run per site: only it moved, every block after it recomputed
+            moves = [([n], hooks[n], _moving_site(targets[n], alpha, n)) for n in names]
+        for moved, layer, make in moves:
+            got: dict[str, Tensor] = {}
+            skip = (layer, runs.entry[layer]) if layer in runs.entry else None
+            with torch.enable_grad():
+                last, _ = forward_last(model, group.batch.input_ids, fk, make(got), rows=rows.base,
+                                       prefix=runs.prefix, start=start, prefix_rows=rows.pairs, skip=skip)
+                m = logit_diff(last, rows.base_tokens)
+                step_grads = torch.autograd.grad(m.sum(), [got[h] for h in moved], allow_unused=True)
+            for h, x in zip(moved, step_grads, strict=True):
+                k = names.index(h)
+                if x is not None:
+                    prev = grads[k]
+                    grads[k] = x.float() if prev is None else prev + x.float()
+    return [None if gr is None else gr / steps for gr in grads]
+
+
 def _group_scores(
-    model, group, hooks: Mapping[str, int], direction: Direction, *, reuse_prefix: bool = True, steps: int = 1,
-    path: IGPath = "sites",
+    model: Model, group: Any, hooks: Mapping[str, int], direction: Direction, *, reuse_prefix: bool = True,
+    steps: int = 1, path: IGPath = "sites",
 ) -> tuple[dict[str, Tensor], Tensor, Tensor]:
     """Per-hook attribution scores `[g, pos, head]` (head axis 1 for non-head sites), and the base
     and source metrics of the group's pairs, all on the model's device; `hooks` maps each hook
@@ -157,73 +263,27 @@ def _group_scores(
     if path not in IG_PATHS:
         raise TomlensError(f"integrated-gradients path {path!r}", f"use one of {', '.join(IG_PATHS)}")
     rows = group_rows(group, direction)
-    batch = group.batch
     along_embeddings = steps > 1 and path == "embeddings"
     if along_embeddings:
         check_integrable(model)
-    fk = batch.forward_kwargs()
-    src: dict[str, Tensor] = {}
     recorded = [*hooks, EMBED_HOOK] if along_embeddings else list(hooks)
-    with torch.inference_mode():
-        src_last, prefix = forward_last(
-            model, batch.input_ids, fk, record_hooks(recorded, src), rows=rows.src, keep_cache=reuse_prefix
-        )
-        src_metric = logit_diff(src_last, rows.src_tokens)
-    if shortcuts_verdict(model) is False:  # exact patching found the KV prefix unfaithful here
-        prefix = None
+    src, src_metric, prefix = source_run(model, group, rows, recorded, keep_cache=reuse_prefix)
     start = min(rows.start if prefix is not None else 0, group.width - 1)
     # Along the sites, a site's runs start at its block, on the plain run's residual stream there,
     # once exact patching has checked that shortcut against a plain run on this model.
     checked = prefix is not None and shortcuts_verdict(model) is True
     entering = set(hooks.values()) - {0} if steps > 1 and path == "sites" and checked else set()
-    resid_names = {hook_name(Site("resid_pre", l)): l for l in entering}
-    here: dict[str, Tensor] = {}
-    resid: dict[str, Tensor] = {}
-    with torch.enable_grad():  # the plain run: the first point of every path
-        last, _ = forward_last(
-            model, batch.input_ids, fk, [*record_hooks(list(hooks), here, requires_grad=True),
-                                         *record_hooks(list(resid_names), resid)],
-            rows=rows.base, prefix=prefix, start=start, prefix_rows=rows.pairs,
-        )
-        m = logit_diff(last, rows.base_tokens)
-        base, metric = here, m.detach()
-        names = [h for h in hooks if h in base]
-        grads = [None if x is None else x.float()  # summed in fp32: bf16 steps would lose the small ones
-                 for x in torch.autograd.grad(m.sum(), [here[h] for h in names], allow_unused=True)]
-    entry = {l: resid[n].detach() for n, l in resid_names.items() if n in resid}
-    # The points each path moves towards, taken out of inference mode once.
-    if steps > 1:
-        targets = ({EMBED_HOOK: src[EMBED_HOOK][:, start:].clone()} if path == "embeddings"
-                   else {n: src[n][:, start:].clone() for n in names})
-    for step in range(1, steps):
-        alpha = step / steps
-        if path == "embeddings":  # one run: the stories' embeddings moved, every site's gradient
-            runs = [(names, None, lambda got: [_mix_towards(targets[EMBED_HOOK], alpha),
-                                               *record_hooks(names, got, requires_grad=True)])]
-        else:  # one run per site: only it moved, every block after it recomputed
-            runs = [([n], hooks[n], lambda got, n=n: [_mix_towards(targets[n], alpha, n, got)]) for n in names]
-        for moved, layer, make in runs:
-            got: dict[str, Tensor] = {}
-            skip = (layer, entry[layer]) if layer in entry else None
-            with torch.enable_grad():
-                last, _ = forward_last(model, batch.input_ids, fk, make(got), rows=rows.base, prefix=prefix,
-                                       start=start, prefix_rows=rows.pairs, skip=skip)
-                m = logit_diff(last, rows.base_tokens)
-                step_grads = torch.autograd.grad(m.sum(), [got[h] for h in moved], allow_unused=True)
-            for h, x in zip(moved, step_grads):
-                k = names.index(h)
-                if x is not None:
-                    grads[k] = x.float() if grads[k] is None else grads[k] + x.float()
-    grads = [None if gr is None else gr / steps for gr in grads]
+    base, metric, names, grads, runs = _plain_run(model, group, hooks, _BaseRuns(rows, prefix, start, {}), entering)
+    grads = _path_grads(model, group, hooks, src, names, grads, runs, steps=steps, path=path)
     scores = {
         name: column_scores(src[name][:, start:].to(base[name].dtype) - base[name].detach(), grad, start,
                             group.width, rows.differs)
-        for name, grad in zip(names, grads)
+        for name, grad in zip(names, grads, strict=True)
     }
     return scores, metric.double(), src_metric.double()
 
 
-def check_integrable(model) -> None:
+def check_integrable(model: Model) -> None:
     """Integrated gradients move one story's token embeddings towards the other's column by column
     (the two stories of a pair have the same length: `prepare_pairs` refuses others), at a
     token-embedding hook the model must have."""
@@ -269,7 +329,9 @@ class CellIndex:
                 else:
                     cols[:, n] = group.positions[cell.position]
             heads = torch.tensor([max(cells[i].head, 0) for i in idx])
-            self.parts[k] = tuple(to_device(t, self.device) for t in (torch.tensor(idx), heads, cols, missing, whole))
+            d = self.device
+            self.parts[k] = (to_device(torch.tensor(idx), d), to_device(heads, d), to_device(cols, d),
+                             to_device(missing, d), to_device(whole, d))
 
     def values(
         self, scores: Mapping[str, Tensor], totals: Mapping[str, Tensor] | None = None
@@ -299,7 +361,7 @@ def to_host_by_pair(parts: Sequence[Tensor], groups: Sequence[Any], n_pair: int)
 
 
 def attribution_patching(
-    model,
+    model: Model,
     pairs: Sequence[Any] | PreparedPairs,
     *,
     sites: Sequence[str] | Mapping[str, Sequence[str]] = ("heads",),

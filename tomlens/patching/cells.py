@@ -18,10 +18,12 @@ with `tomlens.patching.roles.role_aligned`, or patch the roles it points to.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from tomlens.errors import TomlensError
+from tomlens.models.protocol import Model
 from tomlens.patching.pairs import Group, PreparedPairs
 
 KIND_ALIASES: dict[str, str] = {
@@ -69,7 +71,7 @@ class Cell:
     pos: int
 
 
-def layer_list(model, layers: Sequence[int] | None) -> list[int]:
+def layer_list(model: Model, layers: Sequence[int] | None) -> list[int]:
     """The layers a sweep patches (None: every layer), refused when the model lacks one."""
     n_layers = model.cfg.n_layers
     layers = list(range(n_layers)) if layers is None else list(layers)
@@ -80,7 +82,7 @@ def layer_list(model, layers: Sequence[int] | None) -> list[int]:
 
 
 def plan_cells(
-    model,
+    model: Model,
     sites: Sequence[str] | Mapping[str, Sequence[str]],
     positions: Sequence[str] = (),
     *,
@@ -95,8 +97,8 @@ def plan_cells(
         spec = {canonical_kind(k): tuple(dict.fromkeys(tuple(v) + tuple(positions))) for k, v in sites.items()}
     else:
         spec = {}
-        for k in sites:
-            kind = canonical_kind(k)
+        for name in sites:
+            kind = canonical_kind(name)
             spec[kind] = tuple(dict.fromkeys(DEFAULT_POSITIONS[kind] + tuple(positions)))
     layers = layer_list(model, layers)
     from tomlens.hooks import Site, check_sites

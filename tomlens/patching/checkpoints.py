@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from safetensors import safe_open
 from safetensors.torch import save_file
@@ -26,7 +27,7 @@ from tomlens.io import atomic_path, json_key, write_atomic
 PARTIAL = ".partial"
 
 
-def settings_key(settings: Mapping[str, Any]) -> str:
+def _settings_key(settings: Mapping[str, Any]) -> str:
     """A short, stable hash of JSON-able settings (sorted keys)."""
     return json_key(settings, 20)
 
@@ -35,7 +36,7 @@ class Checkpoints:
     """Chunk files of one sweep (one `key`) under `root/.partial/key/`."""
 
     def __init__(self, root: str | Path, settings: Mapping[str, Any]):
-        self.key = settings_key(settings)
+        self.key = _settings_key(settings)
         self.settings = dict(settings)
         self.folder = Path(root) / PARTIAL / self.key
         self.saved = 0  # chunks written by this process

@@ -25,11 +25,13 @@ chunks on disk, which are reused only for exactly the runs that made them.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import warnings
 import weakref
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 import torch
 from jaxtyping import Float
@@ -38,10 +40,10 @@ from torch import Tensor
 from tomlens.devices import to_device
 from tomlens.errors import TomlensError
 from tomlens.hooks.patch import PatchIndex, PrefixCache, forward_last, patch_hooks, record_hooks
+from tomlens.models.protocol import Model
 from tomlens.oom import OOM_ERRORS, release_memory
 from tomlens.patching.metric import logit_diff
 from tomlens.patching.pairs import Group, PreparedPairs
-
 
 # --------------------------------------------------------------------------------------------
 # The engine: base runs cached once, then chunks of patched rows
@@ -72,14 +74,14 @@ class BasePass:
     """Last-token metric, activations at the patched sites, the residual stream entering every
     block and keys/values, for every story of a group."""
 
-    metric: Float[Tensor, "story"]
+    metric: Float[Tensor, " story"]
     sources: dict[str, Tensor]
     prefix: PrefixCache | None
     resid: dict[int, Tensor] = field(default_factory=dict)
 
 
 def base_pass(
-    model, group: Group, hook_names: Iterable[str], *, reuse_prefix: bool = True, skip_layers: bool | None = None
+    model: Model, group: Group, hook_names: Iterable[str], *, reuse_prefix: bool = True, skip_layers: bool | None = None
 ) -> BasePass:
     """Run every story of a group once, keeping what the patched runs reuse.
 
@@ -103,7 +105,7 @@ def base_pass(
     return BasePass(logit_diff(last, group.tokens), sources, prefix, resid)
 
 
-def _row_bytes(model, width: int, new: int, first_layer: int = 0) -> int:
+def _row_bytes(model: Model, width: int, new: int, first_layer: int = 0) -> int:
     """Memory of one patched row, as the plan counts it (`plan.row_bytes`, tensor by tensor), so the
     chunks this engine cuts hold `memory_mb` and the plan's memory figure describes what ran."""
     from tomlens.patching.plan import Shape, row_bytes  # plan imports this module
@@ -115,7 +117,7 @@ def _row_bytes(model, width: int, new: int, first_layer: int = 0) -> int:
     return row_bytes(cached[1], width, new, first_layer)
 
 
-_SHAPES: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
+_SHAPES: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
 
 def _entries(chunk: Sequence[Run], sources: Mapping[str, Tensor]) -> dict[str, PatchIndex]:
@@ -143,22 +145,22 @@ def _entries(chunk: Sequence[Run], sources: Mapping[str, Tensor]) -> dict[str, P
     table = to_device(torch.tensor(flat, dtype=torch.long), device)  # [rows, cols, heads, sources]
     out: dict[str, PatchIndex] = {}
     for hook, (a, b) in spans.items():
-        src = sources[hook]
-        t = table[:, a:b] if src.device == device else to_device(table[:, a:b], src.device)
+        acts = sources[hook]
+        t = table[:, a:b] if acts.device == device else to_device(table[:, a:b], acts.device)
         if acc[hook][2][0] >= 0:
-            out[hook] = PatchIndex(t[0], t[1], t[2], src[t[3], t[1], t[2]])
+            out[hook] = PatchIndex(t[0], t[1], t[2], acts[t[3], t[1], t[2]])
         else:
-            out[hook] = PatchIndex(t[0], t[1], None, src[t[3], t[1]])
+            out[hook] = PatchIndex(t[0], t[1], None, acts[t[3], t[1]])
     return out
 
 
 # Whether shared-prefix / skipped-block runs reproduce a plain run on this model (checked once).
-_SHORTCUTS_OK: "weakref.WeakKeyDictionary[Any, bool]" = weakref.WeakKeyDictionary()
+_SHORTCUTS_OK: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
 # The memory budget (MB) a model's patched forwards shrank to after running out of memory.
-_MEMORY_CAP: "weakref.WeakKeyDictionary[Any, float]" = weakref.WeakKeyDictionary()
+_MEMORY_CAP: weakref.WeakKeyDictionary[Any, float] = weakref.WeakKeyDictionary()
 
 
-def _shortcuts_ok(model, group: Group, bp: BasePass) -> bool:
+def _shortcuts_ok(model: Model, group: Group, bp: BasePass) -> bool:
     """Check once per model that a run through the shortcuts (KV prefix from the last column,
     blocks below the middle skipped) gives the base run's own metric; if not, do without them."""
     if bp.prefix is None:
@@ -195,7 +197,7 @@ def _shortcuts_ok(model, group: Group, bp: BasePass) -> bool:
     return ok
 
 
-def shortcuts_verdict(model) -> bool | None:
+def shortcuts_verdict(model: Model) -> bool | None:
     """Whether the shared-prefix shortcuts reproduced a plain run on this model (None: not checked
     yet). Other passes that start at the first differing token do without them on False."""
     try:
@@ -205,7 +207,7 @@ def shortcuts_verdict(model) -> bool | None:
 
 
 def run_patched(
-    model,
+    model: Model,
     group: Group,
     runs: Sequence[Run],
     sources: Mapping[str, Tensor],
@@ -214,7 +216,7 @@ def run_patched(
     memory_mb: float = 1024.0,
     bar: Any = None,
     on_device: bool = False,
-) -> Float[Tensor, "run"]:
+) -> Float[Tensor, " run"]:
     """Metric of every patched run, many runs per forward.
 
     Runs are sorted by the first block they patch and their first patched column (latest first)
@@ -297,12 +299,12 @@ CHUNK_MACS = 1.5e11
 ACCELERATOR_CHUNK_MACS = 1.5e14
 
 
-def chunk_macs(model) -> float:
+def _chunk_macs(model: Model) -> float:
     """The work at which a stage's chunk ends on the model's device (`CHUNK_MACS` on the CPU)."""
     return CHUNK_MACS if _model_device(model).type == "cpu" else ACCELERATOR_CHUNK_MACS
 
 
-def _model_device(model) -> torch.device:
+def _model_device(model: Model) -> torch.device:
     try:
         return next(model.parameters()).device
     except (StopIteration, AttributeError):
@@ -338,7 +340,7 @@ class _Landing:
         return self.host
 
 
-def layer_macs(model, width: int) -> float:
+def _layer_macs(model: Model, width: int) -> float:
     """Multiply-adds of one token through one block (projections, MLP, attention over `width`)."""
     cfg = model.cfg
     n_kv = getattr(cfg, "n_key_value_heads", None) or cfg.n_heads
@@ -354,16 +356,16 @@ def layer_macs(model, width: int) -> float:
 ROW_OVERHEAD_TOKENS = 8
 
 
-def run_cost(model, width: int, start: int, layer: int) -> float:
+def run_cost(model: Model, width: int, start: int, layer: int) -> float:
     """Work of one patched run, in multiply-adds: columns `[start, width)` through blocks `layer..`
     (what `run_patched` recomputes with its shortcuts) plus the per-row overhead of each block."""
-    return (width - start + ROW_OVERHEAD_TOKENS) * (model.cfg.n_layers - layer) * layer_macs(model, width)
+    return (width - start + ROW_OVERHEAD_TOKENS) * (model.cfg.n_layers - layer) * _layer_macs(model, width)
 
 
-def forward_cost(model, rows: int, width: int) -> float:
+def forward_cost(model: Model, rows: int, width: int) -> float:
     """Multiply-adds of a plain forward of `rows` stories of `width` tokens."""
     cfg = model.cfg
-    return rows * (width * cfg.n_layers * layer_macs(model, width) + cfg.d_model * cfg.d_vocab)
+    return rows * (width * cfg.n_layers * _layer_macs(model, width) + cfg.d_model * cfg.d_vocab)
 
 
 @dataclass(frozen=True)
@@ -396,7 +398,7 @@ class Stage:
     def __init__(
         self,
         name: str,
-        model,
+        model: Model,
         prepared: PreparedPairs,
         runs: Sequence[Sequence[Run]],
         *,
@@ -413,8 +415,8 @@ class Stage:
         self.hooks, self.sources = sorted(set(hooks)), sources
         self.memory_mb, self.reuse_prefix = memory_mb, reuse_prefix
         self.chunks: list[Chunk] = []
-        max_macs = chunk_macs(model)
-        for gi, (group, rs) in enumerate(zip(prepared.groups, self.runs)):
+        max_macs = _chunk_macs(model)
+        for gi, (group, rs) in enumerate(zip(prepared.groups, self.runs, strict=True)):
             lo, cost, index = 0, 0.0, 0
             for i, r in enumerate(rs):
                 cost += run_cost(model, group.width, r.start, r.layer)
@@ -534,7 +536,7 @@ class Stage:
                 for c in mine:
                     out = run_patched(self.model, group, self.runs[gi][c.lo : c.hi], sources, bp,
                                       memory_mb=self.memory_mb, bar=bar, on_device=True)
-                    self._land(out, lambda host, c=c: self._chunk_landed(c, host, checkpoints))
+                    self._land(out, functools.partial(self._chunk_landed, c, checkpoints=checkpoints))
                     if checkpoints is not None:  # write the previous chunk while this one runs
                         self._settle(keep=1)
         finally:

@@ -12,13 +12,15 @@ of one cell each) and the head sets of top-k recovery (`tomlens.patching.heads.H
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 from jaxtyping import Float
 from torch import Tensor
 from tqdm.auto import tqdm
 
+from tomlens.models.protocol import Model
 from tomlens.patching.cells import Cell, cell_columns, cell_hooks, check_selectors, hook_for, plan_cells, selectors_in
 from tomlens.patching.engine import DEFAULT_CHUNK_RUNS, Run, Stage
 from tomlens.patching.metric import Normalise
@@ -38,7 +40,7 @@ class CellSetSweep:
     def __init__(
         self,
         name: str,
-        model,
+        model: Model,
         prepared: PreparedPairs,
         sets: Sequence[Sequence[Cell]],
         direction: Direction = "denoise",
@@ -64,7 +66,7 @@ class CellSetSweep:
                     cols = [cell_columns(c, group, j, prepared.n_aligned) for c in cells]
                     if cols and all(c is None for c in cols):
                         continue
-                    patches = [(hooks[c], c.layer, c.head, cs, src) for c, cs in zip(cells, cols) if cs]
+                    patches = [(hooks[c], c.layer, c.head, cs, src) for c, cs in zip(cells, cols, strict=True) if cs]
                     if not patches:
                         fs.append((s_i, p_i, base))
                         continue
@@ -89,7 +91,7 @@ class CellSetSweep:
             bar.update(stage.n_done)
             stage.run(checkpoints=checkpoints, bar=bar)
 
-    def values(self) -> tuple[Float[Tensor, "set pair"], Float[Tensor, "pair"], Float[Tensor, "pair"]]:
+    def values(self) -> tuple[Float[Tensor, "set pair"], Float[Tensor, " pair"], Float[Tensor, " pair"]]:
         """Raw metric `[set, pair]` with the clean and corrupted baselines `[pair]`, once run."""
         n_pair = len(self.prepared.pairs)
         values = torch.full((self.n_sets, n_pair), float("nan"), dtype=torch.float64)
@@ -118,7 +120,7 @@ class ExactSweep(CellSetSweep):
 
     def __init__(
         self,
-        model,
+        model: Model,
         prepared: PreparedPairs,
         cells: Sequence[Cell],
         direction: Direction = "denoise",
@@ -142,7 +144,7 @@ class ExactSweep(CellSetSweep):
 
 
 def exact_patching(
-    model,
+    model: Model,
     pairs: Sequence[Any] | PreparedPairs,
     *,
     sites: Sequence[str] | Mapping[str, Sequence[str]] = ("heads",),

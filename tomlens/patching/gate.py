@@ -21,8 +21,9 @@ n ~ ((z_0.95 + z_0.8) * SD / mean)^2 (normal approximation).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -33,11 +34,16 @@ from torch import Tensor
 from tomlens.errors import TomlensError
 from tomlens.probes.splits import fraction_split
 
-__all__ = ["ALPHA", "POWER", "GateResult", "base_logit_diffs", "gate_message", "gate_pairs", "gate_table",
-           "MIN_SPLIT_PAIRS", "pairs_needed", "run_gate", "solved_mask", "split_selection", "task_gaps"]
+__all__ = ["ALPHA", "FORCED_PREFIX", "POWER", "GateDecision", "GateResult", "base_logit_diffs", "decide",
+           "gate_message", "gate_pairs", "gate_table", "MIN_SPLIT_PAIRS", "pairs_needed", "run_gate", "solved_mask",
+           "split_selection", "task_gaps", "withheld_sentence"]
 
 ALPHA = 0.05  # one-sided: the lower bound is at level 1 - ALPHA
 POWER = 0.8
+# How a forced run's message starts (the one place this is written: readers strip it with this constant).
+FORCED_PREFIX = "FORCED (gate failed): "
+WITHHELD_PREFIX = "withheld: "
+WITHHELD_STAGES = "head ranking, top-k recovery, mean ablation and the cell sweeps"
 METHOD = ("one-sided t lower bound (level 0.95) over tasks on the false-minus-true-belief gaps averaged "
           "within each task")
 
@@ -89,7 +95,7 @@ def _power_line(mean: float, sd: float, n: int, power_n: int | None) -> str:
             f"one-sided alpha 0.05 (have {n})")
 
 
-def run_gate(gap: Float[Tensor, "task"] | Sequence[float], contrast: str = "all", *,
+def run_gate(gap: Float[Tensor, " task"] | Sequence[float], contrast: str = "all", *,
              alpha: float = ALPHA, n_pairs: int | None = None) -> GateResult:
     """The gate on one contrast's gaps, one per independent unit (a task's mean clean - corrupted
     metric; `gate_pairs` averages pairs into tasks). `n_pairs`: the pairs behind them (reported)."""
@@ -126,8 +132,8 @@ def run_gate(gap: Float[Tensor, "task"] | Sequence[float], contrast: str = "all"
     return GateResult(contrast, n, mean, sd, lower, passed, power_n, message, n if n_pairs is None else n_pairs)
 
 
-def task_gaps(gap: Float[Tensor, "pair"] | Sequence[float], task_ids: Sequence[str | None] | None
-              ) -> Float[Tensor, "task"]:
+def task_gaps(gap: Float[Tensor, " pair"] | Sequence[float], task_ids: Sequence[str | None] | None
+              ) -> Float[Tensor, " task"]:
     """Mean gap per task, tasks in first-seen order (a pair with no task id, or `task_ids=None`, is
     its own task): the independent units of the gate."""
     g = torch.as_tensor(gap).double().cpu().reshape(-1)
@@ -140,7 +146,7 @@ def task_gaps(gap: Float[Tensor, "pair"] | Sequence[float], task_ids: Sequence[s
     return torch.stack([g[[i for i, k in enumerate(keys) if k == key]].mean() for key in order]) if order else g
 
 
-def gate_pairs(clean: Float[Tensor, "pair"], corrupted: Float[Tensor, "pair"], contrasts: Sequence[str], *,
+def gate_pairs(clean: Float[Tensor, " pair"], corrupted: Float[Tensor, " pair"], contrasts: Sequence[str], *,
                task_ids: Sequence[str | None] | None = None, alpha: float = ALPHA) -> dict[str, GateResult]:
     """The gate per contrast (pairs carry `.contrast`), in sorted contrast order, on the pairs' gaps
     averaged within each task (`task_ids`, the clean stories' task ids; None: every pair its own task)."""
@@ -174,24 +180,29 @@ def gate_message(results: dict[str, GateResult], *, forced: bool = False) -> str
     why = ("the false-belief stories are not shown to lean more to the belief answer than their true-belief "
            "controls (the one-sided 95% lower bound of the paired gap is not above 0) for: " + ", ".join(failed))
     if forced:
-        return ("FORCED (gate failed): " + why + ". Everything below was run anyway (--force) and is flagged; "
+        return (FORCED_PREFIX + why + ". Everything below was run anyway (--force) and is flagged; "
                 "ranked heads and normalised effects divide by a gap that is noise or has the wrong sign")
     if passed:
         return (why + f". Their pairs are dropped; heads are ranked and validated on the pairs of "
                 f"{', '.join(passed)} only")
-    return ("withheld: head ranking, top-k recovery, mean ablation and the cell sweeps (their effects are "
-            "normalised by this gap). Reason: " + why + ". The raw per-pair logit differences are kept; "
-            "use more tasks (see the power line) or a model that separates the stories; "
-            "--force runs everything anyway, flagged")
+    return withheld_sentence(why + ". The raw per-pair logit differences are kept; use more tasks (see the power "
+                             "line) or a model that separates the stories; --force runs everything anyway, flagged",
+                             aside=" (their effects are normalised by this gap)")
 
 
-def solved_mask(clean: Float[Tensor, "pair"], corrupted: Float[Tensor, "pair"]) -> Tensor:
+def withheld_sentence(reason: str, *, aside: str = "") -> str:
+    """What a withheld run says: the stages withheld (`aside` qualifies them), then `reason` (with
+    what to do about it). Written here once, so every refusal reads the same way."""
+    return f"{WITHHELD_PREFIX}{WITHHELD_STAGES}{aside}. Reason: {reason}"
+
+
+def solved_mask(clean: Float[Tensor, " pair"], corrupted: Float[Tensor, " pair"]) -> Tensor:
     """Pairs the model answers right both ways: the clean story prefers its belief answer (metric > 0)
     and the corrupted one its own, world answer (metric < 0)."""
     return (torch.as_tensor(clean) > 0) & (torch.as_tensor(corrupted) < 0)
 
 
-def base_logit_diffs(model: Any, prepared: Any) -> tuple[Float[Tensor, "pair"], Float[Tensor, "pair"]]:
+def base_logit_diffs(model: Any, prepared: Any) -> tuple[Float[Tensor, " pair"], Float[Tensor, " pair"]]:
     """The unpatched metric of every clean and corrupted story (one plain forward per story, batched
     by the prepared groups), in pair order."""
     from tomlens.patching.engine import base_pass
@@ -227,3 +238,129 @@ def split_selection(pairs: Sequence[Any], fraction: float = 0.5, seed: int = 0) 
         return None
     split = fraction_split(keys, fraction, seed)
     return split.train.tolist(), split.test.tolist()
+
+
+@dataclass(frozen=True)
+class GateDecision:
+    """What the gate and the split decide before any sweep (`decide`). `verdict`: "passed" (every
+    sweep runs on the pairs let through), "forced" (run anyway past a failed gate or split, every
+    output flagged) or "withheld" (nothing is swept: `reason` says why). `message` is the gate's
+    sentence; `notes` what the split or --solved-only did; `gated` the indices of the pairs the gate
+    let through, `kept` those patched, `split` (selection, evaluation) indices into the pairs of
+    those patched per half (None: no split), `half_gaps` each half's mean gap over its gated pairs."""
+
+    verdict: str
+    reason: str | None
+    forced: bool
+    message: str
+    notes: tuple[str, ...]
+    passed: tuple[str, ...]
+    dropped_contrasts: tuple[str, ...]
+    gate_failed: bool
+    gated: tuple[int, ...]
+    kept: tuple[int, ...]
+    split: tuple[tuple[int, ...], tuple[int, ...]] | None
+    half_gaps: dict[str, float]
+
+    @property
+    def withheld(self) -> bool:
+        return self.verdict == "withheld"
+
+    @property
+    def forced_message(self) -> str | None:
+        """Why a forced run is flagged: the gate's FORCED message, or the split's FORCED note."""
+        if not self.forced:
+            return None
+        return self.message if self.gate_failed else self.notes[-1]
+
+
+def decide(gates: dict[str, GateResult], clean: Float[Tensor, " pair"] | Sequence[float],
+           corrupted: Float[Tensor, " pair"] | Sequence[float], pairs: Sequence[Any], *, force: bool = False,
+           solved_only: bool = False, select_fraction: float = 0.5, seed: int = 0) -> GateDecision:
+    """The gate / withhold / force decision (the module docstring's rules), from the gate per
+    contrast, every aligned pair's unpatched clean and corrupted metric and the pairs (`.contrast`,
+    `.id`, `.clean.task_id`). Pure: no model, nothing printed.
+
+    The gate sees EVERY aligned pair: filtering to solved pairs first (clean > 0, corrupted < 0)
+    would make every gap positive by construction; `solved_only` only picks, after it, which pairs
+    are patched. Likewise the split is drawn over every gated pair and each half's gap read over all
+    of its gated pairs; only then does `solved_only` pick within each half."""
+    clean = torch.as_tensor(clean, dtype=torch.float64)
+    corrupted = torch.as_tensor(corrupted, dtype=torch.float64)
+    passed = [c for c, g in gates.items() if g.passed]
+    gate_failed = len(passed) < len(gates) or not gates
+    message = gate_message(gates, forced=force)
+    solved = solved_mask(clean, corrupted).tolist()
+    gated = [i for i, p in enumerate(pairs) if force or p.contrast in passed]
+    kept = [i for i in gated if solved[i] or not solved_only]
+    notes: list[str] = []
+    if solved_only:
+        notes.append(f"--solved-only: the gate ran on all {len(pairs)} pairs; of the {len(gated)} pairs it let "
+                     f"through, kept {len(kept)} the model answers right both ways")
+    withheld = None
+    if not gated:
+        withheld = message
+    elif not kept:
+        withheld = (f"{WITHHELD_PREFIX}of the {len(gated)} pairs that passed the gate, none is answered right both "
+                    "ways (--solved-only): nothing to patch; run without --solved-only")
+    halves, forced, refusal = _halves(pairs, gated, kept, force=force, select_fraction=select_fraction, seed=seed,
+                                      notes=notes)
+    withheld = withheld or refusal
+    forced = forced or bool(force and gate_failed)
+    half_gaps: dict[str, float] = {}
+    split: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+    if withheld is None and halves is not None:
+        half_gaps = _half_gaps(clean - corrupted, gated, halves)
+        forced_here, withheld = _check_half_gaps(half_gaps, force=force, notes=notes)
+        forced = forced or forced_here
+        sel, ev = (tuple(gated[i] for i in half if solved[gated[i]] or not solved_only) for half in halves)
+        split = (sel, ev)
+        empty = [h for h, idx in zip(("selection", "evaluation"), split, strict=True) if not idx]
+        if withheld is None and empty:
+            withheld = withheld_sentence(f"no {' or '.join(empty)} pair is answered right both ways (--solved-only); "
+                                         "run without --solved-only, or with another --seed for the split")
+    dropped = sorted(c for c in gates if c not in passed) if (passed and not force) else []
+    verdict = "withheld" if withheld is not None else ("forced" if forced else "passed")
+    return GateDecision(verdict, withheld, forced, message, tuple(notes), tuple(passed), tuple(dropped),
+                        gate_failed, tuple(gated), tuple(kept), split, half_gaps)
+
+
+def _halves(pairs: Sequence[Any], gated: list[int], kept: list[int], *, force: bool, select_fraction: float,
+            seed: int, notes: list[str]) -> tuple[tuple[list[int], list[int]] | None, bool, str | None]:
+    """(selection and evaluation halves as indices into `gated`, forced, the withheld sentence): the
+    split by task of the gated pairs; where none is possible, the SAME pairs both ways when forced
+    (noted), else withheld, since heads validated on the pairs that ranked them recover their own noise."""
+    halves = split_selection([pairs[i] for i in gated], select_fraction, seed) if kept else None
+    if not kept or halves is not None:
+        return halves, False, None
+    n_tasks = len({pairs[i].clean.task_id or pairs[i].id for i in gated})
+    why = (f"{len(gated)} pairs from {n_tasks} task(s) cannot be split into selection and held-out evaluation "
+           f"pairs (needs at least {MIN_SPLIT_PAIRS} pairs and 2 tasks)")
+    if force:
+        notes.append(f"FORCED: {why}; heads are ranked and validated on the SAME pairs")
+        return (list(range(len(gated))), list(range(len(gated)))), True, None
+    return None, False, withheld_sentence(f"{why}, and heads validated on the pairs that ranked them recover their "
+                                          "own noise; use more pairs (--force runs everything anyway, flagged)")
+
+
+def _half_gaps(gap: Tensor, gated: list[int], halves: tuple[list[int], list[int]]) -> dict[str, float]:
+    """Each half's mean gap over ALL of its gated pairs (reading only solved pairs would read gaps
+    positive by construction)."""
+    return {half: float(gap[torch.tensor([gated[i] for i in idx])].mean())
+            for half, idx in zip(("selection", "evaluation"), halves, strict=True)}
+
+
+def _check_half_gaps(half_gaps: dict[str, float], *, force: bool, notes: list[str]) -> tuple[bool, str | None]:
+    """(forced, withheld sentence): the pooled gate is not enough, as ranking is normalised by the
+    selection pairs' own gap and validation by the held-out pairs'; a half whose mean gap is not
+    positive divides by noise or the wrong sign."""
+    bad = [f"the {h} pairs' mean gap is {g:.3f}" for h, g in half_gaps.items() if not g > 0]
+    if not bad:
+        return False, None
+    why = ("; ".join(bad) + " (not positive, read over all of the half's gated pairs: heads ranked on the "
+           "selection pairs and validated on the held-out pairs are normalised by that half's own gap)")
+    if force:
+        notes.append(f"FORCED: {why}")
+        return True, None
+    return False, withheld_sentence(f"{why}; use more tasks or another --seed for the split (--force runs "
+                                    "everything anyway, flagged)")

@@ -21,8 +21,9 @@ from __future__ import annotations
 import hashlib
 import itertools
 import math
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Sequence
+from typing import Any, Literal
 
 import numpy as np
 import pandas as pd
@@ -32,6 +33,7 @@ from tqdm.auto import tqdm
 
 from tomlens.devices import to_device
 from tomlens.errors import TomlensError
+from tomlens.models.protocol import Model
 from tomlens.patching.cells import Cell, hook_for
 from tomlens.patching.engine import DEFAULT_CHUNK_RUNS, Run, Stage, base_pass, forward_cost
 from tomlens.patching.exact import CellSetSweep
@@ -63,6 +65,11 @@ def rank_heads(result: PatchingResult, *, position: str = "all", by: Literal["si
     return df.reset_index(drop=True)
 
 
+def _as_heads(heads: Iterable[Sequence[int]]) -> list[Head]:
+    """(layer, head) pairs as Python ints (a ranking read off a table holds NumPy integers)."""
+    return [(int(layer), int(head)) for layer, head in heads]
+
+
 def _all_heads(model) -> list[Head]:
     return [(l, h) for l in range(model.cfg.n_layers) for h in range(model.cfg.n_heads)]
 
@@ -79,7 +86,7 @@ def layer_matched_draw(model, top: Sequence[Head], gen: np.random.Generator) -> 
     has there, drawn from that layer's other heads (its top heads too only where it has too few others).
     Random heads spread over all layers would compare the top set with a different depth profile."""
     n_heads = model.cfg.n_heads
-    top = [tuple(map(int, h)) for h in top]
+    top = _as_heads(top)
     out: list[Head] = []
     for layer in dict.fromkeys(l for l, _ in top):
         mine = [h for l, h in top if l == layer]
@@ -97,7 +104,7 @@ def layer_matched_draw(model, top: Sequence[Head], gen: np.random.Generator) -> 
 def _layer_options(model, top: Sequence[Head]) -> list[tuple[int, list[tuple[int, ...]]]]:
     """Per layer of `top` (in its order), every head subset a layer-matched draw can take there."""
     n_heads = model.cfg.n_heads
-    top = [tuple(map(int, h)) for h in top]
+    top = _as_heads(top)
     out = []
     for layer in dict.fromkeys(l for l, _ in top):
         mine = [h for l, h in top if l == layer]
@@ -114,7 +121,7 @@ def _layer_options(model, top: Sequence[Head]) -> list[tuple[int, list[tuple[int
 def n_layer_matched(model, top: Sequence[Head]) -> int:
     """How many distinct layer-matched head sets `top` has (`layer_matched_draw`'s support)."""
     n_heads = model.cfg.n_heads
-    top = [tuple(map(int, h)) for h in top]
+    top = _as_heads(top)
     total = 1
     for layer in dict.fromkeys(l for l, _ in top):
         m = sum(1 for l, _ in top if l == layer)
@@ -131,7 +138,7 @@ def layer_matched_sets(model, top: Sequence[Head], n_random: int, gen: np.random
     n = n_layer_matched(model, top)
     if n <= n_random or n <= 4 * n_random:
         options = _layer_options(model, top)
-        every = [[(layer, h) for (layer, _), hs in zip(options, combo) for h in hs]
+        every = [[(layer, h) for (layer, _), hs in zip(options, combo, strict=True) for h in hs]
                  for combo in itertools.product(*(o for _, o in options))]
         if n <= n_random:
             return every
@@ -147,13 +154,13 @@ def layer_matched_sets(model, top: Sequence[Head], n_random: int, gen: np.random
     return out
 
 
-def _random_sets(model, top_sets: dict[int, Sequence[Head]], n_random: int, seed: int) -> dict[int, list[list[Head]]]:
+def _random_sets(model, top_sets: Mapping[int, Sequence[Head]], n_random: int, seed: int) -> dict[int, list[list[Head]]]:
     """Up to `n_random` distinct layer-matched sets (`layer_matched_sets`) for each k's top set, fixed by `seed`."""
     gen = np.random.default_rng(seed)
     return {k: layer_matched_sets(model, top, n_random, gen) for k, top in top_sets.items()}
 
 
-def _prepared(model, pairs: Any, position: str, batch_pairs: int) -> PreparedPairs:
+def _prepared(model: Model, pairs: Any, position: str, batch_pairs: int) -> PreparedPairs:
     return as_prepared(model, pairs, () if position in ("all", "each") else (position,), batch_pairs)
 
 
@@ -178,13 +185,13 @@ def topk_settings(
     if ranking is None:
         tops = _uniform_sets(model, ks, seed + 1)
     else:
-        tops = {k: [tuple(map(int, h)) for h in ranking[:k]] for k in ks}
+        tops = {k: _as_heads(ranking[:k]) for k in ks}
     top = [("top", k, -1, tops[k]) for k in ks]
     randoms = _random_sets(model, tops, n_random, seed)
     return top + [("random", k, d, heads) for k in ks for d, heads in enumerate(randoms[k])]
 
 
-def settings_frame(settings: Sequence[tuple[str, int, int, Sequence[Head]]], **columns: Any) -> pd.DataFrame:
+def _settings_frame(settings: Sequence[tuple[str, int, int, Sequence[Head]]], **columns: Any) -> pd.DataFrame:
     """One row per head set of `topk_settings` (selection, k, draw, heads as "L0H1;L2H3"), then
     `columns` (one value per set)."""
     return pd.DataFrame(
@@ -202,7 +209,7 @@ class HeadSetSweep(CellSetSweep):
 
     def __init__(
         self,
-        model,
+        model: Model,
         prepared: PreparedPairs,
         head_sets: Sequence[Sequence[Head]],
         *,
@@ -216,14 +223,9 @@ class HeadSetSweep(CellSetSweep):
         super().__init__(name, model, prepared, sets, direction, desc="top-k heads", memory_mb=memory_mb,
                          chunk_runs=chunk_runs)
 
-    def run(self, *, checkpoints: Any = None, progress: bool = True) -> tuple[Tensor, Tensor, Tensor]:
-        """Raw metric `[set, pair]` with the clean and corrupted baselines `[pair]`."""
-        super().run(checkpoints=checkpoints, progress=progress)
-        return self.values()
-
 
 def topk_recovery(
-    model,
+    model: Model,
     pairs: Any,
     ranking: Sequence[Head],
     *,
@@ -248,7 +250,7 @@ def topk_recovery(
     patched (`n_random` = `n_distinct`), and per k, uncorrected across the ks. `checkpoints`: finished
     chunks are saved there and
     reused (see `exact_patching`)."""
-    ranking = [tuple(map(int, h)) for h in ranking]
+    ranking = _as_heads(ranking)
     k_max = min(k_max, len(ranking))
     if k_max < 1:
         raise TomlensError("top-k recovery needs at least one ranked head", "pass a non-empty ranking")
@@ -259,9 +261,10 @@ def topk_recovery(
     settings = topk_settings(model, ranking, ks, n_random, seed)
     sweep = HeadSetSweep(model, prepared, [s[3] for s in settings], position=position, direction=direction,
                          memory_mb=memory_mb, chunk_runs=chunk_runs, name=f"topk-{direction}-{position}")
-    values, clean, corrupted = sweep.run(checkpoints=checkpoints, progress=progress)
+    sweep.run(checkpoints=checkpoints, progress=progress)
+    values, clean, corrupted = sweep.values()
     s = summarise(values, clean, corrupted, normalise=normalise, n_boot=n_boot, seed=seed)
-    long = settings_frame(settings, effect=s.mean, se=s.se, ci_low=s.ci_low, ci_high=s.ci_high)
+    long = _settings_frame(settings, effect=s.mean, se=s.se, ci_low=s.ci_low, ci_high=s.ci_high)
     top = long[long.selection == "top"].set_index("k")
     rnd = long[long.selection == "random"].groupby("k").effect
     reach = _reach(long, "effect", higher=direction == "denoise")
@@ -324,8 +327,8 @@ class Ablation:
     baseline: dict[str, float]
 
 
-def head_means(
-    model, prepared: PreparedPairs, layers: Sequence[int], mode: Literal["final", "all"], *, progress: bool = False
+def _head_means(
+    model: Model, prepared: PreparedPairs, layers: Sequence[int], mode: Literal["final", "all"], *, progress: bool = False
 ) -> dict[int, Tensor]:
     """Mean `z` of every head over all clean and corrupted stories: at the final token
     (`[head, d_head]`), or per right-aligned position (`[n_aligned, head, d_head]`, averaged over
@@ -368,7 +371,7 @@ class AblationSweep:
 
     def __init__(
         self,
-        model,
+        model: Model,
         prepared: PreparedPairs,
         head_sets: Sequence[Sequence[Head]],
         *,
@@ -442,7 +445,7 @@ class AblationSweep:
         if checkpoints is not None:
             self.load(checkpoints)
         if self.means is None:
-            self.means = head_means(self.model, self.prepared, self.layers, self.mode, progress=progress)
+            self.means = _head_means(self.model, self.prepared, self.layers, self.mode, progress=progress)
             if checkpoints is not None:
                 checkpoints.save(self._means_name(), {f"L{l}": m for l, m in self.means.items()})
         with tqdm(total=stage.n_runs, desc="mean ablation", unit="run", disable=not progress) as bar:
@@ -452,7 +455,10 @@ class AblationSweep:
         ablated = torch.full((self.n_sets, 2, n_pair), float("nan"), dtype=torch.float64)
         base = torch.empty(2, n_pair, dtype=torch.float64)
         for gi, group in enumerate(self.prepared.groups):
-            metric = stage.base[gi].double()
+            unpatched = stage.base[gi]
+            if unpatched is None:
+                raise RuntimeError(f"{stage.name}: group {gi} has not run")
+            metric = unpatched.double()
             idx = torch.tensor(group.index)
             base[0, idx], base[1, idx] = metric[: group.g], metric[group.g :]
             t = torch.tensor(self.targets[gi])
@@ -461,7 +467,7 @@ class AblationSweep:
 
 
 def mean_ablation(
-    model,
+    model: Model,
     pairs: Any,
     ranking: Sequence[Head],
     *,
@@ -490,7 +496,7 @@ def mean_ablation(
     """
     if mode not in ("final", "all"):
         raise TomlensError(f"unknown ablation mode {mode!r}", "use 'final' or 'all'")
-    ranking = [tuple(map(int, h)) for h in ranking]
+    ranking = _as_heads(ranking)
     ks = [k for k in ks if 1 <= k <= len(ranking)]
     if not ks:
         raise TomlensError("mean ablation needs k between 1 and the number of ranked heads")
@@ -503,7 +509,7 @@ def mean_ablation(
     tb = (ablated[:, 1] < 0).double().mean(1)  # corrupted stories: world answer preferred
     base_fb = float((base[0] > 0).double().mean())
     base_tb = float((base[1] < 0).double().mean())
-    long = settings_frame(
+    long = _settings_frame(
         settings, fb_accuracy=fb.numpy(), tb_accuracy=tb.numpy(), fb_drop=base_fb - fb.numpy(),
         tb_drop=base_tb - tb.numpy(), clean_logit_diff=ablated[:, 0].mean(1).numpy(),
         corrupted_logit_diff=ablated[:, 1].mean(1).numpy(),
@@ -536,7 +542,7 @@ def mean_ablation(
     return Ablation(table, long[long.selection == "random"].reset_index(drop=True), baseline)
 
 
-def _device(model) -> torch.device:
+def _device(model: Model) -> torch.device:
     return next(model.parameters()).device
 
 
@@ -625,12 +631,13 @@ def head_table(
         frames.append(r[keep].rename(columns=cols).set_index(["layer", "head"]))
     if not frames and probe is None:
         raise TomlensError("head_table needs a patching result, an attribution result or a probe table")
-    table = frames[0] if frames else None
-    for f in frames[1:]:
-        table = table.join(f, how="outer")
+    table: pd.DataFrame | None = None
+    for f in frames:
+        table = f if table is None else table.join(f, how="outer")
     if probe is not None:
         p = probe_accuracy_by_head(probe, target=probe_target, position=probe_position).set_index(["layer", "head"])
         table = p if table is None else table.join(p, how="left")
+    assert table is not None  # a patching frame or the probe table, checked above
     table = table.reset_index()
     sort = "patch_rank" if "patch_rank" in table else ("attribution_rank" if "attribution_rank" in table else "layer")
     return table.sort_values([sort, "layer", "head"]).reset_index(drop=True)

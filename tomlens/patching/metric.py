@@ -31,7 +31,7 @@ Normalise = Literal["pooled", "per_pair"]
 
 def logit_diff(
     last_logits: Float[Tensor, "batch vocab"], tokens: Int[Tensor, "batch 2"]
-) -> Float[Tensor, "batch"]:
+) -> Float[Tensor, " batch"]:
     """logit(tokens[:, 0]) - logit(tokens[:, 1]) per row, in float32."""
     picked = last_logits.gather(-1, tokens.to(last_logits.device)).float()
     return picked[:, 0] - picked[:, 1]
@@ -50,8 +50,8 @@ class Summary:
 
 def normalised_effects(
     values: Float[Tensor, "*cell pair"],
-    clean: Float[Tensor, "pair"],
-    corrupted: Float[Tensor, "pair"],
+    clean: Float[Tensor, " pair"],
+    corrupted: Float[Tensor, " pair"],
     normalise: Normalise = "pooled",
 ) -> Float[Tensor, "*cell pair"]:
     """Per-pair effects on the 0 = corrupted, 1 = clean scale (NaN stays NaN: pair not patched)."""
@@ -59,16 +59,33 @@ def normalised_effects(
     if normalise == "pooled":
         gap = (clean - corrupted).mean()
         return (values - corrupted) / gap
-    if normalise == "per_pair":
-        return (values - corrupted) / (clean - corrupted)
+    if normalise == "per_pair":  # a pair whose gap is zero to rounding has no effect to speak of: left out
+        effect = (values - corrupted) / (clean - corrupted)
+        return torch.where(zero_gaps(clean, corrupted), torch.full_like(effect, float("nan")), effect)
     raise TomlensError(f"unknown normalisation {normalise!r}", "use 'pooled' or 'per_pair'")
+
+
+# float32's epsilon times 4: how far a difference of two float32 numbers of size s can be from the
+# exact one (each is rounded to within s * eps / 2, and `logit_diff` works in float32).
+ZERO_GAP_RTOL = 4 * float(torch.finfo(torch.float32).eps)
+
+
+def zero_gaps(clean: Float[Tensor, " pair"], corrupted: Float[Tensor, " pair"]) -> Tensor:
+    """Pairs whose clean - corrupted gap is zero up to rounding: |gap| <= ZERO_GAP_RTOL * the larger
+    of |clean| and |corrupted|. Relative to the logit differences' own scale, not an exact `== 0`:
+    two float32 logit differences of size s are only known to about s * eps, so a gap of 1e-6
+    between numbers of size 10 is rounding (dividing by it gives effects of 1e6 or more), while the
+    same gap between numbers of size 1e-5 is a real one."""
+    clean, corrupted = clean.double(), corrupted.double()
+    scale = torch.maximum(clean.abs(), corrupted.abs())
+    return (clean - corrupted).abs() <= ZERO_GAP_RTOL * scale
 
 
 class UnstableGapWarning(UserWarning):
     """The clean - corrupted gap that normalises effects is indistinguishable from 0."""
 
 
-def gap_is_unstable(gap: Float[Tensor, "pair"]) -> bool:
+def gap_is_unstable(gap: Float[Tensor, " pair"]) -> bool:
     """Whether the mean clean - corrupted gap is within two standard errors of 0 (or undefined):
     effects normalised by it are then noise over noise. Two-sided and blind to the sign, so it is no
     gate: a significantly negative gap passes it. `tomlens.patching.gate` is the one-sided gate that
@@ -76,7 +93,7 @@ def gap_is_unstable(gap: Float[Tensor, "pair"]) -> bool:
     return _gap_check(gap)[1]
 
 
-def _gap_check(gap: Float[Tensor, "pair"]) -> tuple[float, bool]:
+def _gap_check(gap: Float[Tensor, " pair"]) -> tuple[float, bool]:
     """(mean gap, `gap_is_unstable`), read in one host transfer whatever the number of pairs."""
     n = gap.numel()
     mean = gap.mean()
@@ -88,11 +105,11 @@ def _gap_check(gap: Float[Tensor, "pair"]) -> tuple[float, bool]:
     return m, bool(u)
 
 
-def gap_note(baselines: dict[str, float]) -> str | None:
+def gap_note(gap: float, gap_se: float, unstable: bool) -> str | None:
     """One sentence for a reader when `PatchingResult.baselines()` says the gap is unstable."""
-    if not baselines.get("gap_unstable"):
+    if not unstable:
         return None
-    return (f"the clean - corrupted gap ({baselines['gap']:.3f} +/- {baselines['gap_se']:.3f}) is within two "
+    return (f"the clean - corrupted gap ({gap:.3f} +/- {gap_se:.3f}) is within two "
             "standard errors of 0, so effects normalised by it are unstable; read the raw logit differences, "
             "or use more pairs or a model that separates the stories")
 
@@ -105,9 +122,10 @@ def gap_warnings_silenced():  # noqa: ANN201 - a context manager, also usable as
         yield
 
 
-def _warn_if_unstable(gap: Float[Tensor, "pair"], normalise: Normalise) -> None:
+def _warn_if_unstable(clean: Float[Tensor, " pair"], corrupted: Float[Tensor, " pair"], normalise: Normalise) -> None:
+    gap = clean - corrupted
     if normalise == "per_pair":
-        zeros = int((gap == 0).sum())
+        zeros = int(zero_gaps(clean, corrupted).sum())
         if zeros:
             warnings.warn(f"{zeros} pair(s) have clean == corrupted: their per-pair effects are undefined and "
                           "left out; use normalise='pooled' or drop those pairs", UnstableGapWarning, stacklevel=3)
@@ -123,8 +141,8 @@ def _warn_if_unstable(gap: Float[Tensor, "pair"], normalise: Normalise) -> None:
 
 def summarise(
     values: Float[Tensor, "cell pair"],
-    clean: Float[Tensor, "pair"],
-    corrupted: Float[Tensor, "pair"],
+    clean: Float[Tensor, " pair"],
+    corrupted: Float[Tensor, " pair"],
     *,
     normalise: Normalise = "pooled",
     n_boot: int = 1000,
@@ -142,7 +160,7 @@ def summarise(
     c = clean.double().cpu()
     r = corrupted.double().cpu()
     n_cell, n_pair = v.shape
-    _warn_if_unstable(c - r, normalise)
+    _warn_if_unstable(c, r, normalise)
     norm = normalised_effects(v, c, r, normalise)
     have = ~torch.isnan(norm)
     n = have.sum(1)

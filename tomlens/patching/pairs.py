@@ -8,8 +8,9 @@ says which row a patched run is based on and which one its patched values come f
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Sequence
+from typing import Any, Literal
 
 import torch
 from jaxtyping import Int
@@ -17,6 +18,7 @@ from torch import Tensor
 
 from tomlens.devices import to_device
 from tomlens.errors import TomlensError
+from tomlens.models.protocol import Model
 from tomlens.models.tokens import option_first_tokens
 
 Direction = Literal["denoise", "noise"]
@@ -37,8 +39,8 @@ class Group:
     index: list[int]
     batch: Any  # tomlens.models.tokens.EncodedBatch
     tokens: Int[Tensor, "story 2"]  # answer token ids of every story, on the model's device
-    first_diff: Int[Tensor, "g"]  # padded column of the first token where clean != corrupted (host)
-    positions: dict[str, Int[Tensor, "g"]]  # selector -> padded column (same in clean and corrupted; host)
+    first_diff: Int[Tensor, " g"]  # padded column of the first token where clean != corrupted (host)
+    positions: dict[str, Int[Tensor, " g"]]  # selector -> padded column (same in clean and corrupted; host)
     first_diff_cols: list[int] | None = None  # `first_diff` as Python ints
     position_cols: dict[str, list[int]] | None = None  # `positions` as Python ints
     answer_ids: list[list[int]] | None = None  # `tokens` as Python ints
@@ -61,7 +63,7 @@ class Group:
     def pad(self, j: int) -> int:
         return int(self.batch.pad[j])
 
-    def metric_vocab(self) -> tuple[Int[Tensor, "v"], Int[Tensor, "story 2"]]:
+    def metric_vocab(self) -> tuple[Int[Tensor, " v"], Int[Tensor, "story 2"]]:
         """(vocab, answer) on the model's device: the metric's token ids, once each and sorted, and
         every story's two answer tokens as indices into them (a forward then unembeds only
         `vocab`). Built on the host from `answer_ids` and moved once per group."""
@@ -98,7 +100,7 @@ def _other(options: tuple[str, str], answer: str) -> str:
 
 
 def prepare_pairs(
-    model, pairs: Sequence[Any], *, selectors: Sequence[str] = (), batch_pairs: int = 8
+    model: Model, pairs: Sequence[Any], *, selectors: Sequence[str] = (), batch_pairs: int = 8
 ) -> PreparedPairs:
     """Tokenise pairs for `model`, check they are aligned, resolve selector positions.
 
@@ -157,7 +159,7 @@ def prepare_pairs(
     return PreparedPairs(pairs, groups, lengths, n_aligned, labels, selectors)
 
 
-def _host_ids(model, texts: Sequence[str]) -> list[list[int]]:
+def _host_ids(model: Model, texts: Sequence[str]) -> list[list[int]]:
     """Token ids of `texts` as `tomlens.models.tokens.encode` makes them (the model's tokenizer, its
     own special tokens, no padding), as Python lists: read on the host, not off the device batch."""
     enc = model.tokenizer(list(texts), padding=False, truncation=False)
@@ -166,7 +168,7 @@ def _host_ids(model, texts: Sequence[str]) -> list[list[int]]:
 
 def _first_difference(clean: Sequence[int], corrupted: Sequence[int], pad: int, width: int) -> int:
     """Padded column of the first token where two aligned stories differ (`width` if none)."""
-    return next((pad + t for t, (a, b) in enumerate(zip(clean, corrupted)) if a != b), width)
+    return next((pad + t for t, (a, b) in enumerate(zip(clean, corrupted, strict=True)) if a != b), width)
 
 
 def _selector_columns(pairs: Sequence[Any], idx: Sequence[int], batch: Any, selectors: Sequence[str]
@@ -196,7 +198,7 @@ def _selector_columns(pairs: Sequence[Any], idx: Sequence[int], batch: Any, sele
     return out
 
 
-def _token_labels(model, clean: Sequence[int], corrupted: Sequence[int], pad: int, n_aligned: int) -> list[str]:
+def _token_labels(model: Model, clean: Sequence[int], corrupted: Sequence[int], pad: int, n_aligned: int) -> list[str]:
     """Axis labels for right-aligned positions, from the longest pair's token ids ("clean|corrupted"
     where the two stories differ); `pad` is that pair's left padding in its group."""
     width = pad + len(clean)
@@ -222,10 +224,27 @@ def roles(direction: Direction, g: int, j: int) -> tuple[int, int]:
 
 
 def as_prepared(
-    model, pairs: Sequence[Any] | PreparedPairs, selectors: Sequence[str] = (), batch_pairs: int = 8
+    model: Model, pairs: Sequence[Any] | PreparedPairs, selectors: Sequence[str] = (), batch_pairs: int = 8
 ) -> PreparedPairs:
     """Pairs already prepared as they are, else prepared for `model` with `selectors` (so every
     sweep accepts either)."""
     if isinstance(pairs, PreparedPairs):
         return pairs
     return prepare_pairs(model, pairs, selectors=selectors, batch_pairs=batch_pairs)
+
+
+def tokens_hash(prepared: PreparedPairs) -> str:
+    """Content hash of what every story of `prepared` runs on: per group, its pairs, token ids (with
+    their padding), answer tokens and selector columns. A setting that changes none of these (a BOS
+    rule the tokenizer already follows) leaves it unchanged; one that changes the tokens does not.
+    What a patch run's resume key reads instead of the raw setting."""
+    import hashlib
+    import json
+
+    h = hashlib.sha256()
+    for group in prepared.groups:
+        plain = [[int(i) for i in group.index], list(group.batch.pad), group.tokens.tolist(),
+                 group.first_diff_cols, group.position_cols]
+        h.update(json.dumps(plain, sort_keys=True).encode())
+        h.update(group.batch.input_ids.detach().cpu().numpy().astype("int64").tobytes())
+    return h.hexdigest()[:16]

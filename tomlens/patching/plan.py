@@ -44,8 +44,9 @@ from __future__ import annotations
 import hashlib
 import math
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -53,13 +54,15 @@ from tqdm.auto import tqdm
 
 from tomlens.errors import TomlensError
 from tomlens.hooks import Site, hook_name
+from tomlens.hooks.attention import is_joint_qkv
+from tomlens.models.protocol import Model
 from tomlens.patching import engine
 from tomlens.patching.attribution import IG_PATHS, IGPath, attribution_patching, check_integrable, hook_blocks
-from tomlens.patching.checkpoints import Checkpoints
-from tomlens.patching.heads import AblationSweep, HeadSetSweep
 from tomlens.patching.cells import MENTIONS, Cell, canonical_kind, plan_cells
+from tomlens.patching.checkpoints import Checkpoints
 from tomlens.patching.engine import forward_cost
 from tomlens.patching.exact import ExactSweep
+from tomlens.patching.heads import AblationSweep, HeadSetSweep
 from tomlens.patching.pairs import Direction, Group, PreparedPairs
 from tomlens.patching.result import PatchingResult
 
@@ -98,7 +101,6 @@ class Positions:
 def parse_positions(text: str | Sequence[str], kinds: Sequence[str]) -> Positions:
     """Positions per site kind from the `--positions` syntax (module docstring); empty = `roles`."""
     from tomlens.models.positions import parse_selectors
-
     from tomlens.syntax import split_items
 
     items = split_items(text if isinstance(text, str) else [str(t) for t in text]) or ["roles"]
@@ -172,7 +174,7 @@ def drop_missing_roles(positions: Positions, stimuli: Sequence[Any]) -> Position
     return Positions(spec, positions.from_roles, positions.notes + notes)
 
 
-def describe_cells(cells: Sequence[Cell]) -> str:
+def _describe_cells(cells: Sequence[Cell]) -> str:
     """'heads 270 x 3 positions + resid_pre 30 x 4 positions': sites x positions per kind."""
     parts = []
     for kind in dict.fromkeys(c.kind for c in cells):
@@ -303,7 +305,7 @@ class AttributionSweep:
     """Attribution patching of one direction laid out per group of pairs: each group's estimates
     need that group's forwards and backward only, so each group is a chunk, checkpointed."""
 
-    def __init__(self, model, prepared: PreparedPairs, spec: Mapping[str, Sequence[str]], direction: Direction,
+    def __init__(self, model: Model, prepared: PreparedPairs, spec: Mapping[str, Sequence[str]], direction: Direction,
                  steps: int = 1, path: IGPath = "sites"):
         self.model, self.prepared, self.spec, self.direction = model, prepared, dict(spec), direction
         self.steps = int(steps)  # 1: plain attribution; more: integrated gradients over that many points
@@ -326,6 +328,7 @@ class AttributionSweep:
         its block on, along the sites."""
         grp = self.prepared.groups[gi]
         run = 3 * forward_cost(self.model, grp.g, grp.width - int(grp.first_diff.min()))
+        runs: float  # a whole number of runs along the embeddings, a mean over hooks along the sites
         if self.path == "embeddings" or self.steps == 1:
             runs = self.steps
         else:
@@ -393,12 +396,12 @@ def plan_stages(
     stages = []
     for d, sw in exact.items():
         st = sw.stage
-        stages.append(PlanStage(f"exact {d}", describe_cells(sw.cells), len(sw.cells), n_pairs, st.n_runs,
+        stages.append(PlanStage(f"exact {d}", _describe_cells(sw.cells), len(sw.cells), n_pairs, st.n_runs,
                                 st.cost(), st.forward_cost(), done=st.n_done,
                                 extra=_forwards(len(st.prepared.groups), "unpatched"), **_memory(st)))
     for d, at in attribution.items():
         n_groups = len(at.prepared.groups)
-        stages.append(PlanStage(f"attribution {d}", describe_cells(at.cells), len(at.cells), n_pairs, 0,
+        stages.append(PlanStage(f"attribution {d}", _describe_cells(at.cells), len(at.cells), n_pairs, 0,
                                 0.0, sum(at.cost(gi) for gi in at.pending()),
                                 extra=f"estimated by gradients: {n_groups} x (a forward, then "
                                 + ("a forward and backward" if at.steps == 1 else
@@ -514,11 +517,11 @@ class Shape:
     softmax_elt: int = 4  # bytes of an element of the attention softmax
 
     @classmethod
-    def of_model(cls, model: Any) -> Shape:
+    def of_model(cls, model: Model) -> Shape:
         """From a loaded bridge: its config, its dtype and which attention the bridge runs."""
         cfg = model.cfg
         dtype = getattr(cfg, "dtype", None) or next(model.parameters()).dtype
-        elt, joint = torch.finfo(dtype).bits // 8, _joint_qkv(model)
+        elt, joint = torch.finfo(dtype).bits // 8, is_joint_qkv(model)
         return cls(cfg.n_layers, cfg.d_model, cfg.n_heads, getattr(cfg, "n_key_value_heads", None) or cfg.n_heads,
                    cfg.d_head, getattr(cfg, "d_mlp", None) or 4 * cfg.d_model, cfg.d_vocab, elt,
                    keeps_patterns=joint, softmax_elt=elt if joint else SOFTMAX_BYTES)
@@ -533,31 +536,17 @@ class Shape:
                    config.vocab_size, torch.finfo(dtype).bits // 8)
 
 
-def _joint_qkv(model: Any) -> bool:
-    """Whether the bridge runs TransformerLens's joint-QKV attention (GPT-2, GPT-NeoX style), which
-    softmaxes in the model's dtype and keeps its last pattern on the module (`_pattern`), so each
-    layer holds a forward's pattern until the next forward replaces it. (Llama-style attention
-    softmaxes in fp32 and keeps nothing.)"""
-    try:
-        from transformer_lens.model_bridge.generalized_components.joint_qkv_attention import (
-            JointQKVAttentionBridge,
-        )
-        return isinstance(model.blocks[0].attn, JointQKVAttentionBridge)
-    except (ImportError, AttributeError, IndexError, TypeError):
-        return False
-
-
 def kv_bytes(shape: Shape, width: int, layers: int) -> int:
     """Keys AND values of one story: per layer, per KV head, `d_head` per token."""
     return layers * 2 * shape.n_kv_heads * shape.d_head * width * shape.elt
 
 
-def pattern_bytes(shape: Shape, new: int, keys: int) -> int:
+def _pattern_bytes(shape: Shape, new: int, keys: int) -> int:
     """One layer's attention pattern of one row, `[heads, new, keys]` in the model's dtype."""
     return shape.n_heads * new * keys * shape.elt
 
 
-def block_bytes(shape: Shape, new: int, keys: int) -> int:
+def _block_bytes(shape: Shape, new: int, keys: int) -> int:
     """One row's transient inside one block at its peak: attention or the MLP, whichever is larger
     (the residual stream beside either is counted by the caller)."""
     e = shape.elt
@@ -567,7 +556,7 @@ def block_bytes(shape: Shape, new: int, keys: int) -> int:
     scores = shape.n_heads * new * keys * (e + shape.softmax_elt + (2 * e if e != shape.softmax_elt else 0))
     mask = new * keys * e
     projections = new * (5 * shape.n_heads + 4 * shape.n_kv_heads) * shape.d_head * e
-    mlp = 4 * new * shape.d_mlp * e + pattern_bytes(shape, new, keys)  # the block holds its pattern until it returns
+    mlp = 4 * new * shape.d_mlp * e + _pattern_bytes(shape, new, keys)  # the block holds its pattern until it returns
     return max(expanded + scores + mask + projections, mlp)
 
 
@@ -585,11 +574,11 @@ def row_bytes(shape: Shape, width: int, new: int, first_layer: int = 0, *, prefi
     keys = width if prefix else new
     resid = 3 * new * shape.d_model * shape.elt
     skipped = width * shape.d_model * shape.elt if first_layer > 0 else 0  # the base run's stream, whole width
-    own_patterns = runs * pattern_bytes(shape, new, keys) if shape.keeps_patterns else 0
-    return cached + resid + skipped + own_patterns + max(block_bytes(shape, new, keys), vocab * shape.elt)
+    own_patterns = runs * _pattern_bytes(shape, new, keys) if shape.keeps_patterns else 0
+    return cached + resid + skipped + own_patterns + max(_block_bytes(shape, new, keys), vocab * shape.elt)
 
 
-def hook_width(shape: Shape, hook: str) -> int:
+def _hook_width(shape: Shape, hook: str) -> int:
     """Elements per token of a recorded activation: a head hook's every head, else the stream."""
     return shape.n_heads * shape.d_head if ".attn.hook_" in hook else shape.d_model
 
@@ -599,8 +588,8 @@ def base_bytes(shape: Shape, width: int, hooks: Sequence[str]) -> tuple[int, int
     and the activations at `hooks` (sources and the residual stream entering each block); the peak
     adds one block's transient, or the last position's logits over the whole vocabulary. Patterns a
     bridge keeps (`Shape.keeps_patterns`) are not in it: `stage_memory` counts them per layer."""
-    kept = kv_bytes(shape, width, shape.n_layers) + sum(width * hook_width(shape, h) for h in hooks) * shape.elt
-    transient = max(block_bytes(shape, width, width), shape.d_vocab * shape.elt)
+    kept = kv_bytes(shape, width, shape.n_layers) + sum(width * _hook_width(shape, h) for h in hooks) * shape.elt
+    transient = max(_block_bytes(shape, width, width), shape.d_vocab * shape.elt)
     return kept + 3 * width * shape.d_model * shape.elt + transient, kept
 
 
@@ -623,7 +612,7 @@ class MemoryEstimate:
                 f"{self.rows:,} rows {self.forward_peak / mib:,.0f} MiB)")
 
 
-def _forward_chunks(model: Any, width: int, starts: Sequence[int], firsts: Sequence[int],
+def _forward_chunks(model: Model, width: int, starts: Sequence[int], firsts: Sequence[int],
                     budget: float) -> list[tuple[int, int, int]]:
     """(rows, first column, first block) of each forward `run_patched` makes of these runs: the same
     order and the same greedy cut at `budget` bytes by the engine's own `_row_bytes`."""
@@ -671,7 +660,7 @@ def _group_forwards(stage: engine.Stage, gi: int, shape: Shape, shortcuts: bool,
             if size > peak:
                 peak, rows = size, r
             if shape.keeps_patterns:
-                pattern = max(pattern, r * pattern_bytes(shape, width - start, width if cached else width - start))
+                pattern = max(pattern, r * _pattern_bytes(shape, width - start, width if cached else width - start))
             at += r
     return peak, rows, pattern
 
@@ -695,7 +684,7 @@ def stage_memory(stage: engine.Stage) -> MemoryEstimate:
     for gi, group in enumerate(stage.prepared.groups):
         n = 2 * group.g
         base_peak, kept = (x * n for x in base_bytes(shape, group.width, hooks))
-        own = n * pattern_bytes(shape, group.width, group.width) if shape.keeps_patterns else 0
+        own = n * _pattern_bytes(shape, group.width, group.width) if shape.keeps_patterns else 0
         # finished blocks hold this pass's pattern or an older one; the running block both (the
         # older until it returns; its own is in its transient)
         base_peak += (layers - 1) * max(pattern, own) + pattern

@@ -15,6 +15,7 @@ from tomlens.errors import TomlensError
 from tomlens.patching.cells import Cell, canonical_kind
 from tomlens.patching.metric import Normalise, gap_is_unstable, normalised_effects, summarise
 
+
 @dataclass
 class PatchingResult:
     """Raw patched metric for every cell and pair, with the clean and corrupted baselines.
@@ -27,8 +28,8 @@ class PatchingResult:
     direction: str
     cells: list[Cell]
     values: Float[Tensor, "cell pair"]
-    clean: Float[Tensor, "pair"]
-    corrupted: Float[Tensor, "pair"]
+    clean: Float[Tensor, " pair"]
+    corrupted: Float[Tensor, " pair"]
     pair_ids: list[str]
     token_labels: list[str]
     normalise: Normalise = "pooled"
@@ -110,6 +111,6 @@ class PatchingResult:
         out = np.full((len(layers), len(keys)), np.nan)
         li = {l: i for i, l in enumerate(layers)}
         ki = {k: i for i, k in enumerate(keys)}
-        for l, k, v in zip(df.layer, df[col], df[column]):
+        for l, k, v in zip(df.layer, df[col], df[column], strict=True):
             out[li[l], ki[k]] = v
         return out

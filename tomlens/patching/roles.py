@@ -145,6 +145,68 @@ def role_columns(pairs: Sequence[Any], tokenizer: Any, n_aligned: int) -> tuple[
     return roles, mixed
 
 
+def _each_rows(per_pair_table: pd.DataFrame | Any) -> tuple[Any, pd.DataFrame]:
+    """(the `PatchingResult` or None, its per-pair rows at position "each"), refused where the
+    table is not a per-pair table of an "each" sweep."""
+    from tomlens.patching.result import PatchingResult
+
+    result = per_pair_table if isinstance(per_pair_table, PatchingResult) else None
+    table = result.per_pair() if result is not None else per_pair_table
+    need = {"kind", "layer", "head", "position", "pos", "pair_id", "logit_diff", "effect"}
+    if not need <= set(table.columns):
+        raise TomlensError(f"the table lacks columns {sorted(need - set(table.columns))}",
+                           "pass PatchingResult.per_pair() of a sweep at position 'each'")
+    each = table[table.position == "each"]
+    if each.empty:
+        raise TomlensError("the result has no cells at position 'each'",
+                           "re-read a per-position sweep (--positions each, or resid's default)")
+    return result, each
+
+
+def _aligned_positions(
+    ids: Sequence[Any], pairs: Sequence[Any], tokenizer: Any, selectors: Sequence[str], n_aligned: int
+) -> dict[tuple[Any, str], int]:
+    """The aligned index of every (pair, selector): the pair's own token, right-aligned as "each"
+    indexes it."""
+    by_id = {p.id: p for p in pairs}
+    unknown = [i for i in ids if i not in by_id]
+    if unknown:
+        raise TomlensError(f"{len(unknown)} pair(s) of the result are not among `pairs` (e.g. {unknown[0]!r})",
+                           "pass the pairs the sweep was run on")
+    aligned: dict[tuple[Any, str], int] = {}
+    for pid in ids:
+        clean = by_id[pid].clean
+        offsets = _offsets(tokenizer, clean.text)
+        shift = n_aligned - len(offsets)
+        if shift < 0:
+            raise TomlensError(f"pair {pid!r} has {len(offsets)} tokens, more than the result's {n_aligned} positions",
+                               "pass the tokenizer of the model the sweep was run with")
+        for sel in selectors:
+            t = len(offsets) - 1 if sel == FINAL else token_index(clean, offsets, sel)
+            aligned[(pid, sel)] = t + shift
+    return aligned
+
+
+def _by_role(
+    each: pd.DataFrame, ids: Sequence[Any], selectors: Sequence[str], aligned: dict[tuple[Any, str], int]
+) -> tuple[pd.DataFrame, np.ndarray, np.ndarray]:
+    """(one row per (kind, layer, head, selector), per-pair effects, per-pair logit differences),
+    the arrays `[row, pair]` read at each pair's own token (NaN where the pair has none)."""
+    keys = ["kind", "layer", "head"]
+    units = each[keys].drop_duplicates().itertuples(index=False, name=None)
+    lookup_raw = each.set_index([*keys, "pos", "pair_id"])["logit_diff"]
+    lookup_eff = each.set_index([*keys, "pos", "pair_id"])["effect"]
+    rows, raw_rows = [], []
+    for unit in units:
+        for sel in selectors:
+            idx = [(*unit, aligned[(pid, sel)], pid) for pid in ids]
+            rows.append((*unit, sel, lookup_eff.reindex(idx).to_numpy(dtype=float)))
+            raw_rows.append(lookup_raw.reindex(idx).to_numpy(dtype=float))
+    eff = np.stack([r[-1] for r in rows]) if rows else np.empty((0, len(ids)))
+    raw = np.stack(raw_rows) if raw_rows else np.empty((0, len(ids)))
+    return pd.DataFrame([r[:-1] for r in rows], columns=[*keys, "position"]), eff, raw
+
+
 def role_aligned(
     per_pair_table: pd.DataFrame | Any,
     pairs: Sequence[Any],
@@ -165,56 +227,17 @@ def role_aligned(
     Columns: kind, layer, head, position (the selector), effect, se, ci_low, ci_high, n_pairs,
     logit_diff, interval."""
     from tomlens.patching.metric import summarise
-    from tomlens.patching.result import PatchingResult
 
-    result = per_pair_table if isinstance(per_pair_table, PatchingResult) else None
-    table = result.per_pair() if result is not None else per_pair_table
-    need = {"kind", "layer", "head", "position", "pos", "pair_id", "logit_diff", "effect"}
-    if not need <= set(table.columns):
-        raise TomlensError(f"the table lacks columns {sorted(need - set(table.columns))}",
-                           "pass PatchingResult.per_pair() of a sweep at position 'each'")
-    each = table[table.position == "each"]
-    if each.empty:
-        raise TomlensError("the result has no cells at position 'each'",
-                           "re-read a per-position sweep (--positions each, or resid's default)")
+    result, each = _each_rows(per_pair_table)
     pairs = list(pairs)
     if selectors is None:
         selectors, _ = mention_selectors(pairs, tokenizer)
     selectors = list(selectors)
     for sel in selectors:
         split_selector(sel)
-    n_aligned = int(each.pos.max()) + 1
     ids = list(dict.fromkeys(each.pair_id))
-    by_id = {p.id: p for p in pairs}
-    unknown = [i for i in ids if i not in by_id]
-    if unknown:
-        raise TomlensError(f"{len(unknown)} pair(s) of the result are not among `pairs` (e.g. {unknown[0]!r})",
-                           "pass the pairs the sweep was run on")
-    # aligned index of every (pair, selector): the pair's own token, right-aligned as "each" indexes
-    aligned: dict[tuple[str, str], int] = {}
-    for pid in ids:
-        clean = by_id[pid].clean
-        offsets = _offsets(tokenizer, clean.text)
-        shift = n_aligned - len(offsets)
-        if shift < 0:
-            raise TomlensError(f"pair {pid!r} has {len(offsets)} tokens, more than the result's {n_aligned} positions",
-                               "pass the tokenizer of the model the sweep was run with")
-        for sel in selectors:
-            t = len(offsets) - 1 if sel == FINAL else token_index(clean, offsets, sel)
-            aligned[(pid, sel)] = t + shift
-    keys = ["kind", "layer", "head"]
-    units = each[keys].drop_duplicates().itertuples(index=False, name=None)
-    lookup_raw = each.set_index([*keys, "pos", "pair_id"])["logit_diff"]
-    lookup_eff = each.set_index([*keys, "pos", "pair_id"])["effect"]
-    rows, raw_rows = [], []
-    for unit in units:
-        for sel in selectors:
-            idx = [(*unit, aligned[(pid, sel)], pid) for pid in ids]
-            rows.append((*unit, sel, lookup_eff.reindex(idx).to_numpy(dtype=float)))
-            raw_rows.append(lookup_raw.reindex(idx).to_numpy(dtype=float))
-    eff = np.stack([r[-1] for r in rows]) if rows else np.empty((0, len(ids)))
-    raw = np.stack(raw_rows) if raw_rows else np.empty((0, len(ids)))
-    out = pd.DataFrame([r[:-1] for r in rows], columns=[*keys, "position"])
+    aligned = _aligned_positions(ids, pairs, tokenizer, selectors, int(each.pos.max()) + 1)
+    out, eff, raw = _by_role(each, ids, selectors, aligned)
     if result is not None:
         order = [result.pair_ids.index(pid) for pid in ids]
         s = summarise(torch.from_numpy(raw), result.clean.double()[order], result.corrupted.double()[order],

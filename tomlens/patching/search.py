@@ -43,8 +43,9 @@ from __future__ import annotations
 import dataclasses
 import time
 import warnings
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -53,16 +54,8 @@ from jaxtyping import Bool, Float
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from tomlens.errors import TomlensError
 from tomlens.devices import to_device
-from tomlens.patching.attribution import CellIndex, GroupRows, column_scores, group_rows, to_host_by_pair
-from tomlens.patching.cells import (
-    Cell, canonical_kind, cell_columns, check_selectors, hook_for, layer_list, plan_cells, selectors_in,
-)
-from tomlens.patching.engine import BasePass, Run, run_patched, shortcuts_verdict
-from tomlens.patching.metric import Normalise, logit_diff, normalised_effects
-from tomlens.patching.pairs import Direction, Group, PreparedPairs, as_prepared, roles
-from tomlens.patching.result import PatchingResult
+from tomlens.errors import TomlensError
 from tomlens.hooks.attention import (
     AttentionHooks,
     attention_hooks,
@@ -75,6 +68,29 @@ from tomlens.hooks.attention import (
     unsupported,
 )
 from tomlens.hooks.patch import PrefixCache, forward_last, record_hooks
+from tomlens.models.protocol import Model
+from tomlens.patching.attribution import (
+    CellIndex,
+    GroupRows,
+    column_scores,
+    group_rows,
+    source_run,
+    to_host_by_pair,
+)
+from tomlens.patching.cells import (
+    Cell,
+    canonical_kind,
+    cell_columns,
+    check_selectors,
+    hook_for,
+    layer_list,
+    plan_cells,
+    selectors_in,
+)
+from tomlens.patching.engine import BasePass, Run, run_patched
+from tomlens.patching.metric import Normalise, logit_diff, normalised_effects
+from tomlens.patching.pairs import Direction, Group, PreparedPairs, as_prepared, roles
+from tomlens.patching.result import PatchingResult
 
 # Queries (one cell per query head) and keys (one per key/value head), patched where the scores read them.
 QK_KINDS: dict[str, str] = {"q": "q", "query": "q", "queries": "q", "k": "k", "key": "k", "keys": "k"}
@@ -89,7 +105,7 @@ def _kind(name: str) -> str:
 
 
 def plan_search(
-    model,
+    model: Model,
     sites: Sequence[str] | Mapping[str, Sequence[str]],
     positions: Sequence[str] = (),
     *,
@@ -100,13 +116,17 @@ def plan_search(
     key/value head) at "all" positions by default (and `positions`)."""
     if isinstance(sites, str):
         sites = [s for s in sites.split(",") if s.strip()]
-    spec = dict(sites) if isinstance(sites, Mapping) else {s: None for s in sites}
+    spec: dict[str, Sequence[str] | None] = dict(sites) if isinstance(sites, Mapping) else dict.fromkeys(sites)
     if not spec:
         raise TomlensError("no sites to search", "pass e.g. sites=('heads',)")
-    standard = {k: v for k, v in spec.items() if _kind(k) not in ("q", "k")}
+    # the kinds plan_cells knows, in the form they were given (kinds with their positions, or kinds)
+    plain: Sequence[str] | Mapping[str, Sequence[str]]
+    if isinstance(sites, Mapping):
+        plain = {k: v for k, v in sites.items() if _kind(k) not in ("q", "k")}
+    else:
+        plain = [k for k in spec if _kind(k) not in ("q", "k")]
     cells: list[Cell] = []
-    if standard:
-        plain = standard if isinstance(sites, Mapping) else list(standard)
+    if plain:
         cells = plan_cells(model, plain, positions, n_aligned=n_aligned, layers=layers)
     chosen = layer_list(model, layers)
     for name, poss in spec.items():
@@ -122,7 +142,7 @@ def plan_search(
     return list(dict.fromkeys(cells))
 
 
-def cell_hook(model, cell: Cell) -> str:
+def cell_hook(model: Model, cell: Cell) -> str:
     """The hook a cell patches (queries and keys before any rotary embedding)."""
     if cell.kind in ("q", "k"):
         hooks = attention_hooks(model, cell.layer)
@@ -149,9 +169,9 @@ class Estimates:
     atp: Float[Tensor, "cell pair"]
     dropped: Float[Tensor, "cell block pair"] | None
     blocks: list[tuple[int, int]]
-    base: Float[Tensor, "pair"]
-    clean: Float[Tensor, "pair"]
-    corrupted: Float[Tensor, "pair"]
+    base: Float[Tensor, " pair"]
+    clean: Float[Tensor, " pair"]
+    corrupted: Float[Tensor, " pair"]
     pair_ids: list[str]
     token_labels: list[str]
     qk_fix: bool
@@ -171,7 +191,7 @@ def graddrop_blocks(n_layers: int, n_blocks: int | None = None) -> list[tuple[in
     if not 1 <= n <= n_layers:
         raise TomlensError(f"{n} GradDrop blocks for {n_layers} layers", f"pass between 1 and {n_layers}")
     edges = np.linspace(0, n_layers, n + 1).round().astype(int)
-    return [(int(a), int(b)) for a, b in zip(edges[:-1], edges[1:])]
+    return [(int(a), int(b)) for a, b in zip(edges[:-1], edges[1:], strict=True)]
 
 
 @dataclass
@@ -202,7 +222,7 @@ class _QKLayer:
             rows = torch.zeros((g, width, n_head), dtype=torch.float64, device=device)
             rows[:, start:] = (self.dq * G).sum(-1).transpose(1, 2)
             scores[self.hooks.q] = rows * keep[..., None]
-        if self.c1 is not None:
+        if self.c1 is not None and self.c2 is not None:  # set together, by the "k_column" fix
             p = (self.pattern * G).sum(-1, keepdim=True)
             cols = (self.c1 * p + self.c2 * G).sum(2)  # [g, head, key]
             cols = cols.view(g, n_head // self.rep, self.rep, width).sum(2).transpose(1, 2)
@@ -228,7 +248,7 @@ def _raise_on_bad_scores(errors: Mapping[int, Sequence[float]]) -> None:
 
 
 def _qk_layer(
-    model, layer: int, hooks: AttentionHooks, needs: set[str], src: dict[str, Tensor],
+    model: Model, layer: int, hooks: AttentionHooks, needs: set[str], src: dict[str, Tensor],
     base: dict[str, Tensor], start: int, differs: Bool[Tensor, "g pos"],
 ) -> _QKLayer:
     """The exact pattern change of the layer's query patches (`needs` "q"), key patches at every
@@ -275,9 +295,13 @@ def _base_group(group: Group, rows: GroupRows) -> Group:
             changes[f.name] = v.index_select(0, to_device(rows.base, v.device))
         elif isinstance(v, (list, tuple)) and len(v) == n:
             changes[f.name] = type(v)(v[r] for r in picked)
+    # Group.__post_init__ fills the column lists; the answer ids stay unread (None) until the metric
+    # first needs them, and the new group then reads its own from its tokens
+    assert group.first_diff_cols is not None and group.position_cols is not None
+    answer_ids = None if group.answer_ids is None else [group.answer_ids[r] for r in picked]
     return Group(group.index, dataclasses.replace(batch, **changes), rows.base_tokens, group.first_diff,
                  group.positions, first_diff_cols=list(group.first_diff_cols),
-                 position_cols=dict(group.position_cols), answer_ids=[group.answer_ids[r] for r in picked])
+                 position_cols=dict(group.position_cols), answer_ids=answer_ids)
 
 
 @dataclass
@@ -295,18 +319,27 @@ class _Group:
     verify: tuple[Group, BasePass] | None
 
 
-def _estimate_group(
-    model, group: Group, cells: Sequence[Cell], index: CellIndex, direction: Direction, *, qk_fix: bool,
-    blocks: list[tuple[int, int]] | None, reuse_prefix: bool, keep: bool,
-) -> _Group:
-    """AtP* estimates of a group's pairs, GradDrop per layer block, and (`keep`) the state exact
-    patching reuses."""
-    g, width = group.g, group.width
+@dataclass(frozen=True)
+class _HookLayout:
+    """The hooks a group's estimates read. `layer_of`: hook -> (layer, kind) of every activation
+    with a gradient (a `pattern` hook stands for its layer's query/key fix); `patched`: the hooks
+    the cells patch; `qk`: layer -> its attention hooks and the pattern changes it needs ("q",
+    "k_all", "k_column"); `acts`: the activations estimated as `(source - base) . gradient`;
+    `resid`: the residual stream entering each block (`n_layers`: leaving the last)."""
+
+    layer_of: dict[str, tuple[int, str]]
+    patched: set[str]
+    qk: dict[int, tuple[AttentionHooks, set[str]]]
+    acts: list[str]
+    resid: dict[int, str]
+
+
+def _hook_layout(model: Model, cells: Sequence[Cell], *, qk_fix: bool, graddrop: bool) -> _HookLayout:
+    """Which hooks the estimates record and take gradients at; with GradDrop, also the residual
+    stream entering every block (where a dropped block's gradient is read)."""
     n_layers = model.cfg.n_layers
-    rows = group_rows(group, direction)
-    layer_of: dict[str, tuple[int, str]] = {}  # hook -> (layer, kind) of every activation with a gradient
-    patched = {cell_hook(model, c) for c in cells}
-    qk: dict[int, tuple[AttentionHooks, set[str]]] = {}  # layer -> hooks, pattern changes it needs
+    layer_of: dict[str, tuple[int, str]] = {}
+    qk: dict[int, tuple[AttentionHooks, set[str]]] = {}
     for cell in cells:
         if cell.kind in ("q", "k") and qk_fix:
             hooks, needs = qk.setdefault(cell.layer, (attention_hooks(model, cell.layer), set()))
@@ -317,91 +350,146 @@ def _estimate_group(
     acts = [n for n, (_, kind) in layer_of.items() if kind != "pattern"]
     resid = {l: hook_for("resid_pre", l) for l in range(1, n_layers)}  # the stream entering each block
     resid[n_layers] = hook_for("resid_post", n_layers - 1)
-    if blocks is not None:
+    if graddrop:
         for l, name in resid.items():
             layer_of.setdefault(name, (l, "resid_pre") if l < n_layers else (l - 1, "resid_post"))
-    batch = group.batch
-    fk = batch.forward_kwargs()
-    src: dict[str, Tensor] = {}
-    src_names = set(acts) | patched | {n for hooks, _ in qk.values() for n in (hooks.q_rot, hooks.k_rot)}
-    with torch.inference_mode():
-        src_last, prefix = forward_last(
-            model, batch.input_ids, fk, record_hooks(sorted(src_names), src), rows=rows.src,
-            keep_cache=reuse_prefix,
-        )
-        src_metric = logit_diff(src_last, rows.src_tokens)
-    if shortcuts_verdict(model) is False:  # exact patching found the KV prefix unfaithful here
-        prefix = None
-    start = min(rows.start, width - 1) if prefix is not None else 0
+    return _HookLayout(layer_of, {cell_hook(model, c) for c in cells}, qk, acts, resid)
+
+
+@dataclass
+class _BaseRun:
+    """A group's grad-enabled base run: its recorded activations (`store`), metric, keys and values
+    (`cache`, with `keep`), the full gradient of every hook `inputs` names, and the column it
+    starts at (`start`, on the source runs' prefix)."""
+
+    store: dict[str, Tensor]
+    metric: Tensor
+    cache: PrefixCache | None
+    full: Mapping[str, Tensor | None]
+    inputs: list[str]
+    start: int
+
+
+def _base_run(
+    model: Model, group: Group, rows: GroupRows, layout: _HookLayout, prefix: PrefixCache | None, *,
+    keep: bool, retain_graph: bool,
+) -> _BaseRun:
+    """The base run on the source runs' prefix, recording every hook with a gradient (and, with
+    `keep`, the residual stream exact patching reuses), and one backward of the summed metric."""
+    n_layers = model.cfg.n_layers
+    start = min(rows.start, group.width - 1) if prefix is not None else 0
     base: dict[str, Tensor] = {}
-    grad_names = sorted(layer_of)
-    plain = {n for hooks, _ in qk.values() for n in (hooks.q_rot, hooks.k_rot, hooks.scores)}
-    plain |= {resid[l] for l in range(1, n_layers)} if keep else set()
+    grad_names = sorted(layout.layer_of)
+    plain = {n for hooks, _ in layout.qk.values() for n in (hooks.q_rot, hooks.k_rot, hooks.scores)}
+    plain |= {layout.resid[l] for l in range(1, n_layers)} if keep else set()
     with torch.enable_grad():
         last, cache = forward_last(
-            model, batch.input_ids, fk,
+            model, group.batch.input_ids, group.batch.forward_kwargs(),
             record_hooks(grad_names, base, requires_grad=True) + record_hooks(sorted(plain - set(grad_names)), base),
             rows=rows.base, prefix=prefix, start=start, prefix_rows=rows.pairs, keep_cache=keep,
         )
         metric = logit_diff(last, rows.base_tokens)
         inputs = [n for n in grad_names if n in base]
         full = dict(zip(inputs, torch.autograd.grad(
-            metric.sum(), [base[n] for n in inputs], allow_unused=True, retain_graph=blocks is not None
-        )))
-    differs = rows.differs  # [g, pos]: columns that differ
-    diffs = {n: src[n][:, start:].to(base[n].dtype) - base[n].detach() for n in acts}
-    layers = {
-        l: _qk_layer(model, l, hooks, needs, src, base, start, differs) for l, (hooks, needs) in qk.items()
-    }
+            metric.sum(), [base[n] for n in inputs], allow_unused=True, retain_graph=retain_graph
+        ), strict=True))
+    return _BaseRun(base, metric, cache, full, inputs, start)
 
-    def estimate(grads: Mapping[str, Tensor | None]) -> Tensor:
-        scores = {n: column_scores(diffs[n], grads.get(n), start, width, differs) for n in acts}
+
+class _Estimator:
+    """Turns a set of gradients (full or GradDrop) into every cell's estimate for the group's
+    pairs: `(source - base) . gradient` per activation, the query/key fix per layer, read out
+    through the cell index. Everything stays on the device."""
+
+    def __init__(self, index: CellIndex, layout: _HookLayout, diffs: dict[str, Tensor],
+                 layers: dict[int, _QKLayer], start: int, width: int, differs: Tensor) -> None:
+        self.index, self.layout, self.diffs, self.layers = index, layout, diffs, layers
+        self.start, self.width, self.differs = start, width, differs
+
+    def __call__(self, grads: Mapping[str, Tensor | None]) -> Tensor:
+        scores = {n: column_scores(self.diffs[n], grads.get(n), self.start, self.width, self.differs)
+                  for n in self.layout.acts}
         totals: dict[str, Tensor] = {}
-        for part in layers.values():
-            s, t = part.scores(grads.get(part.hooks.pattern), start, differs)
+        for part in self.layers.values():
+            s, t = part.scores(grads.get(part.hooks.pattern), self.start, self.differs)
             scores.update(s)
             totals.update(t)
-        return index.values(scores, totals)
+        return self.index.values(scores, totals)
 
-    atp = estimate(full)
-    dropped = None
-    if blocks is not None:
-        dropped = torch.empty((len(cells), len(blocks), g), dtype=torch.float64, device=metric.device)
-        for b, (first, end) in enumerate(blocks):
-            g_out = full[resid[end]]  # the gradient leaving the block, unchanged by the drop
-            grads: dict[str, Tensor | None] = {}
-            for name, (at, kind) in layer_of.items():
-                if at >= end or (at == end - 1 and kind == "resid_post"):
-                    grads[name] = full.get(name)
-                elif at >= first:  # inside the block: only the skip path is left
-                    grads[name] = None if kind in _COMPONENTS else g_out
-            lower = [n for n in inputs if layer_of[n][0] < first]
-            if lower:
-                with torch.enable_grad():
-                    below = torch.autograd.grad(
-                        base[resid[first]], [base[n] for n in lower], grad_outputs=g_out, allow_unused=True,
-                        retain_graph=True,
-                    )
-                grads.update(zip(lower, below))
-            dropped[:, b] = estimate(grads)
-    kept = None
-    if keep:
-        sub = _base_group(group, rows)
-        stream = {}
-        for l in range(1, n_layers):
-            new = base[resid[l]].detach()
-            stream[l] = torch.zeros((g, width) + tuple(new.shape[2:]), dtype=new.dtype, device=new.device)
-            stream[l][:, start:] = new
-        if cache is not None:
-            cache = PrefixCache([k.detach() for k in cache.keys], [v.detach() for v in cache.values])
-        sources = {n: src[n] for n in patched}
-        kept = (sub, BasePass(metric.detach().float(), sources, cache, stream))
+
+def _graddrop(
+    run: _BaseRun, layout: _HookLayout, blocks: list[tuple[int, int]], estimate: _Estimator, n_cells: int, g: int,
+) -> Tensor:
+    """The estimates `[cell, block, g]` with the gradient through each block's residual
+    contributions dropped: one partial backward per block, from the block's input down."""
+    full, base = run.full, run.store
+    dropped = torch.empty((n_cells, len(blocks), g), dtype=torch.float64, device=run.metric.device)
+    for b, (first, end) in enumerate(blocks):
+        g_out = full[layout.resid[end]]  # the gradient leaving the block, unchanged by the drop
+        grads: dict[str, Tensor | None] = {}
+        for name, (at, kind) in layout.layer_of.items():
+            if at >= end or (at == end - 1 and kind == "resid_post"):
+                grads[name] = full.get(name)
+            elif at >= first:  # inside the block: only the skip path is left
+                grads[name] = None if kind in _COMPONENTS else g_out
+        lower = [n for n in run.inputs if layout.layer_of[n][0] < first]
+        if lower:
+            with torch.enable_grad():
+                below = torch.autograd.grad(
+                    base[layout.resid[first]], [base[n] for n in lower], grad_outputs=g_out, allow_unused=True,
+                    retain_graph=True,
+                )
+            grads.update(zip(lower, below, strict=True))
+        dropped[:, b] = estimate(grads)
+    return dropped
+
+
+def _kept_state(
+    group: Group, rows: GroupRows, run: _BaseRun, layout: _HookLayout, src: dict[str, Tensor], n_layers: int,
+) -> tuple[Group, BasePass]:
+    """What exact patching of the group's cells reuses: the stories patched into as a group of
+    their own, and a `BasePass` of their metric, the source activations, keys and values and
+    residual stream per block (zero before the run's first column)."""
+    g, width, start = group.g, group.width, run.start
+    stream = {}
+    for l in range(1, n_layers):
+        new = run.store[layout.resid[l]].detach()
+        stream[l] = torch.zeros((g, width) + tuple(new.shape[2:]), dtype=new.dtype, device=new.device)
+        stream[l][:, start:] = new
+    cache = run.cache
+    if cache is not None:
+        cache = PrefixCache([k.detach() for k in cache.keys], [v.detach() for v in cache.values])
+    sources = {n: src[n] for n in layout.patched}
+    return _base_group(group, rows), BasePass(run.metric.detach().float(), sources, cache, stream)
+
+
+def _estimate_group(
+    model: Model, group: Group, cells: Sequence[Cell], index: CellIndex, direction: Direction, *, qk_fix: bool,
+    blocks: list[tuple[int, int]] | None, reuse_prefix: bool, keep: bool,
+) -> _Group:
+    """AtP* estimates of a group's pairs, GradDrop per layer block, and (`keep`) the state exact
+    patching reuses."""
+    rows = group_rows(group, direction)
+    layout = _hook_layout(model, cells, qk_fix=qk_fix, graddrop=blocks is not None)
+    src_names = (set(layout.acts) | layout.patched
+                 | {n for hooks, _ in layout.qk.values() for n in (hooks.q_rot, hooks.k_rot)})
+    src, src_metric, prefix = source_run(model, group, rows, sorted(src_names), keep_cache=reuse_prefix)
+    run = _base_run(model, group, rows, layout, prefix, keep=keep, retain_graph=blocks is not None)
+    start, base, differs = run.start, run.store, rows.differs  # differs: [g, pos], the columns that differ
+    diffs = {n: src[n][:, start:].to(base[n].dtype) - base[n].detach() for n in layout.acts}
+    layers = {
+        l: _qk_layer(model, l, hooks, needs, src, base, start, differs) for l, (hooks, needs) in layout.qk.items()
+    }
+    estimate = _Estimator(index, layout, diffs, layers, start, group.width, differs)
+    atp = estimate(run.full)
+    dropped = None if blocks is None else _graddrop(run, layout, blocks, estimate, len(cells), group.g)
+    kept = _kept_state(group, rows, run, layout, src, model.cfg.n_layers) if keep else None
     checks = {l: part.check for l, part in layers.items()}
-    return _Group(atp, dropped, metric.detach().double(), src_metric.double(), checks, kept)
+    return _Group(atp, dropped, run.metric.detach().double(), src_metric.double(), checks, kept)
 
 
 def _estimate(
-    model, prepared: PreparedPairs, cells: list[Cell], direction: Direction, *, qk_fix: bool,
+    model: Model, prepared: PreparedPairs, cells: list[Cell], direction: Direction, *, qk_fix: bool,
     graddrop: bool, n_blocks: int | None, reuse_prefix: bool, keep: bool, progress: bool,
 ) -> tuple[Estimates, list[tuple[Group, BasePass] | None]]:
     check_selectors(cells, prepared)
@@ -417,14 +505,14 @@ def _estimate(
                               reuse_prefix=reuse_prefix, keep=keep)
         # one table per group, pairs along the last axis: AtP* [cell], GradDrop [cell * block], the
         # score check of the query/key fix [1 per layer, the same for every pair], base and source metric
-        dropped = [] if out.dropped is None else [out.dropped.reshape(n_cell * n_block, group.g)]
+        drop_rows = [] if out.dropped is None else [out.dropped.reshape(n_cell * n_block, group.g)]
         checks = [out.checks[l].double().expand(1, group.g) for l in qk_layers]
-        parts.append(torch.cat([out.atp, *dropped, *checks, out.base_metric[None, :], out.src_metric[None, :]]))
+        parts.append(torch.cat([out.atp, *drop_rows, *checks, out.base_metric[None, :], out.src_metric[None, :]]))
         kept.append(out.verify)
     table = to_host_by_pair(parts, prepared.groups, n_pair)  # what the search reads, in one copy
     at = n_cell * (1 + n_block)
     if qk_layers:  # a host table: its numbers as Python floats, read once
-        _raise_on_bad_scores(dict(zip(qk_layers, table[at : at + len(qk_layers)].tolist())))
+        _raise_on_bad_scores(dict(zip(qk_layers, table[at : at + len(qk_layers)].tolist(), strict=True)))
     atp, base, src = table[:n_cell].clone(), table[-2].clone(), table[-1].clone()
     dropped = table[n_cell:at].reshape(n_cell, n_block, n_pair).clone() if blocks else None
     clean, corrupted = (src, base) if direction == "denoise" else (base, src)
@@ -434,7 +522,7 @@ def _estimate(
 
 
 def atp_star(
-    model,
+    model: Model,
     pairs: Sequence[Any] | PreparedPairs,
     *,
     sites: Sequence[str] | Mapping[str, Sequence[str]] = ("heads",),
@@ -464,7 +552,7 @@ def atp_star(
 
 
 def _verify(
-    model, prepared: PreparedPairs, kept: Sequence[tuple[Group, BasePass]], cells: Sequence[Cell],
+    model: Model, prepared: PreparedPairs, kept: Sequence[tuple[Group, BasePass]], cells: Sequence[Cell],
     idx: Sequence[int], values: Tensor, base: Float[Tensor, " pair"], *, memory_mb: float, progress: bool,
 ) -> None:
     """Exact patching of cells `idx` into `values` (raw metric), every (cell, pair) a batched row,
@@ -509,7 +597,7 @@ class SearchResult(PatchingResult):
     record per (kind, position) with the bound and what it means.
     """
 
-    verified: Bool[Tensor, "cell"] = field(default_factory=lambda: torch.zeros(0, dtype=torch.bool))
+    verified: Bool[Tensor, " cell"] = field(default_factory=lambda: torch.zeros(0, dtype=torch.bool))
     verified_as: list[str] = field(default_factory=list)
     estimates: Estimates | None = None
     estimate: np.ndarray = field(default_factory=lambda: np.zeros(0))
@@ -592,8 +680,191 @@ def hypergeom_upper(n_pop: int, n_drawn: int, hits: int, confidence: float) -> i
     return int(ks[ok].max()) if ok.any() else hits
 
 
+def _check_search_args(k: int, budget: int | None, confidence: float, fn_samples: int) -> None:
+    """Refuse settings the search cannot honour, before any forward."""
+    if k < 1:
+        raise TomlensError(f"k = {k}: the search needs at least one top cell to find", "pass k >= 1")
+    if budget is not None and budget < k:
+        raise TomlensError(f"budget {budget} is smaller than k = {k}", "raise the budget or lower k")
+    if not 0 < confidence < 1:
+        raise TomlensError(f"confidence {confidence} is not between 0 and 1", "pass e.g. 0.95")
+    if fn_samples < 0:
+        raise TomlensError(f"fn_samples {fn_samples} is negative", "pass 0 to skip the false-negative bound")
+
+
+def _groups_and_budget(
+    cells: Sequence[Cell], k: int, budget: int | None
+) -> tuple[dict[tuple[str, str], np.ndarray], int]:
+    """The cells' indices per (kind, position), where the rule and the bound are applied, and the
+    budget (default 4k per group), refused where it cannot cover the top k of every group."""
+    members: dict[tuple[str, str], list[int]] = {}
+    for i, c in enumerate(cells):
+        members.setdefault((c.kind, c.position), []).append(i)
+    groups = {key: np.array(idx) for key, idx in members.items()}
+    budget = 4 * k * len(groups) if budget is None else budget
+    if k * len(groups) > budget:
+        raise TomlensError(
+            f"budget {budget} cannot cover the top {k} of each of {len(groups)} kinds and positions",
+            f"raise the budget to at least {k * len(groups)}, lower k, or search fewer sites or positions",
+        )
+    return groups, budget
+
+
+@dataclass(frozen=True)
+class _Candidates:
+    """What the estimates say of every cell (host arrays `[cell]`): the AtP* `estimate` (mean
+    normalised effect) and its `se`, whether any pair patches it (`patchable`), the `score` that
+    ranks the candidates (importance, -inf where unpatchable), the GradDrop score and the `bound`
+    the rule verifies against (the largest importance any estimate gives)."""
+
+    estimate: np.ndarray
+    se: np.ndarray
+    patchable: np.ndarray
+    score: np.ndarray
+    graddrop: np.ndarray
+    bound: np.ndarray
+
+
+def _candidates(est: Estimates, direction: str, normalise: Normalise) -> _Candidates:
+    """The estimates read on the normalised-effect scale, once, on the host."""
+    norm = normalised_effects(est.base[None, :] + est.atp, est.clean, est.corrupted, normalise).numpy()
+    estimate, se = _mean_se(norm)
+    patchable = ~np.isnan(estimate)
+    score = np.where(patchable, _importance(estimate, direction), -np.inf)  # ranks the candidates
+    gd = np.full(len(est.cells), np.nan)
+    bound = score.copy()
+    if est.dropped is not None:
+        per_block = _importance(_mean_se(normalised_effects(
+            est.base[None, None, :] + est.dropped, est.clean, est.corrupted, normalise
+        ).numpy())[0], direction)  # [cell, block]
+        gd = np.nansum(per_block, 1) / max(len(est.blocks) - 1, 1)
+        bound = np.fmax(bound, np.max(np.where(np.isnan(per_block), -np.inf, per_block), 1))
+    return _Candidates(estimate, se, patchable, score, gd, bound)
+
+
+@dataclass
+class _Exact:
+    """The search's exact patching, round by round, on the estimation pass's kept runs (`kept`,
+    device state held until `release`): the raw metrics (`values`, `[cell, pair]` on the host),
+    their normalised effects (`norm`, the host numbers the rounds read) and which cells are done."""
+
+    model: Model
+    prepared: PreparedPairs
+    kept: list[tuple[Group, BasePass]]
+    est: Estimates
+    normalise: Normalise
+    memory_mb: float
+    progress: bool
+    values: Tensor = field(init=False)
+    norm: np.ndarray = field(init=False)
+    verified: np.ndarray = field(init=False)
+
+    def __post_init__(self) -> None:
+        shape = (len(self.est.cells), len(self.est.pair_ids))
+        self.values = torch.full(shape, float("nan"), dtype=torch.float64)
+        self.norm = np.full(shape, np.nan)
+        self.verified = np.zeros(shape[0], dtype=bool)
+
+    def verify(self, idx: Sequence[int] | np.ndarray) -> None:
+        """Patch the cells `idx` not yet verified, every group's metrics read back in one copy."""
+        todo = [int(i) for i in idx if not self.verified[i]]
+        if todo:
+            _verify(self.model, self.prepared, self.kept, self.est.cells, todo, self.values, self.est.base,
+                    memory_mb=self.memory_mb, progress=self.progress)
+            self.verified[todo] = True
+            # effects are normalised row by row, so the new rows alone, converted once per call
+            self.norm[todo] = normalised_effects(self.values[todo], self.est.clean, self.est.corrupted,
+                                                 self.normalise).numpy()
+
+    def importance(self, idx: np.ndarray) -> np.ndarray:
+        """The exact importance of verified cells `idx` (mean over pairs)."""
+        return _importance(_mean_se(self.norm[idx])[0], self.est.direction)
+
+    def release(self) -> None:
+        """Let the kept device state go: the rounds are over."""
+        self.kept = []
+
+
+def _first_round(
+    groups: Mapping[tuple[str, str], np.ndarray], cand: _Candidates, k: int, fn_samples: int, seed: int,
+) -> tuple[np.ndarray, np.ndarray]:
+    """(rule, sampled) masks `[cell]` of round 1: the top k of each group by estimate, and the
+    false-negative samples drawn at random from the rest of each group."""
+    n_cell = len(cand.score)
+    rule = np.zeros(n_cell, dtype=bool)
+    for idx in groups.values():
+        top = idx[np.argsort(-cand.score[idx], kind="stable")][:k]
+        rule[top[np.isfinite(cand.score[top])]] = True
+    rng = np.random.default_rng(seed)
+    sampled = np.zeros(n_cell, dtype=bool)
+    for idx in groups.values():
+        pool = idx[~rule[idx] & cand.patchable[idx]]
+        sampled[rng.choice(pool, size=min(fn_samples, len(pool)), replace=False)] = True
+    return rule, sampled
+
+
+def _rule_rounds(
+    exact: _Exact, groups: Mapping[tuple[str, str], np.ndarray], rule: np.ndarray, cand: _Candidates, *,
+    k: int, threshold: float | None, budget: int,
+) -> tuple[int, dict[tuple[str, str], float], int]:
+    """Later rounds: patch every cell whose bound reaches the cut (the k-th verified importance, or
+    the threshold if lower); each round can raise the cut. Only the rule's own cells set the cut, so
+    which cells the rule picks does not depend on the random sample. `rule` grows in place; returns
+    (rounds, the last cut per group, cells the budget left unresolved)."""
+    rounds = 1
+    cut: dict[tuple[str, str], float] = {}
+    unresolved = 0
+    bound = cand.bound
+    while True:
+        for key, idx in groups.items():
+            imp = exact.importance(idx[rule[idx] & cand.patchable[idx]])
+            imp = np.sort(imp[~np.isnan(imp)])[::-1]
+            kth = float(imp[min(k, len(imp)) - 1]) if len(imp) else np.inf
+            cut[key] = min(kth, threshold) if threshold is not None else kth
+        cut_of = np.array([cut[(c.kind, c.position)] for c in exact.est.cells])
+        pending = np.flatnonzero(~rule & (bound >= cut_of))
+        pending = pending[np.argsort(-(bound[pending] - cut_of[pending]), kind="stable")]
+        room = budget - int(rule.sum())
+        unresolved = max(0, len(pending) - room)
+        new = pending[:room]
+        if not len(new):
+            break
+        rule[new] = True
+        exact.verify(new)
+        rounds += 1
+    return rounds, cut, unresolved
+
+
+def _false_negatives(
+    exact: _Exact, key: tuple[str, str], idx: np.ndarray, rule: np.ndarray, sampled: np.ndarray,
+    cand: _Candidates, cut: float, *, k: int, threshold: float | None, confidence: float,
+) -> dict[str, Any]:
+    """The false-negative bound of one (kind, position), over the cells the rule left out."""
+    kind, position = key
+    theta = threshold if threshold is not None else cut
+    pop = idx[~rule[idx] & cand.patchable[idx]]
+    drawn = pop[sampled[pop]]
+    imp = exact.importance(drawn) if len(drawn) else np.array([])
+    hits = int(np.sum(imp >= theta))
+    upper = hypergeom_upper(len(pop), len(drawn), hits, confidence)
+    return {
+        "kind": kind, "position": position, "k": k, "threshold": float(theta),
+        "threshold_from": "given" if threshold is not None else "k-th verified importance",
+        "n_cells": len(idx), "n_verified_rule": int(rule[idx].sum()), "n_left_out": len(pop),
+        "n_sampled": len(drawn), "hits": hits,
+        "max_sampled_importance": float(np.nanmax(imp)) if len(imp) else float("nan"),
+        "confidence": confidence, "fn_count_upper": upper,
+        "fn_rate_upper": upper / len(pop) if len(pop) else 0.0,
+        "unresolved_by_budget": int(np.sum(~rule[idx] & (cand.bound[idx] >= cut))),
+        "meaning": (
+            f"with {confidence:.0%} confidence at most {upper} of the {len(pop)} cells the rule left out "
+            f"have importance >= {theta:.3g} ({hits} found among {len(drawn)} sampled and now verified)"
+        ),
+    }
+
+
 def search(
-    model,
+    model: Model,
     pairs: Sequence[Any] | PreparedPairs,
     *,
     sites: Sequence[str] | Mapping[str, Sequence[str]] = ("heads",),
@@ -630,128 +901,33 @@ def search(
     activations) for every group, so it needs no base pass of its own; that state is held for all
     pairs at once until the search ends.
     """
-    if k < 1:
-        raise TomlensError(f"k = {k}: the search needs at least one top cell to find", "pass k >= 1")
-    if budget is not None and budget < k:
-        raise TomlensError(f"budget {budget} is smaller than k = {k}", "raise the budget or lower k")
-    if not 0 < confidence < 1:
-        raise TomlensError(f"confidence {confidence} is not between 0 and 1", "pass e.g. 0.95")
-    if fn_samples < 0:
-        raise TomlensError(f"fn_samples {fn_samples} is negative", "pass 0 to skip the false-negative bound")
+    _check_search_args(k, budget, confidence, fn_samples)
     started = time.time()
     prepared = as_prepared(model, pairs, selectors_in(sites, positions), batch_pairs)
     roles(direction, 1, 0)  # an unknown direction fails here, before any forward
     cells = plan_search(model, sites, positions, n_aligned=prepared.n_aligned, layers=layers)
-    n_cell = len(cells)
-    members: dict[tuple[str, str], list[int]] = {}
-    for i, c in enumerate(cells):
-        members.setdefault((c.kind, c.position), []).append(i)
-    groups = {key: np.array(idx) for key, idx in members.items()}
-    budget = 4 * k * len(groups) if budget is None else budget
-    if k * len(groups) > budget:
-        raise TomlensError(
-            f"budget {budget} cannot cover the top {k} of each of {len(groups)} kinds and positions",
-            f"raise the budget to at least {k * len(groups)}, lower k, or search fewer sites or positions",
-        )
+    groups, budget = _groups_and_budget(cells, k, budget)
     if graddrop is None:
-        graddrop = graddrop_blocks is not None or n_cell >= 10 * model.cfg.n_layers
+        graddrop = graddrop_blocks is not None or len(cells) >= 10 * model.cfg.n_layers
     est, kept = _estimate(model, prepared, cells, direction, qk_fix=qk_fix, graddrop=graddrop,
                           n_blocks=graddrop_blocks, reuse_prefix=True, keep=True, progress=progress)
     t_estimates = time.time() - started
-    norm = normalised_effects(est.base[None, :] + est.atp, est.clean, est.corrupted, normalise).numpy()
-    estimate, se = _mean_se(norm)
-    patchable = ~np.isnan(estimate)
-    score = np.where(patchable, _importance(estimate, direction), -np.inf)  # ranks the candidates
-    gd = np.full(n_cell, np.nan)
-    bound = score.copy()
-    if est.dropped is not None:
-        per_block = _importance(_mean_se(normalised_effects(
-            est.base[None, None, :] + est.dropped, est.clean, est.corrupted, normalise
-        ).numpy())[0], direction)  # [cell, block]
-        gd = np.nansum(per_block, 1) / max(len(est.blocks) - 1, 1)
-        bound = np.fmax(bound, np.max(np.where(np.isnan(per_block), -np.inf, per_block), 1))
-
-    exact_values = torch.full((n_cell, len(est.pair_ids)), float("nan"), dtype=torch.float64)
-    exact_norm = np.full((n_cell, len(est.pair_ids)), np.nan)  # host numbers the rounds read
-    verified = np.zeros(n_cell, dtype=bool)
-
-    def verify(idx: Sequence[int] | np.ndarray) -> None:
-        todo = [int(i) for i in idx if not verified[i]]
-        if todo:
-            _verify(model, prepared, kept, cells, todo, exact_values, est.base, memory_mb=memory_mb,
-                    progress=progress)
-            verified[todo] = True
-            # effects are normalised row by row, so the new rows alone, converted once per call
-            exact_norm[todo] = normalised_effects(exact_values[todo], est.clean, est.corrupted, normalise).numpy()
-
-    def exact_importance(idx: np.ndarray) -> np.ndarray:
-        return _importance(_mean_se(exact_norm[idx])[0], direction)
-
-    # round 1: the top k of each group by estimate, and the false-negative samples from the rest
-    rule = np.zeros(n_cell, dtype=bool)
-    for idx in groups.values():
-        top = idx[np.argsort(-score[idx], kind="stable")][:k]
-        rule[top[np.isfinite(score[top])]] = True
-    rng = np.random.default_rng(seed)
-    sampled = np.zeros(n_cell, dtype=bool)
-    for idx in groups.values():
-        pool = idx[~rule[idx] & patchable[idx]]
-        sampled[rng.choice(pool, size=min(fn_samples, len(pool)), replace=False)] = True
-    verify(np.flatnonzero(rule))
-    t0 = time.time()
-    verify(np.flatnonzero(sampled))
-    t_samples = time.time() - t0
-
-    # later rounds: patch every cell whose bound reaches the cut (the k-th verified importance, or
-    # the threshold if lower); each round can raise the cut. Only the rule's own cells set the cut,
-    # so which cells the rule picks does not depend on the random sample.
-    rounds = 1
-    cut: dict[tuple[str, str], float] = {}
-    unresolved = 0
-    while True:
-        for key, idx in groups.items():
-            imp = exact_importance(idx[rule[idx] & patchable[idx]])
-            imp = np.sort(imp[~np.isnan(imp)])[::-1]
-            kth = float(imp[min(k, len(imp)) - 1]) if len(imp) else np.inf
-            cut[key] = min(kth, threshold) if threshold is not None else kth
-        cut_of = np.array([cut[(c.kind, c.position)] for c in cells])
-        pending = np.flatnonzero(~rule & (bound >= cut_of))
-        pending = pending[np.argsort(-(bound[pending] - cut_of[pending]), kind="stable")]
-        room = budget - int(rule.sum())
-        unresolved = max(0, len(pending) - room)
-        new = pending[:room]
-        if not len(new):
-            break
-        rule[new] = True
-        verify(new)
-        rounds += 1
-
-    # the false-negative bound per (kind, position), over the cells the rule left out
-    false_negatives = []
-    for (kind, position), idx in groups.items():
-        theta = threshold if threshold is not None else cut[(kind, position)]
-        pop = idx[~rule[idx] & patchable[idx]]
-        drawn = pop[sampled[pop]]
-        imp = exact_importance(drawn) if len(drawn) else np.array([])
-        hits = int(np.sum(imp >= theta))
-        upper = hypergeom_upper(len(pop), len(drawn), hits, confidence)
-        false_negatives.append({
-            "kind": kind, "position": position, "k": k, "threshold": float(theta),
-            "threshold_from": "given" if threshold is not None else "k-th verified importance",
-            "n_cells": len(idx), "n_verified_rule": int(rule[idx].sum()), "n_left_out": len(pop),
-            "n_sampled": len(drawn), "hits": hits,
-            "max_sampled_importance": float(np.nanmax(imp)) if len(imp) else float("nan"),
-            "confidence": confidence, "fn_count_upper": upper,
-            "fn_rate_upper": upper / len(pop) if len(pop) else 0.0,
-            "unresolved_by_budget": int(np.sum(~rule[idx] & (bound[idx] >= cut[(kind, position)]))),
-            "meaning": (
-                f"with {confidence:.0%} confidence at most {upper} of the {len(pop)} cells the rule left out "
-                f"have importance >= {theta:.3g} ({hits} found among {len(drawn)} sampled and now verified)"
-            ),
-        })
-
+    cand = _candidates(est, direction, normalise)
+    exact = _Exact(model, prepared, [part for part in kept if part is not None], est, normalise, memory_mb, progress)
     del kept
-    values = torch.where(torch.from_numpy(verified)[:, None], exact_values, est.base[None, :] + est.atp)
+    rule, sampled = _first_round(groups, cand, k, fn_samples, seed)
+    exact.verify(np.flatnonzero(rule))
+    t0 = time.time()
+    exact.verify(np.flatnonzero(sampled))
+    t_samples = time.time() - t0
+    rounds, cut, unresolved = _rule_rounds(exact, groups, rule, cand, k=k, threshold=threshold, budget=budget)
+    false_negatives = [
+        _false_negatives(exact, key, idx, rule, sampled, cand, cut[key], k=k, threshold=threshold,
+                         confidence=confidence)
+        for key, idx in groups.items()
+    ]
+    exact.release()
+    values = torch.where(torch.from_numpy(exact.verified)[:, None], exact.values, est.base[None, :] + est.atp)
     settings = {
         "method": "AtP* (Kramar et al. 2024)", "direction": direction, "k": k, "budget": budget,
         "threshold": threshold, "fn_samples": fn_samples, "confidence": confidence, "qk_fix": qk_fix,
@@ -761,10 +937,11 @@ def search(
     }
     return SearchResult(
         "search", direction, cells, values, est.clean, est.corrupted, est.pair_ids, est.token_labels, normalise, seed,
-        verified=torch.from_numpy(verified),
-        verified_as=["rule" if r else ("sample" if s else "") for r, s in zip(rule, sampled)],
-        estimates=est, estimate=estimate, estimate_se=se, graddrop=gd,
-        bound=np.where(np.isfinite(bound), bound, np.nan), false_negatives=false_negatives, settings=settings,
+        verified=torch.from_numpy(exact.verified),
+        verified_as=["rule" if r else ("sample" if s else "") for r, s in zip(rule, sampled, strict=True)],
+        estimates=est, estimate=cand.estimate, estimate_se=cand.se, graddrop=cand.graddrop,
+        bound=np.where(np.isfinite(cand.bound), cand.bound, np.nan), false_negatives=false_negatives,
+        settings=settings,
     )
 
 

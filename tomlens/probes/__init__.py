@@ -11,10 +11,18 @@ The sweep over cached activations lives in `tomlens.probes.sweep`.
 
 from tomlens.probes.base import Probe
 from tomlens.probes.baselines import (
-    BASELINE_COLUMNS, add_best_baseline, attach_baselines, length_features, position_features,
+    BASELINE_COLUMNS,
+    add_best_baseline,
+    attach_baselines,
+    length_features,
+    position_features,
 )
 from tomlens.probes.controls import (
-    bag_of_words, condition_split, split_labels, type_cells, type_control_labels,
+    bag_of_words,
+    condition_split,
+    split_labels,
+    type_cells,
+    type_control_labels,
 )
 from tomlens.probes.directions import load_directions, save_directions
 from tomlens.probes.logistic import C_GRID, LogisticFit, LogisticProbe, fit_logistic

@@ -33,7 +33,7 @@ class Probe(ABC):
 
     @abstractmethod
     def fit(self, X: Float[Tensor, "unit n d"], y: Int[Tensor, " n"],
-            groups: Sequence[Any] | None = None) -> Probe:
+            groups: Sequence[Any] | Tensor | None = None) -> Probe:
         """Fit one classifier per unit; `groups` (e.g. task ids) keep stories together in any
         internal cross-validation."""
 
@@ -82,7 +82,7 @@ class Probe(ABC):
                 "n_units": int(self.coef_.shape[0]), "d": int(self.coef_.shape[2])}
 
 
-def scores_to_index(s: Float[Tensor, "... k"]) -> Int[Tensor, "..."]:
+def scores_to_index(s: Float[Tensor, "... k"]) -> Int[Tensor, " ..."]:
     """Index of the predicted class: sign for one column, argmax otherwise."""
     if s.shape[-1] == 1:
         return (s[..., 0] > 0).long()

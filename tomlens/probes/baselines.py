@@ -16,7 +16,8 @@ sweep fits the same probe, on the same folds and plans, to:
 `attach_baselines` copies each baseline's score onto the activation rows with the same (target,
 train_on, eval_set, metric, test_set) as `baseline_*` columns; `add_best_baseline` (re)computes
 `best_baseline`, `best_baseline_name` and `above_baseline` = score - best_baseline from whatever
-`baseline_*` columns a table has (so a later stage can add one, e.g. a random-init twin).
+`baseline_*` columns a table has (so a later stage can add one, e.g. a random-init twin:
+`merge_twin` adds `baseline_random_init`, the same sweep's score on a random-init model).
 """
 
 from __future__ import annotations
@@ -131,3 +132,22 @@ def add_best_baseline(table: pd.DataFrame) -> pd.DataFrame:
     out["best_baseline_name"] = np.where(has, names[arg], "")
     out["above_baseline"] = out["score"].to_numpy(dtype=np.float64) - best
     return out
+
+
+TWIN_KEYS = ["kind", "layer", "head", "position", "target", "train_on", "eval_set", "metric"]
+
+
+def merge_twin(table: pd.DataFrame, twin: pd.DataFrame) -> pd.DataFrame:
+    """`baseline_random_init` on the activation rows of `table`: the twin's score on the row with
+    the same (kind, layer, head, position, target, train_on, eval_set, metric); then the best
+    baseline is recomputed over every `baseline_*` column."""
+    t = twin[twin["features"] == "activations"][TWIN_KEYS + ["score"]].rename(columns={"score": "baseline_random_init"})
+    if t.duplicated(TWIN_KEYS).any():
+        raise TomlensError("the random-init twin's table has several rows per unit and evaluation",
+                           "run the twin on one stimulus set and one position")
+    out = table.copy()
+    acts = (out["features"] == "activations").to_numpy()
+    merged = out.loc[acts, TWIN_KEYS].merge(t, on=TWIN_KEYS, how="left")["baseline_random_init"]
+    out["baseline_random_init"] = np.nan
+    out.loc[acts, "baseline_random_init"] = merged.to_numpy(dtype=np.float64)
+    return add_best_baseline(out)

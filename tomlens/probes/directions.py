@@ -10,8 +10,8 @@ leaves nothing that loads as finished.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch

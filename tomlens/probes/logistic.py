@@ -24,6 +24,7 @@ units' ranks once (to batch them by width), and the results come back in one cop
 from __future__ import annotations
 
 import math
+import typing
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -36,8 +37,8 @@ from torch import Tensor
 
 from tomlens.devices import resolve_device, to_device
 from tomlens.errors import TomlensError
-from tomlens.probes.cadence import check_every as check_every_steps
 from tomlens.probes.base import Probe, encode_labels, one_vs_rest, scores_to_index, scores_to_proba
+from tomlens.probes.cadence import check_every as check_every_steps
 from tomlens.probes.newton import FIT_STATUS, NON_FINITE_INPUT, NOT_CONVERGED, SOLVER_FAILED, Workspace, newton_logistic
 from tomlens.probes.reduce import BlockSums, RowBasis, Standardiser, reduce_rows, scale_spread
 from tomlens.probes.splits import Split, as_codes, group_kfold
@@ -168,11 +169,17 @@ def _problem(Xc: Tensor, sums: BlockSums | None, basis: RowBasis | None, basis_r
     """Standardise on the blocks `include` (None: no standardisation) and reduce. With a row basis
     the ranks are known on the host (`basis_ranks`); a per-fold reduction's ranks are read back
     once here."""
-    std = Standardiser.identity(Xc) if sums is None else Standardiser.from_blocks(sums, include)
+    if sums is None:
+        std = Standardiser.identity(Xc)
+    else:
+        assert include is not None  # block sums come with the blocks to standardise on
+        std = Standardiser.from_blocks(sums, include)
     if basis is not None:
+        assert basis_ranks is not None  # a row basis comes with its ranks
         Z, Wt = basis.standardised(std, weights)
 
         def to_raw(beta: Tensor) -> tuple[Tensor, Tensor]:
+            assert Wt is not None, "raw weights need the map asked for (weights=True)"
             return std.to_raw(torch.bmm(beta[..., :-1], Wt), beta[..., -1])
 
         return _Problem(Z, _device_buckets(basis_ranks, Xc.device), to_raw)
@@ -279,7 +286,7 @@ def _fit_units(Xc: Tensor, sums: BlockSums | None, basis: RowBasis | None, basis
 
 
 def choose_c(acc: Float[Tensor, "... grid"], nll: Float[Tensor, "... grid"],
-             c_grid: Sequence[float]) -> Int[Tensor, "..."]:
+             c_grid: Sequence[float]) -> Int[Tensor, " ..."]:
     """Index of the best C: highest accuracy; ties broken by lower log-loss, then smaller C.
     A C with NaN accuracy (its fit failed) is chosen only when every C failed."""
     cs = to_device(torch.tensor(list(c_grid), dtype=torch.float64), acc.device)
@@ -339,37 +346,19 @@ def fit_logistic(
 
     Runs on `device` (the activations move there a chunk of units at a time) and reads back
     nothing per unit, fold, C or Newton step: the solver looks every `check_every` steps
-    (`tomlens.probes.cadence`), each fold's reduction reads its units' ranks once, and the
-    results come to the host in one copy at the end.
+    (`tomlens.probes.cadence`), each chunk's reduction reads its units' ranks once
+    (`_chunk_parts`), and the results come to the host in one copy at the end.
     """
     dev = resolve_device(device)
-    if X.ndim != 3:
-        raise TomlensError(f"activations must be [unit, n, d], got shape {tuple(X.shape)}",
-                           "add a leading unit axis (X[None]) for a single probe")
-    Y = torch.as_tensor(Y).long()
-    if Y.ndim == 1:
-        Y = Y.unsqueeze(0)
+    Y, classes, index, c_grid = _checked_labels(X, Y, c_grid)
     u, n, d = X.shape
-    if Y.shape[1] != n:
-        raise TomlensError(f"{Y.shape[1]} labels for {n} rows of activations", "pass one label per row")
-    classes, _ = encode_labels(Y[0])
-    index = torch.searchsorted(classes, Y)  # [L, n]
-    if not bool((classes[index.clamp_max(classes.numel() - 1)] == Y).all()):
-        raise TomlensError("the label vectors do not share one set of classes",
-                           "pass label vectors over the same classes (e.g. the target and a control task)")
-    c_grid = tuple(float(c) for c in c_grid)
-    if not c_grid or any(c <= 0 for c in c_grid):
-        raise TomlensError(f"C grid {c_grid} is empty or not positive", "use positive C values")
     every = check_every_steps(dev, check_every)
     n_classes = classes.numel()
     kk = 1 if n_classes == 2 else n_classes
     L = Y.shape[0]
     codes = as_codes(groups, n)
     folds = inner_folds(codes, n, cv, seed) if len(c_grid) > 1 else []
-    block = [0] * n  # each row's inner fold, on the host
-    for f, split in enumerate(folds):
-        for i in split.test.tolist():
-            block[i] = f
+    block = _row_blocks(folds, n)
     # a unit with NaN or inf activations is fitted as zeros (cheap and harmless) and reported
     mag = X.abs().flatten(1).amax(1).to(torch.float64)  # [u]; NaN where a NaN is
     non_finite = to_device(~torch.isfinite(mag), dev)
@@ -389,27 +378,8 @@ def fit_logistic(
             Xc = to_device(X[sl], dev).to(dtype, copy=True)  # our own copy: scaled in place below
             # rescaled (x 1 is exact), and zero where a unit is not finite: no host branch
             Xc.mul_(rescale[sl].to(dtype).view(-1, 1, 1)).masked_fill_(non_finite[sl].view(-1, 1, 1), 0.0)
-            uc = Xc.shape[0]
-            sums = None
-            parts: list[tuple[list[int], RowBasis | None, list[int] | None]] = [(list(range(uc)), None, None)]
-            if standardize:
-                sums = BlockSums.of(Xc, block, max(len(folds), 1))
-                if low_rank and m_min < d:
-                    basis, small = RowBasis.of(Xc, max_rank=m_min, every=every)
-                    # the basis keeps raw directions down to ~1e-6 of the largest: units whose
-                    # standardisation blows up far smaller ones are reduced per fold instead
-                    n_blk = sums.count.numel()
-                    includes = [[b for b in range(n_blk) if b != f] for f in range(len(folds))]
-                    small &= scale_spread(sums, includes + [list(range(n_blk))]) >= 1e-4
-                    flags, ranks = torch.stack([small.long(), basis.ranks]).tolist()  # one host read per chunk
-                    lo = [i for i, f in enumerate(flags) if f]
-                    hi = [i for i, f in enumerate(flags) if not f]
-                    if lo:
-                        lo_ranks = [ranks[i] for i in lo]
-                        parts = [(lo, basis.subset(to_device(lo, dev), max(lo_ranks)), lo_ranks), (hi, None, None)]
-            for idx_host, part_basis, part_ranks in parts:
-                if not idx_host:
-                    continue
+            sums = BlockSums.of(Xc, block, max(len(folds), 1)) if standardize else None
+            for idx_host, part_basis, part_ranks in _chunk_parts(Xc, sums, len(folds), low_rank, m_min, every):
                 idx = to_device(idx_host, dev)
                 sub = None if sums is None else sums.subset(idx)
                 fit = _fit_units(Xc[idx], sub, part_basis, part_ranks, index, n_classes, folds, c_grid, max_iter,
@@ -425,6 +395,77 @@ def fit_logistic(
         # the results come to the host once per call
         coef, intercept, chosen, status, cv_acc, iters, rescale, non_finite = _to_host(
             coef, intercept, chosen, status, cv_acc, iters, rescale, non_finite)
+    coef, intercept, chosen, status = _raw_weights(coef, intercept, chosen, status, rescale, non_finite)
+    _warn_status(status, max_iter, tol)
+    return LogisticFit(coef=coef, intercept=intercept, C=chosen, classes=classes,
+                       cv_accuracy=cv_acc if folds else None, c_grid=c_grid, n_iter=int(iters), status=status)
+
+
+def _checked_labels(X: Tensor, Y: Tensor, c_grid: Sequence[float]
+                    ) -> tuple[Tensor, Tensor, Tensor, tuple[float, ...]]:
+    """(labels as [L, n], their classes, each label's class index, the C grid as floats), or a
+    clear error for activations that are not [unit, n, d], labels that do not match them or do not
+    share one set of classes, and a C grid that is empty or not positive."""
+    if X.ndim != 3:
+        raise TomlensError(f"activations must be [unit, n, d], got shape {tuple(X.shape)}",
+                           "add a leading unit axis (X[None]) for a single probe")
+    Y = torch.as_tensor(Y).long()
+    if Y.ndim == 1:
+        Y = Y.unsqueeze(0)
+    n = X.shape[1]
+    if Y.shape[1] != n:
+        raise TomlensError(f"{Y.shape[1]} labels for {n} rows of activations", "pass one label per row")
+    classes, _ = encode_labels(Y[0])
+    index = torch.searchsorted(classes, Y)  # [L, n]
+    if not bool((classes[index.clamp_max(classes.numel() - 1)] == Y).all()):
+        raise TomlensError("the label vectors do not share one set of classes",
+                           "pass label vectors over the same classes (e.g. the target and a control task)")
+    grid = tuple(float(c) for c in c_grid)
+    if not grid or any(c <= 0 for c in grid):
+        raise TomlensError(f"C grid {grid} is empty or not positive", "use positive C values")
+    return Y, classes, index, grid
+
+
+def _row_blocks(folds: Sequence[Split], n: int) -> list[int]:
+    """Each row's inner fold (0 for every row when there are no folds), on the host."""
+    block = [0] * n
+    for f, split in enumerate(folds):
+        for i in split.test.tolist():
+            block[i] = f
+    return block
+
+
+def _chunk_parts(Xc: Tensor, sums: BlockSums | None, n_folds: int, low_rank: bool, m_min: int, every: int
+                 ) -> list[tuple[list[int], RowBasis | None, list[int] | None]]:
+    """The units of a chunk in the groups fitted together: (unit indices, a shared row basis and
+    their ranks) for units whose rows span no more dimensions than a fold has rows, then (the
+    others, None, None); one group of all units when nothing is reduced. One host read per chunk."""
+    uc, d = Xc.shape[0], Xc.shape[2]
+    parts: list[tuple[list[int], RowBasis | None, list[int] | None]] = [(list(range(uc)), None, None)]
+    if sums is None or not (low_rank and m_min < d):
+        return parts
+    basis, small = RowBasis.of(Xc, max_rank=m_min, every=every)
+    # the basis keeps raw directions down to ~1e-6 of the largest: units whose
+    # standardisation blows up far smaller ones are reduced per fold instead
+    n_blk = sums.count.numel()
+    includes = [[b for b in range(n_blk) if b != f] for f in range(n_folds)]
+    small &= scale_spread(sums, includes + [list(range(n_blk))]) >= 1e-4
+    flags, ranks = torch.stack([small.long(), basis.ranks]).tolist()  # one host read per chunk
+    lo = [i for i, f in enumerate(flags) if f]
+    hi = [i for i, f in enumerate(flags) if not f]
+    if not lo:
+        return parts
+    lo_ranks = [ranks[i] for i in lo]
+    out: list[tuple[list[int], RowBasis | None, list[int] | None]] = [
+        (lo, basis.subset(to_device(lo, Xc.device), max(lo_ranks)), lo_ranks)]
+    return out + ([(hi, None, None)] if hi else [])
+
+
+def _raw_weights(coef: Tensor, intercept: Tensor, chosen: Tensor, status: Tensor, rescale: Tensor,
+                 non_finite: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """On the host: weights on the raw features (not the rescaled ones), non-finite units marked,
+    and NaN weights and C wherever a fit failed."""
+    L, u = status.shape
     coef = coef * rescale.view(1, u, 1, 1)  # weights on the rescaled features -> on the raw ones
     status = torch.where(non_finite.view(1, u), NON_FINITE_INPUT, status)
     failed = status >= SOLVER_FAILED
@@ -432,9 +473,7 @@ def fit_logistic(
     coef = torch.where(failed.view(L, u, 1, 1), nan, coef)
     intercept = torch.where(failed.view(L, u, 1), nan, intercept)
     chosen = torch.where(failed, nan, chosen)
-    _warn_status(status, max_iter, tol)
-    return LogisticFit(coef=coef, intercept=intercept, C=chosen, classes=classes,
-                       cv_accuracy=cv_acc if folds else None, c_grid=c_grid, n_iter=int(iters), status=status)
+    return coef, intercept, chosen, status
 
 
 def _to_host(*tensors: Tensor) -> list[Tensor]:
@@ -458,7 +497,7 @@ def _safe_scale(mag: Float[Tensor, " u"], n: int, dtype: torch.dtype) -> Float[T
     return torch.where(safe, 1.0, torch.ldexp(torch.ones_like(mag), -torch.frexp(mag).exponent))
 
 
-def _status_counts(status: Int[Tensor, "..."]) -> dict[str, int]:
+def _status_counts(status: Int[Tensor, " ..."]) -> dict[str, int]:
     """How many entries of a fit-status tensor have each reason other than "ok"."""
     counts = torch.bincount(status.flatten(), minlength=len(FIT_STATUS)).tolist()
     return {FIT_STATUS[i]: c for i, c in enumerate(counts) if i and c}
@@ -502,7 +541,8 @@ class LogisticProbe(Probe):
 
     @property
     def c_grid(self) -> tuple[float, ...]:
-        return tuple(float(c) for c in self.C) if isinstance(self.C, (list, tuple)) else (float(self.C),)
+        c = self.C
+        return tuple(float(x) for x in c) if isinstance(c, (list, tuple)) else (float(typing.cast(float, c)),)
 
     def fit(self, X: Float[Tensor, "unit n d"], y: Int[Tensor, " n"],
             groups: Sequence[Any] | Tensor | None = None) -> LogisticProbe:

@@ -135,6 +135,11 @@ def newton_logistic(
     factorise is retried with the next Levenberg damping rung at the next step, the problem
     standing still meanwhile, so the iterates (and `n_iter`, which counts steps taken) are those
     of trying every rung at once.
+
+    Kept as one function (about 130 lines) on purpose: its loop is the hot path, and its dozen
+    tensors of state (iterate, signed logits, rung, done, capped, live units) change together each
+    step; split into steps they would travel in and out of helpers as a mutable bundle, and the one
+    host read per `check_every` steps would no longer sit visibly beside the loop that it gates.
     """
     dev = Z.device
     ws = workspace if workspace is not None else Workspace()

@@ -80,6 +80,7 @@ def scale_spread(sums: BlockSums, includes: Sequence[Sequence[int]]) -> Float[Te
         lo = torch.where(constant, torch.full_like(sd, torch.inf), sd).amin(1)
         ratio = torch.where(torch.isfinite(lo) & (hi > 0), lo / hi.clamp_min(1e-300), torch.ones_like(hi))
         worst = ratio if worst is None else torch.minimum(worst, ratio)
+    assert worst is not None, "no fold's rows were given"
     return worst
 
 
@@ -152,6 +153,7 @@ class Reduced:
         """Map reduced weights back to (standardised) feature space."""
         if self.pivots is None:
             return beta_w
+        assert self.lp is not None  # set together with pivots
         # alpha = L_P^-T beta  (upper-triangular solve), then w = X[pivots]^T alpha
         alpha = torch.linalg.solve_triangular(self.lp.transpose(1, 2), beta_w.transpose(1, 2), upper=True)
         xp = torch.gather(Xs, 1, self.pivots.unsqueeze(2).expand(-1, -1, Xs.shape[2])).to(alpha.dtype)
@@ -285,6 +287,7 @@ class RowBasis:
                                every=every)
         A = red.Z
         ranks = red.ranks(A)
+        assert red.pivots is not None and red.lp is not None and red.complete is not None  # a full factorisation
         xp = torch.gather(Xc, 1, red.pivots.unsqueeze(2).expand(-1, -1, Xc.shape[2]))
         Bt = torch.linalg.solve_triangular(red.lp, xp, upper=False)  # L_P^-1 Xc[P] = B^T
         live = torch.arange(A.shape[2], device=X.device).unsqueeze(0) < ranks.unsqueeze(1)

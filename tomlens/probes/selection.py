@@ -45,7 +45,13 @@ from tomlens.probes import stats
 from tomlens.probes.base import Probe
 from tomlens.probes.baselines import length_features, position_features
 from tomlens.probes.controls import (
-    CELL_LEVELS, bag_of_words, choose_cell_level, condition_split, split_labels, type_cells, type_control_labels,
+    CELL_LEVELS,
+    bag_of_words,
+    choose_cell_level,
+    condition_split,
+    split_labels,
+    type_cells,
+    type_control_labels,
 )
 from tomlens.probes.logistic import LogisticProbe, cpu_threads_for
 from tomlens.probes.mass_mean import MassMeanProbe
@@ -238,7 +244,7 @@ def permute_labels(y: Int[Tensor, " n"], groups: Int[Tensor, " n"], n_perm: int,
 def pairs_conditions_within_groups(y: Tensor, groups: Tensor) -> bool:
     """Whether every group holds more than one label (then labels are permuted within groups)."""
     labels: dict[int, set[int]] = {}
-    for label, group in zip(y.tolist(), groups.tolist()):
+    for label, group in zip(y.tolist(), groups.tolist(), strict=True):
         labels.setdefault(group, set()).add(label)
     return all(len(v) > 1 for v in labels.values())
 
@@ -341,6 +347,10 @@ class _Halves:
 def _halves(acts: ActivationsLike, target: str, cfg: SweepConfig, seed: int, selection_fraction: float,
             test_acts: ActivationsLike | None, twin_acts: ActivationsLike | None,
             twin_test_acts: ActivationsLike | None) -> _Halves:
+    sel: ActivationsLike
+    ev: ActivationsLike
+    tw_sel: ActivationsLike | None
+    tw_ev: ActivationsLike | None
     if test_acts is None:
         split = selection_split(acts.stimuli, selection_fraction, seed, cfg.group_by)
         sel, ev = _Rows(acts, split.train), _Rows(acts, split.test)
@@ -410,6 +420,43 @@ def _selection_sweep_config(cfg: SweepConfig) -> SweepConfig:
                    position=False, embeddings=False, condition_split=False)
 
 
+@dataclass(frozen=True)
+class Verdict:
+    """Whether the selected unit counts as a finding ("found") or not ("withheld", with why)."""
+
+    verdict: str
+    reason: str
+
+
+def judge(result: SelectionResult, alpha: float = 0.05) -> Verdict:
+    """The rule that makes a finding, read off a finished selection: the chosen unit's evaluation
+    interval (on stories kept apart from its choice) lies above chance, above the best baseline and
+    above the type-level control (where that control can fail), and the max-statistic permutation
+    p is below `alpha`. Anything short of that is withheld, every failed condition said in words."""
+    reasons = []
+    e = result.evaluation
+    if e is None or not math.isfinite(e.score):
+        reasons.append("the selected unit could not be scored on the evaluation stories")
+    else:
+        if not e.ci_low > e.chance:
+            reasons.append(f"its evaluation interval [{e.ci_low:.2f}, {e.ci_high:.2f}] does not exclude chance "
+                           f"({e.chance:.2f})")
+        bb = result.best_baseline
+        if bb is not None and not e.ci_low > bb[1].score:
+            reasons.append(f"its evaluation interval low {e.ci_low:.2f} is not above the best baseline "
+                           f"({bb[0]} {bb[1].score:.2f})")
+        c = result.control
+        if c is not None and math.isfinite(c.score) and not e.ci_low > c.score:
+            reasons.append(f"its evaluation interval low {e.ci_low:.2f} is not above the type-level control "
+                           f"({c.score:.2f}): the features may name the template, cue and condition cells")
+    if result.n_perm == 0:
+        reasons.append("no permutation null was run")
+    elif not result.p_max < alpha:
+        reasons.append(f"p_max {result.p_max:.3f} >= {alpha} (the best of {result.n_units} units is not "
+                       "better than the best unit on permuted labels)")
+    return Verdict(WITHHELD, "; ".join(reasons)) if reasons else Verdict(FOUND, "")
+
+
 def select_and_evaluate(
     acts: ActivationsLike,
     target: str,
@@ -430,7 +477,9 @@ def select_and_evaluate(
 
     With `test_acts` the whole of `acts` is the selection set and `test_acts` the evaluation set.
     `twin_acts` (and `twin_test_acts`): the same stimuli cached on a random-init model of the
-    same architecture; the chosen unit on them is one more baseline ("random_init").
+    same architecture; the chosen unit on them is one more baseline ("random_init"). Steps:
+    choose the unit (`_choose_unit`), score it and its baselines and controls on the evaluation
+    half (`_evaluate_unit`), run the null (`_run_null`), then `judge`.
     """
     cfg = config or SweepConfig()
     if probe not in PROBES:
@@ -444,129 +493,140 @@ def select_and_evaluate(
                      f"{1 / (1 + n_permutations):.3f}, not below alpha {alpha}, so no unit can be found: use at "
                      f"least {math.floor(1 / alpha)} permutations")
     h = _halves(acts, target, cfg, seed, selection_fraction, test_acts, twin_acts, twin_test_acts)
-    sel, ev, tw_sel, tw_ev = h.sel, h.ev, h.tw_sel, h.tw_ev
-    rs, re_, st_s, st_e, ys, ye, gs, ge = h.rs, h.re, h.st_s, h.st_e, h.ys, h.ye, h.gs, h.ge
     result = SelectionResult(target=target, unit=None, selection_score=float("nan"), evaluation=None,
-                             n_selection=len(st_s), n_evaluation=len(st_e))
-
-    def withhold(reason: str) -> SelectionResult:
-        result.verdict, result.reason, result.notes = WITHHELD, reason, notes
-        return result
-
+                             n_selection=len(h.st_s), n_evaluation=len(h.st_e))
     if h.withheld:
-        return withhold(h.withheld)
-    folds = h.folds
-    if folds < cfg.folds:
-        notes.append(f"selection half has {h.n_groups} groups: {folds} folds instead of {cfg.folds}")
-    sweep = run_probe_sweep(sel, target, sites=list(sites), positions=(position,), probe=probe, seed=seed,
+        return _withhold(result, h.withheld, notes)
+    if h.folds < cfg.folds:
+        notes.append(f"selection half has {h.n_groups} groups: {h.folds} folds instead of {cfg.folds}")
+    unchosen = _choose_unit(result, h, target, sites, position, probe, seed)
+    if unchosen:
+        return _withhold(result, unchosen, notes)
+    _evaluate_unit(result, h, position, probe, cfg, seed, notes)
+    if n_permutations > 0:
+        _run_null(result, h, sites, position, n_permutations, cfg, seed, notes)
+    notes.append(f"selection and evaluation took {time.time() - t0:.1f} s")
+    verdict = judge(result, alpha)
+    result.notes = notes
+    if verdict.verdict == WITHHELD:
+        return _withhold(result, verdict.reason, notes)
+    result.verdict, result.reason = FOUND, ""
+    return result
+
+
+def _withhold(result: SelectionResult, reason: str, notes: list[str]) -> SelectionResult:
+    result.verdict, result.reason, result.notes = WITHHELD, reason, notes
+    return result
+
+
+def _choose_unit(result: SelectionResult, h: _Halves, target: str, sites: Sequence[str], position: str,
+                 probe: str, seed: int) -> str:
+    """Sweep every unit on the selection stories (cross-fitted, C by nested CV) and set the best one
+    (accuracy, trained and tested on all conditions) on `result`; returns why none can be chosen
+    ("" when one was)."""
+    sweep = run_probe_sweep(h.sel, target, sites=list(sites), positions=(position,), probe=probe, seed=seed,
                             config=h.sweep_config)
     t = sweep.table
     rows = t[(t["features"] == "activations") & (t["train_on"] == "all") & (t["eval_set"] == "all")
              & (t["metric"] == "accuracy")]
     result.n_units = int(len(rows))
     if rows.empty:
-        return withhold("the selection sweep scored no unit (no training split held both classes of the "
-                        "target)")
+        return "the selection sweep scored no unit (no training split held both classes of the target)"
     rows = rows[rows["score"].notna()]
     if rows.empty:
-        return withhold(f"none of the {result.n_units} units could be fitted on the selection stories "
-                        "(fit_status in the selection sweep)")
+        return (f"none of the {result.n_units} units could be fitted on the selection stories "
+                "(fit_status in the selection sweep)")
     best = rows.loc[rows["score"].idxmax()]
     result.unit = {"kind": str(best["kind"]), "layer": int(best["layer"]), "head": int(best["head"]),
                    "position": position}
     result.selection_score = float(best["score"])
+    return ""
 
-    # the chosen unit: fit on the selection half, score once on the evaluation half
-    Xs, Xe = _one_unit(sel, result.unit, rs), _one_unit(ev, result.unit, re_)
-    result.evaluation = _fit_and_score(probe, Xs, ys, gs, Xe, ye, ge, cfg, seed)
 
-    # baselines on the same split, fitted and scored the same way
-    bs, vocab = bag_of_words(st_s)
-    be = bag_of_words(st_e, vocab)[0]
-    result.baselines["bag_of_words"] = _fit_and_score(probe, bs.unsqueeze(0), ys, gs, be.unsqueeze(0), ye, ge,
-                                                      cfg, seed)
-    result.baselines["length"] = _fit_and_score(probe, length_features(st_s).unsqueeze(0), ys, gs,
-                                                length_features(st_e, st_s).unsqueeze(0), ye, ge, cfg, seed)
-    result.baselines["position"] = _fit_and_score(
-        probe, position_features(st_s, position).unsqueeze(0), ys, gs,
-        position_features(st_e, position, st_s).unsqueeze(0), ye, ge, cfg, seed)
+def _evaluate_unit(result: SelectionResult, h: _Halves, position: str, probe: str, cfg: SweepConfig, seed: int,
+                   notes: list[str]) -> None:
+    """The chosen unit fitted on the selection half and scored once on the evaluation half, beside
+    baselines, the type-level control and the condition split fitted and scored the same way."""
+    assert result.unit is not None
+    Xs, Xe = _one_unit(h.sel, result.unit, h.rs), _one_unit(h.ev, result.unit, h.re)
+    result.evaluation = _fit_and_score(probe, Xs, h.ys, h.gs, Xe, h.ye, h.ge, cfg, seed)
+    result.baselines.update(_baselines(result.unit, h, position, probe, cfg, seed, notes))
+    result.control, result.control_reason = _type_control(Xs, Xe, h, probe, cfg, seed, notes)
+    result.condition_split = _condition_split(Xs, Xe, h, probe, cfg, seed)
+
+
+def _baselines(unit: dict[str, Any], h: _Halves, position: str, probe: str, cfg: SweepConfig, seed: int,
+               notes: list[str]) -> dict[str, Estimate]:
+    """Bag of words, length, position, the embeddings and (with a twin) the random-init model's
+    same unit, each fitted on the selection half and scored on the evaluation half."""
+    def score(Xs: Tensor, Xe: Tensor) -> Estimate:
+        return _fit_and_score(probe, Xs, h.ys, h.gs, Xe, h.ye, h.ge, cfg, seed)
+
+    out: dict[str, Estimate] = {}
+    bs, vocab = bag_of_words(h.st_s)
+    out["bag_of_words"] = score(bs.unsqueeze(0), bag_of_words(h.st_e, vocab)[0].unsqueeze(0))
+    out["length"] = score(length_features(h.st_s).unsqueeze(0), length_features(h.st_e, h.st_s).unsqueeze(0))
+    out["position"] = score(position_features(h.st_s, position).unsqueeze(0),
+                            position_features(h.st_e, position, h.st_s).unsqueeze(0))
     emb = {"kind": EMBEDDINGS_KIND, "layer": 0, "head": -1, "position": position}
     try:
-        has_emb = 0 in list(sel.layers(EMBEDDINGS_KIND)) and 0 in list(ev.layers(EMBEDDINGS_KIND))
+        has_emb = 0 in list(h.sel.layers(EMBEDDINGS_KIND)) and 0 in list(h.ev.layers(EMBEDDINGS_KIND))
     except Exception:  # noqa: BLE001 - an activation set without the kind says so in its own way
         has_emb = False
     if has_emb:
-        result.baselines["embeddings"] = _fit_and_score(probe, _one_unit(sel, emb, rs), ys, gs, _one_unit(ev, emb, re_),
-                                                        ye, ge, cfg, seed)
+        out["embeddings"] = score(_one_unit(h.sel, emb, h.rs), _one_unit(h.ev, emb, h.re))
     else:
         notes.append("embeddings baseline not run (resid_pre:0 was not cached)")
-    if tw_sel is not None and tw_ev is not None:
-        result.baselines["random_init"] = _fit_and_score(probe, _one_unit(tw_sel, result.unit, rs), ys, gs,
-                                                         _one_unit(tw_ev, result.unit, re_), ye, ge, cfg, seed)
+    if h.tw_sel is not None and h.tw_ev is not None:
+        out["random_init"] = score(_one_unit(h.tw_sel, unit, h.rs), _one_unit(h.tw_ev, unit, h.re))
+    return out
 
-    # type-level control: the chosen unit's probe on one random label per type cell, at the level the
-    # sweep would choose (`controls.choose_cell_level`), scored on the evaluation stories against its
-    # own labels; withheld where most evaluation cells never occur in selection (it could not fail)
-    level, share = choose_cell_level(st_s, st_e)
-    cells_s, cells_e = type_cells(st_s, level), type_cells(st_e, level)
-    labels = type_control_labels(cells_s, seed=seed, test_cells=cells_e)
+
+def _type_control(Xs: Tensor, Xe: Tensor, h: _Halves, probe: str, cfg: SweepConfig, seed: int,
+                  notes: list[str]) -> tuple[Estimate | None, str]:
+    """(the type-level control, why it is withheld): the chosen unit's probe on one random label per
+    type cell, at the level the sweep would choose (`controls.choose_cell_level`), scored on the
+    evaluation stories against its own labels; withheld where most evaluation cells never occur in
+    selection (it could not fail)."""
+    level, share = choose_cell_level(h.st_s, h.st_e)
+    labels = type_control_labels(type_cells(h.st_s, level), seed=seed, test_cells=type_cells(h.st_e, level))
+    control, reason = None, ""
     if share < 0.5:
-        result.control_reason = (f"{1 - share:.0%} of the evaluation stories' {CELL_LEVELS[level]} cells never "
-                                 "occur in selection, so the control is at chance by construction (it cannot fail)")
+        reason = (f"{1 - share:.0%} of the evaluation stories' {CELL_LEVELS[level]} cells never "
+                  "occur in selection, so the control is at chance by construction (it cannot fail)")
     elif labels is None or torch.unique(labels[0]).numel() < 2 or torch.unique(labels[1]).numel() < 2:
-        result.control_reason = f"not run (fewer than two {CELL_LEVELS[level]} cells, or one label on a side)"
+        reason = f"not run (fewer than two {CELL_LEVELS[level]} cells, or one label on a side)"
     else:
-        result.control = _fit_and_score(probe, Xs, labels[0], gs, Xe, labels[1], ge, cfg, seed)
+        control = _fit_and_score(probe, Xs, labels[0], h.gs, Xe, labels[1], h.ge, cfg, seed)
         if level != "template_cue_condition":
             notes.append(f"type-level control cells are {CELL_LEVELS[level]} (the finer cells do not recur)")
-    if result.control_reason:
-        notes.append(f"type-level control withheld: {result.control_reason}")
+    if reason:
+        notes.append(f"type-level control withheld: {reason}")
+    return control, reason
 
-    # condition split (>= 3 conditions): a balanced split of the conditions least correlated with the
-    # target; a unit that decodes it as well as the target may be reading the condition
-    found_split = condition_split([s.condition for s in st_s], ys, seed)
-    if found_split is not None:
-        half = found_split[0]
-        cs, ce = split_labels([s.condition for s in st_s], half), split_labels([s.condition for s in st_e], half)
-        if torch.unique(cs).numel() == 2 and torch.unique(ce).numel() == 2:
-            result.condition_split = _fit_and_score(probe, Xs, cs, gs, Xe, ce, ge, cfg, seed)
 
-    # max-statistic permutation null over every unit, on the selection half
-    if n_permutations > 0:
-        t1 = time.time()
-        units = [_unit_matrix(sel, kind, position)[0][rs].transpose(0, 1).float().contiguous() for kind in sites]
-        observed, perm_max, how = max_statistic_null(units, ys, gs, folds=folds, n_perm=n_permutations, seed=seed,
-                                                     unit_budget_bytes=cfg.unit_budget_bytes, device=cfg.device)
-        result.observed_max, result.permutation, result.n_perm = observed, how, n_permutations
-        result.p_max = float((1 + int((perm_max >= observed - 1e-12).sum())) / (1 + n_permutations))
-        notes.append(f"permutation null: {n_permutations} permutations ({how}) of {result.n_units} units, ridge "
-                     f"classifier statistic, took {time.time() - t1:.1f} s")
-    notes.append(f"selection and evaluation took {time.time() - t0:.1f} s")
+def _condition_split(Xs: Tensor, Xe: Tensor, h: _Halves, probe: str, cfg: SweepConfig, seed: int
+                     ) -> Estimate | None:
+    """With >= 3 conditions: the chosen unit on a balanced split of the conditions least correlated
+    with the target (a unit that decodes it as well as the target may be reading the condition)."""
+    found = condition_split([s.condition for s in h.st_s], h.ys, seed)
+    if found is None:
+        return None
+    half = found[0]
+    cs, ce = split_labels([s.condition for s in h.st_s], half), split_labels([s.condition for s in h.st_e], half)
+    if torch.unique(cs).numel() == 2 and torch.unique(ce).numel() == 2:
+        return _fit_and_score(probe, Xs, cs, h.gs, Xe, ce, h.ge, cfg, seed)
+    return None
 
-    # the verdict
-    e = result.evaluation
-    reasons = []
-    if not math.isfinite(e.score):
-        reasons.append("the selected unit could not be scored on the evaluation stories")
-    else:
-        if not e.ci_low > e.chance:
-            reasons.append(f"its evaluation interval [{e.ci_low:.2f}, {e.ci_high:.2f}] does not exclude chance "
-                           f"({e.chance:.2f})")
-        bb = result.best_baseline
-        if bb is not None and not e.ci_low > bb[1].score:
-            reasons.append(f"its evaluation interval low {e.ci_low:.2f} is not above the best baseline "
-                           f"({bb[0]} {bb[1].score:.2f})")
-        c = result.control
-        if c is not None and math.isfinite(c.score) and not e.ci_low > c.score:
-            reasons.append(f"its evaluation interval low {e.ci_low:.2f} is not above the type-level control "
-                           f"({c.score:.2f}): the features may name the template, cue and condition cells")
-    if result.n_perm == 0:
-        reasons.append("no permutation null was run")
-    elif not result.p_max < alpha:
-        reasons.append(f"p_max {result.p_max:.3f} >= {alpha} (the best of {result.n_units} units is not "
-                       "better than the best unit on permuted labels)")
-    result.notes = notes
-    if reasons:
-        return withhold("; ".join(reasons))
-    result.verdict, result.reason = FOUND, ""
-    return result
+
+def _run_null(result: SelectionResult, h: _Halves, sites: Sequence[str], position: str, n_permutations: int,
+              cfg: SweepConfig, seed: int, notes: list[str]) -> None:
+    """The max-statistic permutation null over every unit, on the selection half: sets p_max."""
+    t1 = time.time()
+    units = [_unit_matrix(h.sel, kind, position)[0][h.rs].transpose(0, 1).float().contiguous() for kind in sites]
+    observed, perm_max, how = max_statistic_null(units, h.ys, h.gs, folds=h.folds, n_perm=n_permutations, seed=seed,
+                                                 unit_budget_bytes=cfg.unit_budget_bytes, device=cfg.device)
+    result.observed_max, result.permutation, result.n_perm = observed, how, n_permutations
+    result.p_max = float((1 + int((perm_max >= observed - 1e-12).sum())) / (1 + n_permutations))
+    notes.append(f"permutation null: {n_permutations} permutations ({how}) of {result.n_units} units, ridge "
+                 f"classifier statistic, took {time.time() - t1:.1f} s")

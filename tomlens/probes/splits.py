@@ -7,8 +7,8 @@ grouped first and groups are assigned to folds; folds are deterministic given th
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np

@@ -31,9 +31,9 @@ from __future__ import annotations
 
 import time
 import warnings
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -41,24 +41,40 @@ import pandas as pd
 import torch
 from torch import Tensor
 
+from tomlens.devices import default_device
 from tomlens.errors import TomlensError
+from tomlens.messages import say
 from tomlens.probes import stats
 from tomlens.probes.base import Probe, encode_labels
 from tomlens.probes.baselines import attach_baselines, length_features, position_features
 from tomlens.probes.controls import (
-    CELL_LEVELS, bag_of_words, choose_cell_level, condition_split, seen_share, split_labels, type_cells,
+    CELL_LEVELS,
+    bag_of_words,
+    choose_cell_level,
+    condition_split,
+    seen_share,
+    split_labels,
+    type_cells,
     type_control_labels,
 )
 from tomlens.probes.directions import direction_name, save_directions, unit_norm
-from tomlens.devices import default_device
 from tomlens.probes.logistic import (
-    C_GRID, LogisticProbe, ProbeFitWarning, cpu_threads_for, fit_logistic,
+    C_GRID,
+    LogisticProbe,
+    ProbeFitWarning,
+    cpu_threads_for,
+    fit_logistic,
 )
 from tomlens.probes.mass_mean import MassMeanProbe
 from tomlens.probes.newton import FIT_STATUS, NON_FINITE_INPUT, NOT_CONVERGED, OK, SOLVER_FAILED
+from tomlens.probes.resume import ChunkFit, FitCheckpoints, activations_identity, fit_settings, inputs_hash
 from tomlens.probes.splits import GROUPINGS, Split, group_codes, group_kfold, holdout, restrict
 from tomlens.probes.targets import (
-    false_belief_mask, get_target, label_variation, make_target, true_belief_mask,
+    false_belief_mask,
+    get_target,
+    label_variation,
+    make_target,
+    true_belief_mask,
 )
 from tomlens.provenance import versions
 from tomlens.stimuli.records import Stimulus, stimuli_hash
@@ -189,7 +205,7 @@ def _fit(probe: str, X: Tensor, Y: Tensor, groups: Tensor, cfg: SweepConfig, see
             return [LogisticProbe.from_fit(res, i, cv=cfg.inner_folds, seed=seed, device=cfg.device,
                                            check_every=cfg.check_every)
                     for i in range(Y.shape[0])], res.C[0], res.status.amax(0)
-        probes = [MassMeanProbe(device=cfg.device).fit(X, Y[i]) for i in range(Y.shape[0])]
+        probes: list[Probe] = [MassMeanProbe(device=cfg.device).fit(X, Y[i]) for i in range(Y.shape[0])]
     fitted = torch.stack([torch.isfinite(p.coef_).flatten(1).all(1) & torch.isfinite(p.intercept_).all(1)
                           for p in probes]).all(0)
     status = torch.where(fitted, OK, SOLVER_FAILED)
@@ -305,7 +321,7 @@ def _run_plan(plan: _Plan, probe: str, Xtr: Tensor, ytr: Tensor, gtr: Tensor, Xt
         out.scores[:, te] = s.cpu()
         out.predicted[te] = True
         out.chance_correct[te] = _chance(ytr[tr], yte[te])
-        for name, p in zip(names, extra_probes):
+        for name, p in zip(names, extra_probes, strict=True):
             lab_tr, lab_te = extras[name]
             e = out.extras[name]
             e.scores[:, te] = p.decision_function(Xs)[..., 0].cpu()  # binary: one column, > 0 means 1
@@ -425,7 +441,7 @@ def _rows_for(outcome: _Outcome, plan: _Plan, yte: Tensor, gte: Tensor, cfg: Swe
                                   for iv in parts]).reshape(len(names), -1).T.tolist()  # [U][names]
             for ui, (layer, head) in enumerate(unit_keys):
                 row = {**common, "layer": layer, "head": head, "train_on": plan.train_on,
-                       "eval_set": eval_set, "metric": metric, **dict(zip(names, values[ui])),
+                       "eval_set": eval_set, "metric": metric, **dict(zip(names, values[ui], strict=True)),
                        "chance": chance if metric == "accuracy" else 0.5,
                        "n_train": n_train, "n_test": int(sel.numel()),
                        "n_test_groups": n_groups, "C": C[ui], "fit_status": status[ui]}
@@ -497,6 +513,14 @@ def _progress(total: int, enabled: bool, desc: str):  # noqa: ANN202 - tqdm or a
     return _Null()
 
 
+def twin_sweep_config(cfg: SweepConfig) -> SweepConfig:
+    """The sweep settings for a random-init twin: activation rows and the target only (the main
+    sweep has the rest; only the twin's score is merged, as `baselines.merge_twin` does, so
+    fitting its control task's labels too would double its Newton work for columns nobody reads)."""
+    return replace(cfg, bow=False, length=False, position=False, embeddings=False, condition_split=False,
+                   directions=False, controls=False)
+
+
 def _check_test_set(train: Sequence[Stimulus], test: Sequence[Stimulus]) -> None:
     shared = {s.text for s in train} & {s.text for s in test}
     if shared:
@@ -534,6 +558,7 @@ class FeatureSet:
     units: int
     dim: int
     rank: int  # the most columns a unit's reduced problem can have (d, or about d / heads per head)
+    n_chunks: int = 1  # how many chunks `chunks` yields (the unit of a resumed sweep)
 
 
 @dataclass
@@ -613,88 +638,110 @@ def lay_out_sweep(
     (`run_probe_sweep`'s arguments); nothing is fitted, and activations are read only for their
     shapes. `tomlens.probes.sweep_plan` counts and times a layout."""
     cfg = replace(config or SweepConfig(), **overrides)
+    kinds, position, targets = _check_request(target, sites, positions, probe)
+    train_st = list(acts.stimuli)
+    test_st = list(test_acts.stimuli) if test_acts is not None else None
+    if test_acts is not None and test_st is not None:
+        _check_test_set(train_st, test_st)
+        _check_same_model(acts, test_acts)
+    notes = _grouping_notes(cfg, train_st, test_st)
+    variation: dict[str, pd.DataFrame] = {}
+    shapes = {kind: _unit_shape(acts, kind, position) for kind in kinds}
+    laid = [_lay_out_target(tname, acts, test_acts, kinds, shapes, position, probe, seed, cfg, notes, variation)
+            for tname in targets]
+    return SweepLayout(acts, test_acts, laid, kinds, position, probe, seed, cfg, notes, variation, targets)
+
+
+def _check_request(target: str | Sequence[str], sites: Sequence[str], positions: Sequence[str], probe: str
+                   ) -> tuple[list[str], str, list[str]]:
+    """(site kinds, the one position, target names) of a sweep request, or a clear error."""
     if isinstance(sites, str) or isinstance(positions, str):
         raise TomlensError("sites and positions are sequences of names, not one string",
                            'pass e.g. sites=("resid_post",), positions=("final",)')
-    kinds = list(sites)
     if len(positions) != 1:
         raise TomlensError(f"positions {', '.join(positions) or '(none)'}: the probe sweep uses one position",
                            "give one position (e.g. final), and run the sweep once per position")
-    position = positions[0]
     if probe not in PROBES:
         raise TomlensError(f"unknown probe {probe!r}", f"use one of {', '.join(PROBES)}")
     targets = [target] if isinstance(target, str) else list(target)
     for t in targets:
         get_target(t)
+    return list(sites), positions[0], targets
+
+
+def _grouping_notes(cfg: SweepConfig, train_st: Sequence[Stimulus], test_st: Sequence[Stimulus] | None) -> list[str]:
+    """What `group_by=cue` means on these stimuli (no note for the other groupings)."""
+    if cfg.group_by != "cue":
+        return []
+    if not any(s.meta.get("cue_id") not in (None, "") for s in [*train_st, *(test_st or [])]):
+        return ["no stimulus has a cue_id: group_by=cue is group_by=task here"]
+    n_groups = int(torch.unique(group_codes(train_st, "cue")).numel())
+    return [f"group_by=cue: {n_groups} cue group(s) (no cue phrasing and no story on both sides)"
+            + ("; too few for a selection half of 3 groups" if n_groups < 6 else "")]
+
+
+def _lay_out_target(tname: str, acts: ActivationsLike, test_acts: ActivationsLike | None, kinds: list[str],
+                    shapes: dict[str, tuple[int, int, int]], position: str, probe: str, seed: int,
+                    cfg: SweepConfig, notes: list[str], variation: dict[str, pd.DataFrame]) -> TargetLayout:
+    """One target's rows (those where it is defined), labels, groups, plans, extra label vectors
+    and feature sets; its notes go to `notes`, whether its label varies per condition to `variation`."""
     train_st = list(acts.stimuli)
     test_st = list(test_acts.stimuli) if test_acts is not None else None
+    y_all, keep = make_target(train_st, tname)
+    ktr = keep.nonzero().squeeze(1)
+    st_tr = [train_st[i] for i in ktr.tolist()]
+    ytr = y_all[ktr]
+    gtr = group_codes(st_tr, cfg.group_by)
     if test_st is not None:
-        _check_test_set(train_st, test_st)
-        _check_same_model(acts, test_acts)
+        y_te_all, keep_te = make_target(test_st, tname)
+        kte = keep_te.nonzero().squeeze(1)
+        st_te = [test_st[i] for i in kte.tolist()]
+        yte = y_te_all[kte]
+        gte = group_codes(st_te, cfg.group_by)
+    else:
+        kte, st_te, yte, gte = ktr, st_tr, ytr, gtr
+    encode_labels(ytr)  # at least two classes, or a clear error
+    separate_test = st_te if test_st is not None else None
+    plans = _drop_one_class_sets(_plans(st_tr, separate_test, gtr, cfg, seed), yte, tname, notes)
+    if tname not in variation:
+        variation[tname] = label_variation(st_tr + (st_te if test_st is not None else []), tname)
+        if not bool(variation[tname]["varies"].any()):
+            notes.append(f"{tname} is fixed by the condition in every condition here, so a probe for it is a "
+                         f"probe for the condition: it reads {tname.replace('_', ' ')} rather than condition "
+                         "words only where the words cannot tell the conditions apart (bag-of-words baseline at "
+                         "chance, as on order-only and the factorial)")
     test_name = "same" if test_st is None else f"stimuli:{stimuli_hash(test_st)}"
-    notes: list[str] = []
-    variation: dict[str, pd.DataFrame] = {}
-    if cfg.group_by == "cue" and not any(s.meta.get("cue_id") not in (None, "")
-                                         for s in [*train_st, *(test_st or [])]):
-        notes.append("no stimulus has a cue_id: group_by=cue is group_by=task here")
-    elif cfg.group_by == "cue":
-        n_groups = int(torch.unique(group_codes(train_st, "cue")).numel())
-        notes.append(f"group_by=cue: {n_groups} cue group(s) (no cue phrasing and no story on both sides)"
-                     + ("; too few for a selection half of 3 groups" if n_groups < 6 else ""))
-    shapes = {kind: _unit_shape(acts, kind, position) for kind in kinds}
-    laid: list[TargetLayout] = []
-    for tname in targets:
-        y_all, keep = make_target(train_st, tname)
-        ktr = keep.nonzero().squeeze(1)
-        st_tr = [train_st[i] for i in ktr.tolist()]
-        ytr = y_all[ktr]
-        gtr = group_codes(st_tr, cfg.group_by)
-        if test_st is not None:
-            y_te_all, keep_te = make_target(test_st, tname)
-            kte = keep_te.nonzero().squeeze(1)
-            st_te = [test_st[i] for i in kte.tolist()]
-            yte = y_te_all[kte]
-            gte = group_codes(st_te, cfg.group_by)
-        else:
-            kte, st_te, yte, gte = ktr, st_tr, ytr, gtr
-        encode_labels(ytr)  # at least two classes, or a clear error
-        plans = _drop_one_class_sets(_plans(st_tr, st_te if test_st is not None else None, gtr, cfg, seed),
-                                     yte, tname, notes)
-        if tname not in variation:
-            variation[tname] = label_variation(st_tr + (st_te if test_st is not None else []), tname)
-            if not bool(variation[tname]["varies"].any()):
-                notes.append(f"{tname} is fixed by the condition in every condition here, so a probe for it is a "
-                             f"probe for the condition: it reads {tname.replace('_', ' ')} rather than condition "
-                             "words only where the words cannot tell the conditions apart (bag-of-words baseline at "
-                             "chance, as on order-only and the factorial)")
-        common = {"position": position, "target": tname, "probe": probe, "test_set": test_name}
-        extras, blind = _extras(st_tr, st_te if test_st is not None else None, ytr, plans, cfg, seed, tname, notes)
+    common = {"position": position, "target": tname, "probe": probe, "test_set": test_name}
+    extras, blind = _extras(st_tr, separate_test, ytr, plans, cfg, seed, tname, notes)
+    feature_sets = _feature_sets(acts, test_acts, kinds, shapes, position, ktr, kte, st_tr, st_te, cfg, notes)
+    return TargetLayout(tname, ktr, kte, st_tr, st_te, ytr, gtr, yte, gte, plans, extras, blind, feature_sets, common)
 
-        # the activations at each site, then the baselines
-        feature_sets: list[FeatureSet] = []
-        for kind in kinds:
-            units, dim, rank = shapes[kind]
-            feature_sets.append(FeatureSet("activations", kind,
-                                           _activation_chunks(acts, test_acts, kind, position, ktr, kte, cfg), True,
-                                           units, dim, rank))
-        if cfg.bow:
-            vocab = max(len(bag_of_words(st_tr)[1]), 1)
-            feature_sets.append(FeatureSet("bag_of_words", "", _bow_chunks(st_tr, st_te), False, 1, vocab, vocab))
-        if cfg.length:
-            feature_sets.append(FeatureSet("length", "", _length_chunks(st_tr, st_te), False, 1, 2, 2))
-        if cfg.position:
-            feature_sets.append(FeatureSet("position", "", _position_chunks(st_tr, st_te, position), False, 1, 2, 2))
-        if cfg.embeddings:
-            if _holds(acts, "resid_pre", 0, position) and (test_acts is None or _holds(test_acts, "resid_pre", 0, position)):
-                _, dim, _ = _unit_shape(acts, "resid_pre", position)
-                feature_sets.append(FeatureSet("embeddings", "resid_pre",
-                                               _embedding_chunks(acts, test_acts, position, ktr, kte), False,
-                                               1, dim, dim))
-            else:
-                notes.append("embeddings baseline not run: cache resid_pre:0")
-        laid.append(TargetLayout(tname, ktr, kte, st_tr, st_te, ytr, gtr, yte, gte, plans, extras, blind,
-                                 feature_sets, common))
-    return SweepLayout(acts, test_acts, laid, kinds, position, probe, seed, cfg, notes, variation, targets)
+
+def _feature_sets(acts: ActivationsLike, test_acts: ActivationsLike | None, kinds: list[str],
+                  shapes: dict[str, tuple[int, int, int]], position: str, ktr: Tensor, kte: Tensor, st_tr: list[Stimulus], st_te: list[Stimulus],
+                  cfg: SweepConfig, notes: list[str]) -> list[FeatureSet]:
+    """The activations at each site kind, then the baselines the settings ask for."""
+    out: list[FeatureSet] = []
+    for kind in kinds:
+        units, dim, rank = shapes[kind]
+        out.append(FeatureSet("activations", kind, _activation_chunks(acts, test_acts, kind, position, ktr, kte, cfg),
+                              True, units, dim, rank,
+                              n_chunks=len(_chunks(units, int(ktr.numel()), dim, cfg.unit_budget_bytes))))
+    if cfg.bow:
+        vocab = max(len(bag_of_words(st_tr)[1]), 1)
+        out.append(FeatureSet("bag_of_words", "", _bow_chunks(st_tr, st_te), False, 1, vocab, vocab))
+    if cfg.length:
+        out.append(FeatureSet("length", "", _length_chunks(st_tr, st_te), False, 1, 2, 2))
+    if cfg.position:
+        out.append(FeatureSet("position", "", _position_chunks(st_tr, st_te, position), False, 1, 2, 2))
+    if cfg.embeddings:
+        if _holds(acts, "resid_pre", 0, position) and (test_acts is None or _holds(test_acts, "resid_pre", 0, position)):
+            _, dim, _ = _unit_shape(acts, "resid_pre", position)
+            out.append(FeatureSet("embeddings", "resid_pre", _embedding_chunks(acts, test_acts, position, ktr, kte),
+                                  False, 1, dim, dim))
+        else:
+            notes.append("embeddings baseline not run: cache resid_pre:0")
+    return out
 
 
 def _unit_shape(acts: ActivationsLike, kind: str, position: str) -> tuple[int, int, int]:
@@ -720,6 +767,7 @@ def run_probe_sweep(
     probe: str = "logistic",
     seed: int = 0,
     config: SweepConfig | None = None,
+    resume_in: str | Path | None = None,
     **overrides: Any,
 ) -> ProbeSweepResult:
     """Probe every layer (and head) of the site kinds `sites` at the one position in `positions`
@@ -732,6 +780,9 @@ def run_probe_sweep(
     Before fitting, with `progress` and `show_plan` on, it prints its plan (`sweep_plan`: the fits
     of each feature set and the estimated time, from one small timed fit per site kind); with
     `budget_minutes` it refuses a plan whose estimate exceeds that, before any fit.
+
+    `resume_in`: a run folder that keeps each finished chunk of fits (`fit_layout`), so a killed
+    sweep started again with the same settings fits only what it had left.
     """
     layout = lay_out_sweep(acts, target, sites=sites, positions=positions, test_acts=test_acts, probe=probe,
                            seed=seed, config=config, **overrides)
@@ -742,65 +793,136 @@ def run_probe_sweep(
         plan = sweep_plan(layout)
         time_fits(plan, layout)
         if cfg.progress and cfg.show_plan:
-            print("\n".join(plan.lines()))
+            say("\n".join(plan.lines()))
         plan.check_budget()
-    return fit_layout(layout)
+    return fit_layout(layout, resume_in)
 
 
-def fit_layout(layout: SweepLayout) -> ProbeSweepResult:
-    """Fit and score everything `layout` lays out (the body of `run_probe_sweep`)."""
-    cfg, acts, test_acts = layout.cfg, layout.acts, layout.test_acts
-    probe, seed, position = layout.probe, layout.seed, layout.position
+def fit_layout(layout: SweepLayout, resume_in: str | Path | None = None) -> ProbeSweepResult:
+    """Fit and score everything `layout` lays out (the body of `run_probe_sweep`), a chunk of units
+    at a time. With `resume_in` (a run folder), each finished chunk is saved under it as it ends
+    and a chunk saved there by an earlier run of the same sweep is read back instead of fitted
+    (`tomlens.probes.resume`): a killed run, started again, fits only what it had left."""
     t0 = time.time()
-    dev = torch.device(cfg.device) if cfg.device is not None else default_device()
+    dev = torch.device(layout.cfg.device) if layout.cfg.device is not None else default_device()
+    saved = _open_checkpoints(layout, resume_in)
     rows: list[dict[str, Any]] = []
-    directions: dict[str, Tensor] = {}
+    directions: dict[tuple[str, str, str], Any] = {}
     notes = list(layout.notes)
-    for tl in layout.targets:
-        tname, plans, extras, blind = tl.name, tl.plans, tl.extras, tl.blind
-        ytr, gtr, yte, gte = tl.ytr, tl.gtr, tl.yte, tl.gte
-        extra_te = {k: te for k, (_, te) in extras.items()}
-        n_fits = sum(len(p.splits) for p in plans) + int(cfg.directions)
-        for fs in tl.feature_sets:
-            features, kind = fs.features, fs.kind
-            for Xtr, Xte, unit_keys in fs.chunks():
-                bar = _progress(n_fits, cfg.progress, f"{tname} {kind or features} layers {unit_keys[0][0]}-{unit_keys[-1][0]}")
-                with cpu_threads_for(float(Xtr.numel()), dev):
-                    for plan in plans:
-                        outcome = _run_plan(plan, probe, Xtr, ytr, gtr, Xte, yte, cfg, seed, bar.update, extras)
-                        if outcome is None:
-                            notes.append(f"{tname}/{kind or features}: train_on={plan.train_on} skipped "
-                                         "(no training split with two classes)")
-                            continue
-                        new = _rows_for(outcome, plan, yte, gte, cfg, seed, unit_keys,
-                                        {**tl.common, "features": features, "kind": kind}, extra_te)
-                        if plan.train_on in blind:  # a control that cannot fail gives no number
-                            for r in new:
-                                r.update({k: float("nan") for k in _CONTROL_VALUES})
-                        rows.extend(new)
-                    if cfg.directions and fs.keep_directions:
-                        bar.update()
-                        _collect_directions(directions, probe, Xtr, ytr, gtr, cfg, seed, tname, kind,
-                                            position, unit_keys)
-                bar.close()
+    for name, tl, fs, (Xtr, Xte, unit_keys) in _each_chunk(layout):
+        fit = _saved_or_fitted(saved, name, layout, tl, fs, Xtr, Xte, unit_keys, dev)
+        rows.extend(fit.rows)
+        notes.extend(fit.notes)
+        if fit.directions:
+            _add_directions(directions, (tl.name, fs.kind, layout.position), fit.directions, unit_keys)
+    return _sweep_result(layout, rows, directions, notes, t0)
+
+
+def _each_chunk(layout: SweepLayout) -> Iterator[tuple[str, TargetLayout, FeatureSet,
+                                                       tuple[Tensor, Tensor, list[tuple[int, int]]]]]:
+    """(checkpoint name, target, feature set, chunk) of every chunk of the sweep, in fitting order."""
+    for ti, tl in enumerate(layout.targets):
+        for fi, fs in enumerate(tl.feature_sets):
+            for ci, chunk in enumerate(fs.chunks()):
+                yield _chunk_name(ti, tl, fi, fs, ci), tl, fs, chunk
+
+
+def _chunk_name(ti: int, tl: TargetLayout, fi: int, fs: FeatureSet, ci: int) -> str:
+    return f"{ti}-{tl.name}-{fi}-{fs.features}-{ci}"
+
+
+def _open_checkpoints(layout: SweepLayout, root: str | Path | None) -> FitCheckpoints | None:
+    """The sweep's checkpoint folder under `root` (None: no checkpoints); says how many of its
+    chunks an earlier run already finished."""
+    if root is None:
+        return None
+    saved = FitCheckpoints(root, {
+        "acts": activations_identity(layout.acts), "test_acts": activations_identity(layout.test_acts),
+        "targets": layout.names, "sites": layout.kinds, "position": layout.position, "probe": layout.probe,
+        "seed": layout.seed, "config": fit_settings(asdict(layout.cfg))})
+    names = [_chunk_name(ti, tl, fi, fs, ci) for ti, tl in enumerate(layout.targets)
+             for fi, fs in enumerate(tl.feature_sets) for ci in range(fs.n_chunks)]
+    done = saved.finished(names)
+    if done:
+        say(f"resuming: {done} of {len(names)} probe fits done")
+    return saved
+
+
+def _saved_or_fitted(saved: FitCheckpoints | None, name: str, layout: SweepLayout, tl: TargetLayout,
+                     fs: FeatureSet, Xtr: Tensor, Xte: Tensor, unit_keys: list[tuple[int, int]],
+                     dev: torch.device) -> ChunkFit:
+    """The chunk as an earlier run saved it, when it fitted the same inputs; else fitted (and saved)."""
+    if saved is None:
+        return _fit_chunk(layout, tl, fs, Xtr, Xte, unit_keys, dev)
+    labels = [tl.ytr, tl.gtr, tl.yte, tl.gte, *(t for pair in tl.extras.values() for t in pair)]
+    inputs = inputs_hash(Xtr, *([] if Xte is Xtr else [Xte]), *labels)
+    fit = saved.load(name, inputs)
+    if fit is None:
+        fit = _fit_chunk(layout, tl, fs, Xtr, Xte, unit_keys, dev)
+        saved.save(name, inputs, fit)
+    return fit
+
+
+def _fit_chunk(layout: SweepLayout, tl: TargetLayout, fs: FeatureSet, Xtr: Tensor, Xte: Tensor,
+               unit_keys: list[tuple[int, int]], dev: torch.device) -> ChunkFit:
+    """Fit and score one chunk of units of one feature set for one target, on every plan (and,
+    where the feature set keeps them, the directions of probes fitted on all rows)."""
+    cfg, probe, seed = layout.cfg, layout.probe, layout.seed
+    n_fits = sum(len(p.splits) for p in tl.plans) + int(cfg.directions)
+    bar = _progress(n_fits, cfg.progress,
+                    f"{tl.name} {fs.kind or fs.features} layers {unit_keys[0][0]}-{unit_keys[-1][0]}")
+    rows: list[dict[str, Any]] = []
+    notes: list[str] = []
+    directions: dict[str, Tensor] = {}
+    with cpu_threads_for(float(Xtr.numel()), dev):
+        for plan in tl.plans:
+            outcome = _run_plan(plan, probe, Xtr, tl.ytr, tl.gtr, Xte, tl.yte, cfg, seed, bar.update, tl.extras)
+            if outcome is None:
+                notes.append(f"{tl.name}/{fs.kind or fs.features}: train_on={plan.train_on} skipped "
+                             "(no training split with two classes)")
+                continue
+            rows.extend(_plan_rows(outcome, plan, tl, fs, cfg, seed, unit_keys))
+        if cfg.directions and fs.keep_directions:
+            bar.update()
+            directions = _direction_parts(probe, Xtr, tl.ytr, tl.gtr, cfg, seed)
+    bar.close()
+    return ChunkFit(rows=tuple(rows), notes=tuple(notes), directions=directions)
+
+
+def _plan_rows(outcome: _Outcome, plan: _Plan, tl: TargetLayout, fs: FeatureSet, cfg: SweepConfig, seed: int,
+               unit_keys: list[tuple[int, int]]) -> list[dict[str, Any]]:
+    """The table rows of one plan's outcome; a plan whose control cannot fail gives no control number."""
+    extra_te = {k: te for k, (_, te) in tl.extras.items()}
+    new = _rows_for(outcome, plan, tl.yte, tl.gte, cfg, seed, unit_keys,
+                    {**tl.common, "features": fs.features, "kind": fs.kind}, extra_te)
+    if plan.train_on in tl.blind:
+        for r in new:
+            r.update({k: float("nan") for k in _CONTROL_VALUES})
+    return new
+
+
+def _sweep_result(layout: SweepLayout, rows: list[dict[str, Any]], directions: dict[tuple[str, str, str], Any],
+                  notes: list[str], t0: float) -> ProbeSweepResult:
+    """The tidy table (baselines attached), the stacked directions and the metadata, with notes
+    on fits that failed (`t0`: when the fitting began, for the provenance's seconds)."""
     table = attach_baselines(pd.DataFrame(rows, columns=COLUMNS))[COLUMNS]
     summary = fit_summary(table)
     if summary:
         notes.append(summary)
-    directions = _stack_directions(directions)
-    note = directions_note(directions)
+    stacked = _stack_directions(directions)
+    note = directions_note(stacked)
     if note:
         notes.append(note)
     meta = {
-        "provenance": _provenance(acts, test_acts, cfg, seed, probe, layout.names, layout.kinds, position,
-                                  time.time() - t0),
+        "provenance": _provenance(layout.acts, layout.test_acts, layout.cfg, layout.seed, layout.probe, layout.names,
+                                  layout.kinds, layout.position, time.time() - t0),
         "notes": sorted(set(notes)),
         "targets": {t: get_target(t).description for t in layout.names},
         "fit_status_codes": list(FIT_STATUS),  # the codes of the directions' fit_status tensors
         # per target and condition of the training set: whether the label varies there (`targets.label_variation`)
         "label_variation": {t: v.to_dict(orient="records") for t, v in layout.variation.items()},
     }
-    return ProbeSweepResult(table=table.reset_index(drop=True), directions=directions, metadata=meta)
+    return ProbeSweepResult(table=table.reset_index(drop=True), directions=stacked, metadata=meta)
 
 
 def _activation_chunks(acts: ActivationsLike, test_acts: ActivationsLike | None, kind: str, position: str,
@@ -935,22 +1057,25 @@ def _bow_chunks(st_tr: Sequence[Stimulus], st_te: Sequence[Stimulus]):  # noqa: 
     return gen
 
 
-def _collect_directions(store: dict[tuple[str, str, str], Any], probe: str, X: Tensor, y: Tensor, groups: Tensor,
-                        cfg: SweepConfig, seed: int, target: str, kind: str, position: str,
-                        unit_keys: list[tuple[int, int]]) -> None:
+def _direction_parts(probe: str, X: Tensor, y: Tensor, groups: Tensor, cfg: SweepConfig, seed: int
+                     ) -> dict[str, Tensor]:
+    """The directions of one chunk's units, from probes fitted on all rows: the probe's coef,
+    intercept and unit direction, the mass-mean direction, C, the fit status and the classes."""
     probes, C, status = _fit(probe, X, y.unsqueeze(0), groups, cfg, seed)
     p = probes[0]
     mm = p if isinstance(p, MassMeanProbe) else MassMeanProbe(device=cfg.device, calibrate=False).fit(X, y)
-    key = (target, kind, position)
+    return {"coef": p.coef_, "intercept": p.intercept_, "direction": p.direction, "mass_mean": unit_norm(mm.theta_),
+            "C": C, "fit_status": status, "classes": p.classes_}
+
+
+def _add_directions(store: dict[tuple[str, str, str], Any], key: tuple[str, str, str], parts: dict[str, Tensor],
+                    unit_keys: list[tuple[int, int]]) -> None:
+    """Append one chunk's direction parts to the (target, kind, position) entry of `store`."""
     entry = store.setdefault(key, {"keys": [], "coef": [], "intercept": [], "direction": [], "mass_mean": [],
-                                   "C": [], "fit_status": [], "classes": p.classes_})
+                                   "C": [], "fit_status": [], "classes": parts["classes"]})
     entry["keys"].extend(unit_keys)
-    entry["coef"].append(p.coef_)
-    entry["intercept"].append(p.intercept_)
-    entry["direction"].append(p.direction)
-    entry["mass_mean"].append(unit_norm(mm.theta_))
-    entry["C"].append(C)
-    entry["fit_status"].append(status)
+    for what in ("coef", "intercept", "direction", "mass_mean", "C", "fit_status"):
+        entry[what].append(parts[what])
 
 
 def _stack_directions(store: dict[Any, Any]) -> dict[str, Tensor]:

@@ -18,8 +18,8 @@ Rows without a label for the target are dropped (`keep` is False), never guessed
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import pandas as pd
 import torch

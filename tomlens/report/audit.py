@@ -10,8 +10,9 @@ names the stories it is about); a probe finding by the families of the probe sta
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any, Sequence
+from typing import Any
 
 from tomlens.report.findings import Finding
 from tomlens.report.html import Section

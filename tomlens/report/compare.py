@@ -49,7 +49,7 @@ def compare_findings(result: CompareResult) -> list[Finding]:
     found in two or more models, one more sentence sets their relative depths side by side."""
     t = result.tables
     out: list[Finding] = []
-    n_layers = dict(zip(t["models"]["model"], t["models"]["n_layers"])) if len(t["models"]) else {}
+    n_layers = dict(zip(t["models"]["model"], t["models"]["n_layers"], strict=True)) if len(t["models"]) else {}
     best = t.get("probe_best", pd.DataFrame())
     for _, b in best.iterrows():
         model, target = b["model"], b["target"]
@@ -213,9 +213,11 @@ def validation_grid(validation: pd.DataFrame) -> go.Figure:
     """Checks x models: green where the check passed, red where it failed, the value in each cell."""
     checks = list(dict.fromkeys(validation["check"]))
     models = list(dict.fromkeys(validation["model"]))
-    z, text = [], []
+    z: list[list[float | None]] = []  # None: a gap in the heatmap (the check did not run)
+    text: list[list[str]] = []
     for c in checks:
-        zr, tr = [], []
+        zr: list[float | None] = []
+        tr: list[str] = []
         for m in models:
             r = validation[(validation["check"] == c) & (validation["model"] == m)]
             if len(r):
@@ -258,8 +260,8 @@ def check_out(result: CompareResult, out: Path) -> None:
     """Refuse an output folder that is, or lies inside, a compared run or model folder: the report's
     tables and figures would be written among (and could be mistaken for) a run's results."""
     here = out.resolve()
-    folders = {str(r["folder"]) for r in result.summary.get("runs", [])}
-    folders |= {str(m[k]) for m in result.summary.get("models", []) for k in ("folder", "run") if m.get(k)}
+    folders = {r.folder for r in result.summary.runs}
+    folders |= {f for m in result.summary.models for f in (m.folder, m.run) if f}
     for f in sorted(folders):
         there = Path(f).resolve()
         if here == there or there in here.parents:
@@ -331,9 +333,10 @@ def write_compare_report(result: CompareResult, out: str | Path) -> Path:
     for name, fig in figures.items():
         write_figure(fig, out / f"{name}.html")
     title = "tomlens compare: " + ", ".join(result.models)
-    provenance = {k: result.summary.get(k) for k in ("axis", "normalisation", "versions", "time", "missing")}
-    provenance["models"] = [{"label": m["label"], "folder": m["folder"], "provenance": m["provenance"]}
-                            for m in result.summary.get("models", [])]
+    s = result.summary
+    provenance: dict[str, Any] = {"axis": s.axis, "normalisation": s.normalisation, "versions": s.versions,
+                                  "time": s.time, "missing": list(s.missing)}
+    provenance["models"] = [{"label": m.label, "folder": m.folder, "provenance": m.provenance} for m in s.models]
     if "findings" in inspect.signature(write_report).parameters:
         return write_report(out / "report.html", title, sections, provenance, findings=findings)
     # write_report without `findings` (an older tomlens.report.html): the findings lead as plain text

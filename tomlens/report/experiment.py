@@ -9,13 +9,18 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
 from tomlens.report.audit import audit_sections
 from tomlens.report.findings import HEAD_NOTE, Finding, experiment_findings, layer_words, model_names
 from tomlens.report.html import Section, write_report
+
+if TYPE_CHECKING:
+    from tomlens.runs.cache import CacheSummary
+    from tomlens.runs.pairs import PairsSummary
+    from tomlens.runs.steering_summary import SteeringSummary
 
 Figures = dict[str, Any]  # file stem -> plotly Figure
 
@@ -165,9 +170,9 @@ BATTERY_SOURCES = {
 
 
 def _cache_sections(res: Any) -> list[Section]:
-    s = res.summary
-    row = {k: (", ".join(map(str, v)) if isinstance(v, (list, tuple)) else v) for k, v in s.items()
-           if k in ("n", "sites", "positions", "dtype", "reused", "store")}
+    s: CacheSummary = res.summary
+    row = {"store": s.store, "reused": s.reused, "n": s.n, "sites": ", ".join(s.sites),
+           "positions": ", ".join(s.positions), "dtype": s.dtype}
     return [Section("Activations", "Cached in the content-addressed store (shared by every run that asks for "
                     "the same stimuli, sites and positions).", tables=[pd.DataFrame([row])])]
 
@@ -216,29 +221,29 @@ def _probe_sections(res: Any, figures: Figures) -> list[Section]:
 
 
 def _pairs_sections(res: Any) -> list[Section]:
-    s = res.summary
-    row = {"family": s.get("family"), "pairs aligned": s.get("aligned"), "of": s.get("total"),
-           "contrasts": ", ".join(map(str, s.get("options", {}).get("contrasts", []))) or "the family's own",
-           "dropped": len(s.get("dropped_pairs", []))}
+    s: PairsSummary = res.summary
+    row = {"family": s.family, "pairs aligned": s.aligned, "of": s.total,
+           "contrasts": ", ".join(map(str, s.contrasts)) or "the family's own", "dropped": len(s.dropped_pairs)}
     return [Section("Minimal pairs", res.describe(), tables=[pd.DataFrame([row])])]
 
 
 def _patching_sections(res: Any, figures: Figures) -> list[Section]:
     from tomlens.patching.metric import gap_note
+    from tomlens.runs.patching_summary import num
 
-    summary = res.summary
-    if summary.get("withheld"):  # the gate failed: no sweep ran; say why, with the raw numbers
-        why = _short(summary["withheld"])
+    summary = res.summary  # a tomlens.runs.patching_summary.PatchingSummary
+    if summary.withheld:  # the gate failed: no sweep ran; say why, with the raw numbers
+        why = _short(summary.withheld)
         # figures a reused or partial run still holds are shown flagged, never under a result's heading
         picked = [f for f in figures if f.startswith(("heads_", "attribution_vs_exact", "topk_recovery"))]
-        return [Section(f"Patching (withheld: {why})", summary["withheld"], figures=[figures[f] for f in picked],
+        return [Section(f"Patching (withheld: {why})", summary.withheld, figures=[figures[f] for f in picked],
                         guides=[f"WITHHELD ({why}), not a result: " + guide_for(f, "patching") for f in picked],
                         tables=[t for t in (res.tables.get("gate"), res.tables.get("base")) if t is not None])]
-    baselines = summary.get("baselines", {})
-    main = next(iter(baselines.values()), {})
-    ranked = summary.get("ranked_by", "")
+    baselines = summary.baselines or {}
+    ranked = summary.ranked_by or ""
     key = next((k for k in baselines if ranked.startswith(k.replace("_", " "))), next(iter(baselines), ""))
-    note = gap_note(baselines.get(key, main)) if baselines else None
+    b = baselines.get(key)
+    note = gap_note(b.gap, num(b.gap_se), b.gap_unstable) if b is not None else None
     heads, topk, ablation = (res.tables.get(name) for name in ("heads", "topk", "ablation"))
     tables = [t for t in (heads.head(15) if heads is not None else None, topk) if t is not None and len(t)]
     picked = [f for f in figures if re.fullmatch(r"heads_[a-z]+_[a-z]+", f)]
@@ -249,8 +254,8 @@ def _patching_sections(res: Any, figures: Figures) -> list[Section]:
             "patched together against random heads." + (f" Note: {note}." if note else ""))
     text += f" {HEAD_NOTE}"
     heading, flag = "Patching: heads that carry belief", ""
-    if summary.get("forced"):
-        text = f"{summary['forced_message']}. {text}"
+    if summary.forced:
+        text = f"{summary.forced_message}. {text}"
         heading, flag = "Patching (forced past its gate: not a result)", "FORCED past a failed gate, not a result: "
     if not res.sweeps:
         text += " (Reused from an earlier run: the per-head figures are the files under patching/figures/.)"
@@ -263,15 +268,13 @@ def _patching_sections(res: Any, figures: Figures) -> list[Section]:
             f"Each of the top-k heads' outputs replaced by its mean over all stories {_ablation_where(summary)}: "
             "false-belief accuracy and its drop, against the same number of random heads.",
             tables=[ablation]))
-    comparisons = [c for c in summary.get("comparisons", [])
-                   if c["kind"] == "head" and c["position"] == summary.get("rank_position")]
-    row: dict[str, Any] = {"pairs": summary.get("pairs", {}).get("n_aligned"),
-                           "top heads": ", ".join(summary.get("top_heads", [])[:5])}
+    comparisons = summary.head_comparisons()
+    row: dict[str, Any] = {"pairs": summary.pairs.n_aligned, "top heads": ", ".join((summary.top_heads or ())[:5])}
     if comparisons:
-        row["attribution vs exact Spearman"] = round(comparisons[0]["spearman"], 3)
-        if "spearman_active" in comparisons[0]:
-            row["Spearman over heads that matter"] = round(comparisons[0]["spearman_active"], 3)
-        row[f"top-{comparisons[0]['k']} overlap"] = comparisons[0]["topk_overlap"]
+        c = comparisons[0]
+        row["attribution vs exact Spearman"] = round(num(c.spearman), 3)
+        row["Spearman over heads that matter"] = round(num(c.spearman_active), 3)
+        row[f"top-{c.k} overlap"] = num(c.topk_overlap)
     sections.append(Section("Patching summary", tables=[pd.DataFrame([row])]))
     return sections
 
@@ -282,11 +285,12 @@ def _short(text: str, n: int = 80) -> str:
     return text if len(text) <= n else text[: n - 1].rstrip() + "…"
 
 
-def _ablation_where(summary: dict[str, Any]) -> str:
-    """Where the mean ablation replaced the heads' outputs, by the run's mode."""
-    mode = (summary.get("ablation") or {}).get("mode")
-    return {"final": "at the final token", "all": "at every position (the mean at the same right-aligned "
-            "position)"}.get(mode, f"(mode {mode or 'not recorded'})")
+def _ablation_where(summary: Any) -> str:
+    """Where the mean ablation replaced the heads' outputs, by the run's mode (a PatchingSummary)."""
+    mode = summary.ablation.mode if summary.ablation is not None else None
+    where: dict[str | None, str] = {
+        "final": "at the final token", "all": "at every position (the mean at the same right-aligned position)"}
+    return where.get(mode, f"(mode {mode or 'not recorded'})")
 
 
 STEERING_COLUMNS = {"layer": "layer", "alpha": "alpha (chosen on selection)", "flip_false_belief": "FB flip",
@@ -295,33 +299,33 @@ STEERING_COLUMNS = {"layer": "layer", "alpha": "alpha (chosen on selection)", "f
                     "reason": "reason"}
 
 
-def steering_table(summary: dict[str, Any]) -> pd.DataFrame:
+def steering_table(summary: SteeringSummary) -> pd.DataFrame:
     """The per-layer steering summary as shown: every layer with its verdict and reason, so a
     withheld layer reads as withheld next to its numbers, never as a finding."""
-    rows = [{label: d.get(key) for key, label in STEERING_COLUMNS.items()} for d in summary.get("layers", [])]
+    rows = [{label: getattr(d, key) for key, label in STEERING_COLUMNS.items()} for d in summary.layers]
     return pd.DataFrame(rows, columns=list(STEERING_COLUMNS.values()))
 
 
 def _steering_sections(res: Any, figures: Figures, n_layers: int | None = None) -> list[Section]:
-    s = res.summary
-    layers = s.get("layers", [])
+    s: SteeringSummary = res.summary
+    layers = s.layers
     from tomlens.runs.steering import chosen_layer
 
-    d = next((x for x in layers if x.get("layer") == s.get("layer")), None) or (chosen_layer(layers) if layers else None)
+    d = next((x for x in layers if x.layer == s.layer), None) or (chosen_layer(layers) if layers else None)
     verdict = "No layer was run." if d is None else (
-        f"The layer chosen on the selection half is {layer_words(d['layer'], n_layers)}, at alpha {d['alpha']:g}: "
-        f"{d.get('verdict')} held out ({d.get('reason', '')}); the verdict of the findings above also needs the "
+        f"The layer chosen on the selection half is {layer_words(d.layer, n_layers)}, at alpha {d.alpha:g}: "
+        f"{d.verdict} held out ({d.reason}); the verdict of the findings above also needs the "
         "reality answers left alone. The other rows are per-layer held-out verdicts, not chosen: no claim.")
-    if layers and not any(x.get("verdict") == "found" for x in layers):
+    if layers and not any(x.verdict == "found" for x in layers):
         verdict = ("No layer passed: every layer is withheld (reasons in the table), so nothing here shows a "
                    f"direction that steers belief. {verdict}")
-    text = (f"Directions fitted on the selection half ({s.get('n_selection_prompts')} prompts, {s.get('method')}, "
-            f"{s.get('mode')} at the {s.get('positions')} position); each layer's alpha was chosen there, and the "
-            f"flip rates are on the held-out evaluation half ({s.get('n_evaluation_prompts')} prompts) against "
-            f"{s.get('n_random')} norm-matched random directions and a direction fitted on shuffled labels. "
+    text = (f"Directions fitted on the selection half ({s.n_selection_prompts} prompts, {s.method}, "
+            f"{s.mode} at the {s.positions} position); each layer's alpha was chosen there, and the "
+            f"flip rates are on the held-out evaluation half ({s.n_evaluation_prompts} prompts) against "
+            f"{s.n_random} norm-matched random directions and a direction fitted on shuffled labels. "
             "A layer is 'found' only when the belief direction flips enough false-belief answers and more than "
             f"every control; otherwise it is withheld with the reason. {verdict}")
-    notes = s.get("notes") or []
+    notes = s.notes
     if notes:
         text += " Notes: " + "; ".join(notes) + "."
     order = [f for f in ("steering_dose", "steering_flips") if f in figures]
@@ -347,9 +351,9 @@ def _validation_sections(res: Any) -> list[Section]:
     s = res.summary
     n_pass = int(res.table["passed"].astype(bool).sum())
     n = len(res.table)
-    text = (f"{n_pass} of {n} checks pass on {s.get('model', 'the model')} "
+    text = (f"{n_pass} of {n} checks pass on {s.model or 'the model'} "
             f"({'every check passes' if res.passed else 'the validation FAILED'}). "
-            f"The method checks on {s.get('n_tasks')} order-only tasks (k = {s.get('k')} of {s.get('heads')} heads): "
+            f"The method checks on {s.n_tasks} order-only tasks (k = {s.k} of {s.heads} heads): "
             "each method's number against its threshold, and its control (bag of words, random heads, random "
             "directions) against the control's own threshold; a check passes only when both hold. A stage that "
             "was withheld or refused its input fails its checks, with the reason in the detail. On a model "
@@ -369,9 +373,9 @@ def write_experiment_report(result: Any, out: str | Path,
     several = len(result.runs) > 1
     overview = pd.DataFrame([{"model": name, "stage": stage, "folder": str(run.folders[stage]),
                               "reused": run.reused.get(stage, False)}
-                             for name, run in zip(names, result.runs) for stage in run.results])
+                             for name, run in zip(names, result.runs, strict=True) for stage in run.results])
     sections = [Section("Experiment", config.description, tables=[overview])]
-    for i, (name, run) in enumerate(zip(names, result.runs)):
+    for i, (name, run) in enumerate(zip(names, result.runs, strict=True)):
         stage_sections: list[Section] = []
         r = run.results
         if "audit" in r:

@@ -14,10 +14,14 @@ from __future__ import annotations
 import html
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Sequence
+from typing import TYPE_CHECKING, Any, Literal
 
 import pandas as pd
+
+if TYPE_CHECKING:
+    from tomlens.runs.steering_summary import SteeringLayer, SteeringSummary
 
 Status = Literal["found", "withheld", "not run"]
 
@@ -184,10 +188,10 @@ def behaviour_findings(res: Any, model: str = "") -> list[Finding]:
         rows = list(acc[(acc["prompt_type"] == "belief") & (acc["condition"] == "false_belief")].itertuples())
         testable = [r.n_tasks >= FEW_TASKS and _finite(r.ci_low, r.ci_high) for r in rows]
         adj = holm([p_from_interval(r.accuracy, r.ci_low, r.ci_high, chance) if t else float("nan")
-                    for r, t in zip(rows, testable)])
+                    for r, t in zip(rows, testable, strict=True)])
         n_cells = sum(testable)
         gated = getattr(res, "reality_gated", None)
-        for r, t, p in zip(rows, testable, adj):
+        for r, t, p in zip(rows, testable, adj, strict=True):
             what = f"the belief question of {r.family} false-belief stories"
             nums = f"{r.accuracy:.2f} {_iv(r.ci_low, r.ci_high)} ({r.n} prompts, {r.n_tasks} tasks)"
             holm_s = f"Holm-corrected p {_num(p, '.3g')} across {n_cells} cells"
@@ -219,9 +223,9 @@ def behaviour_findings(res: Any, model: str = "") -> list[Finding]:
         testable = [not (r.n_tasks < FEW_TASKS or not _finite(r.ci_low, r.ci_high) or r.ci_high - r.ci_low <= 0)
                     for r in rows]
         adj = holm([p_from_interval(r.effect, r.ci_low, r.ci_high, 0.0) if t else float("nan")
-                    for r, t in zip(rows, testable)])
+                    for r, t in zip(rows, testable, strict=True)])
         n_cells = sum(testable)
-        for r, t, p in zip(rows, testable, adj):
+        for r, t, p in zip(rows, testable, adj, strict=True):
             what = (f"the log-odds of the start answer on {r.family} false-belief stories over their "
                     f"{_words(r.contrast)} controls")
             nums = (f"{r.effect:+.3g} {_iv(r.ci_low, r.ci_high, '+.3g')} ({r.n_pairs} pairs, {r.n_tasks} tasks, "
@@ -322,21 +326,21 @@ def patching_findings(res: Any, model: str = "") -> list[Finding]:
     pairs (p < ALPHA, per k). A failed gate or a forced run withholds it with the reason."""
     if getattr(res, "dry_run", False):
         return []
-    s = res.summary
+    s = res.summary  # a tomlens.runs.patching_summary.PatchingSummary
     question = "which heads carry the false- minus true-belief difference, by patching"
-    if s.get("withheld"):
-        return [Finding(f"{question}", "withheld", _strip_withheld(s["withheld"]), model, "patching")]
-    if s.get("forced"):
+    if s.withheld:
+        return [Finding(f"{question}", "withheld", _strip_withheld(s.withheld), model, "patching")]
+    if s.forced:
         return [Finding(f"{question}", "withheld", f"run past a failed gate with --force, so every number is "
-                        f"flagged and none is a result: {s.get('forced_message', '')}", model, "patching")]
+                        f"flagged and none is a result: {s.forced_message or ''}", model, "patching")]
     topk = res.tables.get("topk")
     if topk is None or not len(topk):
-        why = s.get("topk_skipped") or "no top-k recovery against random heads was run (ks, top_k)"
-        return [Finding(f"that the ranked heads ({', '.join(s.get('top_heads', [])[:5])}) matter more than random "
+        why = s.topk_skipped or "no top-k recovery against random heads was run (ks, top_k)"
+        return [Finding(f"that the ranked heads ({', '.join((s.top_heads or ())[:5])}) matter more than random "
                         "heads", "not run", why, model, "patching")]
-    pairs = s.get("pairs", {})
-    n_sel = pairs.get("selection", {}).get("n", "?")
-    held = s.get("validated_on") or f"{pairs.get('evaluation', {}).get('n', '?')} held-out pairs"
+    sel, ev = s.pairs.selection, s.pairs.evaluation
+    n_sel = sel.n if sel is not None else "?"
+    held = s.validated_on or f"{ev.n if ev is not None else '?'} held-out pairs"
     rows = list(topk.itertuples())
     # Holm across the ks of one direction: several k tested, each called found only past the correction
     groups: dict[str, list[int]] = {}
@@ -344,10 +348,10 @@ def patching_findings(res: Any, model: str = "") -> list[Finding]:
         groups.setdefault(str(getattr(r, "direction", "denoise")), []).append(i)
     adjusted = [float("nan")] * len(rows)
     for idx in groups.values():
-        for i, p in zip(idx, holm([r.p_random for r in (rows[i] for i in idx)])):
+        for i, p in zip(idx, holm([r.p_random for r in (rows[i] for i in idx)]), strict=True):
             adjusted[i] = p
     out = []
-    for r, p_holm in zip(rows, adjusted):
+    for r, p_holm in zip(rows, adjusted, strict=True):
         heads = str(r.heads).replace(";", ", ")
         denoise = getattr(r, "direction", "denoise") == "denoise"
         verb = "recover" if denoise else "patched from the control leave"
@@ -381,12 +385,12 @@ def patching_findings(res: Any, model: str = "") -> list[Finding]:
 MAX_REALITY_FLIP = 0.1
 
 
-def _flipped(res: Any, d: dict[str, Any], condition: str, rate: Any) -> str:
+def _flipped(res: Any, d: SteeringLayer, condition: str, rate: float) -> str:
     """'x (k of n)': the flip rate with its count, from the held-out dose table's n where the result
     has one (a stand-in with a summary only gives the rate)."""
     dose = getattr(res, "dose", None)
     if dose is not None and len(dose) and {"direction", "layer", "alpha", "condition", "n"} <= set(dose.columns):
-        at = dose[(dose["direction"] == "belief") & (dose["layer"] == d["layer"]) & (dose["alpha"] == d["alpha"])
+        at = dose[(dose["direction"] == "belief") & (dose["layer"] == d.layer) & (dose["alpha"] == d.alpha)
                   & (dose["condition"] == condition)]
         if len(at) and _finite(rate):
             n = int(at["n"].iloc[0])
@@ -400,27 +404,27 @@ def steering_findings(res: Any, model: str = "", n_layers: int | None = None) ->
     (reality flip rate at most the random directions' max, or at most MAX_REALITY_FLIP)."""
     from tomlens.runs.steering import chosen_layer
 
-    s = res.summary
-    layers = s.get("layers", [])
+    s: SteeringSummary = res.summary
+    layers = s.layers
     if not layers:
         return []
-    d = next((x for x in layers if x.get("layer") == s.get("layer")), None) or chosen_layer(layers)
-    where = layer_words(d["layer"], n_layers)
-    fb = _flipped(res, d, "false_belief", d["flip_false_belief"])
-    reality = _flipped(res, d, "reality", d["flip_reality"])
-    nums = (f"{fb} of false-belief answers on {s.get('n_evaluation_prompts', '?')} held-out "
-            f"prompts at alpha {d['alpha']:g}, against a 95th percentile of {_num(d.get('random_p95', d.get('random_max')))} "
-            f"(mean {_num(d.get('random_mean'))}) for {s.get('n_random', '?')} norm-matched random directions and "
-            f"{_num(d['shuffled'])} for shuffled labels")
-    side = f"; side effects: true-belief {_flipped(res, d, 'true_belief', d['flip_true_belief'])}, reality {reality} flipped"
-    chosen = f"layer and alpha chosen on {s.get('n_selection_prompts', '?')} selection prompts"
+    d = next((x for x in layers if x.layer == s.layer), None) or chosen_layer(layers)
+    where = layer_words(d.layer, n_layers)
+    fb = _flipped(res, d, "false_belief", d.flip_false_belief)
+    reality = _flipped(res, d, "reality", d.flip_reality)
+    nums = (f"{fb} of false-belief answers on {s.n_evaluation_prompts} held-out "
+            f"prompts at alpha {d.alpha:g}, against a 95th percentile of {_num(d.random_p95)} "
+            f"(mean {_num(d.random_mean)}) for {s.n_random} norm-matched random directions and "
+            f"{_num(d.shuffled)} for shuffled labels")
+    side = f"; side effects: true-belief {_flipped(res, d, 'true_belief', d.flip_true_belief)}, reality {reality} flipped"
+    chosen = f"layer and alpha chosen on {s.n_selection_prompts} selection prompts"
     # the random directions' 95th percentile, not their maximum: a maximum grows with the draws
-    r_flip, r_max = d.get("flip_reality"), d.get("random_p95", d.get("random_max"))
+    r_flip, r_max = d.flip_reality, d.random_p95
     reality_ok = _finite(r_flip) and (float(r_flip) <= MAX_REALITY_FLIP or (_finite(r_max) and float(r_flip) <= float(r_max)))
-    if d.get("verdict") == "found" and reality_ok:
+    if d.verdict == "found" and reality_ok:
         return [Finding(f"adding the belief direction at {where} flips {nums}", "found",
-                        f"{chosen}; {d.get('reason', '')}{side}", model, "steering")]
-    reason = d.get("reason", "") if d.get("verdict") != "found" else \
+                        f"{chosen}; {d.reason}{side}", model, "steering")]
+    reason = d.reason if d.verdict != "found" else \
         (f"it also flips reality answers ({reality}; more than {MAX_REALITY_FLIP:g} and than the random "
          f"directions' 95th percentile {_num(r_max)})" if _finite(r_flip) else "no reality prompts to show it leaves reality alone")
     return [Finding(f"whether a belief direction steers false-belief answers (at {where})", "withheld",
@@ -481,7 +485,7 @@ def experiment_findings(result: Any) -> list[Finding]:
     from tomlens.report.audit import withhold_explained
 
     out: list[Finding] = []
-    for name, run in zip(model_names(result), result.runs):
+    for name, run in zip(model_names(result), result.runs, strict=True):
         r, n_layers = run.results, _n_layers(run)
         found = behaviour_findings(r["behaviour"], name) if "behaviour" in r else []
         probed = probe_findings(r["probes"], name, n_layers) if "probes" in r else []

@@ -13,8 +13,8 @@ network access.
 from __future__ import annotations
 
 import math
-from pathlib import Path
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 import pandas as pd
 import plotly.graph_objects as go
@@ -109,7 +109,8 @@ def layer_figure(table: pd.DataFrame, *, kind: str = "resid_post", metric: str =
         sel = _selected(selection, target, kind, per_head=False)
         # the selected unit at its held-out evaluation accuracy (not the cross-fitted full-data score,
         # which the choice biases upwards), with the evaluation interval as its error bar
-        if sel is not None and train_on == "all" and eval_set == "all" and sel.evaluation is not None \
+        if sel is not None and sel.unit is not None and train_on == "all" and eval_set == "all" \
+                and sel.evaluation is not None \
                 and metric == "accuracy" and math.isfinite(sel.evaluation.score):
             e = sel.evaluation
             fig.add_trace(go.Scatter(
@@ -149,7 +150,7 @@ def head_heatmap(table: pd.DataFrame, *, target: str, kind: str = "head_out", me
                                colorscale="Viridis", colorbar={"title": value},
                                hovertemplate="layer %{y}, head %{x}: %{z:.3f}<extra></extra>"))
     sel = _selected(selection, target, kind, per_head=True)
-    if sel is not None and sel.evaluation is not None:
+    if sel is not None and sel.unit is not None and sel.evaluation is not None:
         e = sel.evaluation
         fig.add_trace(go.Scatter(x=[str(sel.unit["head"])], y=[str(sel.unit["layer"])], mode="markers",
                                  marker={"symbol": "star", "size": 16, "color": "white",

@@ -5,14 +5,17 @@ against exact patching, and the top-k recovery curve. Plotly, written as self-co
 from __future__ import annotations
 
 import re
-from pathlib import Path
 from collections.abc import Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from tomlens.errors import TomlensError
-from tomlens.patching import PatchingResult, canonical_kind
+from tomlens.messages import say
+from tomlens.patching import PatchingResult
+from tomlens.patching.cells import canonical_kind
+from tomlens.patching.gate import FORCED_PREFIX
 from tomlens.report.html import write_figure
 
 if TYPE_CHECKING:
@@ -53,7 +56,7 @@ def head_heatmap(result: PatchingResult, position: str = "all") -> Any:
     hi = result.grid("head", position, "ci_high")
     layers = sorted(df.layer.unique())
     heads = sorted(df["head"].unique())
-    text = [[f"[{a:.2f}, {b:.2f}]" for a, b in zip(r1, r2)] for r1, r2 in zip(lo, hi)]
+    text = [[f"[{a:.2f}, {b:.2f}]" for a, b in zip(r1, r2, strict=True)] for r1, r2 in zip(lo, hi, strict=True)]
     fig = go.Figure(
         go.Heatmap(
             z=grid, x=[f"H{h}" for h in heads], y=[f"L{l}" for l in layers], text=text,
@@ -99,7 +102,7 @@ def resid_heatmap(result: PatchingResult, kind: str = "resid_pre", *, pairs: Any
     # Mixed: a column is a distance from the final token, not a role, and is labelled so (the longest
     # pair's token on hover), unless every pair has the same role mention there.
     labels = [f"{p - n_al + 1}" if p < n_al - 1 else "0 (final)" for p in pos] if mixed else longest
-    labels = [f"{lab} {roles[p]}" if p in roles and p < n_al - 1 else lab for lab, p in zip(labels, pos)]
+    labels = [f"{lab} {roles[p]}" if p in roles and p < n_al - 1 else lab for lab, p in zip(labels, pos, strict=True)]
     fig = go.Figure(
         go.Heatmap(
             z=grid, x=labels, y=[f"L{l}" for l in layers], customdata=[longest] * len(layers),
@@ -248,22 +251,22 @@ def write_patching_figures(result: PatchingRunResult, out: str | Path) -> dict[s
     file stem (for a report). Needs the sweeps of the run itself (`load` does not restore them)."""
     if result.dry_run:
         raise TomlensError("a dry run has no results to draw", "run again without dry_run (--dry-run)")
-    if result.summary.get("withheld"):
+    if result.summary.withheld:
         return {}  # the gate withheld every sweep: nothing to draw (the message says why)
     if not result.sweeps:
         raise TomlensError("this patching result holds no sweeps (a result read back with `load`)",
                            "draw the figures from the result `run` returns, or open the saved figures/")
     summary = result.summary
-    spec = summary["positions"]
-    rank_position = summary.get("rank_position")
+    spec = summary.positions or {}
+    rank_position = summary.rank_position
     folder = Path(out) / "figures"
     figures: dict[str, Any] = {}
     pairs, tokenizer = getattr(result, "pairs", None), getattr(result, "tokenizer", None)
-    has_roles = bool(pairs) and tokenizer is not None and any(p.clean.spans or p.clean.mentions for p in pairs)
+    has_roles = bool(pairs and tokenizer is not None and any(p.clean.spans or p.clean.mentions for p in pairs))
 
     def add(fig: Any, stem: str) -> None:
-        if summary.get("forced"):  # a run past a failed gate (--force): every figure says so
-            fig.update_layout(title_text="FORCED (gate failed): " + (fig.layout.title.text or ""))
+        if summary.forced:  # a run past a failed gate (--force): every figure says so
+            fig.update_layout(title_text=FORCED_PREFIX + (fig.layout.title.text or ""))
         figures[stem] = fig
         write_figure(fig, folder / f"{stem}.html")
 
@@ -271,7 +274,7 @@ def write_patching_figures(result: PatchingRunResult, out: str | Path) -> dict[s
         for p in spec.get("head", ()):
             if p != "each":
                 add(head_heatmap(res, p), f"heads_{m}_{d}" if p == rank_position else f"heads_{_stem(p)}_{m}_{d}")
-        for kind in summary["sites"]:
+        for kind in summary.sites or ():
             if kind == "head":
                 continue
             if "each" in spec[kind]:
@@ -282,10 +285,10 @@ def write_patching_figures(result: PatchingRunResult, out: str | Path) -> dict[s
                     try:
                         add(role_aligned_heatmap(res, pairs, tokenizer, kind), f"{kind}_roles_{m}_{d}")
                     except TomlensError as e:  # e.g. a tokenizer without offsets: say so, draw the rest
-                        print(f"role-aligned {kind} figure ({m}, {d}) not drawn: {e}")
+                        say(f"role-aligned {kind} figure ({m}, {d}) not drawn: {e}")
             if any(p not in ("all", "each") for p in spec[kind]):
                 add(position_heatmap(res, kind), f"{kind}_positions_{m}_{d}")
-    for d in summary["directions"]:
+    for d in summary.directions or ():
         if ("exact", d) in result.sweeps and ("attribution", d) in result.sweeps and rank_position is not None:
             stats = result.compare(d, kind="head", position=rank_position)
             add(attribution_scatter(result.sweeps[("exact", d)], result.sweeps[("attribution", d)], stats,

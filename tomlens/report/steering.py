@@ -27,9 +27,9 @@ def _figure(result: SteeringResult, column: str, title: str, y_title: str) -> An
 
     dose: pd.DataFrame = result.dose
     layers = sorted(int(x) for x in dose["layer"].unique())
-    chosen = {d["layer"]: d for d in result.summary.get("layers", [])}
+    chosen = {d.layer: d for d in result.summary.layers}
     fig = make_subplots(rows=1, cols=max(1, len(layers)), subplot_titles=[
-        f"layer {layer}" + (f" ({chosen[layer]['verdict']})" if layer in chosen else "") for layer in layers],
+        f"layer {layer}" + (f" ({chosen[layer].verdict})" if layer in chosen else "") for layer in layers],
         shared_yaxes=True)
     for col, layer in enumerate(layers, start=1):
         d = dose[dose["layer"] == layer]
@@ -56,8 +56,8 @@ def _figure(result: SteeringResult, column: str, title: str, y_title: str) -> An
                                      name="shuffled labels, false belief", legendgroup="shuffled",
                                      showlegend=col == 1), row=1, col=col)
         if layer in chosen:
-            fig.add_vline(x=chosen[layer]["alpha"], line={"color": "green", "dash": "dot"}, row=1, col=col)
-    n = result.summary.get("n_evaluation_prompts")
+            fig.add_vline(x=chosen[layer].alpha, line={"color": "green", "dash": "dot"}, row=1, col=col)
+    n = result.summary.n_evaluation_prompts
     fig.update_layout(title=f"{title}<br><sup>evaluation half ({n} prompts); green dotted line: alpha chosen on "
                       "the selection half</sup>", height=460, width=max(600, 380 * len(layers)))
     fig.update_xaxes(title_text="alpha (multiples of the belief direction's norm)")

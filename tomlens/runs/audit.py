@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from tomlens.errors import TomlensError
+from tomlens.messages import say
 from tomlens.runs.base import ModelSpec, StimuliSpec, config_from_dict
 
 __all__ = ["AuditConfig", "AuditResult", "run"]
@@ -35,9 +36,9 @@ class AuditConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        stimuli = self.stimuli
-        if isinstance(stimuli, (StimuliSpec, Mapping)):
-            stimuli = (stimuli,)
+        # a script or a TOML table may give one spec or one mapping where the field says a tuple
+        given: Any = self.stimuli
+        stimuli = (given,) if isinstance(given, (StimuliSpec, Mapping)) else given
         object.__setattr__(self, "stimuli", tuple(
             config_from_dict(StimuliSpec, s, where=f"audit.stimuli[{i}]") if isinstance(s, Mapping) else s
             for i, s in enumerate(stimuli)))
@@ -124,6 +125,6 @@ def run(config: AuditConfig, *, model: Any = None, progress: bool = True) -> Aud
     stimuli = config.audited_rows()
     if progress:
         families = sorted({s.family for s in stimuli})
-        print(f"audit: {len(stimuli)} prompts of {len(families)} families ({', '.join(families)}), "
-              f"about {max(1, len(stimuli) // 40)} s", flush=True)
+        say(f"audit: {len(stimuli)} prompts of {len(families)} families ({', '.join(families)}), "
+            f"about {max(1, len(stimuli) // 40)} s")
     return AuditResult(config, audit_stimuli(stimuli, seed=config.seed, alpha=config.alpha))

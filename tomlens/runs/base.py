@@ -17,9 +17,10 @@ import hashlib
 import json
 import types
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence, TypeVar
+from typing import Any, TypeVar
 
 from tomlens.errors import TomlensError
 from tomlens.provenance import plain_values
@@ -104,6 +105,7 @@ class StimuliSpec:
             if not stimuli:
                 raise TomlensError(f"{self.path} has no stimuli", "write stimuli into it first, e.g. `tomlens stimuli ...`")
             return stimuli if self.n is None else stimuli[: self.n]
+        assert self.family is not None and self.n is not None  # __post_init__: a family has n
         return generate(self.family, n=self.n, seed=self.seed, **dict(self.options))
 
 
@@ -111,14 +113,18 @@ def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
+def _is_dataclass_type(tp: Any) -> bool:
+    return isinstance(tp, type) and dataclasses.is_dataclass(tp)
+
+
 def _config_class(tp: Any) -> type | None:
     """The dataclass inside an annotation (`X`, `X | None`), or None."""
-    if dataclasses.is_dataclass(tp):
-        return tp
+    if _is_dataclass_type(tp):
+        return typing.cast(type, tp)
     if typing.get_origin(tp) in (typing.Union, types.UnionType):
         inner = [a for a in typing.get_args(tp) if a is not type(None)]
-        if len(inner) == 1 and dataclasses.is_dataclass(inner[0]):
-            return inner[0]
+        if len(inner) == 1 and _is_dataclass_type(inner[0]):
+            return typing.cast(type, inner[0])
     return None
 
 
@@ -172,7 +178,7 @@ def config_from_dict(cls: type[C], data: Mapping[str, Any], *, where: str = "") 
         raise TomlensError(f"{where or cls.__name__} must be a table of settings, not {type(data).__name__}",
                            "write it as key = value lines under its [section]")
     hints = _hints(cls)
-    names = [f.name for f in dataclasses.fields(cls) if f.init]
+    names = [f.name for f in dataclasses.fields(cls) if f.init]  # type: ignore[arg-type]  # a dataclass by contract
     kwargs: dict[str, Any] = {}
     for key, value in data.items():
         path = f"{where}.{key}" if where else key
@@ -209,10 +215,10 @@ def _matches(value: Any, tp: Any) -> bool:
             return False
         if len(args) == 2 and args[1] is Ellipsis:
             return all(_matches(v, args[0]) for v in value)
-        return len(args) == len(value) and all(_matches(v, a) for v, a in zip(value, args))
+        return len(args) == len(value) and all(_matches(v, a) for v, a in zip(value, args, strict=True))
     if origin is not None and isinstance(origin, type) and issubclass(origin, Mapping) or tp is Mapping:
         return isinstance(value, Mapping)
-    if dataclasses.is_dataclass(tp):
+    if _is_dataclass_type(tp):
         return isinstance(value, tp)
     return True
 
@@ -230,7 +236,7 @@ def _describe(tp: Any) -> str:
             inner = _describe(args[0]).split(" ", 1)[-1]
             return f"a list of {inner if inner.endswith('s') else inner + 's'}"
         return f"a list of {len(args)} values"
-    if dataclasses.is_dataclass(tp):
+    if _is_dataclass_type(tp):
         return f"a table of {tp.__name__} settings"
     if origin is not None and isinstance(origin, type) and issubclass(origin, Mapping) or tp is Mapping:
         return "a table"

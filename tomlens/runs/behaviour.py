@@ -17,10 +17,10 @@ from tomlens.behaviour.aggregates import MIN_OPTION_MASS
 from tomlens.behaviour.batteries import battery_summaries, enrich_table, headline
 from tomlens.behaviour.scoring import score
 from tomlens.errors import TomlensError
-from tomlens.io import read_table, write_json, write_table
-from tomlens.runs.base import ModelSpec, StimuliSpec, config_from_dict
+from tomlens.io import jsonable, read_table, write_json, write_table
 from tomlens.provenance import run_manifest
-from tomlens.runs.files import begin_save, finish_save, read_finished
+from tomlens.runs.base import ModelSpec, StimuliSpec, config_from_dict
+from tomlens.runs.files import begin_save, finish_save, read_finished, summary_from_dict, summary_to_dict
 from tomlens.stimuli.records import Stimulus, stimuli_hash
 
 # Optional tables: written only when non-empty (an empty one is absent, and loads back empty).
@@ -64,7 +64,7 @@ class BehaviourConfig:
     min_option_mass: float = MIN_OPTION_MASS
 
     def __post_init__(self) -> None:
-        stimuli = self.stimuli
+        stimuli: Any = self.stimuli  # a table file may give one table, or tables, where specs belong
         if isinstance(stimuli, (StimuliSpec, Mapping)):  # one table where a list was meant
             stimuli = (stimuli,)
         stimuli = tuple(config_from_dict(StimuliSpec, s, where=f"stimuli[{i}]") if isinstance(s, Mapping) else s
@@ -88,6 +88,37 @@ def check_scoring(scoring: str) -> str:
     return scoring
 
 
+@dataclass(frozen=True, kw_only=True)
+class BehaviourSummary:
+    """What a behaviour run says about itself (its summary.json and result.json): how it scored and
+    with what (`provenance`: the model's record, `tomlens.models.provenance`, with the stimuli's hash
+    and count, the seed, the scoring rule, what option mass and the intervals are, the seconds), each
+    aggregate table's rows, and the families with a battery table (battery_<family>.csv).
+
+    The row lists are the tables the result holds as DataFrames (and saves as CSV beside this), as
+    JSON rows: their columns are the aggregates' and differ by family and scoring, so readers read the
+    DataFrames, never these. They are kept as JSON holds them (NaN as None, intervals as lists), so a
+    loaded summary equals the one saved. Field names are the keys the stage wrote before its summary
+    was typed, so those folders load unchanged."""
+
+    provenance: dict[str, Any]
+    accuracy: tuple[dict[str, Any], ...]
+    first_word: tuple[dict[str, Any], ...]
+    reality_gated: tuple[dict[str, Any], ...]
+    knowledge_state_effect: tuple[dict[str, Any], ...]
+    strict_task_pass: tuple[dict[str, Any], ...]
+    object_bias: tuple[dict[str, Any], ...]
+    selective_encoding: tuple[dict[str, Any], ...]
+    k0_check: tuple[dict[str, Any], ...]
+    batteries: tuple[str, ...]  # battery_<family>.csv: each paper's own summary
+
+
+def json_rows(df: pd.DataFrame) -> tuple[dict[str, Any], ...]:
+    """A table's rows as result.json holds them (NaN as None, tuples as lists, numpy numbers as
+    Python's): what a loaded summary reads back."""
+    return tuple(jsonable(df.to_dict(orient="records")))
+
+
 @dataclass(frozen=True)
 class BehaviourResult:
     table: pd.DataFrame  # one row per prompt
@@ -96,9 +127,9 @@ class BehaviourResult:
     object_bias: pd.DataFrame  # Ruis et al. o_b per cell (empty without goal prompts)
     selective: pd.DataFrame  # selective-encoding criterion per group
     prefix_curves: pd.DataFrame  # probability over sentence prefixes
-    summary: dict
+    summary: BehaviourSummary
     config: BehaviourConfig | None = None
-    manifest: dict = field(default_factory=dict)
+    manifest: dict[str, Any] = field(default_factory=dict)
     reality_gated: pd.DataFrame = field(default_factory=pd.DataFrame)  # belief accuracy on reality-right stories
     knowledge_state: pd.DataFrame = field(default_factory=pd.DataFrame)  # paired FB - TB log-odds effect
     batteries: dict[str, pd.DataFrame] = field(default_factory=dict)  # family -> its paper's summary table
@@ -124,14 +155,18 @@ class BehaviourResult:
                 write_table(df, path)
             elif path.exists():
                 path.unlink()  # from an earlier run into the same folder: it does not belong to this one
-        write_json(self.summary, out / "summary.json")
-        return finish_save(out, self.config, self.manifest, self.summary)
+        summary = summary_to_dict(self.summary)
+        write_json(summary, out / "summary.json")
+        return finish_save(out, self.config, self.manifest, summary)
 
     @classmethod
     def load(cls, out: str | Path) -> BehaviourResult:
-        out, config, manifest, summary = read_finished(out, BehaviourConfig)
+        """The tables, config, manifest and summary a finished behaviour folder holds; a folder whose
+        result.json does not fit this tomlens is one TomlensError saying to rerun the stage."""
+        out, config, manifest, data = read_finished(out, BehaviourConfig)
+        summary = summary_from_dict(BehaviourSummary, data, folder=out, stage="behaviour")
         optional = {name: _read_optional(out / f"{_FILES.get(name, name)}.csv") for name in _OPTIONAL}
-        batteries = {family: _read_optional(out / f"battery_{family}.csv") for family in summary.get("batteries", [])}
+        batteries = {family: _read_optional(out / f"battery_{family}.csv") for family in summary.batteries}
         return cls(table=read_table(out / "prompts.parquet"), accuracy=_read_optional(out / "accuracy.csv"),
                    summary=summary, config=config, manifest=manifest, batteries=batteries, **optional)
 
@@ -343,6 +378,20 @@ def _strict_tables(table: pd.DataFrame, min_mass: float) -> pd.DataFrame:
     return pd.concat(parts, ignore_index=True)
 
 
+def _scoring_words(scoring: str) -> str:
+    """How answers were scored, in the words the summary's provenance records."""
+    return ("sum of option-token log-probs with a leading space; p(a)/(p(a)+p(b)); first-token variant alongside"
+            + ("; and the first word of a greedy completion on unexpected-transfer and unexpected-contents "
+               "(Kosinski), off-key answers wrong" if scoring == "first-word" else ""))
+
+
+def _option_mass_words(min_mass: float) -> str:
+    """What the option-mass columns are, in the words the summary's provenance records."""
+    return (f"per prompt: next-word probability of the options' first tokens (option_mass_first) and of the "
+            f"whole options (option_mass); per cell their means, low_option_mass where the first is under "
+            f"{min_mass:g}")
+
+
 def run_behaviour(model: Any, stimuli: Sequence[Stimulus], *, batch_size: int = 8,
                   progress: bool = True, seed: int = 0, n_boot: int = 1000, scoring: str = "logprob",
                   min_option_mass: float = MIN_OPTION_MASS) -> BehaviourResult:
@@ -370,29 +419,13 @@ def run_behaviour(model: Any, stimuli: Sequence[Stimulus], *, batch_size: int = 
     sel = aggregates.selective_encoding(table, n_boot=n_boot, seed=seed, min_mass=m) if has_goal else pd.DataFrame()
     k0 = aggregates.k0_check(table, min_mass=m) if has_goal else pd.DataFrame()
     curves = aggregates.prefix_curves(table, min_mass=m)
-    summary = {
-        "provenance": {**provenance(model), "stimuli_hash": stimuli_hash(stimuli),
-                       "n_stimuli": len(stimuli), "seed": seed,
-                       "scoring": "sum of option-token log-probs with a leading space; "
-                                  "p(a)/(p(a)+p(b)); first-token variant alongside"
-                                  + ("; and the first word of a greedy completion on unexpected-transfer and "
-                                     "unexpected-contents (Kosinski), off-key answers wrong" if scoring == "first-word"
-                                     else ""),
-                       "option_mass": f"per prompt: next-word probability of the options' first tokens "
-                                      f"(option_mass_first) and of the whole options (option_mass); per cell their "
-                                      f"means, low_option_mass where the first is under {m:g}",
-                       "intervals": f"bootstrap over tasks, {n_boot} resamples; Wilson over tasks "
-                                    "for the strict rule",
-                       "seconds": round(time.time() - t0, 2)},
-        "accuracy": acc.to_dict(orient="records"),
-        "first_word": fw.to_dict(orient="records"),
-        "reality_gated": gated.to_dict(orient="records"),
-        "knowledge_state_effect": effect.to_dict(orient="records"),
-        "strict_task_pass": strict.to_dict(orient="records"),
-        "object_bias": ob.to_dict(orient="records"),
-        "selective_encoding": sel.to_dict(orient="records"),
-        "k0_check": k0.to_dict(orient="records"),
-        "batteries": sorted(batteries),  # battery_<family>.csv: each paper's own summary
-    }
+    summary = BehaviourSummary(
+        provenance={**provenance(model), "stimuli_hash": stimuli_hash(stimuli), "n_stimuli": len(stimuli),
+                    "seed": seed, "scoring": _scoring_words(scoring), "option_mass": _option_mass_words(m),
+                    "intervals": f"bootstrap over tasks, {n_boot} resamples; Wilson over tasks for the strict rule",
+                    "seconds": round(time.time() - t0, 2)},
+        accuracy=json_rows(acc), first_word=json_rows(fw), reality_gated=json_rows(gated),
+        knowledge_state_effect=json_rows(effect), strict_task_pass=json_rows(strict), object_bias=json_rows(ob),
+        selective_encoding=json_rows(sel), k0_check=json_rows(k0), batteries=tuple(sorted(batteries)))
     return BehaviourResult(table, acc, strict, ob, sel, curves, summary, reality_gated=gated,
                            knowledge_state=effect, batteries=batteries, k0_check=k0, first_word=fw)

@@ -14,9 +14,9 @@ from tomlens.activations import ActivationSet, cache_activations
 from tomlens.errors import TomlensError
 from tomlens.hooks.sites import KINDS
 from tomlens.models.positions import parse_selectors
-from tomlens.runs.base import ModelSpec, StimuliSpec, split_items
 from tomlens.provenance import run_manifest
-from tomlens.runs.files import begin_save, finish_save, read_finished
+from tomlens.runs.base import ModelSpec, StimuliSpec, split_items
+from tomlens.runs.files import begin_save, finish_save, read_finished, summary_from_dict, summary_to_dict
 from tomlens.stimuli.records import stimuli_hash
 
 
@@ -54,12 +54,29 @@ class CacheConfig:
             raise TomlensError(f"batch_size = {self.batch_size} must be at least 1", "use 1 or more, or leave it out")
 
 
+@dataclass(frozen=True, kw_only=True)
+class CacheSummary:
+    """What a run folder records about its activation set: where it is in the store and under which
+    key, whether it was reused, how many prompts, their stimuli's hash, and its sites, positions,
+    layers per site kind and dtype."""
+
+    store: str
+    key: str | None
+    reused: bool
+    n: int
+    stimuli_hash: str | None
+    sites: tuple[str, ...]
+    positions: tuple[str, ...]
+    layers: dict[str, list[int]]
+    dtype: str | None
+
+
 @dataclass
 class CacheResult:
     """The activation set a cache run made or found, and where it lives."""
 
     activations: ActivationSet
-    summary: dict[str, Any]
+    summary: CacheSummary
     config: CacheConfig | None = None
     manifest: dict[str, Any] = field(default_factory=dict)
 
@@ -70,26 +87,27 @@ class CacheResult:
     def save(self, out: str | Path) -> Path:
         """config.json, manifest.json and result.json (store path, what it holds, reused or not)."""
         out = begin_save(out)
-        return finish_save(out, self.config, self.manifest, self.summary)
+        return finish_save(out, self.config, self.manifest, summary_to_dict(self.summary))
 
     @classmethod
     def load(cls, out: str | Path) -> CacheResult:
         """Reopen the activation set the run folder names (the store must still hold it)."""
-        out, config, manifest, summary = read_finished(out, CacheConfig)
-        acts = ActivationSet.load(summary["store"], reused=bool(summary["reused"]))
+        out, config, manifest, data = read_finished(out, CacheConfig)
+        summary = summary_from_dict(CacheSummary, data, folder=out, stage="cache")
+        acts = ActivationSet.load(summary.store, reused=summary.reused)
         return cls(activations=acts, summary=summary, config=config, manifest=manifest)
 
     def describe(self) -> str:
         return self.activations.describe()
 
 
-def summarise_activations(acts: ActivationSet) -> dict[str, Any]:
+def summarise_activations(acts: ActivationSet) -> CacheSummary:
     """What a run folder records about an activation set."""
     m = acts.manifest
-    return {"store": str(acts.path), "key": m.get("key"), "reused": bool(acts.reused), "n": len(acts),
-            "stimuli_hash": m.get("stimuli_hash"), "sites": list(m.get("sites", [])),
-            "positions": list(m.get("positions", [])), "layers": dict(m.get("layers", {})),
-            "dtype": m.get("dtype")}
+    return CacheSummary(store=str(acts.path), key=m.get("key"), reused=bool(acts.reused), n=len(acts),
+                        stimuli_hash=m.get("stimuli_hash"), sites=tuple(m.get("sites", [])),
+                        positions=tuple(m.get("positions", [])),
+                        layers={k: list(v) for k, v in m.get("layers", {}).items()}, dtype=m.get("dtype"))
 
 
 def run(config: CacheConfig, *, model: Any = None, progress: bool = True) -> CacheResult:

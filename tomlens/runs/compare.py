@@ -29,25 +29,33 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Final
 
 import pandas as pd
 
 from tomlens.errors import TomlensError
 from tomlens.io import read_json, read_table, write_json, write_table
 from tomlens.provenance import versions
-from tomlens.runs.files import CONFIG, MANIFEST, RESULT
+from tomlens.runs.compare_summary import ComparedModel, ComparedRun, CompareSummary
+from tomlens.runs.files import CONFIG, MANIFEST, RESULT, summary_to_dict
+
+if TYPE_CHECKING:
+    from tomlens.runs.patching_summary import PatchingSummary
+    from tomlens.runs.validate import ValidationSummary
 
 # The stages a comparison reads (cache and pairs make no claim of their own).
 COMPARED: tuple[str, ...] = ("behaviour", "probes", "patching", "steering", "validate")
 ALL_STAGES: tuple[str, ...] = ("behaviour", "cache", "probes", "pairs", "patching", "steering", "validate")
-TABLES: tuple[str, ...] = ("models", "behaviour", "probes", "probe_best", "patching", "validation", "gates", "missing")
 NORMALISED = "effect_over_model_max_abs"  # patching: effect / that model's largest |effect|
 BASELINES: tuple[str, ...] = ("baseline_bow", "baseline_length", "baseline_position", "baseline_embeddings",
                               "baseline_random_init")
-FOUND, WITHHELD, NOT_RUN = "found", "withheld", "not run"
+# Final: the type checker reads each as its Literal, so a report's Finding status accepts them
+FOUND: Final = "found"
+WITHHELD: Final = "withheld"
+NOT_RUN: Final = "not run"
 
 
 def _unprefixed(reason: object) -> str:
@@ -155,7 +163,7 @@ def _load(stage: str, folder: Path, model: str) -> Any:
 
     try:
         return getattr(stage_module(stage), STAGE_CLASSES[stage][1]).load(folder)
-    except Exception as e:  # noqa: BLE001: every load failure gets the same fix
+    except Exception as e:  # noqa: BLE001 - every load failure gets the same fix
         raise TomlensError(f"model {model}: the {stage} stage in {folder} cannot be read "
                            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'no message'})",
                            f"rerun that stage (delete {folder} and run the experiment again), or leave the model "
@@ -368,8 +376,8 @@ def _probes(e: ModelEntry) -> tuple[pd.DataFrame, pd.DataFrame]:
     gates = {tg: _probe_gate(r, tg) for tg in out["target"].unique()}
     out["gate"] = [gates[tg][0] for tg in out["target"]]
     sel_units = {tg: s.unit for tg, s in r.selection.items()}
-    out["selected"] = [bool(u) and u["kind"] == k and int(u["layer"]) == int(la) and int(u["head"]) == int(h)
-                       for tg, k, la, h in zip(out["target"], out["kind"], out["layer"], out["head"])
+    out["selected"] = [bool(u and u["kind"] == k and int(u["layer"]) == int(la) and int(u["head"]) == int(h))
+                       for tg, k, la, h in zip(out["target"], out["kind"], out["layer"], out["head"], strict=True)
                        for u in [sel_units.get(tg)]]
     best = []
     for target in sorted(set(out["target"]) | set(r.selection)):
@@ -417,55 +425,55 @@ class RankingGate:
     random_mean: float = float("nan")
 
 
-def gate_k(n_heads_total: int, validate_summary: dict[str, Any] | None = None) -> tuple[int, str]:
+def gate_k(n_heads_total: int, validate_summary: ValidationSummary | None = None) -> tuple[int, str]:
     """The k the head ranking is judged at, as `tomlens validate` judges it: the validate stage's
     own k when it ran, else `default_k` (5% of all heads, at least 1); and where it came from."""
     from tomlens.runs.validate import default_k
 
-    if validate_summary and validate_summary.get("k") is not None:
-        return int(validate_summary["k"]), "the validate stage's k"
+    if validate_summary is not None:
+        return int(validate_summary.k), "the validate stage's k"
     return default_k(n_heads_total), f"5% of the model's {n_heads_total} heads"
 
 
-def patching_direction(summary: dict[str, Any]) -> str:
+def patching_direction(summary: PatchingSummary) -> str:
     """The direction of the effects in the heads table (the run's first direction): `denoise`
     (clean into corrupted, important heads near 1) or `noise` (corrupted into clean, important heads
     near 0). Anything else is refused: its effects cannot be read on the denoising scale."""
-    dirs = summary.get("directions") or [summary.get("direction", "denoise")]
-    d = str(dirs[0] if isinstance(dirs, list) and dirs else dirs)
+    d = str(summary.directions[0]) if summary.directions else "denoise"
     if d not in ("denoise", "noise"):
         raise TomlensError(f"patching direction {d!r} is not one compare can read",
                            "rerun patching with direction = \"denoise\" (or \"noise\" / \"both\")")
     return d
 
 
-def patching_gate(summary: dict[str, Any], n_heads_total: int, *, k: int | None = None,
+def patching_gate(summary: PatchingSummary, n_heads_total: int, *, k: int | None = None,
                   thresholds: Any = None, k_source: str = "") -> RankingGate:
     """Whether a patching run's head ranking is a finding, judged as `tomlens validate` judges it:
     its pre-sweep gate passed (not withheld, not forced) and top-k recovery at validate's k (its own
     when it ran, else 5% of heads) passed `check_recovery` (held-out recovery at or above the
     threshold, layer-matched random sets below theirs). A run without recovery at that k is withheld."""
+    from tomlens.patching.gate import FORCED_PREFIX
     from tomlens.runs.validate import Thresholds, check_recovery
 
     if k is None:
         k, k_source = gate_k(n_heads_total)
     t = thresholds if thresholds is not None else Thresholds()
-    if summary.get("withheld"):
-        return RankingGate(WITHHELD, _unprefixed(summary["withheld"]), k)
-    if summary.get("forced"):
-        return RankingGate(WITHHELD, "forced past a failed gate: " + str(summary.get("forced_message", "")).removeprefix(
-            "FORCED (gate failed): "), k)
+    if summary.withheld:
+        return RankingGate(WITHHELD, _unprefixed(summary.withheld), k)
+    if summary.forced:
+        return RankingGate(WITHHELD, "forced past a failed gate: " + (summary.forced_message or "").removeprefix(
+            FORCED_PREFIX), k)
     if patching_direction(summary) == "noise":
         return RankingGate(WITHHELD, "the ranking is by noising effect; validate's recovery check is defined for "
                                      "denoising, so it was not judged (rerun patching with direction = denoise)", k)
-    rows = [r for r in summary.get("topk", []) if int(r["k"]) == k]
+    row = summary.topk_at(k)
     source = f" ({k_source})" if k_source else ""
-    if not rows:
-        ran = sorted({int(r["k"]) for r in summary.get("topk", [])})
+    if row is None:
+        ran = sorted({r.k for r in summary.topk or ()})
         return RankingGate(WITHHELD, f"no top-k recovery at k = {k}{source}, the k validate judges at"
                                      + (f" (run at k = {', '.join(map(str, ran))} only)" if ran else
                                         " (no top-k recovery was run)") + "; add it to patching.ks", k)
-    heads = str(rows[0].get("heads") or "")
+    heads = row.heads
     check = check_recovery(summary, k, t, n_heads_total=n_heads_total)
     if check.passed:
         return RankingGate(FOUND, f"top-{k} recovery{source} of {heads.replace(';', ', ')}: {check.value:.2f} >= "
@@ -519,7 +527,7 @@ def _patching(e: ModelEntry) -> pd.DataFrame:
                         "rank": h.get("patch_rank", pd.Series(range(1, len(h) + 1), index=h.index)),
                         "gate": g.status, "gate_reason": g.reason, "gate_k": g.k, "gate_heads": g.heads})
     out["found"] = out["gate"] == FOUND
-    out["in_gate_set"] = [f"L{la}H{hd}" in g.heads.split(";") for la, hd in zip(out["layer"], out["head"])]
+    out["in_gate_set"] = [f"L{la}H{hd}" in g.heads.split(";") for la, hd in zip(out["layer"], out["head"], strict=True)]
     return out.sort_values(["layer", "head"]).reset_index(drop=True)
 
 
@@ -555,13 +563,12 @@ def _gates(e: ModelEntry, probe_best: pd.DataFrame, patching: pd.DataFrame) -> l
             add("head ranking", mine["gate"].iloc[0], mine["gate_reason"].iloc[0], "patching")
         else:
             s = e.results["patching"].summary
-            add("head ranking", WITHHELD, _unprefixed(s.get("withheld") or "no head was ranked"), "patching")
+            add("head ranking", WITHHELD, _unprefixed(s.withheld or "no head was ranked"), "patching")
     if "steering" in e.results:
-        s = e.results["steering"].summary
-        layer = s.get("layer")
-        rows_l = [x for x in s.get("layers", []) if x.get("layer") == layer]
-        add(f"steering (layer {layer})", FOUND if s.get("verdict") == FOUND else WITHHELD,
-            rows_l[0].get("reason", "") if rows_l else "", "steering")
+        steer = e.results["steering"].summary
+        rows_l = [x for x in steer.layers if x.layer == steer.layer]
+        add(f"steering (layer {steer.layer})", FOUND if steer.verdict == FOUND else WITHHELD,
+            rows_l[0].reason if rows_l else "", "steering")
     elif "steering" in e.asked:
         add("steering", NOT_RUN, "missing: the stage did not finish", "steering")
     if "validate" in e.results:
@@ -588,7 +595,7 @@ class CompareResult:
     """The comparison's tables (by name, see the module docstring) and where they came from."""
 
     tables: dict[str, pd.DataFrame]
-    summary: dict[str, Any]  # runs, models (label, folder, n_layers, provenance), versions, time
+    summary: CompareSummary  # runs, models (label, folder, n_layers, provenance), versions, time
 
     def __getattr__(self, name: str) -> pd.DataFrame:
         tables = self.__dict__.get("tables", {})
@@ -598,7 +605,7 @@ class CompareResult:
 
     @property
     def models(self) -> list[str]:
-        return [m["label"] for m in self.summary.get("models", [])]
+        return [m.label for m in self.summary.models]
 
     def save(self, out: str | Path) -> Path:
         """Each table as `<name>.parquet`, then `result.json` (the summary) last: a folder without it
@@ -608,7 +615,7 @@ class CompareResult:
         (out / RESULT_FILE).unlink(missing_ok=True)
         for name, df in self.tables.items():
             write_table(df, out / f"{name}.parquet")
-        write_json({**self.summary, "tables": list(self.tables)}, out / RESULT_FILE)
+        write_json(summary_to_dict(replace(self.summary, tables=tuple(self.tables))), out / RESULT_FILE)
         return out
 
     @classmethod
@@ -617,8 +624,8 @@ class CompareResult:
         if not (out / RESULT_FILE).is_file():
             raise TomlensError(f"{out} holds no finished comparison (no {RESULT_FILE})",
                                "write one with `tomlens compare RUN ... --out DIR`")
-        summary = read_json(out / RESULT_FILE)
-        tables = {name: read_table(out / f"{name}.parquet") for name in summary.get("tables", TABLES)
+        summary = CompareSummary.from_json(read_json(out / RESULT_FILE), folder=out)
+        tables = {name: read_table(out / f"{name}.parquet") for name in summary.tables
                   if (out / f"{name}.parquet").is_file()}
         return cls(tables, summary)
 
@@ -626,8 +633,8 @@ class CompareResult:
         """Each model with its layer count, each claim's gate, the best probe layer on both axes, and
         what is missing."""
         lines = [f"compared {len(self.models)} model(s) on relative depth = layer / (n_layers - 1):"]
-        for m in self.summary.get("models", []):
-            lines.append(f"  {m['label']}: {m['n_layers']} layers ({m['folder']})")
+        for m in self.summary.models:
+            lines.append(f"  {m.label}: {m.n_layers} layers ({m.folder})")
         best = self.tables.get("probe_best", pd.DataFrame())
         for _, b in best.iterrows():
             if isinstance(b.get("selected_unit"), str):
@@ -715,19 +722,19 @@ def compare_runs(folders: Sequence[str | Path], *, missing: Sequence[str] = (),
     tables = {"models": models, "behaviour": behaviour, "probes": probes, "probe_best": probe_best,
               "patching": patching, "validation": validation, "gates": gates,
               "missing": pd.DataFrame(missing_rows, columns=["model", "stage", "reason", "folder"])}
-    runs = []
-    for folder in dict.fromkeys(str(Path(f)) for f in folders):
-        path = Path(folder) / MANIFEST
-        runs.append({"folder": folder, "manifest": read_json(path) if path.is_file() else None})
-    summary = {"command": "compare", "axis": "relative depth = layer / (n_layers - 1)",
-               "normalisation": "patching `effect` is each model's own fraction of its clean - corrupted gap "
-                                "(plotted as is); `" + NORMALISED + "` = effect / the largest |effect| over that "
-                                "model's heads, an extra column only",
-               "layers": "layer numbers are 0-based: layer L of N runs from 0 to N - 1",
-               "models": [{"label": e.label, "folder": str(e.folder), "run": str(e.run), "n_layers": e.n_layers,
-                           "n_heads": e.n_heads, "asked": list(e.asked), "finished": list(e.results),
-                           "provenance": e.provenance} for e in entries],
-               "missing": list(map(str, missing)), "runs": runs, "versions": versions(),
-               "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    runs = tuple(ComparedRun(folder=folder, manifest=read_json(Path(folder) / MANIFEST)
+                             if (Path(folder) / MANIFEST).is_file() else None)
+                 for folder in dict.fromkeys(str(Path(f)) for f in folders))
+    summary = CompareSummary(
+        command="compare", axis="relative depth = layer / (n_layers - 1)",
+        normalisation="patching `effect` is each model's own fraction of its clean - corrupted gap "
+                      "(plotted as is); `" + NORMALISED + "` = effect / the largest |effect| over that "
+                      "model's heads, an extra column only",
+        layers="layer numbers are 0-based: layer L of N runs from 0 to N - 1",
+        models=tuple(ComparedModel(label=e.label, folder=str(e.folder), run=str(e.run), n_layers=e.n_layers,
+                                   n_heads=e.n_heads, asked=tuple(e.asked), finished=tuple(e.results),
+                                   provenance=e.provenance) for e in entries),
+        missing=tuple(map(str, missing)), runs=runs, versions=versions(),
+        time=time.strftime("%Y-%m-%dT%H:%M:%S%z"), tables=tuple(tables))
     return CompareResult(tables, summary)
 

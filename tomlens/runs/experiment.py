@@ -20,14 +20,16 @@ import json
 import re
 import sys
 import tomllib
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from tomlens.errors import TomlensError
 from tomlens.io import file_sha256, read_json, write_json
+from tomlens.messages import say
 from tomlens.runs.base import ModelSpec, config_from_dict, config_hash, config_to_dict
-from tomlens.runs.files import CONFIG, INPUTS, MANIFEST, RESULT, begin_save
+from tomlens.runs.files import CONFIG, INPUTS, MANIFEST, RESULT, RunResult, begin_save, summary_from_dict
 
 # Pipeline order; each stage is `tomlens.runs.<stage>` with these config and result classes.
 STAGES: tuple[str, ...] = ("audit", "behaviour", "cache", "probes", "pairs", "patching", "steering", "validate")
@@ -54,7 +56,7 @@ def stage_module(stage: str) -> Any:
     return importlib.import_module(f"tomlens.runs.{stage}")
 
 
-def _stage_classes(stage: str) -> tuple[type, type]:
+def _stage_classes(stage: str) -> tuple[type, type[RunResult]]:
     module = stage_module(stage)
     config_name, result_name = STAGE_CLASSES[stage]
     return getattr(module, config_name), getattr(module, result_name)
@@ -179,7 +181,7 @@ class ExperimentConfig:
         else:
             raise TomlensError("the experiment names no model", 'add [model] with name = "smollm2-135m" (or [[models]])')
         models = tuple(config_from_dict(ModelSpec, m, where=w)
-                       for e, w0 in zip(entries, where) for m, w in expand_model_entry(e, w0))
+                       for e, w0 in zip(entries, where, strict=True) for m, w in expand_model_entry(e, w0))
         seed = data.get("seed", 0)
         if not isinstance(seed, int) or isinstance(seed, bool):
             raise TomlensError(f"seed = {seed!r} is not an integer", "use e.g. seed = 0")
@@ -272,7 +274,7 @@ def apply_overrides(data: Mapping[str, Any], assignments: list[str]) -> dict[str
     """A copy of a parsed experiment file with `KEY.PATH=VALUE` assignments applied (VALUE is a
     TOML value; a bare word is a string; a number in the path indexes a list of tables), e.g.
     `model.name=tiny-llama`, `probes.stimuli.n=5`, `behaviour.stimuli.0.n=1`."""
-    data = json.loads(json.dumps(data))  # deep copy of plain TOML values
+    copy: dict[str, Any] = json.loads(json.dumps(data))  # deep copy of plain TOML values
     for text in assignments:
         key, sep, raw = text.partition("=")
         if not sep or not key.strip():
@@ -282,7 +284,7 @@ def apply_overrides(data: Mapping[str, Any], assignments: list[str]) -> dict[str
         except tomllib.TOMLDecodeError:
             value = raw  # a bare word
         *path, last = key.strip().split(".")
-        node: Any = data
+        node: Any = copy
         for i, part in enumerate(path):
             if isinstance(node, list):
                 if not part.isdigit() or int(part) >= len(node):
@@ -300,7 +302,7 @@ def apply_overrides(data: Mapping[str, Any], assignments: list[str]) -> dict[str
             node[int(last)] = value
         else:
             node[last] = value
-    return data
+    return copy
 
 
 @dataclass
@@ -430,12 +432,9 @@ def stale_reason(stage: str, folder: Path, config: Any, inputs: Mapping[str, Any
     if why:
         return why
     if stage == "steering":
-        saved = read_json(folder / RESULT)
-        layers = saved.get("layers") or []
-        if layers and not any("selection_margin" in d for d in layers):
-            return "its layer and dose were chosen by an older rule (without the selection half's random directions)"
-        if layers and "random_quantile" not in saved:
-            return "its layer and dose were chosen by an older rule (the random directions' maximum)"
+        why = _older_steering_rule(folder)
+        if why:
+            return why
     if stage == "audit":
         from tomlens.runs.audit import changed_since
 
@@ -444,10 +443,32 @@ def stale_reason(stage: str, folder: Path, config: Any, inputs: Mapping[str, Any
             return why
     if stage == "cache":
         from tomlens.activations.store import is_complete
+        from tomlens.runs.cache import CacheSummary
 
-        store = read_json(folder / RESULT).get("store")
+        try:
+            store = summary_from_dict(CacheSummary, read_json(folder / RESULT), folder=folder, stage="cache").store
+        except TomlensError as e:  # written by an older tomlens: run it again
+            return e.problem
         if not store or not is_complete(Path(store)):
             return f"its activation store {store} is gone"
+    return None
+
+
+def _older_steering_rule(folder: Path) -> str | None:
+    """Why a finished steering run's layer and dose cannot stand for a run of today's rule (None:
+    they can): rows without the selection half's random directions (`selection_margin`), or a
+    summary without `random_quantile` (judged by the random directions' maximum), or one that does
+    not fit today's summary at all."""
+    from tomlens.runs.steering_summary import SteeringSummary
+
+    try:
+        saved = summary_from_dict(SteeringSummary, read_json(folder / RESULT), folder=folder, stage="steering")
+    except TomlensError as e:  # written by an older tomlens still: run it again
+        return e.problem
+    if saved.layers and all(d.selection_margin is None for d in saved.layers):
+        return "its layer and dose were chosen by an older rule (without the selection half's random directions)"
+    if saved.layers and saved.random_quantile is None:
+        return "its layer and dose were chosen by an older rule (the random directions' maximum)"
     return None
 
 
@@ -518,15 +539,15 @@ def run_experiment(config: ExperimentConfig, out: str | Path, *, progress: bool 
             inputs = stage_inputs(stage_cfg, run.folders, upstream)
             why = "" if upstream & rerun else stale_reason(stage, stage_dir, stage_cfg, inputs, spec, loaded)
             if why:
-                print(f"{stage}: not reused ({why})", flush=True)
+                say(f"{stage}: not reused ({why})")
             if why is None:
                 result = result_cls.load(stage_dir)
                 run.reused[stage] = True
-                print(f"{stage}: reused {stage_dir} (finished with the same settings, "
-                      f"config {config_hash(stage_cfg)})", flush=True)
+                say(f"{stage}: reused {stage_dir} (finished with the same settings, "
+                    f"config {config_hash(stage_cfg)})")
             else:
                 if loaded is None and stage not in TOKENIZER_ONLY:
-                    print(f"loading {spec.name}", flush=True)
+                    say(f"loading {spec.name}")
                     loaded = spec.load()
                 kwargs: dict[str, Any] = {}
                 accepts = inspect.signature(module.run).parameters

@@ -19,7 +19,7 @@ import re
 import shutil
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -340,7 +340,7 @@ def export_stimuli(stimuli: Sequence[Stimulus], out: str | Path, *, formats: Seq
             "kind": "stimuli", "stimuli_hash": stimuli_hash(stimuli), "n_stimuli": len(stimuli),
             "families": sorted({s.family for s in stimuli}), **info, "files": _files(built),
             "versions": _export_versions(versions()),
-            "time": datetime.now(timezone.utc).isoformat(timespec="seconds")}, build / PROVENANCE)
+            "time": datetime.now(UTC).isoformat(timespec="seconds")}, build / PROVENANCE)
     return {k: out / v.name for k, v in built.items()} | {"provenance": out / PROVENANCE}
 
 
@@ -393,7 +393,7 @@ def _pick_split(split: str | None, available: Sequence[str], where: Path) -> str
         raise TomlensError(f"{where} holds no stimuli split", "export the run without --no-stimuli")
     if split is None and len(available) == 1:
         return available[0]
-    if split not in available:
+    if split is None or split not in available:
         said = "no split given" if split is None else f"no stimuli split {split!r}"
         raise TomlensError(f"{said} in {where}; its stimuli splits: {', '.join(available)}",
                            "pass split= one of those (e.g. split=" + repr(available[0]) + ")")
@@ -556,113 +556,157 @@ def export_run(run_folder: str | Path, out: str | Path, *, formats: Sequence[str
     names = {"datasets": DATASETS_DIR, "parquet": PARQUET_DIR}
     out, old = _prepare_out(out, force, [*(names[f] for f in formats), PROVENANCE]
                             + ([CARD] if "parquet" in formats else []))
-    import pyarrow as pa
-
-    tables: dict[str, Any] = {}  # split -> arrow table
-    index: dict[str, dict[str, Any]] = {}
-    skipped: list[dict[str, str]] = []
-    json_files: dict[str, Any] = {}
+    found = _RunTables(run_folder)
     stage_dirs = _stage_folders(run_folder)
     for model, stage, folder in stage_dirs:
+        found.add_stage(model, stage, folder, stimuli)
+    found.add_files_beside_stages(stage_dirs)
+    if not found.tables:
+        raise TomlensError(f"{run_folder} has no finished stage with a table to export",
+                           "run the experiment to the end first (`tomlens run FILE --out DIR`)")
+    built: dict[str, Path] = {}
+    with _building(out, old) as build:
+        if "datasets" in formats:
+            built["datasets"] = found.save_datasets(build, progress)
+        if "parquet" in formats:
+            built["parquet"] = found.save_parquet(build)
+            built["card"] = write_atomic(_card(run_folder.name, found.index), build / CARD)
+        found.save_provenance(build, formats, built)
+    return {k: out / v.name for k, v in built.items()} | {"provenance": out / PROVENANCE}
+
+
+class _RunTables:
+    """What `export_run` gathers from a run folder before it writes anything: the tables by split
+    (Arrow), the split index, each stage's JSON files, and every file left out with why."""
+
+    def __init__(self, run_folder: Path):
+        self.run_folder = run_folder
+        self.tables: dict[str, Any] = {}  # split -> arrow table
+        self.index: dict[str, dict[str, Any]] = {}
+        self.skipped: list[dict[str, str]] = []
+        self.json_files: dict[str, Any] = {}
+
+    def add_stage(self, model: str | None, stage: str, folder: Path, stimuli: bool) -> None:
+        """A finished stage's stimuli (with `stimuli`) and top-level files; an unfinished one is
+        listed as skipped."""
         parts = (model, stage) if model else (stage,)
-        where = "/".join(parts)
         if not (folder / RESULT).is_file():
-            skipped.append({"what": where, "why": f"the stage did not finish (no {RESULT})"})
-            continue
+            self.skipped.append({"what": "/".join(parts), "why": f"the stage did not finish (no {RESULT})"})
+            return
+        exported = self._add_stimuli(model, stage, folder, parts) if stimuli else set()
+        # Parquet (the stages' own format) before a csv of the same stem, so the csv is the one renamed.
+        for path in sorted(folder.iterdir(), key=lambda p: (p.stem, p.suffix != ".parquet", p.suffix)):
+            self._add_stage_file(model, stage, path, parts, exported, stimuli)
+
+    def _add_stimuli(self, model: str | None, stage: str, folder: Path, parts: tuple[str, ...]) -> set[str]:
+        """The stage's stimulus sets as splits, first, so `<stage>.stimuli` is always the stimuli;
+        returns the stage files they stand for (the pairs file)."""
+        import pyarrow as pa
+
         exported: set[str] = set()
         manifest = read_json(folder / MANIFEST) if (folder / MANIFEST).is_file() else {}
-        for field, key in STIMULI_FIELDS if stimuli else ():  # first, so `<stage>.stimuli` is always the stimuli
+        for field, key in STIMULI_FIELDS:
             if field != STIMULI_SPLIT and manifest.get(key) is None:
                 continue  # no second set (test_stimuli) in this stage
             records, why, extra = _recorded_stimuli(stage, folder, field)
             if records is None:
-                skipped.append({"what": f"{where} {field}", "why": why})
+                self.skipped.append({"what": f"{'/'.join(parts)} {field}", "why": why})
                 continue
-            name, renamed = _free_split(split_name(*parts, field), index, None, None)
+            name, renamed = _free_split(split_name(*parts, field), self.index, None, None)
             table = stimuli_table(records)
             for column, values in extra.items():
                 table = table.append_column(column, pa.array(values, pa.string()))
-            tables[name] = table
-            index[name] = {"model": model, "stage": stage, "table": field, "kind": "stimuli",
-                           "rows": len(records), "stimuli_hash": stimuli_hash(records), **source_info(records)}
+            self.tables[name] = table
+            self.index[name] = {"model": model, "stage": stage, "table": field, "kind": "stimuli",
+                                "rows": len(records), "stimuli_hash": stimuli_hash(records), **source_info(records)}
             if stage == "pairs":
-                index[name]["file"] = str((folder / PAIRS_FILE).relative_to(run_folder))
+                self.index[name]["file"] = str((folder / PAIRS_FILE).relative_to(self.run_folder))
                 exported.add(PAIRS_FILE)
             if renamed:
-                index[name]["renamed"] = renamed
-        # Parquet (the stages' own format) before a csv of the same stem, so the csv is the one renamed.
-        for path in sorted(folder.iterdir(), key=lambda p: (p.stem, p.suffix != ".parquet", p.suffix)):
-            rel = str(path.relative_to(run_folder))
-            if path.is_file() and not path.name.startswith(".") and path.suffix in (".parquet", ".csv"):
-                name, renamed = _free_split(split_name(*parts, path.stem), index, path.stem, path.suffix[1:])
-                df, tables[name] = _read_arrow(path, run_folder)
-                index[name] = {"model": model, "stage": stage, "table": path.stem, "kind": "table", "file": rel,
-                               "rows": len(df), "columns": [str(c) for c in df.columns]}
-                if renamed:
-                    index[name]["renamed"] = renamed
-            elif path.is_file() and not path.name.startswith(".") and path.suffix == ".json":
-                content, why = _json_record(path)
-                if why:
-                    skipped.append({"what": rel, "why": why})
-                else:
-                    json_files[rel] = content
-            elif path.name not in exported:
-                why = _not_exported(path)
-                if path.name == PAIRS_FILE:
-                    why = ("the pairs: exported as the pairs stage's stimuli split, which "
-                           + ("--no-stimuli left out" if not stimuli else "could not be given back (see above)"))
-                skipped.append({"what": rel, "why": why})
-    # The run's (and each model's) own files beside the stage folders.
-    model_dirs = sorted({f.parent for m, _, f in stage_dirs if m})
-    inside = {p.resolve() for p in [*model_dirs, *(f for _, _, f in stage_dirs)]}
-    for folder in [run_folder, *model_dirs]:
-        for path in sorted(folder.iterdir()):
-            rel = str(path.relative_to(run_folder))
-            if path.resolve() in inside or (folder == run_folder and path.name in (MANIFEST, CONFIG)):
-                continue  # a stage or model folder (listed file by file), or run_manifest / run_config below
-            if path.is_file() and path.suffix == ".json" and not path.name.startswith("."):
-                content, why = _json_record(path)
-                if not why:
-                    json_files[rel] = content
-                    continue
-                skipped.append({"what": rel, "why": why})
-            else:
-                skipped.append({"what": rel, "why": "beside the stages: " + _not_exported(path)})
-    if not tables:
-        raise TomlensError(f"{run_folder} has no finished stage with a table to export",
-                           "run the experiment to the end first (`tomlens run FILE --out DIR`)")
-    from tomlens.provenance import versions
+                self.index[name]["renamed"] = renamed
+        return exported
 
-    built: dict[str, Path] = {}
-    with _building(out, old) as build:
-        if "datasets" in formats:
-            datasets = _datasets()
-            splits = {}
-            for name, t in tables.items():
-                info = ({k: index[name][k] for k in ("description", "license", "citation")}
-                        if index[name]["kind"] == "stimuli" else
-                        {"description": f"tomlens {index[name]['file']} of run {run_folder.name}"})
-                try:
-                    splits[name] = _dataset(t, info)
-                except _table_errors() as e:
-                    raise TomlensError(f"datasets cannot hold split {name} ({index[name].get('file', name)}): "
-                                       f"{type(e).__name__}: {e}", "export Parquet only (--format parquet); " + KEEP_FIX) from e
-            built["datasets"] = _save_dataset(datasets.DatasetDict(splits), build / DATASETS_DIR, progress,
-                                              f"the run's {len(splits)} splits")
-        if "parquet" in formats:
-            (build / PARQUET_DIR).mkdir()
-            for name, t in tables.items():
-                _write_parquet(t, build / PARQUET_DIR / f"{name}.parquet",
-                               f"split {name} ({index[name].get('file', name)})")
-            built["parquet"] = build / PARQUET_DIR
-            built["card"] = write_atomic(_card(run_folder.name, index), build / CARD)
+    def _add_stage_file(self, model: str | None, stage: str, path: Path, parts: tuple[str, ...],
+                        exported: set[str], stimuli: bool) -> None:
+        """One file of a stage folder: a table becomes a split, a JSON file goes into provenance, and
+        anything else is listed as skipped, with why."""
+        rel = str(path.relative_to(self.run_folder))
+        if path.is_file() and not path.name.startswith(".") and path.suffix in (".parquet", ".csv"):
+            name, renamed = _free_split(split_name(*parts, path.stem), self.index, path.stem, path.suffix[1:])
+            df, self.tables[name] = _read_arrow(path, self.run_folder)
+            self.index[name] = {"model": model, "stage": stage, "table": path.stem, "kind": "table", "file": rel,
+                                "rows": len(df), "columns": [str(c) for c in df.columns]}
+            if renamed:
+                self.index[name]["renamed"] = renamed
+        elif path.is_file() and not path.name.startswith(".") and path.suffix == ".json":
+            content, why = _json_record(path)
+            if why:
+                self.skipped.append({"what": rel, "why": why})
+            else:
+                self.json_files[rel] = content
+        elif path.name not in exported:
+            why = _not_exported(path)
+            if path.name == PAIRS_FILE:
+                why = ("the pairs: exported as the pairs stage's stimuli split, which "
+                       + ("--no-stimuli left out" if not stimuli else "could not be given back (see above)"))
+            self.skipped.append({"what": rel, "why": why})
+
+    def add_files_beside_stages(self, stage_dirs: list[tuple[str | None, str, Path]]) -> None:
+        """The run's (and each model's) own files beside the stage folders: JSON into provenance,
+        the rest listed as skipped."""
+        run_folder = self.run_folder
+        model_dirs = sorted({f.parent for m, _, f in stage_dirs if m})
+        inside = {p.resolve() for p in [*model_dirs, *(f for _, _, f in stage_dirs)]}
+        for folder in [run_folder, *model_dirs]:
+            for path in sorted(folder.iterdir()):
+                rel = str(path.relative_to(run_folder))
+                if path.resolve() in inside or (folder == run_folder and path.name in (MANIFEST, CONFIG)):
+                    continue  # a stage or model folder (listed file by file), or run_manifest / run_config below
+                if path.is_file() and path.suffix == ".json" and not path.name.startswith("."):
+                    content, why = _json_record(path)
+                    if not why:
+                        self.json_files[rel] = content
+                        continue
+                    self.skipped.append({"what": rel, "why": why})
+                else:
+                    self.skipped.append({"what": rel, "why": "beside the stages: " + _not_exported(path)})
+
+    def save_datasets(self, build: Path, progress: bool) -> Path:
+        """Every split in one `DatasetDict` under `build`."""
+        datasets = _datasets()
+        splits = {}
+        for name, t in self.tables.items():
+            entry = self.index[name]
+            info = ({k: entry[k] for k in ("description", "license", "citation")} if entry["kind"] == "stimuli" else
+                    {"description": f"tomlens {entry['file']} of run {self.run_folder.name}"})
+            try:
+                splits[name] = _dataset(t, info)
+            except _table_errors() as e:
+                raise TomlensError(f"datasets cannot hold split {name} ({entry.get('file', name)}): "
+                                   f"{type(e).__name__}: {e}", "export Parquet only (--format parquet); " + KEEP_FIX) from e
+        return _save_dataset(datasets.DatasetDict(splits), build / DATASETS_DIR, progress,
+                             f"the run's {len(splits)} splits")
+
+    def save_parquet(self, build: Path) -> Path:
+        """One Parquet file per split under `build`."""
+        (build / PARQUET_DIR).mkdir()
+        for name, t in self.tables.items():
+            _write_parquet(t, build / PARQUET_DIR / f"{name}.parquet",
+                           f"split {name} ({self.index[name].get('file', name)})")
+        return build / PARQUET_DIR
+
+    def save_provenance(self, build: Path, formats: Sequence[str], built: dict[str, Path]) -> None:
+        """`provenance.json`: the run's manifest and config, the split index, the JSON files, what
+        was left out, and the versions that wrote it."""
+        from tomlens.provenance import versions
+
+        run_folder = self.run_folder
         write_json({
             "kind": "run", "run_folder": str(run_folder.resolve()), "run_manifest": read_json(run_folder / MANIFEST),
             "run_config": read_json(run_folder / CONFIG) if (run_folder / CONFIG).is_file() else None,
-            "splits": index, "skipped": skipped, "json_files": json_files, "formats": list(formats),
+            "splits": self.index, "skipped": self.skipped, "json_files": self.json_files, "formats": list(formats),
             "files": _files(built), "versions": _export_versions(versions()),
-            "time": datetime.now(timezone.utc).isoformat(timespec="seconds")}, build / PROVENANCE)
-    return {k: out / v.name for k, v in built.items()} | {"provenance": out / PROVENANCE}
+            "time": datetime.now(UTC).isoformat(timespec="seconds")}, build / PROVENANCE)
 
 
 def _card(name: str, index: dict[str, dict[str, Any]]) -> str:

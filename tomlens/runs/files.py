@@ -5,8 +5,13 @@ through being rewritten never looks finished."""
 
 from __future__ import annotations
 
+import dataclasses
+import math
+import types
+import typing
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from tomlens.errors import TomlensError
 from tomlens.io import read_json, write_json
@@ -50,6 +55,7 @@ def read_finished(out: str | Path, config_class: type[C]) -> tuple[Path, C | Non
     return out, config, manifest, read_json(out / RESULT)
 
 
+@runtime_checkable
 class RunResult(Protocol):
     """What every stage's result offers: `save(out)` writes the folder (result.json last), the
     class's `load(out)` reads it back, and `describe()` is the few lines a terminal prints."""
@@ -70,12 +76,50 @@ def summary_to_dict(summary: Any) -> dict[str, Any]:
     return config_to_dict(summary)
 
 
+def _nulls_as_nan(cls: Any, data: Any) -> Any:
+    """`data` with null in every `float` field (not `float | None`) as NaN: JSON writes NaN as null
+    (`tomlens.io.write_json`), so a number that could not be measured comes back as it was. Nested
+    summaries, tuples of them and dicts of them are walked; anything else is left as it is."""
+    if not (dataclasses.is_dataclass(cls) and isinstance(data, Mapping)):
+        return data
+    hints = typing.get_type_hints(cls)
+    out = dict(data)
+    for key, value in data.items():
+        tp = hints.get(key)
+        if tp is float and value is None:
+            out[key] = math.nan
+            continue
+        for inner in _summary_classes(tp):
+            if isinstance(value, Mapping) and not dataclasses.is_dataclass(value):
+                out[key] = (_nulls_as_nan(inner, value) if _is_class_table(tp)
+                            else {k: _nulls_as_nan(inner, v) for k, v in value.items()})
+            elif isinstance(value, list):
+                out[key] = [_nulls_as_nan(inner, v) for v in value]
+    return out
+
+
+def _summary_classes(tp: Any) -> list[type]:
+    """The dataclasses an annotation holds: `X`, `X | None`, `tuple[X, ...]`, `dict[str, X]`."""
+    found = []
+    for arg in (tp, *typing.get_args(tp)):
+        for inner in (arg, *typing.get_args(arg)):
+            if isinstance(inner, type) and dataclasses.is_dataclass(inner):
+                found.append(inner)
+    return list(dict.fromkeys(found))
+
+
+def _is_class_table(tp: Any) -> bool:
+    """The annotation is a dataclass itself (or one `| None`), not a dict of them."""
+    options = typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) else (tp,)
+    return any(isinstance(a, type) and dataclasses.is_dataclass(a) for a in options)
+
+
 def summary_from_dict(cls: type[S], data: Mapping[str, Any], *, folder: str | Path, stage: str) -> S:
     """The typed summary `cls` from a result.json's dict. A folder written before its stage's
     summary was typed (or by a later tomlens) does not fit: say so, and that rerunning the stage
     into the folder rewrites it, instead of failing later on a missing field."""
     try:
-        return config_from_dict(cls, data)
+        return config_from_dict(cls, _nulls_as_nan(cls, data))
     except (TomlensError, TypeError) as e:
         why = e.problem if isinstance(e, TomlensError) else str(e)
         raise TomlensError(

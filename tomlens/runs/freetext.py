@@ -15,7 +15,7 @@ manifest). The CLI (`tomlens freetext answer|score|items`) calls these same func
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,9 +27,21 @@ from tomlens.errors import TomlensError
 from tomlens.io import file_sha256, read_json, read_table, records_hash, write_json, write_table
 from tomlens.provenance import run_manifest, versions
 from tomlens.runs.base import ModelSpec, config_from_dict
-from tomlens.runs.files import CONFIG, MANIFEST, RESULT, begin_save, finish_save, read_finished
+from tomlens.runs.files import (
+    CONFIG,
+    MANIFEST,
+    RESULT,
+    begin_save,
+    finish_save,
+    read_finished,
+    summary_from_dict,
+    summary_to_dict,
+)
 from tomlens.stimuli.epitome import (
-    SHORT_STORY_FAMILY, STRANGE_STORIES_FAMILY, FreeTextItem, free_text_items,
+    SHORT_STORY_FAMILY,
+    STRANGE_STORIES_FAMILY,
+    FreeTextItem,
+    free_text_items,
 )
 
 FAMILIES: tuple[str, ...] = (SHORT_STORY_FAMILY, STRANGE_STORIES_FAMILY, "all")
@@ -96,26 +108,48 @@ class FreeTextConfig:
         select_items(self.family, self.items)  # a bad item name fails before the model loads
 
 
+@dataclass(frozen=True, kw_only=True)
+class FreeTextSummary:
+    """What an answering run says about itself (result.json): how many items were answered, how many
+    answers the token limit cut off, why decoding stopped (reason -> answers), the seconds it took
+    (None: not timed) and the files it wrote."""
+
+    n_items: int
+    n_cut_off: int
+    stop_reasons: dict[str, int]
+    seconds: float | None
+    files: tuple[str, ...]
+
+
+def summarise_answers(answers: pd.DataFrame) -> FreeTextSummary:
+    """The summary of a table of answers (`generate_answers`' columns and its `seconds` attribute)."""
+    return FreeTextSummary(n_items=len(answers), n_cut_off=int(answers["cut_off"].sum()),
+                           stop_reasons={str(k): int(v) for k, v in answers["stop_reason"].value_counts().items()},
+                           seconds=answers.attrs.get("seconds"), files=(ANSWERS, CODING, CONFIG, MANIFEST))
+
+
 @dataclass(frozen=True)
 class FreeTextResult:
     answers: pd.DataFrame  # one row per item: answer, stop_reason, cut_off, rubric, ...
     config: FreeTextConfig | None = None
-    manifest: dict = field(default_factory=dict)
-    summary: dict = field(default_factory=dict)
+    manifest: dict[str, Any] = field(default_factory=dict)
+    summary: FreeTextSummary | None = None  # None: summarised from `answers` when saved
 
     def save(self, out: str | Path) -> Path:
         """answers.csv, coding.csv (for the coder), config.json, manifest.json and, last, result.json."""
+        summary = self.summary if self.summary is not None else summarise_answers(self.answers)
         out = begin_save(out)
         write_table(self.answers, out / ANSWERS)
         export_for_coding(self.answers, out / CODING)
-        return finish_save(out, self.config, self.manifest, self.summary)
+        return finish_save(out, self.config, self.manifest, summary_to_dict(summary))
 
     @classmethod
     def load(cls, out: str | Path) -> FreeTextResult:
         if not (Path(out) / RESULT).is_file():
             raise TomlensError(f"{out} holds no finished free-text run (no {RESULT})",
                                f"run `tomlens freetext answer --family FAMILY --out {out}` first")
-        out, config, manifest, summary = read_finished(out, FreeTextConfig)
+        out, config, manifest, data = read_finished(out, FreeTextConfig)
+        summary = summary_from_dict(FreeTextSummary, data, folder=out, stage="free-text")
         return cls(read_table(out / ANSWERS), config, manifest, summary)
 
     def describe(self, out: str | Path | None = None) -> str:
@@ -136,10 +170,7 @@ def run(config: FreeTextConfig, *, model: Any = None, progress: bool = True) -> 
                                progress=progress)
     manifest = run_manifest(model, config, stimuli_hash=items_hash(items),
                             extra={"items": [it.id for it in items], "decoding": "greedy"})
-    summary = {"n_items": len(items), "n_cut_off": int(answers["cut_off"].sum()),
-               "stop_reasons": {str(k): int(v) for k, v in answers["stop_reason"].value_counts().items()},
-               "seconds": answers.attrs.get("seconds"), "files": [ANSWERS, CODING, CONFIG, MANIFEST]}
-    return replace(FreeTextResult(answers), config=config, manifest=manifest, summary=summary)
+    return FreeTextResult(answers, config=config, manifest=manifest, summary=summarise_answers(answers))
 
 
 def sheet_items(path: str | Path) -> list[FreeTextItem] | None:
@@ -178,5 +209,6 @@ def save_scores(summary: pd.DataFrame, sheet: str | Path, out: str | Path, *, n_
     return out / SUMMARY
 
 
-__all__ = ["ANSWERS", "CODING", "FAMILIES", "FreeTextConfig", "FreeTextResult", "SCORE", "SUMMARY",
-           "family_items", "items_hash", "run", "save_scores", "score_sheet", "select_items", "sheet_items"]
+__all__ = ["ANSWERS", "CODING", "FAMILIES", "FreeTextConfig", "FreeTextResult", "FreeTextSummary", "SCORE", "SUMMARY",
+           "family_items", "items_hash", "run", "save_scores", "score_sheet", "select_items", "sheet_items",
+           "summarise_answers"]

@@ -15,9 +15,9 @@ import json
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, TextIO
+from typing import IO, Any
 
 INDEX = "runs.jsonl"
 # A single command's folder written from Python (no `tomlens` argv in its manifest) says which
@@ -54,7 +54,7 @@ def index_path() -> Path:
 
 
 @contextmanager
-def _locked(path: Path, mode: str) -> Iterator[TextIO]:
+def _locked(path: Path, mode: str) -> Iterator[IO[str]]:
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, mode, encoding="utf-8") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
@@ -67,7 +67,7 @@ def _locked(path: Path, mode: str) -> Iterator[TextIO]:
 def record_run(folder: Path) -> None:
     """Append `folder` to the index; an index that cannot be written is skipped without a word,
     because a run's results do not depend on it."""
-    line = json.dumps({"folder": str(Path(folder).resolve()), "time": datetime.now(timezone.utc).isoformat()})
+    line = json.dumps({"folder": str(Path(folder).resolve()), "time": datetime.now(UTC).isoformat()})
     try:
         with _locked(index_path(), "a") as handle:
             handle.write(line + "\n")
@@ -161,7 +161,7 @@ def _command(folder: Path) -> str:
 
 def _times(folders: Iterable[Path]) -> datetime:
     stamps = [(f / "result.json").stat().st_mtime for f in folders if (f / "result.json").is_file()]
-    return datetime.fromtimestamp(max(stamps, default=0.0), timezone.utc)
+    return datetime.fromtimestamp(max(stamps, default=0.0), UTC)
 
 
 def describe_experiment(root: Path) -> RunEntry:

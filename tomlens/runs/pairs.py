@@ -4,20 +4,23 @@ model's tokenizer (no weights are loaded), with the report of every pair left ou
 `PairsResult.write_file(path)` writes the pairs file and `<stem>.report.json` beside it, as
 `tomlens pairs --out` always has; `save(dir)` writes a run directory: `pairs.jsonl`,
 `pairs.report.json`, `config.json`, `manifest.json` and, last, `result.json` (the report).
+Both hold the typed `PairsSummary`, under the keys they held before it was typed.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from collections.abc import Mapping
 from typing import Any
 
 from tomlens.errors import TomlensError
+from tomlens.messages import say
 from tomlens.runs.base import ModelSpec
+from tomlens.runs.files import summary_from_dict, summary_to_dict
 
-__all__ = ["PairsConfig", "PairsResult", "report_path", "run"]
+__all__ = ["BosRule", "PairsConfig", "PairsResult", "PairsSummary", "report_path", "run"]
 
 
 @dataclass(frozen=True)
@@ -75,15 +78,75 @@ def report_path(out: str | Path) -> Path:
     return out.with_name(out.stem + ".report.json")
 
 
+@dataclass(frozen=True, kw_only=True)
+class BosRule:
+    """The BOS rule the pairs were aligned with (`tomlens.models.tokens.bos_record`): whether a BOS
+    token is prepended, who said so ("tokenizer" or "user") and the token."""
+
+    prepend: bool
+    source: str
+    token: str | None
+
+
+@dataclass(frozen=True, kw_only=True)
+class PairsSummary:
+    """The pairs' report as written (pairs.report.json, result.json): the alignment counts
+    (`tomlens.stimuli.pairs.PairReport`) with each dropped (pair id, reason), then what made them:
+    the model whose tokenizer aligned them, seed, tasks asked for, BOS rule, generator options,
+    the pairs' stimuli hash, and the BigToM `path` and `max_pairs` (None: not given, and then not
+    written, as before the summary was typed)."""
+
+    family: str
+    total: int
+    aligned: int
+    dropped: int
+    checked_with: str
+    dropped_pairs: tuple[list[str], ...]  # [pair id, reason], as JSON holds it
+    model: str
+    seed: int
+    n: int | None
+    bos: BosRule
+    options: dict[str, Any]
+    stimuli_hash: str
+    path: str | None = None
+    max_pairs: int | None = None
+
+    @property
+    def contrasts(self) -> tuple[str, ...]:
+        """The controls the pairs were asked with (empty: the family's own)."""
+        return tuple(self.options.get("contrasts", ()))
+
+    def to_json(self) -> dict[str, Any]:
+        """The report's JSON record: `path` and `max_pairs` only when given."""
+        data = summary_to_dict(self)
+        for key in ("path", "max_pairs"):
+            if data[key] is None:
+                del data[key]
+        return data
+
+    def pair_report(self) -> Any:
+        """The alignment report (`tomlens.stimuli.pairs.PairReport`) these counts came from."""
+        from tomlens.stimuli.pairs import PairReport
+
+        return PairReport(self.family, self.total, self.aligned, [(pid, why) for pid, why in self.dropped_pairs],
+                          self.checked_with)
+
+    def pairs_config(self) -> PairsConfig:
+        """The settings that made the pairs, for a pairs file written without its config.json."""
+        return PairsConfig(model=ModelSpec(name=self.model), family=self.family, n=self.n, seed=self.seed,
+                           options={k: v for k, v in self.options.items() if k != "contrasts"},
+                           contrasts=self.contrasts or None, path=self.path, max_pairs=self.max_pairs)
+
+
 @dataclass
 class PairsResult:
-    """The aligned pairs, the alignment report, and `summary` (the report's JSON record, without the
-    file it was written beside)."""
+    """The aligned pairs, the alignment report, and `summary` (the report's record, without the file
+    it was written beside)."""
 
     config: PairsConfig
     pairs: list[Any]  # tomlens.stimuli.pairs.MinimalPair
     report: Any  # tomlens.stimuli.pairs.PairReport
-    summary: dict[str, Any]
+    summary: PairsSummary
 
     def describe(self) -> str:
         """How many pairs aligned, and why each other pair was dropped."""
@@ -97,7 +160,7 @@ class PairsResult:
 
         pairs_file = write_pairs(self.pairs, path)
         rpath = report_path(pairs_file)
-        write_atomic(json.dumps({**self.summary, "pairs_file": str(pairs_file)}, indent=2), rpath)
+        write_atomic(json.dumps({**self.summary.to_json(), "pairs_file": str(pairs_file)}, indent=2), rpath)
         return pairs_file
 
     def save(self, out: str | Path) -> Path:
@@ -108,15 +171,16 @@ class PairsResult:
 
         out = begin_save(out)
         self.write_file(out / "pairs.jsonl")
-        manifest = run_manifest(None, self.config, stimuli_hash=self.summary["stimuli_hash"],
-                                 extra={"tokenizer": self.summary["checked_with"], "bos": self.summary["bos"]})
-        return finish_save(out, self.config, manifest, self.summary)
+        s = self.summary
+        manifest = run_manifest(None, self.config, stimuli_hash=s.stimuli_hash,
+                                 extra={"tokenizer": s.checked_with, "bos": summary_to_dict(s.bos)})
+        return finish_save(out, self.config, manifest, s.to_json())
 
     @classmethod
     def load(cls, out: str | Path) -> PairsResult:
         """Read back a run directory written by `save`, or a pairs file with its report."""
         from tomlens.runs.files import read_finished
-        from tomlens.stimuli.pairs import PairReport, read_pairs
+        from tomlens.stimuli.pairs import read_pairs
 
         out = Path(out)
         in_folder = out.is_dir()
@@ -124,19 +188,13 @@ class PairsResult:
         rpath = report_path(pairs_file)
         if not rpath.is_file():
             raise TomlensError(f"no pairs report at {rpath}", "write the pairs with `tomlens pairs` (or PairsResult.save)")
-        summary = json.loads(rpath.read_text())
-        summary.pop("pairs_file", None)
-        report = PairReport(summary["family"], summary["total"], summary["aligned"],
-                            [tuple(x) for x in summary["dropped_pairs"]], summary["checked_with"])
+        data = json.loads(rpath.read_text())
+        data.pop("pairs_file", None)
+        summary = summary_from_dict(PairsSummary, data, folder=out, stage="pairs")
         config = read_finished(out, PairsConfig)[1] if in_folder else None
         if config is None:  # a pairs file written by the CLI: its settings from the report
-            config = PairsConfig(
-                model=ModelSpec(name=summary["model"]), family=summary["family"],
-                n=summary["n"], seed=summary["seed"], options={k: v for k, v in summary["options"].items()
-                                                               if k != "contrasts"},
-                contrasts=tuple(summary["options"]["contrasts"]) if "contrasts" in summary["options"] else None,
-                path=summary.get("path"), max_pairs=summary.get("max_pairs"))
-        return cls(config, read_pairs(pairs_file), report, summary)
+            config = summary.pairs_config()
+        return cls(config, read_pairs(pairs_file), summary.pair_report(), summary)
 
 
 def run(config: PairsConfig, *, model: Any = None, progress: bool = True) -> PairsResult:
@@ -160,19 +218,16 @@ def run(config: PairsConfig, *, model: Any = None, progress: bool = True) -> Pai
     if config.max_pairs is not None:
         pairs = pairs[: config.max_pairs]
     if not pairs:
-        print(report.summary())
+        say(report.summary())
         raise TomlensError(
             f"no {config.family} pair is token-aligned for {name}'s tokenizer",
             "see the reasons above; try another --contrast or family",
         )
-    summary = {
-        **report.to_dict(), "model": name, "seed": config.seed, "n": n,
-        "bos": bos_record(tokenizer, source),
-        "options": {k: list(v) if isinstance(v, tuple) else v for k, v in options.items()},
-        "stimuli_hash": stimuli_hash([s for p in pairs for s in (p.clean, p.corrupted)]),
-    }
-    if config.path is not None:
-        summary["path"] = config.path
-    if config.max_pairs is not None:
-        summary["max_pairs"] = config.max_pairs
+    summary = PairsSummary(
+        family=report.family, total=report.total, aligned=report.aligned, dropped=report.dropped,
+        checked_with=report.checked_with, dropped_pairs=tuple(list(x) for x in report.dropped_pairs), model=name, seed=config.seed,
+        n=n, bos=BosRule(**bos_record(tokenizer, source)),
+        options={k: list(v) if isinstance(v, tuple) else v for k, v in options.items()},
+        stimuli_hash=stimuli_hash([s for p in pairs for s in (p.clean, p.corrupted)]),
+        path=config.path, max_pairs=config.max_pairs)
     return PairsResult(config, pairs, report, summary)

@@ -17,7 +17,7 @@ within each task (tasks are the unit), must have a one-sided 95% lower bound abo
 sees every aligned pair. When no contrast passes, the cell sweeps, the ranking,
 top-k recovery and mean ablation are withheld (not run): the result holds the gate table, the
 per-pair logit differences and the message. When some pass, only their pairs go on. `force` runs
-everything anyway and flags every output (`summary["forced"]`, a `forced` column in every table,
+everything anyway and flags every output (`summary.forced`, a `forced` column in every table,
 "FORCED" in figure titles). `solved_only` then keeps, of the pairs the gate let through, those the
 model answers right both ways (it never filters what the gate sees: solved pairs have a positive gap by
 construction). Each half of the split must also have a positive mean gap (ranking effects are
@@ -32,7 +32,8 @@ ranking. Fewer than 4 pairs or a single task: no split, refused unless forced.
 differences per pair (`base`), per-cell tables (`cells_<method>_<direction>`), per-pair tables
 (`pairs_<method>_<direction>`), the per-head table (`heads`), top-k recovery (`topk`,
 `topk_random`), mean ablation (`ablation`, `ablation_random`), `config.json`, `manifest.json`,
-`summary.json` (provenance, the plan, the comparisons) and, last, `result.json` (= the summary).
+`summary.json` (provenance, the plan, the comparisons) and, last, `result.json` (= the summary, a
+`tomlens.runs.patching_summary.PatchingSummary`).
 Figures are the report layer's: `tomlens.report.patching.write_patching_figures`.
 """
 
@@ -40,18 +41,42 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Literal
 
 from tomlens.errors import TomlensError
+from tomlens.messages import say
 from tomlens.runs.base import ModelSpec, split_items
 from tomlens.runs.pairs import PairsConfig
+from tomlens.runs.patching_summary import (
+    CORRUPTION,
+    NORMALISATION,
+    AblationBaseline,
+    AblationRow,
+    AblationSummary,
+    Baseline,
+    BaseLogitDiffs,
+    Comparison,
+    ContrastGate,
+    GateSummary,
+    PairCounts,
+    PairHalf,
+    PatchingSummary,
+    PlanSummary,
+    SearchReport,
+    TopKRow,
+    build,
+    num,
+    records,
+    summary_dict,
+)
 
 if TYPE_CHECKING:
     import pandas as pd
 
-__all__ = ["DEFAULT_CHUNK_RUNS", "DEFAULT_KS", "DEFAULT_MAX_RUNS", "DIRECTIONS", "FORCED_PREFIX", "METHODS",
+__all__ = ["DEFAULT_CHUNK_RUNS", "DEFAULT_KS", "DEFAULT_MAX_RUNS", "DIRECTIONS", "METHODS",
            "PatchingConfig", "PatchingRunResult", "pairs_hash", "parse_ks", "run"]
 
 METHODS = ("exact", "attribution", "both", "search")
@@ -62,12 +87,19 @@ ATTRIBUTION_PATHS = ("sites", "embeddings")
 DEFAULT_ATTRIBUTION_PATH = "sites"
 DIRECTIONS = ("denoise", "noise", "both")
 ABLATIONS = ("final", "all", "none")
+
+# The checked settings as the Literal types tomlens.patching takes (the same values as its Direction,
+# IGPath and ablation mode; that package, and torch with it, is imported only when a run starts).
+_Direction = Literal["denoise", "noise"]
+_DIRECTION_LISTS: dict[str, list[_Direction]] = {"denoise": ["denoise"], "noise": ["noise"],
+                                                 "both": ["denoise", "noise"]}
+_IG_PATHS: dict[str, Literal["embeddings", "sites"]] = {"sites": "sites", "embeddings": "embeddings"}
+_ABLATION_MODES: dict[str, Literal["final", "all"] | None] = {"final": "final", "all": "all", "none": None}
 GRADDROP = {"auto": None, "on": True, "off": False}
 FORMATS = ("parquet", "csv")
 DEFAULT_MAX_RUNS = 100_000  # = tomlens.patching.plan.DEFAULT_MAX_RUNS (kept here: no torch to read a config)
 DEFAULT_CHUNK_RUNS = 1024  # = tomlens.patching.engine.DEFAULT_CHUNK_RUNS
 DEFAULT_KS = (1, 2, 3, 5, 10)
-FORCED_PREFIX = "FORCED (gate failed): "
 
 
 @dataclass(frozen=True)
@@ -159,8 +191,18 @@ class PatchingConfig:
         return ["exact", "attribution"] if self.method == "both" else [self.method]
 
     @property
-    def directions(self) -> list[str]:
-        return ["denoise", "noise"] if self.direction == "both" else [self.direction]
+    def directions(self) -> list[_Direction]:
+        return list(_DIRECTION_LISTS[self.direction])
+
+    @property
+    def ig_path(self) -> Literal["embeddings", "sites"]:
+        """`attribution_path`, as attribution patching's path type."""
+        return _IG_PATHS[self.attribution_path]
+
+    @property
+    def ablation_mode(self) -> Literal["final", "all"] | None:
+        """`ablation` as mean ablation's mode; None for "none" (no ablation)."""
+        return _ABLATION_MODES[self.ablation]
 
     def search_options(self) -> dict[str, Any]:
         """Keyword arguments of `tomlens.patching.search` beyond the sweep's own."""
@@ -189,11 +231,11 @@ class PatchingRunResult:
     """What a patching run found. `tables` by file stem (cells_*, pairs_*, heads, topk, topk_random,
     ablation, ablation_random: what `save` writes); `sweeps` every (method, direction) result
     (`PatchingResult`, `SearchResult` for search), `recovery` and `mean_ablation` the head-set
-    validations (these three only on the run that made them, not after `load`); `summary` the
-    summary dict. A dry run holds its `plan` and nothing else (`dry_run=True`)."""
+    validations (these three only on the run that made them, not after `load`); `summary` the typed
+    summary (`PatchingSummary`, result.json). A dry run holds its `plan` and nothing else (`dry_run=True`)."""
 
     config: PatchingConfig
-    summary: dict[str, Any]
+    summary: PatchingSummary
     tables: dict[str, pd.DataFrame] = field(default_factory=dict)
     sweeps: dict[tuple[str, str], Any] = field(default_factory=dict)
     recovery: Any = None  # tomlens.patching.heads.Recovery
@@ -205,18 +247,18 @@ class PatchingRunResult:
     tokenizer: Any = field(default=None, repr=False, compare=False)  # the model's (not kept by `load`)
 
     @property
-    def plan(self) -> dict[str, Any]:
-        return self.summary["plan"]
+    def plan(self) -> PlanSummary | None:
+        return self.summary.plan
 
     @property
     def withheld(self) -> str | None:
         """Why the sweeps, ranking and validations were not run (the gate failed, or no split), or None."""
-        return self.summary.get("withheld")
+        return self.summary.withheld
 
     @property
     def forced(self) -> bool:
         """Whether the run went past a failed gate or a refused split (`force`): every output is flagged."""
-        return bool(self.summary.get("forced"))
+        return self.summary.forced
 
     @property
     def heads(self) -> pd.DataFrame | None:
@@ -237,49 +279,23 @@ class PatchingRunResult:
         """What `tomlens patch` prints after a run: baselines, top heads, search bounds, comparisons."""
         s = self.summary
         if self.dry_run:
-            if s.get("withheld"):
-                return f"dry run: {s['withheld']}; nothing written"
-            return f"dry run: a plan of {s['plan']['total_runs']:,} patched runs; nothing run, nothing written"
+            if s.withheld:
+                return f"dry run: {s.withheld}; nothing written"
+            return f"dry run: a plan of {s.plan.total_runs if s.plan else 0:,} patched runs; nothing run, nothing written"
         lines = []
         if "base" in self.tables:  # raw logit differences first: what every effect below is a share of
             base = self.tables["base"]
-            lines.append(f"{s['pairs']['n_aligned']} pairs; unpatched logit diff (belief - world) clean "
+            lines.append(f"{s.pairs.n_aligned} pairs; unpatched logit diff (belief - world) clean "
                          f"{base.clean_logit_diff.mean():.3f}, corrupted {base.corrupted_logit_diff.mean():.3f}")
-        lines += [g["message"] for g in s.get("gate", {}).get("contrasts", {}).values()]
-        lines += list(s.get("notes", []))
-        if self.withheld:
-            lines.append(self.withheld)
-            return "\n".join(lines)
-        if self.forced:
-            lines.append(s["forced_message"])
-        elif s.get("gate", {}).get("dropped_contrasts"):
-            lines.append(s["gate"]["message"])
-        sel, ev = s["pairs"]["selection"], s["pairs"]["evaluation"]
-        lines.append(f"heads ranked on {sel['n']} selection pairs ({sel['tasks']} tasks), validated on "
-                     f"{ev['n']} held-out pairs ({ev['tasks']} tasks)" + (": the SAME pairs" if ev["same_as_selection"] else ""))
-        b = next(iter(s["baselines"].values()))
-        lines.append(f"selection pairs: logit diff clean {b['clean_logit_diff']:.3f}, corrupted {b['corrupted_logit_diff']:.3f}")
-        if "top_heads" in s:
-            lines.append(f"top heads ({s['ranked_by']}): {', '.join(s['top_heads'][:10])}")
-        for d, rep in s.get("search", {}).items():
-            for fn in rep["false_negatives"]:
-                lines.append(f"search ({d}, {fn['kind']} at {fn['position']}): {fn['n_verified_rule']} of "
-                             f"{fn['n_cells']} cells patched by the rule, {fn['n_sampled']} sampled; "
-                             f"false negatives: {fn['meaning']}")
-        for c in s["comparisons"]:
-            if c["kind"] == "head" and c["position"] == s.get("rank_position"):
-                active = (f" (over the {c['n_active']} heads moving the metric by >= {c['active']:g} of the gap: "
-                          f"{c['spearman_active']:.2f})") if "spearman_active" in c else ""
-                first = (f", exact's top head {c['exact_top']} is attribution's #{c['exact_top_rank']}"
-                         if c.get("exact_top_rank") else "")
-                lines.append(f"attribution vs exact ({c['direction']}): Spearman {c['spearman']:.2f}{active}, "
-                             f"top-{c['k']} overlap {c['topk_overlap']:.2f}{first}")
-        for r in s.get("topk", []):
-            lines.append(f"top-{r['k']} recovery {r['top_effect']:.3f} vs layer-matched random "
-                         f"{r['random_mean']:.3f} [{r['random_low']:.3f}, {r['random_high']:.3f}], share of "
-                         f"draws reaching it {r['random_reach']:.3f} (p {r['p_random']:.3f}, "
-                         f"{r['n_random']} of {r.get('n_distinct', '?')} distinct sets)")
-        return "\n".join(lines)
+        lines += [g.message for g in s.gate.contrasts.values()]
+        lines += list(s.notes)
+        if s.withheld:
+            return "\n".join([*lines, s.withheld])
+        if s.forced:
+            lines.append(s.forced_message or "")
+        elif s.gate.dropped_contrasts:
+            lines.append(s.gate.message)
+        return "\n".join(lines + _describe_findings(s))
 
     def save(self, out: str | Path) -> Path:
         """Write the tables, config.json, manifest.json, summary.json and, last, result.json; then
@@ -295,35 +311,67 @@ class PatchingRunResult:
         ext = ".parquet" if self.config.format == "parquet" else ".csv"
         for stem, df in self.tables.items():
             write_table(df, out / f"{stem}{ext}")
-        write_json(self.summary, out / "summary.json")
-        finish_save(out, self.config, self.manifest, self.summary)
+        summary = summary_dict(self.summary)
+        write_json(summary, out / "summary.json")
+        finish_save(out, self.config, self.manifest, summary)
         if self.checkpoints is not None:
             self.checkpoints.clear()
         return out
 
     @classmethod
     def load(cls, out: str | Path) -> PatchingRunResult:
-        """The tables, summary, config and manifest of a finished run (`save`); no sweep objects."""
+        """The tables, summary, config and manifest of a finished run (`save`); no sweep objects. A
+        folder whose result.json does not fit `PatchingSummary` says to rerun the stage."""
         from tomlens.io import read_table
-        from tomlens.runs.files import CONFIG, read_finished
+        from tomlens.runs.files import CONFIG, read_finished, summary_from_dict
 
-        out, config, manifest, summary = read_finished(out, PatchingConfig)
+        out, config, manifest, data = read_finished(out, PatchingConfig)
         if config is None:
             raise TomlensError(f"{out} holds a patching result but no {CONFIG}",
                                "run the patching again into that folder (its settings are not recorded)")
+        summary = summary_from_dict(PatchingSummary, data, folder=out, stage="patching")
         tables = {}
-        for name in summary["files"]:
+        for name in summary.files:
             path = out / name
             if path.suffix in (".parquet", ".csv"):
                 tables[path.stem] = read_table(path)
         return cls(config, summary, tables, manifest=manifest)
 
 
+def _describe_findings(s: PatchingSummary) -> list[str]:
+    """`describe`'s lines for a run that patched: the split, baselines, top heads, search bounds,
+    attribution against exact at the ranking position, and top-k recovery."""
+    sel, ev = s.pairs.selection, s.pairs.evaluation
+    assert sel is not None and ev is not None and s.baselines
+    lines = [f"heads ranked on {sel.n} selection pairs ({sel.tasks} tasks), validated on "
+             f"{ev.n} held-out pairs ({ev.tasks} tasks)" + (": the SAME pairs" if ev.same_as_selection else "")]
+    b = next(iter(s.baselines.values()))
+    lines.append(f"selection pairs: logit diff clean {b.clean_logit_diff:.3f}, corrupted {b.corrupted_logit_diff:.3f}")
+    if s.top_heads is not None:
+        lines.append(f"top heads ({s.ranked_by}): {', '.join(s.top_heads[:10])}")
+    for d, rep in (s.search or {}).items():
+        for fn in rep.false_negatives:
+            lines.append(f"search ({d}, {fn.kind} at {fn.position}): {fn.n_verified_rule} of "
+                         f"{fn.n_cells} cells patched by the rule, {fn.n_sampled} sampled; "
+                         f"false negatives: {fn.meaning}")
+    for c in s.head_comparisons():
+        active = (f" (over the {c.n_active} heads moving the metric by >= {c.active:g} of the gap: "
+                  f"{num(c.spearman_active):.2f})")
+        first = f", exact's top head {c.exact_top} is attribution's #{c.exact_top_rank}" if c.exact_top_rank else ""
+        lines.append(f"attribution vs exact ({c.direction}): Spearman {num(c.spearman):.2f}{active}, "
+                     f"top-{c.k} overlap {num(c.topk_overlap):.2f}{first}")
+    for r in s.topk or ():
+        lines.append(f"top-{r.k} recovery {num(r.top_effect):.3f} vs layer-matched random "
+                     f"{num(r.random_mean):.3f} [{num(r.random_low):.3f}, {num(r.random_high):.3f}], share of "
+                     f"draws reaching it {num(r.random_reach):.3f} (p {num(r.p_random):.3f}, "
+                     f"{r.n_random} of {r.n_distinct} distinct sets)")
+    return lines
+
+
 def _with_seed(result: Any, seed: int) -> Any:
     """The sweep's result with the bootstrap seed of the run: a copy (with its own summary cache),
     so the sweep's object is left as it was made."""
     return result if result.seed == seed else replace(result, seed=seed, _summaries={})
-
 
 def _load_pairs(config: PatchingConfig, pairs: Sequence[Any] | None, model: Any) -> list[Any]:
     from tomlens.stimuli.pairs import read_pairs
@@ -347,6 +395,8 @@ def _load_pairs(config: PatchingConfig, pairs: Sequence[Any] | None, model: Any)
     return pairs
 
 
+
+
 def run(config: PatchingConfig, *, model: Any = None, pairs: Sequence[Any] | None = None,
         out: str | Path | None = None, progress: bool = True) -> PatchingRunResult:
     """Run the whole patching experiment (module docstring): prints the plan first, refuses a plan
@@ -357,7 +407,7 @@ def run(config: PatchingConfig, *, model: Any = None, pairs: Sequence[Any] | Non
     corrupted gap is said once, at the end (and in the summary's baselines)."""
     import tempfile
 
-    from tomlens.patching import gap_warnings_silenced
+    from tomlens.patching.metric import gap_warnings_silenced
 
     with gap_warnings_silenced():
         if out is not None:
@@ -366,6 +416,511 @@ def run(config: PatchingConfig, *, model: Any = None, pairs: Sequence[Any] | Non
             result = _run(config, model=model, pairs=pairs, out=scratch, progress=progress, resumable=False)
             result.checkpoints = None
             return result
+
+
+def _run(config: PatchingConfig, *, model: Any, pairs: Sequence[Any] | None, out: str | Path,
+         progress: bool, resumable: bool) -> PatchingRunResult:
+    """prepare -> gate -> plan -> sweep -> validate -> summarise (each step below)."""
+    ready = _prepare(config, model, pairs)
+    gates, decision = _gate(config, ready)
+    if decision.withheld:
+        return _withheld_result(config, ready, gates, decision)
+    layout = _plan(config, ready, decision, out)
+    if config.dry_run:
+        return PatchingRunResult(config, _summarise(config, ready, gates, decision, layout, None, files=(),
+                                                    dry_run=True), dry_run=True)
+    try:
+        results = _sweep(config, ready, layout, progress=progress)
+        validated = _validate(config, ready, layout, results, progress=progress, resumable=resumable)
+    except KeyboardInterrupt:
+        if resumable:
+            _to_stderr(f"stopped: {layout.checkpoints.count()} finished chunks kept under "
+                       f"{layout.checkpoints.folder}; run the same command again to resume")
+        raise
+    tables = _tables(config, ready, gates, decision, results, validated)
+    summary = _summarise(config, ready, gates, decision, layout, (results, validated), files=_files(config, tables))
+    if decision.forced:
+        _flag(tables)
+    manifest = _manifest(config, ready, layout)
+    return PatchingRunResult(config, summary, tables, dict(results), validated.recovery, validated.ablation,
+                             manifest, checkpoints=layout.checkpoints, pairs=list(layout.selection),
+                             tokenizer=ready.model.tokenizer)
+
+
+def _to_stderr(text: str) -> None:
+    """A stop message, on stderr as before (the run is being refused or interrupted, not reporting)."""
+    sys.stderr.write(text + "\n")
+    sys.stderr.flush()
+
+
+@dataclass
+class _Ready:
+    """What `_prepare` hands on: the model, the pairs given and those token-aligned (with the pairs
+    report), the sites and positions, the probe table, every aligned pair prepared once, and their
+    unpatched clean and corrupted metric (what the gate reads)."""
+
+    model: Any
+    n_given: int
+    aligned: list[Any]
+    report: Any  # tomlens.stimuli.pairs.PairsReport
+    kinds: list[str]
+    pos: Any  # tomlens.patching.plan.Positions
+    probe: pd.DataFrame | None
+    everything: Any  # tomlens.patching.pairs.PreparedPairs of every aligned pair
+    clean: Any  # Float[Tensor, " pair"]
+    corrupted: Any
+    started: float
+
+
+def _prepare(config: PatchingConfig, model: Any, pairs: Sequence[Any] | None) -> _Ready:
+    """Settings first (no model needed), then the pairs (a file is read before any weights load),
+    the model, the token-aligned pairs, the positions they share, and one plain forward per story."""
+    import torch
+
+    from tomlens.io import read_table
+    from tomlens.patching import prepare_pairs
+    from tomlens.patching.cells import canonical_kind
+    from tomlens.patching.gate import base_logit_diffs
+    from tomlens.patching.plan import (
+        drop_missing_roles,
+        expand_mentions,  # `mentions`: the role mentions these pairs share
+        parse_positions,
+    )
+    from tomlens.stimuli.pairs import check_pairs
+
+    kinds = list(dict.fromkeys(canonical_kind(s) for s in config.sites))
+    pos = parse_positions(config.positions, kinds)
+    probe = None
+    if config.probe_table is not None:
+        if not Path(config.probe_table).is_file():
+            raise TomlensError(f"probe table {config.probe_table!r} does not exist",
+                               "pass the table written by `tomlens probe`")
+        probe = read_table(config.probe_table)
+    if config.pairs is None or pairs is not None:
+        pairs = _load_pairs(config, pairs, model)
+    if model is None:
+        model = config.model.load()
+    if pairs is None:  # built for the loaded model's tokenizer
+        pairs = _load_pairs(config, None, model)
+
+    started = time.time()
+    torch.manual_seed(config.seed)
+    aligned, report = check_pairs(list(pairs), model.tokenizer)
+    if report.dropped:
+        say(report.summary())
+    if not aligned:
+        raise TomlensError("no minimal pair is token-aligned for this model's tokenizer",
+                           "write the pairs with `tomlens pairs --model` set to this model")
+    pos = drop_missing_roles(expand_mentions(pos, aligned, model.tokenizer),
+                             [s for p in aligned for s in (p.clean, p.corrupted)])
+    everything = prepare_pairs(model, aligned, selectors=pos.selectors, batch_pairs=config.batch_pairs)
+    clean, corrupted = base_logit_diffs(model, everything)
+    return _Ready(model, len(pairs), aligned, report, kinds, pos, probe, everything, clean, corrupted, started)
+
+
+def _gate(config: PatchingConfig, ready: _Ready) -> tuple[dict[str, Any], Any]:
+    """The gate per contrast over EVERY aligned pair, and what it decides (`tomlens.patching.gate.decide`);
+    a run that goes on says the gate's lines (a withheld one says them in `describe`)."""
+    from tomlens.patching.gate import decide, gate_pairs
+
+    gates = gate_pairs(ready.clean, ready.corrupted, [p.contrast for p in ready.aligned],
+                       task_ids=[p.clean.task_id for p in ready.aligned])
+    decision = decide(gates, ready.clean, ready.corrupted, ready.aligned, force=config.force,
+                      solved_only=config.solved_only, select_fraction=config.select_fraction, seed=config.seed)
+    if not decision.withheld:
+        say("\n".join([*(g.message for g in gates.values()), *decision.notes, f"gate: {decision.message}"]))
+    return gates, decision
+
+
+def _withheld_result(config: PatchingConfig, ready: _Ready, gates: dict[str, Any], decision: Any
+                     ) -> PatchingRunResult:
+    """A withheld run: the gate table, the per-pair logit differences and why nothing was swept."""
+    from tomlens.patching.gate import gate_table
+
+    if config.dry_run:
+        say("dry run: nothing else run, nothing written")
+        return PatchingRunResult(config, _summarise(config, ready, gates, decision, None, None, files=(),
+                                                    dry_run=True), dry_run=True)
+    tables = {"gate": gate_table(gates), "base": _base_table(ready.aligned, ready.clean, ready.corrupted,
+                                                            set(decision.kept))}
+    summary = _summarise(config, ready, gates, decision, None, None, files=_files(config, tables))
+    return PatchingRunResult(config, summary, tables, manifest=_manifest(config, ready, None))
+
+
+@dataclass
+class _Layout:
+    """What `_plan` lays out: the selection and held-out evaluation pairs (prepared), the ranking
+    position and the k of the validations, the checkpoints, the sweeps (with what the checkpoints
+    already hold) and the plan with its stand-in head sets (same counts as the ranked ones)."""
+
+    selection: list[Any]
+    evaluation: list[Any]
+    same: bool
+    prepared: Any
+    held: Any
+    rank_position: str | None
+    k_max: int
+    ks: list[int]
+    checkpoints: Any  # tomlens.patching.checkpoints.Checkpoints
+    exact: dict[str, Any] = field(default_factory=dict)
+    attribution: dict[str, Any] = field(default_factory=dict)
+    topk_plan: Any = None
+    ablation_plan: Any = None
+    stand_in: list[Any] = field(default_factory=list)
+    plan: Any = None  # tomlens.patching.plan.Plan
+
+
+def _plan(config: PatchingConfig, ready: _Ready, decision: Any, out: str | Path) -> _Layout:
+    """Every stage laid out before anything runs, the plan said, refused past `max_runs` (unless a
+    dry run), and timed on one chunk of real runs (kept, unless a dry run)."""
+    from tomlens.patching.plan import Plan, calibrate
+
+    layout = _split(config, ready, decision, out)
+    _lay_out_sweeps(config, ready, layout)
+    n_sel, n_eval = len(layout.selection), len(layout.evaluation)
+    plan = Plan(_stages(config, layout), n_sel + (0 if layout.same else n_eval), config.max_runs,
+                notes=list(ready.pos.notes))
+    plan.notes.append(f"selection pairs (cells patched, heads ranked): {n_sel}; held-out evaluation pairs (top-k "
+                      f"recovery, ablation): {n_eval}" + (" (the SAME pairs: forced)" if layout.same else ""))
+    if layout.rank_position is None and config.top_k > 0:
+        plan.notes.append("top-k recovery and ablation need --sites to include heads; skipped")
+    if "search" in config.methods:
+        plan.notes.append("search (not counted above): attribution estimates of every cell, then exact patching of "
+                          "the top-k per site and position, of every cell they cannot rule out (--search-budget) "
+                          "and of --search-samples random others")
+    over = config.max_runs is not None and plan.total_runs > config.max_runs
+    if not config.dry_run and over:
+        say("\n".join(plan.lines()))
+        plan.check_budget()
+    calibrate(plan, layout.exact, layout.attribution, layout.checkpoints, keep=not config.dry_run)
+    if not config.dry_run:  # the timed chunk is part of the run: count it as done
+        plan.stages = _stages(config, layout)
+    say("\n".join(plan.lines()))
+    if config.dry_run:
+        if config.max_runs is not None and plan.total_runs > config.max_runs:
+            say(f"note: over --max-runs {config.max_runs:,}: without --dry-run this plan stops before running")
+        say("dry run: nothing else run, nothing written")
+    layout.plan = plan
+    return layout
+
+
+def _split(config: PatchingConfig, ready: _Ready, decision: Any, out: str | Path) -> _Layout:
+    """The selection and evaluation pairs prepared, the k of the validations and the checkpoints."""
+    from tomlens.patching import prepare_pairs
+    from tomlens.patching.checkpoints import Checkpoints
+
+    assert decision.split is not None
+    aligned, selectors, batch_pairs = ready.aligned, ready.pos.selectors, config.batch_pairs
+    selection, evaluation = [aligned[i] for i in decision.split[0]], [aligned[i] for i in decision.split[1]]
+    same = decision.split[0] == decision.split[1]
+    prepared = (ready.everything if len(selection) == len(aligned)
+                else prepare_pairs(ready.model, selection, selectors=selectors, batch_pairs=batch_pairs))
+    held = prepared if same else prepare_pairs(ready.model, evaluation, selectors=selectors, batch_pairs=batch_pairs)
+    k_max = min(config.top_k, ready.model.cfg.n_layers * ready.model.cfg.n_heads)
+    ks = sorted({k for k in config.ks if k <= k_max}) or ([k_max] if k_max > 0 else [])
+    layout = _Layout(selection, evaluation, same, prepared, held, ready.pos.rank_position(), k_max, ks, None)
+    layout.checkpoints = Checkpoints(out, _resume_settings(config, ready, layout))
+    return layout
+
+
+def _resume_settings(config: PatchingConfig, ready: _Ready, layout: _Layout) -> dict[str, Any]:
+    """What decides whether a finished chunk under `.partial/` is reused: the model (its provenance
+    and weights), the pairs and their split, the token ids every story runs on, and the settings.
+    The BOS rule enters through the token ids it makes, not as a setting: a `bos.source` that changes
+    nothing (the tokenizer already does what was asked) keeps the chunks, a real change does not."""
+    from tomlens.activations.cache import weights_fingerprint
+    from tomlens.models import provenance
+    from tomlens.patching.pairs import tokens_hash
+
+    model_record = {k: v for k, v in provenance(ready.model).items() if k != "bos"}
+    return {
+        "provenance": model_record, "weights": weights_fingerprint(ready.model), "tokens": tokens_hash(ready.everything),
+        "pairs": pairs_hash(ready.aligned), "selection": pairs_hash(layout.selection),
+        "evaluation": pairs_hash(layout.evaluation), "positions": ready.pos.spec, "methods": config.methods,
+        "directions": config.directions, "top_k": config.top_k, "ks": layout.ks, "n_random": config.n_random,
+        "ablation": config.ablation, "seed": config.seed, "batch_pairs": config.batch_pairs,
+        "chunk_runs": config.chunk_runs, "search": config.search_options(),
+    }
+
+
+def _lay_out_sweeps(config: PatchingConfig, ready: _Ready, layout: _Layout) -> None:
+    """Exact sweeps and attribution on the selection pairs (loading what the checkpoints hold), and
+    top-k recovery / ablation on the evaluation pairs with stand-in top sets (same counts)."""
+    from tomlens.patching.cells import plan_cells
+    from tomlens.patching.exact import ExactSweep
+    from tomlens.patching.heads import AblationSweep, HeadSetSweep, topk_settings
+    from tomlens.patching.plan import AttributionSweep
+
+    model, spec, chunk_runs = ready.model, ready.pos.spec, config.chunk_runs
+    cells = plan_cells(model, spec, n_aligned=layout.prepared.n_aligned)
+    if "exact" in config.methods:
+        layout.exact = {d: ExactSweep(model, layout.prepared, cells, d, memory_mb=config.memory_mb,
+                                      chunk_runs=chunk_runs) for d in config.directions}
+    if "attribution" in config.methods:
+        layout.attribution = {d: AttributionSweep(model, layout.prepared, spec, d, steps=config.attribution_steps,
+                                                  path=config.ig_path) for d in config.directions}
+    for sweep in [*layout.exact.values(), *layout.attribution.values()]:
+        sweep.load(layout.checkpoints)
+    if layout.rank_position is None or not layout.ks:
+        return
+    # Planned at the upper bound, n_random draws per k: how many distinct layer-matched sets a k has
+    # depends on the ranked heads' layers (a uniform stand-in in one layer may have fewer than a real
+    # top set spread over two), so the recount once heads are ranked can only shrink the plan.
+    ks, n_random = layout.ks, config.n_random
+    settings = topk_settings(model, None, ks, n_random, config.seed)
+    stand_in = [s[3] for s in settings if s[0] == "top"]
+    for k, top in zip(ks, list(stand_in), strict=True):
+        draws = [s[3] for s in settings if s[0] == "random" and s[1] == k]
+        stand_in += draws + [top] * (n_random - len(draws))  # same size, so the same runs per set
+    layout.stand_in = stand_in
+    layout.topk_plan = HeadSetSweep(model, layout.held, stand_in, position=layout.rank_position,
+                                    direction=config.directions[0], chunk_runs=chunk_runs)
+    if config.ablation_mode is not None:
+        layout.ablation_plan = AblationSweep(model, layout.held, stand_in, mode=config.ablation_mode,
+                                             chunk_runs=chunk_runs)
+
+
+def _stages(config: PatchingConfig, layout: _Layout) -> list[Any]:
+    """The plan's stages; the validations run on the held-out pairs, at the k of `ks` only."""
+    from tomlens.patching.plan import plan_stages
+
+    ks, n_random = layout.ks, config.n_random
+    out = plan_stages(layout.exact, layout.attribution, layout.topk_plan, layout.ablation_plan,
+                      n_pairs=len(layout.selection), k_max=layout.k_max, n_random=n_random)
+    for st in out:
+        if st.name == "top-k recovery":
+            st.what = f"{len(ks)} top + up to {len(ks) * n_random} layer-matched random head sets (k = {ks})"
+        if st.name.startswith(("top-k recovery", "mean ablation")):
+            st.pairs = len(layout.evaluation)
+    return out
+
+
+def _sweep(config: PatchingConfig, ready: _Ready, layout: _Layout, *, progress: bool
+           ) -> dict[tuple[str, str], Any]:
+    """Every (method, direction) sweep on the selection pairs, resumed from the checkpoints."""
+    results: dict[tuple[str, str], Any] = {}
+    for d in config.directions:
+        for m in config.methods:
+            if m == "exact":
+                layout.exact[d].run(checkpoints=layout.checkpoints, progress=progress)
+                res = layout.exact[d].result()
+            elif m == "attribution":
+                res = layout.attribution[d].result(layout.checkpoints, progress=progress)
+            else:  # search
+                from tomlens.patching import search
+
+                res = search(ready.model, layout.prepared, sites=ready.pos.spec, direction=d, k=config.top_k or 10,
+                             seed=config.seed, batch_pairs=config.batch_pairs, memory_mb=config.memory_mb,
+                             progress=progress, **config.search_options())
+            results[(m, d)] = _with_seed(res, config.seed)
+    return results
+
+
+@dataclass
+class _Validated:
+    """The ranking (the sweep it came from, heads in order) and its validations on the held-out pairs."""
+
+    source: Any = None
+    ranking: list[tuple[int, int]] | None = None
+    recovery: Any = None  # tomlens.patching.heads.Recovery
+    ablation: Any = None  # tomlens.patching.heads.Ablation
+
+
+def _validate(config: PatchingConfig, ready: _Ready, layout: _Layout, results: dict[tuple[str, str], Any], *,
+              progress: bool, resumable: bool) -> _Validated:
+    """Heads ranked on the main direction's sweep (exact, else attribution, else search), then top-k
+    recovery and mean ablation against layer-matched random heads on the held-out pairs, the plan
+    recounted first and refused past `max_runs` as the plan check refuses."""
+    from tomlens.patching import mean_ablation, rank_heads, topk_recovery
+    from tomlens.patching.heads import topk_settings
+
+    main = config.directions[0]
+    out = _Validated(results.get(("exact", main)) or results.get(("attribution", main)) or results.get(("search", main)))
+    position, ks, plan = layout.rank_position, layout.ks, layout.plan
+    if position is None or out.source is None:
+        return out
+    ranked = rank_heads(out.source, position=position)
+    out.ranking = list(zip(*[ranked[c] for c in ("layer", "head")], strict=True))
+    if not ks:
+        return out
+    model, n_random, seed = ready.model, config.n_random, config.seed
+    _recount(plan, len(layout.stand_in), len(topk_settings(model, out.ranking, ks, n_random, seed)))
+    if config.max_runs is not None and plan.total_runs > config.max_runs:
+        say("\n".join(plan.lines()))
+        if resumable:
+            _to_stderr(f"the sweeps run so far are kept under {layout.checkpoints.folder}: run again (with a larger "
+                       "--max-runs) to resume")
+        plan.check_budget()
+    shared = {"ks": ks, "n_random": n_random, "seed": seed, "memory_mb": config.memory_mb, "progress": progress,
+              "checkpoints": layout.checkpoints, "chunk_runs": config.chunk_runs}
+    out.recovery = topk_recovery(model, layout.held, out.ranking, k_max=layout.k_max, position=position,
+                                 direction=main, **shared)
+    if config.ablation_mode is not None:
+        out.ablation = mean_ablation(model, layout.held, out.ranking, mode=config.ablation_mode, **shared)
+    return out
+
+
+def _tables(config: PatchingConfig, ready: _Ready, gates: dict[str, Any], decision: Any,
+            results: dict[tuple[str, str], Any], validated: _Validated) -> dict[str, pd.DataFrame]:
+    """Every table by file stem, in the order they are written."""
+    from tomlens.patching import head_table
+    from tomlens.patching.gate import gate_table
+
+    tables = {"gate": gate_table(gates),
+              "base": _base_table(ready.aligned, ready.clean, ready.corrupted, set(decision.kept))}
+    for (m, d), res in results.items():
+        tables[f"cells_{m}_{d}"] = res.summary()
+        tables[f"pairs_{m}_{d}"] = res.per_pair()
+    main = config.directions[0]
+    if validated.ranking is not None:
+        found = results.get(("search", main))  # its verified cells as exact, its estimates as attribution
+        tables["heads"] = head_table(results.get(("exact", main)) or (found and found.exact()),
+                                     results.get(("attribution", main)) or (found and found.estimates.result()),
+                                     ready.probe, position=ready.pos.rank_position())
+    if validated.recovery is not None:
+        tables["topk"], tables["topk_random"] = validated.recovery.table, validated.recovery.draws
+    if validated.ablation is not None:
+        tables["ablation"], tables["ablation_random"] = validated.ablation.table, validated.ablation.draws
+    return tables
+
+
+def _files(config: PatchingConfig, tables: dict[str, pd.DataFrame]) -> tuple[str, ...]:
+    ext = ".parquet" if config.format == "parquet" else ".csv"
+    return tuple(f"{stem}{ext}" for stem in tables)
+
+
+def _manifest(config: PatchingConfig, ready: _Ready, layout: _Layout | None) -> dict[str, Any]:
+    from tomlens.provenance import run_manifest
+    from tomlens.stimuli.records import stimuli_hash
+
+    hashed = stimuli_hash([s for p in ready.aligned for s in (p.clean, p.corrupted)])
+    extra = {"pairs_hash": pairs_hash(ready.aligned)}
+    if layout is not None:
+        extra |= {"selection_hash": pairs_hash(layout.selection), "evaluation_hash": pairs_hash(layout.evaluation)}
+    return run_manifest(ready.model, config, stimuli_hash=hashed, extra=extra)
+
+
+def _summarise(config: PatchingConfig, ready: _Ready, gates: dict[str, Any], decision: Any, layout: _Layout | None,
+               swept: tuple[dict[tuple[str, str], Any], _Validated] | None, *, files: tuple[str, ...],
+               dry_run: bool = False) -> PatchingSummary:
+    """The run's summary, built once: what every run has (the gate, the pairs, the metric), then a
+    withheld run's reason and raw numbers, or what a run that patched found (`_findings`)."""
+    from tomlens.models import provenance
+    from tomlens.patching.metric import METRIC_NAME
+
+    plan = build(PlanSummary, layout.plan.to_dict()) if layout is not None and layout.plan is not None else None
+    common: dict[str, Any] = {
+        "command": "patch", "provenance": provenance(ready.model), "seed": config.seed,
+        "gate": _gate_summary(ready, gates, decision), "notes": decision.notes,
+        "pairs": _pair_counts(config, ready, decision, layout), "metric": METRIC_NAME, "dry_run": dry_run,
+        "plan": plan, "seconds": round(time.time() - ready.started, 2), "files": files,
+    }
+    if decision.withheld:
+        gap = ready.clean - ready.corrupted
+        base = BaseLogitDiffs(clean_logit_diff=float(ready.clean.mean()),
+                              corrupted_logit_diff=float(ready.corrupted.mean()), gap=float(gap.mean()))
+        return PatchingSummary(**common, withheld=decision.reason, base=base)
+    if swept is None:  # a dry run: the plan, nothing found
+        return PatchingSummary(**common, forced=decision.forced, forced_message=decision.forced_message)
+    assert layout is not None
+    return PatchingSummary(**common, **_findings(config, ready, decision, layout, *swept))
+
+
+def _gate_summary(ready: _Ready, gates: dict[str, Any], decision: Any) -> GateSummary:
+    from tomlens.patching.gate import METHOD
+
+    return GateSummary(
+        method=METHOD, contrasts={c: build(ContrastGate, g.to_dict()) for c, g in gates.items()},
+        passed=decision.passed, dropped_contrasts=decision.dropped_contrasts, message=decision.message,
+        forced=decision.forced, n_gated=len(ready.aligned), n_passed_pairs=len(decision.gated),
+        n_patched=len(decision.kept), half_gaps=dict(decision.half_gaps),
+        power={c: g.power_line for c, g in gates.items()})
+
+
+def _pair_counts(config: PatchingConfig, ready: _Ready, decision: Any, layout: _Layout | None) -> PairCounts:
+    aligned = ready.aligned
+    counts: dict[str, Any] = {
+        "n_given": ready.n_given, "n_aligned": len(aligned), "n_kept": len(decision.kept),
+        "hash": pairs_hash(aligned), "contrasts": tuple(sorted({p.contrast for p in aligned})),
+        "dropped": tuple(list(d) for d in ready.report.dropped_pairs)}
+    if layout is None:
+        return PairCounts(**counts)
+
+    def tasks(pairs: list[Any]) -> int:
+        return len({p.clean.task_id or p.id for p in pairs})
+
+    return PairCounts(
+        **counts, families=tuple(sorted({p.family for p in aligned})),
+        selection=PairHalf(n=len(layout.selection), hash=pairs_hash(layout.selection), tasks=tasks(layout.selection)),
+        evaluation=PairHalf(n=len(layout.evaluation), hash=pairs_hash(layout.evaluation),
+                            tasks=tasks(layout.evaluation), same_as_selection=layout.same),
+        select_fraction=config.select_fraction)
+
+
+def _findings(config: PatchingConfig, ready: _Ready, decision: Any, layout: _Layout,
+              results: dict[tuple[str, str], Any], validated: _Validated) -> dict[str, Any]:
+    """The summary fields of a run that patched: what was swept, the baselines and comparisons, the
+    ranking, top-k recovery, mean ablation and the search bounds."""
+    methods = config.methods
+    found: dict[str, Any] = {
+        "normalisation": NORMALISATION, "corruption": CORRUPTION, "sites": tuple(ready.kinds),
+        "positions": {k: list(v) for k, v in ready.pos.spec.items()}, "methods": tuple(methods),
+        "directions": tuple(config.directions),
+        "baselines": {f"{m}_{d}": build(Baseline, r.baselines()) for (m, d), r in results.items()},
+        "comparisons": _comparisons(config, ready, results), "forced": decision.forced,
+        "forced_message": decision.forced_message,
+    }
+    if "attribution" in methods:
+        found |= {"attribution_steps": int(config.attribution_steps), "attribution_path": config.attribution_path}
+    found |= _ranking_fields(config, layout, validated)
+    if layout.rank_position is None and config.top_k > 0:
+        found["topk_skipped"] = "top-k recovery and ablation need --sites to include heads"
+    if "search" in methods:
+        found["search"] = {d: build(SearchReport, r.report()) for (m, d), r in results.items() if m == "search"}
+    return found
+
+
+def _comparisons(config: PatchingConfig, ready: _Ready, results: dict[tuple[str, str], Any]
+                 ) -> tuple[Comparison, ...]:
+    """Attribution against exact patching, per direction, site kind and position both swept."""
+    from tomlens.patching import compare
+
+    out = []
+    for d in config.directions:
+        if ("exact", d) not in results or ("attribution", d) not in results:
+            continue
+        ex, at = results[("exact", d)], results[("attribution", d)]
+        for kind in ready.kinds:
+            for position in sorted(set(ex.summary().query("kind == @kind").position)):
+                cmp = compare(ex, at, kind=kind, position=position, k=min(10, max(1, config.top_k)))
+                out.append(build(Comparison, {"direction": d, **cmp}))
+    return tuple(out)
+
+
+def _ranking_fields(config: PatchingConfig, layout: _Layout, validated: _Validated) -> dict[str, Any]:
+    """The ranking (what ranked the heads, the top ones) and its validations on the held-out pairs."""
+    out: dict[str, Any] = {}
+    if validated.ranking is not None:
+        src = validated.source
+        out["rank_position"] = layout.rank_position
+        out["top_heads"] = tuple(f"L{la}H{h}" for la, h in validated.ranking[: max(config.top_k, 10)])
+        out["ranked_by"] = (f"{src.method} {src.direction} effect, heads at {layout.rank_position}, "
+                            f"on {len(layout.selection)} selection pairs")
+    if validated.recovery is not None:
+        out["topk"] = records(TopKRow, validated.recovery.table.to_dict(orient="records"))
+        out["validated_on"] = (f"{len(layout.evaluation)} held-out evaluation pairs"
+                               + (" (the SAME pairs: forced)" if layout.same else ""))
+        out["random_heads"] = (f"up to {config.n_random} distinct layer-matched sets per k (the top set's layers, "
+                               "its heads left out; every such set where there are no more: an exact p); p_random "
+                               "is per k, uncorrected across the ks")
+    ab = validated.ablation
+    if ab is not None:
+        where = "at the final token" if config.ablation == "final" else "at the same right-aligned position"
+        out["ablation"] = AblationSummary(
+            mode=config.ablation, baseline=build(AblationBaseline, ab.baseline),
+            mean=f"each ablated head's z replaced by its mean over all clean and corrupted evaluation stories {where}",
+            table=records(AblationRow, ab.table.to_dict(orient="records")))
+    return out
 
 
 def _base_table(aligned: Sequence[Any], clean: Any, corrupted: Any, kept: set[int]) -> pd.DataFrame:
@@ -395,369 +950,11 @@ def _recount(plan: Any, planned_sets: int, sets: int) -> None:
         if st.name.startswith(("top-k recovery", "mean ablation")):
             st.runs, st.units = st.runs * sets // planned_sets, st.units * sets // planned_sets
             st.cost = st.cost * sets / planned_sets
-    print(f"plan recounted once heads were ranked ({sets} head sets, not {planned_sets}: some k have fewer "
-          f"distinct layer-matched sets than --n-random, and all of them run): {plan.total_runs:,} patched runs")
+    say(f"plan recounted once heads were ranked ({sets} head sets, not {planned_sets}: some k have fewer "
+        f"distinct layer-matched sets than --n-random, and all of them run): {plan.total_runs:,} patched runs")
 
 
 def _flag(tables: dict[str, pd.DataFrame]) -> None:
     """A `forced` column (True) in every table of a run that went past a failed gate or split."""
     for df in tables.values():
         df["forced"] = True
-
-
-def _run(config: PatchingConfig, *, model: Any, pairs: Sequence[Any] | None, out: str | Path,
-         progress: bool, resumable: bool) -> PatchingRunResult:
-    import torch
-
-    from tomlens.activations.cache import weights_fingerprint
-    from tomlens.io import read_table
-    from tomlens.models import provenance
-    from tomlens.patching import (
-        METRIC_NAME, AblationSweep, AttributionSweep, Checkpoints, ExactSweep, HeadSetSweep, Plan, calibrate,
-        canonical_kind, compare, drop_missing_roles, head_table, mean_ablation, parse_positions,
-        plan_cells, plan_stages, prepare_pairs, rank_heads, topk_recovery, topk_settings,
-    )
-    from tomlens.patching.gate import (
-        METHOD, MIN_SPLIT_PAIRS, base_logit_diffs, gate_message, gate_pairs, gate_table, split_selection,
-    )
-    from tomlens.provenance import run_manifest
-    from tomlens.stimuli.pairs import check_pairs
-    from tomlens.stimuli.records import stimuli_hash
-
-    cfg = config
-    seed, top_k, n_random, ablation, chunk_runs = cfg.seed, cfg.top_k, cfg.n_random, cfg.ablation, cfg.chunk_runs
-    max_runs, dry_run, memory_mb, batch_pairs = cfg.max_runs, cfg.dry_run, cfg.memory_mb, cfg.batch_pairs
-    # Settings first (no model needed), then the pairs (a file is read before any weights load).
-    kinds = list(dict.fromkeys(canonical_kind(s) for s in cfg.sites))
-    pos = parse_positions(cfg.positions, kinds)
-    probe = None
-    if cfg.probe_table is not None:
-        if not Path(cfg.probe_table).is_file():
-            raise TomlensError(f"probe table {cfg.probe_table!r} does not exist", "pass the table written by `tomlens probe`")
-        probe = read_table(cfg.probe_table)
-    if cfg.pairs is None or pairs is not None:
-        pairs = _load_pairs(cfg, pairs, model)
-    if model is None:
-        model = cfg.model.load()
-    if pairs is None:  # built for the loaded model's tokenizer
-        pairs = _load_pairs(cfg, None, model)
-
-    started = time.time()
-    torch.manual_seed(seed)
-    aligned, report = check_pairs(list(pairs), model.tokenizer)
-    if report.dropped:
-        print(report.summary())
-    if not aligned:
-        raise TomlensError(
-            "no minimal pair is token-aligned for this model's tokenizer",
-            "write the pairs with `tomlens pairs --model` set to this model",
-        )
-    from tomlens.patching.plan import expand_mentions  # `mentions`: the role mentions these pairs share
-
-    pos = drop_missing_roles(expand_mentions(pos, aligned, model.tokenizer),
-                             [s for p in aligned for s in (p.clean, p.corrupted)])
-
-    # The gate, before anything is planned: one plain forward per story.
-    everything = prepare_pairs(model, aligned, selectors=pos.selectors, batch_pairs=batch_pairs)
-    clean0, corrupted0 = base_logit_diffs(model, everything)
-    # The gate sees EVERY aligned pair: filtering to solved pairs first (clean > 0, corrupted < 0) would
-    # make every gap positive by construction. --solved-only only picks which pairs are patched after it.
-    gates = gate_pairs(clean0, corrupted0, [p.contrast for p in aligned],
-                       task_ids=[p.clean.task_id for p in aligned])
-    passed = [c for c, g in gates.items() if g.passed]
-    gate_failed = len(passed) < len(gates) or not gates
-    message = gate_message(gates, forced=cfg.force)
-    solved = ((clean0 > 0) & (corrupted0 < 0)).tolist()
-    gated = [i for i in range(len(aligned)) if cfg.force or aligned[i].contrast in passed]
-    kept = [i for i in gated if solved[i] or not cfg.solved_only]
-    notes: list[str] = []
-    if cfg.solved_only:
-        notes.append(f"--solved-only: the gate ran on all {len(aligned)} pairs; of the {len(gated)} pairs it let "
-                     f"through, kept {len(kept)} the model answers right both ways")
-    dropped_contrasts = sorted(c for c in gates if c not in passed) if (passed and not cfg.force) else []
-    withheld = None
-    if not gated:
-        withheld = message
-    elif not kept:
-        withheld = (f"withheld: of the {len(gated)} pairs that passed the gate, none is answered right both ways "
-                    "(--solved-only): nothing to patch; run without --solved-only")
-    # The split is drawn over EVERY gated pair and each half's gap read over all of its pairs; only then
-    # does --solved-only pick, within each half, the pairs that are patched. Reading the gaps after the
-    # filter would read only pairs with clean > 0 > corrupted, whose gaps are positive by construction.
-    halves_g = split_selection([aligned[i] for i in gated], cfg.select_fraction, seed) if kept else None
-    forced = bool(cfg.force and gate_failed)
-    if kept and halves_g is None:
-        n_tasks = len({aligned[i].clean.task_id or aligned[i].id for i in gated})
-        why = (f"{len(gated)} pairs from {n_tasks} task(s) cannot be split into selection and held-out evaluation "
-               f"pairs (needs at least {MIN_SPLIT_PAIRS} pairs and 2 tasks)")
-        if cfg.force:
-            forced = True
-            notes.append(f"FORCED: {why}; heads are ranked and validated on the SAME pairs")
-            halves_g = (list(range(len(gated))), list(range(len(gated))))
-        else:
-            withheld = (f"withheld: head ranking, top-k recovery, mean ablation and the cell sweeps. Reason: {why}, "
-                        "and heads validated on the pairs that ranked them recover their own noise; use more pairs "
-                        "(--force runs everything anyway, flagged)")
-    # The pooled gate is not enough: ranking is normalised by the selection pairs' own gap and validation
-    # by the held-out pairs'. A half whose mean gap is not positive divides by noise or the wrong sign.
-    half_gaps: dict[str, float] = {}
-    split: tuple[list[int], list[int]] | None = None  # indices into `aligned` of the pairs patched, per half
-    if withheld is None and halves_g is not None:
-        for half, idx in (("selection", halves_g[0]), ("evaluation", halves_g[1])):
-            ii = torch.tensor([gated[i] for i in idx])
-            half_gaps[half] = float((clean0[ii] - corrupted0[ii]).mean())
-        bad = [f"the {h} pairs' mean gap is {g:.3f}" for h, g in half_gaps.items() if not g > 0]
-        if bad:
-            why = ("; ".join(bad) + " (not positive, read over all of the half's gated pairs: heads ranked on the "
-                   "selection pairs and validated on the held-out pairs are normalised by that half's own gap)")
-            if cfg.force:
-                forced = True
-                notes.append(f"FORCED: {why}")
-            else:
-                withheld = ("withheld: head ranking, top-k recovery, mean ablation and the cell sweeps. Reason: "
-                            f"{why}; use more tasks or another --seed for the split (--force runs everything "
-                            "anyway, flagged)")
-        split = ([gated[i] for i in halves_g[0] if solved[gated[i]] or not cfg.solved_only],
-                 [gated[i] for i in halves_g[1] if solved[gated[i]] or not cfg.solved_only])
-        empty = [h for h, idx in zip(("selection", "evaluation"), split) if not idx]
-        if withheld is None and empty:
-            withheld = (f"withheld: head ranking, top-k recovery, mean ablation and the cell sweeps. Reason: no "
-                        f"{' or '.join(empty)} pair is answered right both ways (--solved-only); run without "
-                        "--solved-only, or with another --seed for the split")
-    gate_summary = {
-        "method": METHOD, "contrasts": {c: g.to_dict() for c, g in gates.items()}, "passed": passed,
-        "dropped_contrasts": dropped_contrasts, "message": message, "forced": forced,
-        "n_gated": len(aligned), "n_passed_pairs": len(gated), "n_patched": len(kept), "half_gaps": half_gaps,
-        "power": {c: g.power_line for c, g in gates.items()},
-    }
-    base_df = _base_table(aligned, clean0, corrupted0, set(kept))
-    if withheld is None:  # a withheld run says all this in `describe` (what the commands print next)
-        print("\n".join([*(g.message for g in gates.values()), *notes, f"gate: {message}"]))
-    if withheld is not None:
-        tables = {"gate": gate_table(gates), "base": base_df}
-        summary = {
-            "command": "patch", "provenance": provenance(model), "seed": seed, "withheld": withheld,
-            "gate": gate_summary, "notes": notes, "metric": METRIC_NAME,
-            "pairs": {"n_given": len(pairs), "n_aligned": len(aligned), "n_kept": len(kept),
-                      "hash": pairs_hash(aligned), "contrasts": sorted({p.contrast for p in aligned}),
-                      "dropped": report.dropped_pairs},
-            "base": {"clean_logit_diff": float(clean0.mean()), "corrupted_logit_diff": float(corrupted0.mean()),
-                     "gap": float((clean0 - corrupted0).mean())},
-        }
-        if dry_run:
-            print("dry run: nothing else run, nothing written")
-            return PatchingRunResult(config, {**summary, "dry_run": True, "plan": {"total_runs": 0}}, dry_run=True)
-        summary["seconds"] = round(time.time() - started, 2)
-        ext = ".parquet" if cfg.format == "parquet" else ".csv"
-        summary["files"] = [f"{stem}{ext}" for stem in tables]
-        hashed = stimuli_hash([s for p in aligned for s in (p.clean, p.corrupted)])
-        manifest = run_manifest(model, config, stimuli_hash=hashed, extra={"pairs_hash": pairs_hash(aligned)})
-        return PatchingRunResult(config, summary, tables, manifest=manifest)
-
-    assert split is not None
-    selection = [aligned[i] for i in split[0]]
-    evaluation = [aligned[i] for i in split[1]]
-    same = split[0] == split[1]
-    prepared = (everything if len(selection) == len(aligned)
-                else prepare_pairs(model, selection, selectors=pos.selectors, batch_pairs=batch_pairs))
-    held = prepared if same else prepare_pairs(model, evaluation, selectors=pos.selectors, batch_pairs=batch_pairs)
-    cells = plan_cells(model, pos.spec, n_aligned=prepared.n_aligned)
-    rank_position = pos.rank_position()
-    methods, directions = cfg.methods, cfg.directions
-    main_dir = directions[0]
-    search_options = cfg.search_options()
-    k_max = min(top_k, model.cfg.n_layers * model.cfg.n_heads)
-    ks = sorted({k for k in cfg.ks if k <= k_max}) or ([k_max] if k_max > 0 else [])
-    checkpoints = Checkpoints(out, {
-        "provenance": provenance(model), "weights": weights_fingerprint(model), "pairs": pairs_hash(aligned),
-        "selection": pairs_hash(selection), "evaluation": pairs_hash(evaluation),
-        "positions": pos.spec, "methods": methods, "directions": directions, "top_k": top_k, "ks": ks,
-        "n_random": n_random, "ablation": ablation, "seed": seed, "batch_pairs": batch_pairs,
-        "chunk_runs": chunk_runs, "search": search_options,
-    })
-
-    # Every stage laid out before anything runs: exact sweeps and attribution on the selection pairs
-    # (with what the checkpoints already hold), and top-k / ablation on the evaluation pairs with
-    # stand-in top sets (same counts).
-    exact = {d: ExactSweep(model, prepared, cells, d, memory_mb=memory_mb, chunk_runs=chunk_runs)
-             for d in directions} if "exact" in methods else {}
-    attribution = ({d: AttributionSweep(model, prepared, pos.spec, d, steps=config.attribution_steps,
-                                        path=config.attribution_path) for d in directions}
-                   if "attribution" in methods else {})
-    for sweep in [*exact.values(), *attribution.values()]:
-        sweep.load(checkpoints)
-    topk_plan = ablation_plan = None
-    if rank_position is not None and ks:
-        # Planned at the upper bound, n_random draws per k: how many distinct layer-matched sets a k has
-        # depends on the ranked heads' layers (a uniform stand-in in one layer may have fewer than a real
-        # top set spread over two), so the recount once heads are ranked can only shrink the plan.
-        settings = topk_settings(model, None, ks, n_random, seed)
-        stand_in = [s[3] for s in settings if s[0] == "top"]
-        for k, top in zip(ks, list(stand_in)):
-            draws = [s[3] for s in settings if s[0] == "random" and s[1] == k]
-            stand_in += draws + [top] * (n_random - len(draws))  # same size, so the same runs per set
-        topk_plan = HeadSetSweep(model, held, stand_in, position=rank_position, direction=main_dir,
-                                 chunk_runs=chunk_runs)
-        if ablation != "none":
-            ablation_plan = AblationSweep(model, held, stand_in, mode=ablation, chunk_runs=chunk_runs)
-
-    def stages() -> list[Any]:
-        out = plan_stages(exact, attribution, topk_plan, ablation_plan, n_pairs=len(selection), k_max=k_max,
-                          n_random=n_random)
-        for st in out:  # the validations run on the held-out pairs, at the k of `ks` only
-            if st.name == "top-k recovery":
-                st.what = f"{len(ks)} top + up to {len(ks) * n_random} layer-matched random head sets (k = {ks})"
-            if st.name.startswith(("top-k recovery", "mean ablation")):
-                st.pairs = len(evaluation)
-        return out
-    plan = Plan(stages(), len(selection) + (0 if same else len(evaluation)), max_runs, notes=list(pos.notes))
-    plan.notes.append(f"selection pairs (cells patched, heads ranked): {len(selection)}; held-out evaluation "
-                      f"pairs (top-k recovery, ablation): {len(evaluation)}" + (" (the SAME pairs: forced)" if same else ""))
-    if rank_position is None and top_k > 0:
-        plan.notes.append("top-k recovery and ablation need --sites to include heads; skipped")
-    if "search" in methods:
-        plan.notes.append("search (not counted above): attribution estimates of every cell, then exact patching of "
-                          "the top-k per site and position, of every cell they cannot rule out (--search-budget) "
-                          "and of --search-samples random others")
-    if not dry_run and max_runs is not None and plan.total_runs > max_runs:
-        print("\n".join(plan.lines()))
-        plan.check_budget()
-    calibrate(plan, exact, attribution, checkpoints, keep=not dry_run)
-    if not dry_run:  # the timed chunk is part of the run: count it as done
-        plan.stages = stages()
-    print("\n".join(plan.lines()))
-    if dry_run:
-        if max_runs is not None and plan.total_runs > max_runs:
-            print(f"note: over --max-runs {max_runs:,}: without --dry-run this plan stops before running")
-        print("dry run: nothing else run, nothing written")
-        return PatchingRunResult(config, {"plan": plan.to_dict(), "dry_run": True, "gate": gate_summary},
-                                 dry_run=True)
-
-    try:
-        results: dict[tuple[str, str], Any] = {}
-        for d in directions:
-            for m in methods:
-                if m == "exact":
-                    exact[d].run(checkpoints=checkpoints, progress=progress)
-                    res = exact[d].result()
-                elif m == "attribution":
-                    res = attribution[d].result(checkpoints, progress=progress)
-                elif m == "search":
-                    from tomlens.patching import search
-
-                    res = search(model, prepared, sites=pos.spec, direction=d, k=top_k or 10, seed=seed,
-                                 batch_pairs=batch_pairs, memory_mb=memory_mb, progress=progress,
-                                 **search_options)
-                results[(m, d)] = _with_seed(res, seed)
-        ranking_source = (results.get(("exact", main_dir)) or results.get(("attribution", main_dir))
-                          or results.get(("search", main_dir)))
-        rec = ab = ranking = None
-        if rank_position is not None and ranking_source is not None:
-            ranking = list(zip(*[rank_heads(ranking_source, position=rank_position)[c] for c in ("layer", "head")]))
-            if ks:
-                _recount(plan, len(stand_in), len(topk_settings(model, ranking, ks, n_random, seed)))
-                if max_runs is not None and plan.total_runs > max_runs:  # refused as the plan check refuses
-                    print("\n".join(plan.lines()))
-                    if resumable:
-                        print(f"the sweeps run so far are kept under {checkpoints.folder}: run again (with a larger "
-                              "--max-runs) to resume", file=sys.stderr)
-                    plan.check_budget()
-                rec = topk_recovery(model, held, ranking, k_max=k_max, ks=ks, n_random=n_random, seed=seed,
-                                    position=rank_position, direction=main_dir, memory_mb=memory_mb,
-                                    progress=progress, checkpoints=checkpoints, chunk_runs=chunk_runs)
-                if ablation != "none":
-                    ab = mean_ablation(model, held, ranking, ks=ks, n_random=n_random,
-                                       seed=seed, mode=ablation, memory_mb=memory_mb, progress=progress,
-                                       checkpoints=checkpoints, chunk_runs=chunk_runs)
-    except KeyboardInterrupt:
-        if resumable:
-            print(f"stopped: {checkpoints.count()} finished chunks kept under {checkpoints.folder}; "
-                  "run the same command again to resume", file=sys.stderr)
-        raise
-
-    # Every stage is complete: the tables by file stem, in the order they are written.
-    tables: dict[str, pd.DataFrame] = {"gate": gate_table(gates), "base": base_df}
-    for (m, d), res in results.items():
-        tables[f"cells_{m}_{d}"] = res.summary()
-        tables[f"pairs_{m}_{d}"] = res.per_pair()
-
-    summary: dict[str, Any] = {
-        "command": "patch",
-        "provenance": provenance(model),
-        "seed": seed,
-        "gate": gate_summary,
-        "notes": notes,
-        "pairs": {
-            "n_given": len(pairs), "n_aligned": len(aligned), "n_kept": len(kept), "hash": pairs_hash(aligned),
-            "families": sorted({p.family for p in aligned}), "contrasts": sorted({p.contrast for p in aligned}),
-            "dropped": report.dropped_pairs,
-            "selection": {"n": len(selection), "hash": pairs_hash(selection),
-                          "tasks": len({p.clean.task_id or p.id for p in selection})},
-            "evaluation": {"n": len(evaluation), "hash": pairs_hash(evaluation),
-                           "tasks": len({p.clean.task_id or p.id for p in evaluation}), "same_as_selection": same},
-            "select_fraction": cfg.select_fraction,
-        },
-        "metric": METRIC_NAME,
-        "normalisation": "effect = (patched - corrupted) / mean(clean - corrupted) per pair; 0 = corrupted run, 1 = clean run",
-        "corruption": "minimal pairs: clean = false-belief story, corrupted = matched control differing only in the "
-        "contrast span (token-aligned); denoise patches clean into corrupted, noise corrupted into clean",
-        "sites": kinds, "positions": {k: list(v) for k, v in pos.spec.items()}, "methods": methods,
-        "directions": directions,
-        **({"attribution_steps": int(config.attribution_steps), "attribution_path": config.attribution_path}
-           if "attribution" in methods else {}),
-        "baselines": {f"{m}_{d}": r.baselines() for (m, d), r in results.items()},
-        "comparisons": [],
-    }
-    if forced:
-        summary["forced"] = True
-        summary["forced_message"] = message if gate_failed else notes[-1]
-    for d in directions:
-        if ("exact", d) in results and ("attribution", d) in results:
-            ex, at = results[("exact", d)], results[("attribution", d)]
-            for kind in kinds:
-                for position in sorted(set(ex.summary().query("kind == @kind").position)):
-                    cmp = compare(ex, at, kind=kind, position=position, k=min(10, max(1, top_k)))
-                    summary["comparisons"].append({"direction": d, **cmp})
-
-    if ranking is not None:
-        found = results.get(("search", main_dir))  # its verified cells as exact, its estimates as attribution
-        tables["heads"] = head_table(results.get(("exact", main_dir)) or (found and found.exact()),
-                                     results.get(("attribution", main_dir)) or (found and found.estimates.result()),
-                                     probe, position=rank_position)
-        summary["rank_position"] = rank_position
-        summary["top_heads"] = [f"L{l}H{h}" for l, h in ranking[: max(top_k, 10)]]
-        summary["ranked_by"] = (f"{ranking_source.method} {ranking_source.direction} effect, heads at {rank_position}, "
-                                f"on {len(selection)} selection pairs")
-    if rec is not None:
-        tables["topk"] = rec.table
-        tables["topk_random"] = rec.draws
-        summary["topk"] = rec.table.to_dict(orient="records")
-        summary["validated_on"] = f"{len(evaluation)} held-out evaluation pairs" + (" (the SAME pairs: forced)" if same else "")
-        summary["random_heads"] = (f"up to {n_random} distinct layer-matched sets per k (the top set's layers, its "
-                                   "heads left out; every such set where there are no more: an exact p); p_random "
-                                   "is per k, uncorrected across the ks")
-    if ab is not None:
-        tables["ablation"] = ab.table
-        tables["ablation_random"] = ab.draws
-        summary["ablation"] = {
-            "mode": ablation,
-            "mean": "each ablated head's z replaced by its mean over all clean and corrupted evaluation stories "
-            + ("at the final token" if ablation == "final" else "at the same right-aligned position"),
-            "baseline": ab.baseline, "table": ab.table.to_dict(orient="records"),
-        }
-    if rank_position is None and top_k > 0:
-        summary["topk_skipped"] = "top-k recovery and ablation need --sites to include heads"
-    if "search" in methods:
-        summary["search"] = {d: r.report() for (m, d), r in results.items() if m == "search"}
-    if forced:
-        _flag(tables)
-    summary["plan"] = plan.to_dict()
-    summary["seconds"] = round(time.time() - started, 2)
-    ext = ".parquet" if cfg.format == "parquet" else ".csv"
-    summary["files"] = [f"{stem}{ext}" for stem in tables]
-    hashed = stimuli_hash([s for p in aligned for s in (p.clean, p.corrupted)])
-    manifest = run_manifest(model, config, stimuli_hash=hashed,
-                            extra={"pairs_hash": pairs_hash(aligned), "selection_hash": pairs_hash(selection),
-                                   "evaluation_hash": pairs_hash(evaluation)})
-    return PatchingRunResult(config, summary, tables, dict(results), rec, ab, manifest, checkpoints=checkpoints,
-                             pairs=list(selection), tokenizer=model.tokenizer)

@@ -21,11 +21,10 @@ estimate; `result.json` keeps both under "plan".
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pandas as pd
 from torch import Tensor
 
@@ -33,27 +32,45 @@ from tomlens.activations import cache_activations
 from tomlens.devices import default_device
 from tomlens.errors import TomlensError
 from tomlens.hooks.sites import KINDS
+from tomlens.messages import say
+from tomlens.models import provenance
 from tomlens.models.positions import parse_selectors
-from tomlens.probes.baselines import add_best_baseline
+from tomlens.probes.baselines import TWIN_KEYS, merge_twin  # noqa: F401 - TWIN_KEYS: re-exported
 from tomlens.probes.logistic import C_GRID
-from tomlens.probes.selection import DEFAULT_PERMUTATIONS, EMBEDDINGS_KIND, FOUND, SelectionResult, \
-    select_and_evaluate, selection_stage
-from tomlens.probes.splits import GROUPINGS as SPLIT_GROUPINGS
 from tomlens.probes.plan import PlanStage, ProbePlan
-from tomlens.probes.sweep import PROBES, ProbeSweepResult, SweepConfig, SweepLayout, fit_layout, lay_out_sweep, \
-    read_probe_sweep, run_probe_sweep, write_probe_sweep
+from tomlens.probes.resume import remove_fit_checkpoints
+from tomlens.probes.selection import (
+    DEFAULT_PERMUTATIONS,
+    EMBEDDINGS_KIND,
+    FOUND,
+    SelectionResult,
+    select_and_evaluate,
+    selection_stage,
+)
+from tomlens.probes.splits import GROUPINGS as SPLIT_GROUPINGS
+from tomlens.probes.sweep import (
+    PROBES,
+    ProbeSweepResult,
+    SweepConfig,
+    SweepLayout,
+    fit_layout,
+    lay_out_sweep,
+    read_probe_sweep,
+    run_probe_sweep,
+    twin_sweep_config,
+    write_probe_sweep,
+)
 from tomlens.probes.sweep_plan import sweep_stages, time_fits
 from tomlens.probes.targets import get_target
-from tomlens.models import provenance
-from tomlens.runs.base import ModelSpec, StimuliSpec, split_items
 from tomlens.provenance import run_manifest
-from tomlens.runs.files import begin_save, finish_save, read_finished
+from tomlens.runs.base import ModelSpec, StimuliSpec, split_items
+from tomlens.runs.files import begin_save, finish_save, read_finished, summary_to_dict
+from tomlens.runs.probes_summary import PlannedStage, ProbePlanSummary, ProbesSummary, SelectedUnit
 from tomlens.stimuli.records import stimuli_hash
 from tomlens.timing import format_seconds
 
 EVALUATIONS = ("crossfit", "holdout")
 GROUPINGS = tuple(SPLIT_GROUPINGS)  # task, template (and cue phrasing where the splits know it)
-TWIN_KEYS = ["kind", "layer", "head", "position", "target", "train_on", "eval_set", "metric"]
 FORMATS = ("parquet", "csv")
 DEFAULT_BUDGET_MINUTES = 60.0
 TWIN, TWIN_CACHE = "random twin", "twin caching"  # the plan's stage names for the random-init twin
@@ -143,7 +160,7 @@ class ProbesResult:
     """The sweep's tidy table, the probe directions and the sweep's metadata (provenance, notes)."""
 
     sweep: ProbeSweepResult
-    summary: dict[str, Any]
+    summary: ProbesSummary
     config: ProbesConfig | None = None
     manifest: dict[str, Any] = field(default_factory=dict)
     selection: dict[str, SelectionResult] = field(default_factory=dict)  # per target
@@ -178,13 +195,14 @@ class ProbesResult:
         (out / "selection.json").unlink(missing_ok=True)
         if self.selection:
             write_json({t: r.to_dict() for t, r in self.selection.items()}, out / "selection.json")
-        return finish_save(out, self.config, self.manifest, self.summary)
+        return finish_save(out, self.config, self.manifest, summary_to_dict(self.summary))
 
     @classmethod
     def load(cls, out: str | Path) -> ProbesResult:
         from tomlens.io import read_json
 
-        out, config, manifest, summary = read_finished(out, ProbesConfig)
+        out, config, manifest, data = read_finished(out, ProbesConfig)
+        summary = ProbesSummary.from_json(data, folder=out)
         selection = {t: SelectionResult.from_dict(r) for t, r in read_json(out / "selection.json").items()} \
             if (out / "selection.json").is_file() else {}
         return cls(sweep=read_probe_sweep(out), summary=summary, config=config, manifest=manifest,
@@ -250,31 +268,6 @@ def cache_sites(config: ProbesConfig) -> str:
     return " ".join(sites)
 
 
-def _scores_only(cfg: SweepConfig) -> SweepConfig:
-    """The sweep settings for a random-init twin: activation rows and the target only (the main
-    sweep has the rest; only the twin's score is merged, so fitting its control task's labels
-    too would double its Newton work for columns nobody reads)."""
-    names = {f.name for f in fields(SweepConfig)}
-    off = ("bow", "length", "position", "embeddings", "condition_split", "directions", "controls")
-    return replace(cfg, **{k: False for k in off if k in names})
-
-
-def merge_twin(table: pd.DataFrame, twin: pd.DataFrame) -> pd.DataFrame:
-    """`baseline_random_init` on the activation rows of `table`: the twin's score on the row with
-    the same (kind, layer, head, position, target, train_on, eval_set, metric); then the best
-    baseline is recomputed over every `baseline_*` column."""
-    t = twin[twin["features"] == "activations"][TWIN_KEYS + ["score"]].rename(columns={"score": "baseline_random_init"})
-    if t.duplicated(TWIN_KEYS).any():
-        raise TomlensError("the random-init twin's table has several rows per unit and evaluation",
-                           "run the twin on one stimulus set and one position")
-    out = table.copy()
-    acts = (out["features"] == "activations").to_numpy()
-    merged = out.loc[acts, TWIN_KEYS].merge(t, on=TWIN_KEYS, how="left")["baseline_random_init"]
-    out["baseline_random_init"] = np.nan
-    out.loc[acts, "baseline_random_init"] = merged.to_numpy(dtype=np.float64)
-    return add_best_baseline(out)
-
-
 def twin_spec(config: ProbesConfig) -> ModelSpec:
     """random:<model>, seeded as the model is (a tiny model is random already: its twin is itself).
     A random model loads on one device (load_model refuses a device map for it): the model's map is
@@ -287,12 +280,17 @@ def twin_spec(config: ProbesConfig) -> ModelSpec:
     return replace(spec, name=name if name.startswith("random:") else f"random:{name}")
 
 
-def run(config: ProbesConfig, *, model: Any = None, progress: bool = True) -> ProbesResult:
+def run(config: ProbesConfig, *, model: Any = None, progress: bool = True,
+        out: str | Path | None = None) -> ProbesResult:
     """Cache the activations that are missing, print the plan (every fit of the sweep, its
     baselines, the random-init twin and the selection, with the estimated time; refused before any
     fit when over `budget_minutes`), run the probe sweep, then (by default) choose the best unit on
     selection stories and report it on evaluation stories; with `random_twin`, the same on
-    random:<model>, merged as a baseline. Each stage says when it is done and how long it took."""
+    random:<model>, merged as a baseline. Each stage says when it is done and how long it took.
+
+    `out`: the run folder; the sweeps keep their finished fits under `out/.partial/` while the run
+    goes on (`tomlens.probes.resume`), so a killed run started again fits only what it had left
+    (None: nothing is kept). They are removed once every fit is in the result."""
     assert config.stimuli is not None  # checked in ProbesConfig
     stimuli = config.stimuli.load()  # bad files fail before the model loads
     test = config.test_stimuli.load() if config.test_stimuli is not None else None
@@ -313,10 +311,10 @@ def run(config: ProbesConfig, *, model: Any = None, progress: bool = True) -> Pr
                            test_acts=test_acts, probe=config.probe, seed=config.seed, config=scfg)
     plan = stage_plan(config, layout, cache_seconds)
     time_fits(plan, layout)
-    print("\n".join(plan.lines()), flush=True)  # always: what the run costs is said before it costs it
+    say("\n".join(plan.lines()))  # always: what the run costs is said before it costs it
     plan.check_budget()
     clock = _Clock(plan)
-    sweep = fit_layout(layout)
+    sweep = fit_layout(layout, resume_in=out)
     clock.done("sweep", "baselines")
     twin_acts = twin_test = None
     notes = list(sweep.metadata.get("notes", []))
@@ -326,7 +324,8 @@ def run(config: ProbesConfig, *, model: Any = None, progress: bool = True) -> Pr
         twin_acts = cache(twin_model, stimuli)
         twin_test = None if test is None else cache(twin_model, test)
         twin = run_probe_sweep(twin_acts, list(config.targets), sites=list(config.sites), positions=config.positions,
-                               test_acts=twin_test, probe=config.probe, seed=config.seed, config=_scores_only(scfg))
+                               test_acts=twin_test, probe=config.probe, seed=config.seed, config=twin_sweep_config(scfg),
+                               resume_in=out)
         sweep.table = merge_twin(sweep.table, twin.table)
         twin_rev = provenance(twin_model)["revision"]
         sweep.metadata["random_twin"] = {"model": spec.name, "revision": twin_rev, "activations": str(twin_acts.path)}
@@ -344,17 +343,31 @@ def run(config: ProbesConfig, *, model: Any = None, progress: bool = True) -> Pr
                 config=replace(scfg, progress=False), probe=config.probe, test_acts=test_acts,
                 twin_acts=twin_acts, twin_test_acts=twin_test)
             clock.done(f"selection ({target})")
-    summary = {"rows": len(sweep.table), "targets": list(config.targets), "sites": list(config.sites),
-               "position": config.position, "activations": str(acts.path),
-               "test_activations": None if test_acts is None else str(test_acts.path),
-               "directions": bool(sweep.directions), "notes": list(sweep.metadata.get("notes", [])),
-               "selection": {t: {"unit": r.site, "verdict": r.verdict, "reason": r.reason,
-                                 "found": r.verdict == FOUND} for t, r in selection.items()},
-               "plan": {**plan.to_dict(), "measured_seconds": clock.measured}}
+    if out is not None:  # every fit is in the result now: the sweeps' checkpoints are done with
+        remove_fit_checkpoints(out)
+    summary = probes_summary(config, sweep, selection, plan, clock.measured, acts=str(acts.path),
+                             test_acts=None if test_acts is None else str(test_acts.path))
     extra = None if test is None else {"test_stimuli_hash": stimuli_hash(test)}
     manifest = run_manifest(model, config, stimuli_hash=stimuli_hash(stimuli), extra=extra)
     return ProbesResult(sweep=sweep, summary=summary, config=config, manifest=manifest, selection=selection)
 
+
+
+def probes_summary(config: ProbesConfig, sweep: ProbeSweepResult, selection: dict[str, SelectionResult],
+                   plan: ProbePlan, measured: dict[str, float], *, acts: str, test_acts: str | None) -> ProbesSummary:
+    """The run's summary: its size, targets and sites, where its activations are, the selected unit
+    per target, and the plan with the seconds each stage took."""
+    planned = plan.to_dict()
+    return ProbesSummary(
+        rows=len(sweep.table), targets=tuple(config.targets), sites=tuple(config.sites), position=config.position,
+        activations=acts, test_activations=test_acts, directions=bool(sweep.directions),
+        notes=tuple(sweep.metadata.get("notes", [])),
+        selection={t: SelectedUnit(unit=r.site, verdict=r.verdict, reason=r.reason, found=r.verdict == FOUND)
+                   for t, r in selection.items()},
+        plan=ProbePlanSummary(
+            stages=tuple(PlannedStage(**s) for s in planned["stages"]), estimated_seconds=planned["estimated_seconds"],
+            budget_seconds=planned["budget_seconds"], calibration=planned["calibration"],
+            notes=tuple(planned["notes"]), measured_seconds=dict(measured)))
 
 
 def stage_plan(config: ProbesConfig, layout: SweepLayout, cache_seconds: float | None) -> ProbePlan:
@@ -367,7 +380,7 @@ def stage_plan(config: ProbesConfig, layout: SweepLayout, cache_seconds: float |
     if config.random_twin:
         twin = lay_out_sweep(layout.acts, list(config.targets), sites=list(config.sites),
                              positions=config.positions, test_acts=layout.test_acts, probe=config.probe,
-                             seed=config.seed, config=_scores_only(cfg))
+                             seed=config.seed, config=twin_sweep_config(cfg))
         name = twin_spec(config).name
         stages.append(PlanStage(TWIN_CACHE, f"caching {name} activations" + (
             ", about as long as the model's took" if cache_seconds is not None else
@@ -408,4 +421,4 @@ class _Clock:
             e is not None for e in est) else ""
         rest = [self.plan.seconds(s) for s in self.plan.stages if s.name in self.left]
         left = f"; about {format_seconds(sum(r for r in rest if r is not None))} left" if self.left else ""
-        print(f"probe: {' + '.join(names)} done in {format_seconds(took)}{eta}{left}", flush=True)
+        say(f"probe: {' + '.join(names)} done in {format_seconds(took)}{eta}{left}")

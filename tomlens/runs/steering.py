@@ -31,10 +31,10 @@ much as the belief direction) / (n + 1), are reported beside them, not judged.
 
 from __future__ import annotations
 
-import sys
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, TypeAlias
 
 import numpy as np
 import pandas as pd
@@ -42,13 +42,24 @@ import torch
 
 from tomlens.errors import TomlensError
 from tomlens.io import read_table, write_table
+from tomlens.messages import say
 from tomlens.probes.splits import fraction_split, group_codes
 from tomlens.probes.targets import get_target
 from tomlens.provenance import run_manifest
 from tomlens.runs.base import DEFAULT_N, ModelSpec, StimuliSpec
-from tomlens.runs.files import begin_save, finish_save, read_finished
-from tomlens.steering import METHODS, MODES, POSITIONS, Direction, count_passes, dose_response, fit_directions, \
-    paired_sources, random_directions
+from tomlens.runs.files import begin_save, finish_save, read_finished, summary_from_dict, summary_to_dict
+from tomlens.runs.steering_summary import SteeringLayer, SteeringSummary
+from tomlens.steering import (
+    METHODS,
+    MODES,
+    POSITIONS,
+    Direction,
+    count_passes,
+    dose_response,
+    fit_directions,
+    paired_sources,
+    random_directions,
+)
 from tomlens.stimuli.records import stimuli_hash
 
 FORMATS = ("parquet", "csv")
@@ -56,7 +67,7 @@ DEFAULT_ALPHAS: tuple[float, ...] = (-4.0, -2.0, -1.0, 0.0, 1.0, 2.0, 4.0)
 FOUND, WITHHELD = "found", "withheld"
 SELECTION_SEED = 1  # added to the seed for the selection half's random directions
 RANDOM_QUANTILE = 0.95  # the random directions' quantile the belief direction must flip more than
-Rates = np.ndarray | pd.Series | Sequence[float]  # one flip rate per random direction
+Rates: TypeAlias = np.ndarray | pd.Series | Sequence[float]  # one flip rate per random direction
 
 
 @dataclass(frozen=True)
@@ -198,12 +209,13 @@ def choose_alpha(selection: pd.DataFrame, min_flip: float | None = None) -> floa
 
 
 def layer_summary(dose: pd.DataFrame, layer: int, alpha: float, *, min_flip: float = 0.8,
-                  max_random_flip: float | None = None) -> dict[str, Any]:
-    """The summary dict of one layer at `alpha` on the evaluation table (see the module text): the
+                  max_random_flip: float | None = None) -> SteeringLayer:
+    """The summary row of one layer at `alpha` on the evaluation table (see the module text): the
     belief direction must flip at least `min_flip`, more than the random directions' 95th
     percentile and more than the shuffled-label direction, and (with `max_random_flip`) the random
     directions' mean flip must stay at most that. `random_max` and `p_random` are reported only:
-    both move with the number of random directions drawn."""
+    both move with the number of random directions drawn. The selection half's columns are left
+    None: `run` fills them from the selection table."""
     at = dose[(dose["layer"] == layer) & (dose["alpha"] == alpha)]
 
     def flip(direction: str, condition: str) -> float:
@@ -213,14 +225,7 @@ def layer_summary(dose: pd.DataFrame, layer: int, alpha: float, *, min_flip: flo
     rates = at[(at["source"] == "random") & (at["condition"] == "false_belief")]["flip_rate"].to_numpy(dtype=float)
     fb = flip("belief", "false_belief")
     rand = RandomFlips.of(rates, fb)
-    out: dict[str, Any] = {
-        "layer": int(layer), "alpha": float(alpha),
-        "flip_false_belief": fb, "flip_true_belief": flip("belief", "true_belief"),
-        "flip_reality": flip("belief", "reality"),
-        "random_mean": rand.mean, "random_p95": rand.p95, "random_max": rand.max, "p_random": rand.p_value,
-        "n_random": rand.n,
-        "shuffled": flip("shuffled", "false_belief"),
-    }
+    shuffled = flip("shuffled", "false_belief")
     reasons = []
     if not fb == fb:
         reasons.append("no false-belief prompts in the evaluation half")
@@ -232,16 +237,18 @@ def layer_summary(dose: pd.DataFrame, layer: int, alpha: float, *, min_flip: flo
         elif not fb > rand.p95:
             reasons.append(f"the random directions' 95th percentile flips {rand.p95:.2f} >= the belief direction's "
                            f"{fb:.2f}")
-        if not fb > out["shuffled"]:
-            reasons.append(f"the shuffled-label direction flips {out['shuffled']:.2f} >= the belief direction's {fb:.2f}")
+        if not fb > shuffled:
+            reasons.append(f"the shuffled-label direction flips {shuffled:.2f} >= the belief direction's {fb:.2f}")
         if max_random_flip is not None and rand.n and rand.mean > max_random_flip + 1e-12:
             reasons.append(f"the random directions flip {rand.mean:.3f} on average (> {max_random_flip:.2f})")
-    out["verdict"] = WITHHELD if reasons else FOUND
-    out["reason"] = "; ".join(reasons) if reasons else (
+    reason = "; ".join(reasons) if reasons else (
         f"belief flips {fb:.2f} of false-belief answers (>= {min_flip:.2f}); {rand.n} random directions: mean "
         f"{rand.mean:.3f}, p95 {rand.p95:.2f} (max {rand.max:.2f}, p_random {rand.p_value:.3f}, not judged); "
-        f"shuffled {out['shuffled']:.2f}")
-    return out
+        f"shuffled {shuffled:.2f}")
+    return SteeringLayer(layer=int(layer), alpha=float(alpha), flip_false_belief=fb,
+                         flip_true_belief=flip("belief", "true_belief"), flip_reality=flip("belief", "reality"),
+                         random_mean=rand.mean, random_p95=rand.p95, random_max=rand.max, p_random=rand.p_value,
+                         n_random=rand.n, shuffled=shuffled, verdict=WITHHELD if reasons else FOUND, reason=reason)
 
 
 @dataclass
@@ -252,15 +259,15 @@ class SteeringResult:
 
     dose: pd.DataFrame
     selection: pd.DataFrame
-    summary: dict[str, Any]
+    summary: SteeringSummary
     directions: dict[int, list[Direction]] = field(default_factory=dict)
     config: SteeringConfig | None = None
     manifest: dict[str, Any] = field(default_factory=dict)
 
-    def best(self) -> dict[str, Any]:
-        """The layer dict chosen on the selection half (`chosen_layer`: the widest margin of the
+    def best(self) -> SteeringLayer:
+        """The layer row chosen on the selection half (`chosen_layer`: the widest margin of the
         belief direction over random ones there); like the dose, never chosen on evaluation numbers."""
-        layers = self.summary.get("layers", [])
+        layers = self.summary.layers
         if not layers:
             raise TomlensError("this steering result has no layers", "run the stage with at least one layer")
         return chosen_layer(layers)
@@ -281,16 +288,17 @@ class SteeringResult:
         every = [(layer, d) for layer, ds in self.directions.items() for d in ds]
         meta = {"directions": [{"name": d.name, "source": d.source, "layer": d.layer, "site": d.site,
                                 "tensor": f"layer{layer}/{d.name}", "norm": norm}
-                               for (layer, d), norm in zip(every, _norms([d for _, d in every]))]}
+                               for (layer, d), norm in zip(every, _norms([d for _, d in every]), strict=True)]}
         if tensors:
             save_directions(dir_f, tensors, meta)
-        return finish_save(out, self.config, self.manifest, self.summary)
+        return finish_save(out, self.config, self.manifest, summary_to_dict(self.summary))
 
     @classmethod
     def load(cls, out: str | Path) -> SteeringResult:
         from tomlens.probes.directions import load_directions
 
-        out, config, manifest, summary = read_finished(out, SteeringConfig)
+        out, config, manifest, data = read_finished(out, SteeringConfig)
+        summary = summary_from_dict(SteeringSummary, data, folder=out, stage="steering")
         fmt = config.format if config is not None else "parquet"
         directions: dict[int, list[Direction]] = {}
         if (out / "directions.safetensors").is_file():
@@ -303,29 +311,28 @@ class SteeringResult:
 
     def describe(self) -> str:
         s = self.summary
-        lines = [f"steering ({s.get('mode')}, {s.get('positions')} position, {s.get('method')} directions): "
-                 f"{s.get('n_selection_prompts')} selection / {s.get('n_evaluation_prompts')} evaluation prompts, "
-                 f"{s.get('n_random')} random directions + shuffled labels, {s.get('forward_passes')} forward passes",
+        lines = [f"steering ({s.mode}, {s.positions} position, {s.method} directions): "
+                 f"{s.n_selection_prompts} selection / {s.n_evaluation_prompts} evaluation prompts, "
+                 f"{s.n_random} random directions + shuffled labels, {s.forward_passes} forward passes",
                  ("layer and alpha chosen on the selection half (widest margin over its own random directions' "
-                  "95th percentile); " if "random_quantile" in s else
+                  "95th percentile); " if s.random_quantile is not None else
                   "layer and alpha chosen on the selection half (widest margin over its own random directions); "
-                  if any("selection_margin" in d for d in s.get("layers", [])) else
+                  if any(d.selection_margin is not None for d in s.layers) else
                   "layer and alpha chosen on the selection half (by the belief direction's flips alone: a result "
                   "from before random directions ran there); ") + "flip rates on the evaluation half at that alpha:",
                  f"{'layer':>5} {'alpha':>6} {'FB flip':>8} {'TB flip':>8} {'reality':>8} {'rand mean':>10} "
                  f"{'rand p95':>9} {'rand max':>9} {'shuffled':>9}  verdict"]
-        for d in s.get("layers", []):
-            lines.append(f"{d['layer']:>5} {d['alpha']:>6.2f} {d['flip_false_belief']:>8.2f} {d['flip_true_belief']:>8.2f} "
-                         f"{d['flip_reality']:>8.2f} {float(d.get('random_mean', float('nan'))):>10.3f} "
-                         f"{d['random_p95']:>9.2f} {d['random_max']:>9.2f} {d['shuffled']:>9.2f}  {d['verdict']}: "
-                         f"{d['reason']}")
-        if "random_quantile" in s:
+        for d in s.layers:
+            lines.append(f"{d.layer:>5} {d.alpha:>6.2f} {d.flip_false_belief:>8.2f} {d.flip_true_belief:>8.2f} "
+                         f"{d.flip_reality:>8.2f} {d.random_mean:>10.3f} "
+                         f"{d.random_p95:>9.2f} {d.random_max:>9.2f} {d.shuffled:>9.2f}  {d.verdict}: "
+                         f"{d.reason}")
+        if s.random_quantile is not None:
             lines.append("random directions are judged by their mean and 95th percentile, which do not grow with how "
                          "many are drawn; their maximum does, and is shown, not judged")
-        if s.get("layer") is not None:
-            lines.append(f"layer chosen on the selection half: {s['layer']} ({s.get('verdict')}); the others are "
-                         "shown, not chosen among on these numbers")
-        lines.extend(f"note: {n}" for n in s.get("notes", []))
+        lines.append(f"layer chosen on the selection half: {s.layer} ({s.verdict}); the others are "
+                     "shown, not chosen among on these numbers")
+        lines.extend(f"note: {n}" for n in s.notes)
         return "\n".join(lines)
 
 
@@ -352,10 +359,10 @@ def run(config: SteeringConfig, *, model: Any = None, progress: bool = True) -> 
     passes = count_passes(len(sel), n_sel_dirs * len(layers), config.alphas) + count_passes(
         len(ev), n_dirs * len(layers), config.alphas)
     if progress:
-        print(f"steering plan: selection {n_sel_dirs * len(layers)} directions (belief and random) x "
+        say(f"steering plan: selection {n_sel_dirs * len(layers)} directions (belief and random) x "
               f"{len(config.alphas)} alphas x {len(sel)} prompts, evaluation {n_dirs * len(layers)} directions x "
               f"{len(config.alphas)} alphas x {len(ev)} prompts: {passes} forward passes (alpha 0 is the unsteered "
-              "run)", file=sys.stderr)
+            "run)")
     dirs = fit_directions(model, sel, layers=layers, target=config.target, method=config.method,
                           n_random=config.n_random, seed=config.seed, directions_path=config.directions_path,
                           store=config.store, batch_size=config.batch_size, progress=progress)
@@ -368,7 +375,7 @@ def run(config: SteeringConfig, *, model: Any = None, progress: bool = True) -> 
 
     # the selection half's random directions are a draw of their own: a layer or dose chosen where the
     # evaluation's random directions happen to be weak would flatter the evaluation's null
-    norms = dict(zip(layers, _norms([dirs[layer][0] for layer in layers])))
+    norms = dict(zip(layers, _norms([dirs[layer][0] for layer in layers]), strict=True))
     selection_random = {layer: random_directions(dirs[layer][0], config.n_random, seed=config.seed + SELECTION_SEED,
                                                  norm=norms[layer])
                         for layer in layers}
@@ -380,13 +387,12 @@ def run(config: SteeringConfig, *, model: Any = None, progress: bool = True) -> 
         alpha = choose_alpha(mine, config.min_flip)
         row = layer_summary(evaluation, layer, alpha, min_flip=config.min_flip, max_random_flip=config.max_random_flip)
         scores = selection_scores(mine)
-        row["selection_flip"] = float(scores.at[alpha, "belief"])
-        row["selection_random_p95"] = float(scores.at[alpha, "random_p95"])
-        row["selection_random_max"] = float(scores.at[alpha, "random_max"])  # shown, not chosen by
-        row["selection_margin"] = float(scores.at[alpha, "margin"])  # what picks the layer: never an evaluation number
-        row["selection_flip_max"] = float(scores["belief"].max())
-        row["selection_reached"] = bool(row["selection_flip"] >= config.min_flip - 1e-12)
-        per_layer.append(row)
+        flip = float(scores.at[alpha, "belief"])
+        per_layer.append(replace(
+            row, selection_flip=flip, selection_random_p95=float(scores.at[alpha, "random_p95"]),
+            selection_random_max=float(scores.at[alpha, "random_max"]),  # shown, not chosen by
+            selection_margin=float(scores.at[alpha, "margin"]),  # what picks the layer: never an evaluation number
+            selection_flip_max=float(scores["belief"].max()), selection_reached=bool(flip >= config.min_flip - 1e-12)))
     notes = []
     if config.directions_path is not None:
         notes.append(f"belief directions from {config.directions_path}: fitted by `tomlens probe` on its own "
@@ -394,18 +400,13 @@ def run(config: SteeringConfig, *, model: Any = None, progress: bool = True) -> 
     if len({s.task_id for s in ev}) < 8:
         notes.append(f"the evaluation half holds {len({s.task_id for s in ev})} tasks: flip rates move in large steps")
     chosen = chosen_layer(per_layer)
-    summary = {
-        "layers": per_layer, "mode": config.mode, "positions": config.positions, "method": config.method,
-        "target": config.target, "alphas": list(config.alphas), "n_random": config.n_random,
-        "n_selection_prompts": len(sel), "n_evaluation_prompts": len(ev),
-        "selection_tasks": sorted({s.task_id for s in sel}), "forward_passes": passes,
-        "norms": {str(layer): norms[layer] for layer in layers},
-        # the rule: margins and verdicts over the random directions' mean and this quantile, never their maximum
-        "random_quantile": RANDOM_QUANTILE,
-        "verdict": chosen["verdict"],  # the selection half's layer, not the best held-out one
-        "layer": chosen["layer"],
-        "notes": notes,
-    }
+    summary = SteeringSummary(
+        layers=tuple(per_layer), mode=config.mode, positions=config.positions, method=config.method,
+        target=config.target, alphas=tuple(config.alphas), n_random=config.n_random,
+        n_selection_prompts=len(sel), n_evaluation_prompts=len(ev),
+        selection_tasks=tuple(sorted({s.task_id for s in sel})), forward_passes=passes,
+        norms={str(layer): norms[layer] for layer in layers},
+        random_quantile=RANDOM_QUANTILE, verdict=chosen.verdict, layer=chosen.layer, notes=tuple(notes))
     manifest = run_manifest(model, config, stimuli_hash=stimuli_hash(stimuli))
     return SteeringResult(dose=evaluation, selection=selection, summary=summary,
                           directions={layer: dirs[layer] for layer in layers}, config=config, manifest=manifest)
@@ -418,25 +419,27 @@ def _norms(directions: list[Direction]) -> list[float]:
     return torch.stack([d.vector.norm() for d in directions]).tolist()
 
 
-def chosen_layer(layers: list[dict[str, Any]]) -> dict[str, Any]:
+def chosen_layer(layers: Sequence[SteeringLayer]) -> SteeringLayer:
     """Of the per-layer summaries, the one whose chosen dose had the widest margin on the selection
     half (belief flip minus the random directions' 95th percentile: `selection_margin`), among the
     layers whose dose flipped at least `min_flip` there (`selection_reached`; all layers where none
     did: a layer that cannot reach it would only fail on the evaluation half); ties to the lower
     layer. Summaries written before the selection half ran random directions fall back to
     `selection_flip_max`, then `selection_flip`, then the evaluation rate."""
-    def key(d: dict[str, Any]) -> tuple[bool, float, int]:
-        v = float(d.get("selection_margin", d.get("selection_flip_max", d.get("selection_flip", d["flip_false_belief"]))))
-        return (bool(d.get("selection_reached", False)), v if v == v else -2.0, -int(d["layer"]))
+    def key(d: SteeringLayer) -> tuple[bool, float, int]:
+        v = next(x for x in (d.selection_margin, d.selection_flip_max, d.selection_flip, d.flip_false_belief)
+                 if x is not None)
+        return (bool(d.selection_reached), v if v == v else -2.0, -d.layer)
 
     return max(layers, key=key)
 
 
 def summary_frame(result: SteeringResult) -> pd.DataFrame:
     """The per-layer summary as a table."""
-    return pd.DataFrame(result.summary.get("layers", []))
+    return pd.DataFrame([summary_to_dict(d) for d in result.summary.layers])
 
 
-__all__ = ["DEFAULT_ALPHAS", "FOUND", "RANDOM_QUANTILE", "RandomFlips", "SteeringConfig", "SteeringResult", "WITHHELD",
+__all__ = ["DEFAULT_ALPHAS", "FOUND", "RANDOM_QUANTILE", "RandomFlips", "SteeringConfig", "SteeringLayer",
+           "SteeringResult", "SteeringSummary", "WITHHELD",
            "choose_alpha", "chosen_layer", "layer_summary", "random_quantile", "run", "selection_scores",
            "summary_frame"]

@@ -22,13 +22,15 @@ import signal
 import sys
 import time
 import traceback
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any
 
 from tomlens.errors import TomlensError
 from tomlens.io import file_sha256, read_json, write_json
+from tomlens.messages import say, warn
 from tomlens.models.registry import local_weights_revision
 from tomlens.runs.base import ModelSpec, config_hash
 from tomlens.runs.experiment import PROBES_TABLE, ExperimentConfig, input_files, model_slug, run_experiment
@@ -160,15 +162,15 @@ def make_executor(options: ExecutorOptions, folder: Path, name: str) -> Any:
     import submitit
 
     if options.executor == "local":
-        executor = submitit.LocalExecutor(folder=folder)
-        executor.update_parameters(**local_parameters(options))
-        return executor
+        local = submitit.LocalExecutor(folder=folder)
+        local.update_parameters(**local_parameters(options))
+        return local
     try:
-        executor = submitit.SlurmExecutor(folder=folder)
+        slurm = submitit.SlurmExecutor(folder=folder)
     except RuntimeError as e:
         raise TomlensError(f"--executor slurm: {e}", "run the sweep on a SLURM login node, or use --executor local") from None
-    executor.update_parameters(**slurm_parameters(options, name))
-    return executor
+    slurm.update_parameters(**slurm_parameters(options, name))
+    return slurm
 
 
 @dataclass(frozen=True)
@@ -225,7 +227,7 @@ class SweepResult:
         rows += [(j.slug, j.state, j.job_id or "-", f"{j.seconds:.0f}" if j.seconds is not None else "-", j.folder)
                  for j in self.jobs]
         widths = [max(len(r[i]) for r in rows) for i in range(4)]
-        lines = ["  ".join(c.ljust(w) for c, w in zip(r[:4], widths)) + "  " + r[4] for r in rows]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(r[:4], widths, strict=True)) + "  " + r[4] for r in rows]
         for j in self.jobs:
             if j.state == "failed":
                 lines.append(f"failed: {j.slug}: {j.error or 'no error recorded'}; log {j.log or '(none)'}")
@@ -313,7 +315,7 @@ def _job_id() -> str | None:
 
 
 def _now() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+    return datetime.now(UTC).isoformat(timespec="seconds")
 
 
 def _failure(folder: Path) -> dict[str, Any]:
@@ -347,6 +349,13 @@ def _slurm_job(logs: Path, job_id: str) -> Any:
     return submitit.SlurmJob(folder=logs, job_id=job_id)
 
 
+class SweepTerminated(KeyboardInterrupt):
+    """SIGTERM stopped the sweep. A `KeyboardInterrupt`, so that everything Ctrl-C does on the way
+    out (cancel the local jobs, write `sweep.json`) happens for it too; its own type lets the CLI
+    exit 143 (128 + SIGTERM), the status a scheduler or a shell expects of a terminated command,
+    where Ctrl-C exits 130."""
+
+
 def run_sweep(config: ExperimentConfig, out: str | Path, options: ExecutorOptions | None = None, *,
               wait: bool = True, progress: bool = True, command: list[str] | None = None) -> SweepResult:
     """Submit every job of `config` that has not finished into `out` and (with `wait`) collect
@@ -355,9 +364,10 @@ def run_sweep(config: ExperimentConfig, out: str | Path, options: ExecutorOption
     Jobs an earlier `--no-wait` sweep submitted to SLURM are reattached (whatever executor this call
     uses) when their recorded hash is the job's current one, else cancelled and submitted again; a
     failure one of them recorded meanwhile is reported as failed, not resubmitted (the next run
-    retries it). `command`: the arguments that collect a `--no-wait` sweep, kept in `sweep.json`."""
+    retries it). `command`: the arguments that collect a `--no-wait` sweep, kept in `sweep.json`.
+    Stopped (Ctrl-C, SIGTERM) at any point after planning, it writes `sweep.json` first: every job
+    is listed as submitted (with its id) or as not submitted, never lost between the two."""
     import submitit  # noqa: F401 - fail here, before any folder is written, if it is missing
-    from tqdm.auto import tqdm
 
     options = options or ExecutorOptions()
     if not wait and options.executor == "local":
@@ -365,122 +375,224 @@ def run_sweep(config: ExperimentConfig, out: str | Path, options: ExecutorOption
                            "and stop with it", "drop --no-wait, or submit to SLURM with --executor slurm")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    logs = out / LOGS
     write_json(config.to_dict(), out / "config.json")
-    jobs = plan_jobs(config, out)
-    previous = _previous(out)
-    records: dict[str, JobRecord] = {}
-    running: dict[str, Any] = {}  # slug -> submitit job
-    todo: list[SweepJob] = []
-    failed_meanwhile = 0
-    for job in jobs:
-        done = finished_record(job.folder, job.hash)
-        before = previous.get(job.slug, {})
-        submitted_with = before.get("executor") if isinstance(before.get("executor"), dict) else None
-        if done is not None:
-            collected = before.get("state") == "submitted" and before.get("job_id") == done.get("job_id")
-            records[job.slug] = JobRecord(job.slug, "done" if collected else "reused", str(job.folder),
-                                          done.get("job_id"), done.get("seconds"), before.get("log"),
-                                          hash=job.hash, executor=submitted_with)
-            continue
-        if before.get("state") == "submitted" and before.get("job_id"):
-            job_id = str(before["job_id"])
-            current = before.get("hash") == job.hash
-            failure = _failure(job.folder)
-            if current and failure.get("config_hash") == job.hash:  # it failed while no sweep watched
-                records[job.slug] = JobRecord(job.slug, "failed", str(job.folder), job_id, failure.get("seconds"),
-                                              before.get("log"), failure.get("error") or "failed",
-                                              hash=job.hash, executor=submitted_with)
-                failed_meanwhile += 1
-                continue
-            if _submitted_with(before) == "slurm":
-                handle = _slurm_job(logs, job_id)
-                if current:
-                    running[job.slug] = handle
-                    records[job.slug] = JobRecord(job.slug, "submitted", str(job.folder), job_id,
-                                                  log=before.get("log") or str(handle.paths.stdout),
-                                                  hash=job.hash, executor=submitted_with)
-                    continue
-                handle.cancel(check=False)  # its settings or inputs changed: its result would be stale
-                print(f"{job.slug}: cancelled SLURM job {job_id} (its settings or input files changed since "
-                      "it was submitted); submitting it again", flush=True)
-        todo.append(job)
-    reused = [r for r in records.values() if r.state in ("reused", "done")]
-    print(f"sweep {config.name!r}: {len(jobs)} jobs, {len(reused)} finished before (not rerun), "
-          + (f"{failed_meanwhile} failed while unattended (run again to retry), " if failed_meanwhile else "")
-          + f"{len(running)} submitted earlier (reattached), {len(todo)} to submit ({options.executor} executor"
-          + (f", {options.parallel or 1} at a time)" if options.executor == "local" else ")"), flush=True)
-    took = [r.seconds for r in reused if r.seconds]
-    if todo and took:
-        each = sorted(took)[len(took) // 2]
-        print(f"about {each:.0f} s per job (the median of the finished ones)", flush=True)
-    elif todo:
-        print("no finished job to time yet: the progress bar estimates the rest after the first", flush=True)
-    by_slug = {j.slug: j for j in jobs}
-    for job in todo:  # an earlier run's markers would make a queued job look finished or failed
-        for marker in (DONE, FAILED):
-            (job.folder / marker).unlink(missing_ok=True)
-    executor = make_executor(options, logs, config.name) if todo else None
-    environment = job_environment(options)
-    started: dict[str, float] = {}
-
-    def record(job: SweepJob, submitted: Any) -> None:
-        running[job.slug] = submitted
-        started[job.slug] = time.time()
-        records[job.slug] = JobRecord(job.slug, "submitted", str(job.folder), str(submitted.job_id),
-                                      log=str(submitted.paths.stdout), hash=job.hash, executor=options.to_dict())
-
-    def call(job: SweepJob) -> tuple[Any, ...]:
-        return (in_environment, environment, run_job, job.config.to_dict(), str(job.folder), job.hash)
-
-    if options.executor == "slurm" and todo:
-        with executor.batch():  # one job array: the cluster's scheduler runs it
-            futures = [(job, executor.submit(*call(job))) for job in todo]
-        for job, submitted in futures:
-            record(job, submitted)
-        todo = []
-        print(f"submitted {len(futures)} SLURM jobs: {', '.join(str(j.job_id) for _, j in futures)}", flush=True)
-        if wait:  # their ids on disk now: a stopped sweep's next run reattaches them instead of resubmitting
-            _finish(out, config, jobs, records, waited=False, command=command)
-    if not wait:
-        return _finish(out, config, jobs, records, waited=False, command=command)
-    cap = options.parallel or 1
-    bar = tqdm(total=len(todo) + len(running), desc="sweep jobs", unit="job", disable=not progress)
-    queue = list(todo)
-    local_running = 0
+    sweep = _Sweep(config, out, options, plan_jobs(config, out), command)
+    todo = sweep.triage()
+    sweep.announce(todo)
+    sweep.prepare(todo)
     try:
-        with jobs_stop_with_this_command(running):
-            while queue or running:
-                while queue and (options.executor == "slurm" or local_running < cap):
-                    record(queue[0], executor.submit(*call(queue[0])))
+        if options.executor == "slurm" and todo:
+            sweep.submit_array(todo)
+            todo = []
+            if wait:  # their ids on disk now: a stopped sweep's next run reattaches them instead of resubmitting
+                sweep.finish(waited=False)
+        if not wait:
+            return sweep.finish(waited=False)
+        sweep.wait_for_all(todo, progress)
+    except KeyboardInterrupt:
+        sweep.finish(waited=False)  # what is still running, by id
+        raise
+    return sweep.finish(waited=True)
+
+
+class _Sweep:
+    """One call of `run_sweep` in steps: sort the jobs (finished, reattached, to submit), submit,
+    wait, write `sweep.json`. It holds what the steps share and change: every job's record, the
+    jobs still running and when this call submitted them."""
+
+    def __init__(self, config: ExperimentConfig, out: Path, options: ExecutorOptions, jobs: list[SweepJob],
+                 command: list[str] | None):
+        self.config, self.out, self.options, self.jobs, self.command = config, out, options, jobs, command
+        self.logs = out / LOGS
+        self.by_slug = {j.slug: j for j in jobs}
+        self.records: dict[str, JobRecord] = {}
+        self.running: dict[str, Any] = {}  # slug -> submitit job
+        self.started: dict[str, float] = {}  # slug -> when this call submitted it
+        self.failed_meanwhile = 0
+        self.executor: Any = None
+        self.environment = job_environment(options)
+
+    def triage(self) -> list[SweepJob]:
+        """Record the jobs that finished before and reattach those an earlier sweep submitted to
+        SLURM with the current hash; return the ones left to submit."""
+        previous = _previous(self.out)
+        todo = []
+        for job in self.jobs:
+            before = previous.get(job.slug, {})
+            if not (self._reuse(job, before) or self._reattach(job, before)):
+                todo.append(job)
+        return todo
+
+    def _reuse(self, job: SweepJob, before: Mapping[str, Any]) -> bool:
+        """Record `job` as done (collected now) or reused when its folder holds a finished record of
+        its hash."""
+        done = finished_record(job.folder, job.hash)
+        if done is None:
+            return False
+        collected = before.get("state") == "submitted" and before.get("job_id") == done.get("job_id")
+        self.records[job.slug] = JobRecord(job.slug, "done" if collected else "reused", str(job.folder),
+                                           done.get("job_id"), done.get("seconds"), before.get("log"),
+                                           hash=job.hash, executor=_executor_of(before))
+        return True
+
+    def _reattach(self, job: SweepJob, before: Mapping[str, Any]) -> bool:
+        """Handle a job an earlier sweep submitted: failed while unattended (recorded), or on SLURM
+        with its current hash (reattached); one with another hash is cancelled (False: resubmit)."""
+        if before.get("state") != "submitted" or not before.get("job_id"):
+            return False
+        job_id = str(before["job_id"])
+        current = before.get("hash") == job.hash
+        failure = _failure(job.folder)
+        if current and failure.get("config_hash") == job.hash:  # it failed while no sweep watched
+            self.records[job.slug] = JobRecord(job.slug, "failed", str(job.folder), job_id, failure.get("seconds"),
+                                               before.get("log"), failure.get("error") or "failed",
+                                               hash=job.hash, executor=_executor_of(before))
+            self.failed_meanwhile += 1
+            return True
+        if _submitted_with(before) != "slurm":
+            return False
+        handle = _slurm_job(self.logs, job_id)
+        if current:
+            self.running[job.slug] = handle
+            self.records[job.slug] = JobRecord(job.slug, "submitted", str(job.folder), job_id,
+                                               log=before.get("log") or str(handle.paths.stdout),
+                                               hash=job.hash, executor=_executor_of(before))
+            return True
+        handle.cancel(check=False)  # its settings or inputs changed: its result would be stale
+        say(f"{job.slug}: cancelled SLURM job {job_id} (its settings or input files changed since "
+            "it was submitted); submitting it again")
+        return False
+
+    def announce(self, todo: list[SweepJob]) -> None:
+        """Say what this call will do, and roughly how long a job takes."""
+        options = self.options
+        reused = [r for r in self.records.values() if r.state in ("reused", "done")]
+        say(f"sweep {self.config.name!r}: {len(self.jobs)} jobs, {len(reused)} finished before (not rerun), "
+            + (f"{self.failed_meanwhile} failed while unattended (run again to retry), "
+               if self.failed_meanwhile else "")
+            + f"{len(self.running)} submitted earlier (reattached), {len(todo)} to submit ({options.executor} executor"
+            + (f", {options.parallel or 1} at a time)" if options.executor == "local" else ")"))
+        took = [r.seconds for r in reused if r.seconds]
+        if todo and took:
+            each = sorted(took)[len(took) // 2]
+            say(f"about {each:.0f} s per job (the median of the finished ones)")
+        elif todo:
+            say("no finished job to time yet: the progress bar estimates the rest after the first")
+
+    def prepare(self, todo: list[SweepJob]) -> None:
+        """Clear the jobs' old markers (an earlier run's would make a queued job look finished or
+        failed) and make the executor they go to."""
+        for job in todo:
+            for marker in (DONE, FAILED):
+                (job.folder / marker).unlink(missing_ok=True)
+        self.executor = make_executor(self.options, self.logs, self.config.name) if todo else None
+
+    def _call(self, job: SweepJob) -> tuple[Any, ...]:
+        return (in_environment, self.environment, run_job, job.config.to_dict(), str(job.folder), job.hash)
+
+    def _record(self, job: SweepJob, submitted: Any) -> None:
+        self.running[job.slug] = submitted
+        self.started[job.slug] = time.time()
+        self.records[job.slug] = JobRecord(job.slug, "submitted", str(job.folder), str(submitted.job_id),
+                                           log=str(submitted.paths.stdout), hash=job.hash,
+                                           executor=self.options.to_dict())
+
+    def submit(self, job: SweepJob) -> None:
+        """Submit one job and record it, with Ctrl-C and SIGTERM held until it is recorded."""
+        with interrupts_held():
+            self._record(job, self.executor.submit(*self._call(job)))
+
+    def submit_array(self, todo: list[SweepJob]) -> None:
+        """Submit `todo` to SLURM as one job array (the cluster's scheduler runs it) and record
+        every job, with Ctrl-C and SIGTERM held until they are recorded."""
+        with interrupts_held():
+            with self.executor.batch():
+                futures = [(job, self.executor.submit(*self._call(job))) for job in todo]
+            for job, submitted in futures:
+                self._record(job, submitted)
+        say(f"submitted {len(futures)} SLURM jobs: {', '.join(str(j.job_id) for _, j in futures)}")
+
+    def wait_for_all(self, queue: list[SweepJob], progress: bool) -> None:
+        """Submit the local `queue` (at most `parallel` at once) and collect every running job as
+        it stops."""
+        from tqdm.auto import tqdm
+
+        cap = self.options.parallel or 1
+        bar = tqdm(total=len(queue) + len(self.running), desc="sweep jobs", unit="job", disable=not progress)
+        queue = list(queue)
+        local_running = 0
+        with jobs_stop_with_this_command(self.running):
+            while queue or self.running:
+                while queue and (self.options.executor == "slurm" or local_running < cap):
+                    self.submit(queue[0])
                     queue.pop(0)
                     local_running += 1
-                finished = [slug for slug, j in running.items() if j.done()]
+                finished = [slug for slug, j in self.running.items() if j.done()]
                 if not finished:
                     time.sleep(0.5)
                     continue
                 for slug in finished:
-                    handle = running.pop(slug)
-                    if slug in started:
-                        local_running -= 1
-                    records[slug] = _collect(by_slug[slug], handle, time.time() - started.get(slug, time.time()),
-                                             records[slug].executor)
+                    local_running -= self._collect_one(slug)
                     bar.update(1)
-                    print(f"{slug}: {records[slug].state}", flush=True)
-    except KeyboardInterrupt:
-        _finish(out, config, jobs, records, waited=False, command=command)  # what is still running, by id
-        raise
-    bar.close()
-    return _finish(out, config, jobs, records, waited=True, command=command)
+                    say(f"{slug}: {self.records[slug].state}")
+        bar.close()
+
+    def _collect_one(self, slug: str) -> int:
+        """Record a job that stopped; 1 if this call submitted it (a local slot is free again)."""
+        handle = self.running.pop(slug)
+        seconds = time.time() - self.started.get(slug, time.time())
+        self.records[slug] = _collect(self.by_slug[slug], handle, seconds, self.records[slug].executor)
+        return int(slug in self.started)
+
+    def finish(self, waited: bool) -> SweepResult:
+        return _finish(self.out, self.config, self.jobs, self.records, waited=waited, command=self.command)
+
+
+def _executor_of(row: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The executor options a `sweep.json` row recorded (None: none recorded)."""
+    options = row.get("executor")
+    return options if isinstance(options, dict) else None
+
+
+@contextlib.contextmanager
+def interrupts_held() -> Iterator[None]:
+    """Hold Ctrl-C and SIGTERM while a job is submitted and recorded, then raise them: stopped
+    halfway, a submitted job would run with no record of its id (SLURM) or outside the sweep's
+    reach. A second signal while held raises at once (a hung `sbatch` can still be stopped); the
+    job is then recorded as not submitted. Outside the main thread signals cannot be caught, and
+    nothing is held."""
+    caught: list[int] = []
+
+    def hold(signum: int, frame: Any) -> None:
+        if caught:
+            raise _interruption(signum)
+        caught.append(signum)
+
+    signals = (signal.SIGINT, signal.SIGTERM)
+    try:
+        previous = {s: signal.signal(s, hold) for s in signals}
+    except ValueError:  # not the main thread
+        previous = {}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, signal.SIG_DFL if handler is None else handler)
+    if caught:
+        raise _interruption(caught[0])
+
+
+def _interruption(signum: int) -> KeyboardInterrupt:
+    return SweepTerminated() if signum == signal.SIGTERM else KeyboardInterrupt()
 
 
 @contextlib.contextmanager
 def jobs_stop_with_this_command(running: dict[str, Any]) -> Iterator[None]:
     """Ctrl-C or SIGTERM stops the sweep; local jobs are its subprocesses, so they are cancelled too
     (left alone, one went on writing into the sweep folder after its sweep was killed). SLURM jobs
-    run on: the same command later reattaches and collects them."""
+    run on: the same command later reattaches and collects them. SIGTERM raises `SweepTerminated`."""
     def stop(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt
+        raise SweepTerminated
 
     try:
         previous = signal.signal(signal.SIGTERM, stop)
@@ -489,23 +601,29 @@ def jobs_stop_with_this_command(running: dict[str, Any]) -> Iterator[None]:
     try:
         yield
     except KeyboardInterrupt:
-        import submitit
-
-        cluster = []
-        for slug, job in running.items():
-            if isinstance(job, submitit.LocalJob):
-                job.cancel(check=False)
-                print(f"{slug}: cancelled local job {job.job_id} (the sweep was stopped; run the same command "
-                      "to submit it again)", file=sys.stderr, flush=True)
-            else:
-                cluster.append(slug)
-        if cluster:
-            print(f"{len(cluster)} SLURM jobs keep running ({', '.join(cluster)}); run the same command to "
-                  "collect them", file=sys.stderr, flush=True)
+        _cancel_local_jobs(running)
         raise
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
+
+
+def _cancel_local_jobs(running: dict[str, Any]) -> None:
+    """Cancel the local jobs in `running` and name the SLURM jobs left running, on stderr (through
+    tqdm, which keeps a progress bar intact)."""
+    import submitit
+
+    cluster = []
+    for slug, job in running.items():
+        if isinstance(job, submitit.LocalJob):
+            job.cancel(check=False)
+            warn(f"{slug}: cancelled local job {job.job_id} (the sweep was stopped; run the same command "
+                       "to submit it again)")
+        else:
+            cluster.append(slug)
+    if cluster:
+        warn(f"{len(cluster)} SLURM jobs keep running ({', '.join(cluster)}); run the same command to "
+                   "collect them")
 
 
 def _collect(job: SweepJob, submitted: Any, seconds: float, executor: dict[str, Any] | None) -> JobRecord:

@@ -40,17 +40,24 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
 from tomlens.errors import TomlensError
+from tomlens.messages import say
 from tomlens.runs.base import ModelSpec, StimuliSpec
+from tomlens.runs.files import summary_from_dict, summary_to_dict
 from tomlens.runs.patching import ATTRIBUTION_PATHS, DEFAULT_ATTRIBUTION_PATH, DEFAULT_ATTRIBUTION_STEPS
 
-__all__ = ["CHECKS", "Check", "Thresholds", "ValidateConfig", "ValidationResult", "check_ablation",
+if TYPE_CHECKING:
+    from tomlens.runs.patching_summary import Comparison, PatchingSummary
+    from tomlens.runs.steering_summary import SteeringSummary
+
+__all__ = ["CHECKS", "Check", "Thresholds", "ValidateConfig", "ValidationResult", "ValidationSummary", "check_ablation",
            "check_attribution", "check_probe", "check_recovery", "check_steering", "default_k", "exit_code",
            "fast_config", "run", "steering_layers", "table_of"]
 
@@ -266,11 +273,10 @@ def check_probe(selection: Any, t: Thresholds, *, withheld: str = "") -> Check:
     return _judge("probe", value, t.min_probe, ">=", null, t.max_bow, "<=", withheld=stage, described=desc)
 
 
-def _patching_withheld(summary: Mapping[str, Any]) -> str:
-    if summary.get("withheld"):
-        reason = str(summary["withheld"])
-        return "the patching stage was withheld: " + reason.removeprefix("withheld: ")
-    if summary.get("forced"):
+def _patching_withheld(summary: PatchingSummary) -> str:
+    if summary.withheld:
+        return "the patching stage was withheld: " + summary.withheld.removeprefix("withheld: ")
+    if summary.forced:
         return "the patching stage was forced past its gate or split (a forced run never passes)"
     return ""
 
@@ -281,22 +287,21 @@ def _k_note(k: int, n_heads_total: int) -> str:
                                                    if k > max(1, limit) else "")
 
 
-def check_recovery(summary: Mapping[str, Any], k: int, t: Thresholds, *, n_heads_total: int) -> Check:
+def check_recovery(summary: PatchingSummary, k: int, t: Thresholds, *, n_heads_total: int) -> Check:
     """Check 2 from a patching summary (`PatchingRunResult.summary`): top-k recovery at k on held-out
     pairs against the mean of the layer-matched random sets."""
     why = _patching_withheld(summary)
-    rows = [r for r in summary.get("topk", []) if int(r["k"]) == k]
-    if not rows:
+    r = summary.topk_at(k)
+    if r is None:
         return _withheld_check("topk_recovery", t, why or f"no top-k recovery at k = {k} in the patching run")
-    r = rows[0]
-    desc = (f"{_k_note(k, n_heads_total)}: {r.get('heads')} on {summary.get('validated_on', 'held-out pairs')}, "
-            f"ranked {summary.get('ranked_by', '')}; null = mean of {r.get('n_random')} layer-matched random sets "
-            f"(of {r.get('n_distinct')}), p_random {_num(_float(r.get('p_random')))}")
-    return _judge("topk_recovery", _float(r["top_effect"]), t.min_recovery, ">=", _float(r["random_mean"]),
+    desc = (f"{_k_note(k, n_heads_total)}: {r.heads} on {summary.validated_on or 'held-out pairs'}, "
+            f"ranked {summary.ranked_by or ''}; null = mean of {r.n_random} layer-matched random sets "
+            f"(of {r.n_distinct}), p_random {_num(_float(r.p_random))}")
+    return _judge("topk_recovery", _float(r.top_effect), t.min_recovery, ">=", _float(r.random_mean),
                   t.max_random_recovery, "<=", withheld=why, described=desc)
 
 
-def check_attribution(summary: Mapping[str, Any], t: Thresholds, *, direction: str = "denoise",
+def check_attribution(summary: PatchingSummary, t: Thresholds, *, direction: str = "denoise",
                       ranking: Check | None = None) -> Check:
     """Check 3: Spearman of attribution against exact patching over heads at the ranking position.
 
@@ -307,69 +312,67 @@ def check_attribution(summary: Mapping[str, Any], t: Thresholds, *, direction: s
     if not why and ranking is not None and not ranking.passed:
         why = ("the exact ranking it is compared with carries no belief (top-k recovery failed), so agreement "
                "with it is agreement about noise")
-    position = summary.get("rank_position")
-    rows = [c for c in summary.get("comparisons", [])
-            if c.get("kind") == "head" and c.get("position") == position and c.get("direction") == direction]
+    rows = summary.head_comparisons(direction)
     if not rows:
         return _withheld_check("attribution", t, why or "no attribution-vs-exact comparison over heads in the "
                                                         "patching run")
     c = rows[0]
-    steps = summary.get("attribution_steps")
-    along = summary.get("attribution_path")
+    steps, along = summary.attribution_steps, summary.attribution_path
     how = ("plain attribution" if steps == 1 else f"integrated gradients, {steps} steps"
            + (f" along the {along}" if along else "")) if steps else "attribution"
-    overlap = _float(c.get("topk_overlap"))
-    sparse = "spearman_active" in c and int(c.get("n_active") or 0) < 3
-    if sparse:  # too few heads matter to rank: the top-k overlap alone judges
-        value = _float(c.get("spearman"))
-        over = (f"over all {c.get('n_cells')} heads, shown, not judged: {c.get('n_active')} heads move the metric "
-                f"by >= {_float(c.get('active')):g} of the gap, too few to rank, so the top-k overlap alone judges")
-    elif "spearman_active" in c:
-        value = _float(c.get("spearman_active"))
-        over = (f"over the {c.get('n_active')} of {c.get('n_cells')} heads moving the metric by >= "
-                f"{_float(c.get('active')):g} of the gap in either method (over all heads "
-                f"{_num(_float(c.get('spearman')))})")
-    else:  # results from before it was recorded: the Spearman over all heads
-        value, over = _float(c.get("spearman")), f"over all {c.get('n_cells')} heads"
-    top, rank = c.get("exact_top"), c.get("exact_top_rank")
-    where = f", exact patching's top head {top} is attribution's #{rank} (needs to be in its top {c.get('k')})" \
+    overlap = _float(c.topk_overlap)
+    value, over, sparse = _attribution_value(c)
+    top, rank = c.exact_top, c.exact_top_rank
+    where = f", exact patching's top head {top} is attribution's #{rank} (needs to be in its top {c.k})" \
         if top is not None and rank is not None else ""
-    desc = (f"{how}, Spearman {over}, heads at {position} on the selection pairs, top-{c.get('k')} overlap "
+    desc = (f"{how}, Spearman {over}, heads at {summary.rank_position} on the selection pairs, top-{c.k} overlap "
             f"{_num(overlap)} (needs >= {t.min_topk_overlap:g}){where}; no null (unrelated rankings give a "
             "Spearman near 0)")
     reasons = [why] if why else [
         *([] if sparse or meets(value, t.min_spearman, ">=") else
           [f"value {_num(value)} is not >= {t.min_spearman:g}"]),
         *([] if meets(overlap, t.min_topk_overlap, ">=") else
-          [f"attribution's top {c.get('k')} hold {_num(overlap)} of exact patching's (not >= "
+          [f"attribution's top {c.k} hold {_num(overlap)} of exact patching's (not >= "
            f"{t.min_topk_overlap:g}): it misses heads exact patching finds"]),
-        *([] if rank is None or int(rank) <= int(c.get("k") or 0) else
+        *([] if rank is None or int(rank) <= int(c.k or 0) else
           [f"it misses the head exact patching ranks first ({top}, its #{rank})"])]
     nan = float("nan")
     return Check("attribution", value, t.min_spearman, ">=", not reasons, nan, nan, "-",
                  "; ".join([desc, *reasons]))
 
 
-def check_ablation(summary: Mapping[str, Any], k: int, t: Thresholds, *, n_heads_total: int) -> Check:
+def _attribution_value(c: Comparison) -> tuple[float, str, bool]:
+    """(the Spearman judged, over what, whether too few heads matter to rank): over the heads that
+    move the metric in either method; where fewer than 3 do, the Spearman over all heads is shown,
+    not judged, and the top-k overlap alone judges."""
+    if c.n_active < 3:
+        return (_float(c.spearman), f"over all {c.n_cells} heads, shown, not judged: {c.n_active} heads move the "
+                f"metric by >= {c.active:g} of the gap, too few to rank, so the top-k overlap alone judges", True)
+    return (_float(c.spearman_active), f"over the {c.n_active} of {c.n_cells} heads moving the metric by >= "
+            f"{c.active:g} of the gap in either method (over all heads {_num(_float(c.spearman))})", False)
+
+
+def check_ablation(summary: PatchingSummary, k: int, t: Thresholds, *, n_heads_total: int) -> Check:
     """Check 4: false-belief accuracy with the top-k heads mean-ablated, and with k random heads
     (the unablated accuracy minus the mean drop over the layer-matched draws)."""
     why = _patching_withheld(summary)
-    ab = summary.get("ablation") or {}
-    rows = [r for r in ab.get("table", []) if int(r["k"]) == k]
-    if not rows:
+    ab = summary.ablation
+    rows = [r for r in (ab.table if ab is not None else ()) if r.k == k]
+    if ab is None or not rows:
         return _withheld_check("mean_ablation", t, why or f"no mean ablation at k = {k} in the patching run")
     r = rows[0]
-    base = _float((ab.get("baseline") or {}).get("fb_accuracy"))
-    random_acc = base - _float(r.get("random_fb_drop_mean"))
-    desc = (f"{_k_note(k, n_heads_total)}: {r.get('heads')} ablated ({ab.get('mode')}); unablated false-belief "
-            f"accuracy {_num(base)}; null = mean over {r.get('n_random')} layer-matched random sets, p_random "
-            f"{_num(_float(r.get('p_random')))}")
-    return _judge("mean_ablation", _float(r["fb_accuracy"]), t.max_ablated_accuracy, "<=", random_acc,
+    base = _float(ab.baseline.fb_accuracy)
+    random_acc = base - _float(r.random_fb_drop_mean)
+    desc = (f"{_k_note(k, n_heads_total)}: {r.heads} ablated ({ab.mode}); unablated false-belief "
+            f"accuracy {_num(base)}; null = mean over {r.n_random} layer-matched random sets, p_random "
+            f"{_num(_float(r.p_random))}")
+    return _judge("mean_ablation", _float(r.fb_accuracy), t.max_ablated_accuracy, "<=", random_acc,
                   t.min_random_ablated_accuracy, ">=", withheld=why, described=desc)
 
 
-def check_steering(summary: Mapping[str, Any], t: Thresholds, *, withheld: str = "") -> Check:
-    """Check 5 from a steering summary (`SteeringResult.summary`, its "layers" list). The layer and
+def check_steering(summary: SteeringSummary | None, t: Thresholds, *, withheld: str = "") -> Check:
+    """Check 5 from a steering summary (`SteeringResult.summary`, its `layers`; None when the stage
+    did not run, with `withheld` saying why). The layer and
     dose are those whose belief direction beat the selection half's own random directions by the
     widest margin (`runs.steering.chosen_layer`: never chosen on held-out numbers); on the
     evaluation half its belief direction must flip >= min_flip of false-belief answers at that dose,
@@ -382,22 +385,20 @@ def check_steering(summary: Mapping[str, Any], t: Thresholds, *, withheld: str =
     The maximum and the empirical p-value are in the detail, not judged."""
     from tomlens.runs.steering import chosen_layer
 
-    layers = list(summary.get("layers") or [])
+    layers = list(summary.layers) if summary is not None else []
     if withheld or not layers:
-        return _withheld_check("steering", t, withheld or summary.get("withheld")
-                               or "the steering stage reported no layer")
+        return _withheld_check("steering", t, withheld or "the steering stage reported no layer")
     best = chosen_layer(layers)
-    fb, shuffled = _float(best.get("flip_false_belief")), _float(best.get("shuffled"))
-    mean, p95 = _float(best.get("random_mean")), _float(best.get("random_p95"))
-    n = best.get("n_random", summary.get("n_random", "?"))
-    desc = (f"layer {best.get('layer')} (of {len(layers)} steered) and alpha {best.get('alpha')}, both chosen on the "
-            f"selection half; held-out flips: true belief {_num(_float(best.get('flip_true_belief')))}, reality "
-            f"{_num(_float(best.get('flip_reality')))}; null = the mean flip of {n} norm-matched random directions "
+    fb, shuffled = _float(best.flip_false_belief), _float(best.shuffled)
+    mean, p95 = _float(best.random_mean), _float(best.random_p95)
+    desc = (f"layer {best.layer} (of {len(layers)} steered) and alpha {best.alpha}, both chosen on the "
+            f"selection half; held-out flips: true belief {_num(_float(best.flip_true_belief))}, reality "
+            f"{_num(_float(best.flip_reality))}; null = the mean flip of {best.n_random} norm-matched random directions "
             f"(95th percentile {_num(p95)}, which the belief direction must exceed; their maximum "
-            f"{_num(_float(best.get('random_max')))} and p_random {_num(_float(best.get('p_random')))} are shown, not "
+            f"{_num(_float(best.random_max))} and p_random {_num(_float(best.p_random))} are shown, not "
             "judged: a maximum grows with the number of directions drawn, a mean and a quantile do not), "
-            f"shuffled-label direction {_num(shuffled)}; stage verdict {best.get('verdict')}"
-            + (f" ({best.get('reason')})" if best.get("reason") else ""))
+            f"shuffled-label direction {_num(shuffled)}; stage verdict {best.verdict}"
+            + (f" ({best.reason})" if best.reason else ""))
     check = _judge("steering", fb, t.min_flip, ">=", mean, t.max_random_flip, "<=", described=desc)
     beaten = [f"the {name} flips {_num(other)} >= the belief direction's {_num(fb)}"
               for name, other in (("random directions' 95th percentile", p95), ("shuffled-label direction", shuffled))
@@ -421,6 +422,28 @@ def exit_code(passed: bool) -> int:
 # --------------------------------------------------------------------------------------------
 # The result
 
+CHECK_NUMBERS = ("value", "threshold", "null", "null_threshold")  # a check's float columns (NaN when not measured)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ValidationSummary:
+    """What a validation run says about itself (result.json): the model and its provenance, the
+    sizes and k it ran with, each check (the rows of checks.json) and whether all passed, where each
+    stage's folder is (None: the stage refused) and how long it took."""
+
+    command: str
+    model: str
+    provenance: dict[str, Any]
+    n_tasks: int
+    n_stories: int
+    k: int
+    heads: int
+    k_above_5_percent: bool
+    passed: bool
+    checks: tuple[Check, ...]
+    stages: dict[str, str | None]
+    seconds: float
+
 
 @dataclass
 class ValidationResult:
@@ -429,7 +452,7 @@ class ValidationResult:
 
     config: ValidateConfig | None
     table: pd.DataFrame
-    summary: dict[str, Any]
+    summary: ValidationSummary
     manifest: dict[str, Any] = field(default_factory=dict)
     stages: dict[str, Any] = field(default_factory=dict, repr=False)
 
@@ -445,8 +468,8 @@ class ValidationResult:
         """One line per check (PASS/FAIL, number, threshold, null, why), then the verdict."""
         rows = [Check(**{c: r[c] for c in COLUMNS}) for r in self.table.to_dict(orient="records")]
         n = sum(bool(c.passed) for c in rows)
-        head = f"validation of {self.summary.get('model', '?')} ({self.summary.get('n_tasks', '?')} order-only tasks, k = " \
-               f"{self.summary.get('k', '?')}):"
+        head = f"validation of {self.summary.model} ({self.summary.n_tasks} order-only tasks, k = " \
+               f"{self.summary.k}):"
         verdict = f"{n} of {len(rows)} checks pass: " + ("PASSED" if self.passed else "FAILED")
         return "\n".join([head, *(f"  {c.line()}" for c in rows), verdict])
 
@@ -463,17 +486,18 @@ class ValidationResult:
         fmt = self.config.format if self.config is not None else "csv"
         write_table(self.table, out / f"checks.{fmt}")
         write_json(self.table.to_dict(orient="records"), out / "checks.json")
-        return finish_save(out, self.config, self.manifest, self.summary)
+        return finish_save(out, self.config, self.manifest, summary_to_dict(self.summary))
 
     @classmethod
     def load(cls, out: str | Path) -> ValidationResult:
         from tomlens.io import read_json
         from tomlens.runs.files import read_finished
 
-        out, config, manifest, summary = read_finished(out, ValidateConfig)
+        out, config, manifest, data = read_finished(out, ValidateConfig)
+        summary = summary_from_dict(ValidationSummary, data, folder=out, stage="validate")
         rows = read_json(out / "checks.json")
         table = pd.DataFrame(rows, columns=COLUMNS)
-        for c in ("value", "threshold", "null", "null_threshold"):
+        for c in CHECK_NUMBERS:
             table[c] = table[c].astype(float)
         table["passed"] = table["passed"].astype(bool)
         return cls(config, table, summary, manifest)
@@ -607,16 +631,16 @@ def run(config: ValidateConfig, *, model: Any = None, progress: bool = True) -> 
                                selection=True, selection_fraction=config.select_fraction,
                                n_permutations=config.n_permutations, random_twin=False, format=config.format,
                                batch_size=config.batch_size)
-    print("\n".join(_plan(config, model, k, len(stimuli), _time_forward(model, stimuli))), flush=True)
+    say("\n".join(_plan(config, model, k, len(stimuli), _time_forward(model, stimuli))))
     t = config.thresholds
     stages: dict[str, Any] = {}
 
-    print("validate: stage 1 of 3, probes", flush=True)
+    say("validate: stage 1 of 3, probes")
     stages["probes"], why = _stage("probes", lambda: probes.run(pcfg, model=model, progress=progress))
     selection = stages["probes"].selection.get(TARGET) if stages["probes"] is not None else None
     probe = check_probe(selection, t, withheld=why)
 
-    print("validate: stage 2 of 3, patching", flush=True)
+    say("validate: stage 2 of 3, patching")
     stages["patching"], why = _stage("patching", lambda: patching.run(xcfg, model=model, progress=progress))
     if stages["patching"] is None:
         rest = [_withheld_check(n, t, why) for n in ("topk_recovery", "attribution", "mean_ablation")]
@@ -625,16 +649,17 @@ def run(config: ValidateConfig, *, model: Any = None, progress: bool = True) -> 
         recovery = check_recovery(s, k, t, n_heads_total=heads)
         rest = [recovery, check_attribution(s, t, ranking=recovery), check_ablation(s, k, t, n_heads_total=heads)]
 
-    print("validate: stage 3 of 3, steering", flush=True)
+    say("validate: stage 3 of 3, steering")
     stages["steering"], why = _stage("steering", lambda: steering.run(scfg, model=model, progress=progress))
-    steer = check_steering(stages["steering"].summary if stages["steering"] is not None else {}, t, withheld=why)
+    steer = check_steering(stages["steering"].summary if stages["steering"] is not None else None, t, withheld=why)
 
-    table = table_of([probe, *rest, steer])
-    summary = {"command": "validate", "model": config.model.name, "provenance": provenance(model),
-               "n_tasks": config.n_tasks, "n_stories": len(stimuli), "k": k, "heads": heads,
-               "k_above_5_percent": k > default_k(heads),
-               "passed": bool(table["passed"].all()), "checks": table.to_dict(orient="records"),
-               "stages": {n: (f"{n}/" if r is not None else None) for n, r in stages.items()},
-               "seconds": round(time.time() - started, 2)}
+    checks = [probe, *rest, steer]
+    table = table_of(checks)
+    summary = ValidationSummary(
+        command="validate", model=config.model.name, provenance=provenance(model), n_tasks=config.n_tasks,
+        n_stories=len(stimuli), k=k, heads=heads, k_above_5_percent=k > default_k(heads),
+        passed=bool(table["passed"].all()), checks=tuple(checks),
+        stages={n: (f"{n}/" if r is not None else None) for n, r in stages.items()},
+        seconds=round(time.time() - started, 2))
     manifest = run_manifest(model, config, stimuli_hash=stimuli_hash(stimuli))
     return ValidationResult(config, table, summary, manifest, stages)

@@ -6,13 +6,13 @@ so that each class splits evenly). Sits beside `tomlens.patching`; `tomlens.runs
 from tomlens.steering.directions import (
     METHODS,
     Direction,
+    balanced_shuffle,
     check_finite,
     directions_from_file,
     fit_directions,
     mean_difference,
     probe_direction,
     random_directions,
-    balanced_shuffle,
     shuffled_direction,
 )
 from tomlens.steering.dose import CONDITIONS, condition_of, count_passes, dose_response, paired_sources

@@ -20,6 +20,7 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from tomlens.errors import TomlensError
+from tomlens.models.protocol import Model
 
 METHODS: tuple[str, ...] = ("mean_difference", "probe")
 SOURCES: tuple[str, ...] = ("mean_difference", "probe", "random", "shuffled_labels", "file")
@@ -65,7 +66,7 @@ def check_finite(directions: Sequence[Direction]) -> None:
     if not directions:
         return
     finite = torch.stack([torch.isfinite(d.vector).all() for d in directions]).tolist()
-    bad = next((d for d, ok in zip(directions, finite) if not ok), None)
+    bad = next((d for d, ok in zip(directions, finite, strict=True) if not ok), None)
     if bad is not None:
         raise TomlensError(f"direction {bad.name!r} (layer {bad.layer}) has NaN or infinite entries",
                            "fit it again on stimuli where both classes occur, or drop that layer")
@@ -237,7 +238,7 @@ def with_controls(belief: Direction, acts: Float[Tensor, "n d"], labels: Int[Ten
             *random_directions(belief, n_random, seed)]
 
 
-def fit_directions(model: Any, stimuli: Sequence[Any], *, layers: Sequence[int], target: str = "protagonist_belief",
+def fit_directions(model: Model, stimuli: Sequence[Any], *, layers: Sequence[int], target: str = "protagonist_belief",
                    position: str = "final", method: str = "mean_difference", n_random: int = 20, seed: int = 0,
                    prompt_type: str | None = "belief", directions_path: str | Path | None = None,
                    store: str | Path | None = None, batch_size: int | None = None,
@@ -285,7 +286,7 @@ def fit_directions(model: Any, stimuli: Sequence[Any], *, layers: Sequence[int],
         sh = {layer: probe_direction(xl, shuffled, seed=seed) for layer, xl in xs.items()}
     # every length and check a layer needs, read in one go: [|mean difference|, shuffled one is non-zero]
     read = torch.stack([torch.stack([md[l].norm().double(), (sh[l].norm() > 0).double()]) for l in layers]).tolist()
-    md_norm = {l: r[0] for l, r in zip(layers, read)}
+    md_norm = {l: r[0] for l, r in zip(layers, read, strict=True)}
     beliefs: dict[int, Direction] = {}
     for layer in layers:
         if directions_path is not None:
@@ -296,9 +297,9 @@ def fit_directions(model: Any, stimuli: Sequence[Any], *, layers: Sequence[int],
                                                                                 seed=seed)
             beliefs[layer] = Direction(BELIEF, method, layer, vec)
     norm = md_norm if directions_path is None and method == "mean_difference" else dict(zip(
-        layers, torch.stack([beliefs[l].vector.norm() for l in layers]).tolist()))
+        layers, torch.stack([beliefs[l].vector.norm() for l in layers]).tolist(), strict=True))
     out: dict[int, list[Direction]] = {}
-    for layer, (_, nonzero) in zip(layers, read):
+    for layer, (_, nonzero) in zip(layers, read, strict=True):
         belief = beliefs[layer]
         vec = sh[layer] if nonzero else torch.randn(sh[layer].shape, generator=torch.Generator().manual_seed(seed))
         control = Direction(SHUFFLED, "shuffled_labels", layer, _rescale(vec, norm[layer]), belief.site)

@@ -18,7 +18,6 @@ the host in one copy at the end of the call, where the summary is computed in nu
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -33,6 +32,8 @@ from tqdm.auto import tqdm
 from tomlens.devices import to_device
 from tomlens.errors import TomlensError
 from tomlens.hooks.patch import forward_last
+from tomlens.messages import warn
+from tomlens.models.protocol import Model
 from tomlens.models.tokens import encode, option_first_tokens
 from tomlens.steering.directions import Direction
 from tomlens.steering.interventions import check_directions, check_mode, model_device, row_hooks
@@ -70,7 +71,7 @@ def count_passes(n_prompts: int, n_directions: int, alphas: Sequence[float]) -> 
     return n_prompts * (1 + n_directions * sum(1 for a in alphas if float(a) != 0.0))
 
 
-def _logits(model: Any, batch: Any, vocab: Tensor, *, hooks: Sequence[Any] = (), rows: Tensor | None = None,
+def _logits(model: Model, batch: Any, vocab: Tensor, *, hooks: Sequence[Any] = (), rows: Tensor | None = None,
             prefix: Any = None, keep_cache: bool = False) -> tuple[Tensor, Any]:
     start = batch.input_ids.shape[1] - 1 if prefix is not None else 0
     logits, cache = forward_last(model, batch.input_ids, batch.forward_kwargs(), list(hooks), rows=rows,
@@ -78,7 +79,7 @@ def _logits(model: Any, batch: Any, vocab: Tensor, *, hooks: Sequence[Any] = (),
     return logits.float(), cache
 
 
-def dose_response(model: Any, stimuli: Sequence[Any], directions: Sequence[Direction], alphas: Sequence[float], *,
+def dose_response(model: Model, stimuli: Sequence[Any], directions: Sequence[Direction], alphas: Sequence[float], *,
                   mode: str = "add", positions: str = "final", batch_size: int = 16, progress: bool = True,
                   sources: Mapping[int, Float[Tensor, "n d"]] | None = None,
                   rows_per_forward: int | None = None, per_prompt: bool = False) -> pd.DataFrame:
@@ -99,68 +100,10 @@ def dose_response(model: Any, stimuli: Sequence[Any], directions: Sequence[Direc
     if not alphas:
         raise TomlensError("no alphas", "give at least one dose, e.g. -4,-2,0,2,4")
     if mode == "patch":
-        if positions != "final":
-            raise TomlensError("mode 'patch' is run at the final position here",
-                               "use positions = 'final', or the `steering` context manager with [n, pos, d] sources")
-        missing = sorted({d.layer for d in directions} - set(sources or {}))
-        if missing:
-            raise TomlensError(f"mode 'patch' needs source activations for layers {missing}",
-                               "pass sources = paired_sources(model, stimuli, layers)")
-        for layer, t in (sources or {}).items():
-            if t.shape[0] != len(stimuli):
-                raise TomlensError(f"sources for layer {layer} have {t.shape[0]} rows for {len(stimuli)} prompts",
-                                   "pass one source row per prompt, in stimulus order")
-    start_opt, now_opt = option_roles(stimuli)
-    first = option_first_tokens(model, stimuli, [tuple(s.options) for s in stimuli]).tolist()  # [n, 2], host
-    n = len(stimuli)
-    steered = [(i, a) for i, _ in enumerate(directions) for a in alphas if a != 0.0]
-    by_layer: dict[int, list[tuple[int, float]]] = {}
-    for i, a in steered:
-        by_layer.setdefault(int(directions[i].layer), []).append((i, a))
-    total = count_passes(n, len(directions), alphas)
-    if progress:
-        tqdm.write(f"steering: {len(directions)} directions x {sum(a != 0 for a in alphas)} non-zero alphas x "
-                   f"{n} prompts + {n} unsteered = {total} forward passes ({mode}, {positions} position)",
-                   file=sys.stderr)
-    bar = tqdm(total=total, desc="steering", unit="pass", disable=not progress)
-    batch_size = max(1, int(batch_size))
-    per_fwd = max(batch_size, int(rows_per_forward or 4 * batch_size))
-    order = sorted(range(n), key=lambda i: (len(stimuli[i].text), i))
-    a_index = {a: j for j, a in enumerate(alphas)}
-    device = model_device(model)
-    # Every direction's vector and every patch source on the device once; a chunk's rows index them there.
-    vectors = to_device(torch.stack([d.vector.to(torch.float32) for d in directions]), device)
-    on_device = {layer: to_device(t, device) for layer, t in (sources or {}).items() if layer in by_layer}
-    runs = _Runs(len(directions), a_index)
-    with torch.inference_mode():
-        for b0 in range(0, n, batch_size):
-            idx = order[b0 : b0 + batch_size]
-            b = len(idx)
-            batch = encode(model, [stimuli[i].text for i in idx])
-            answers = _AnswerColumns.of([first[i] for i in idx], [start_opt[i] for i in idx],
-                                        [now_opt[i] for i in idx], device)
-            base, cache = _logits(model, batch, answers.vocab, keep_cache=positions == "final")
-            runs.add(answers.read(base, 1), [len(directions)] * b, [alphas[0]] * b, idx)
-            bar.update(b)
-            rows_of = to_device(torch.tensor(idx, dtype=torch.long), device) if on_device else None
-            for layer, combos in sorted(by_layer.items()):
-                per = max(1, per_fwd // b)
-                for c0 in range(0, len(combos), per):
-                    chunk = combos[c0 : c0 + per]
-                    k = len(chunk)
-                    which = to_device(torch.tensor([i for i, _ in chunk], dtype=torch.long), device)
-                    vec = vectors.index_select(0, which).repeat_interleave(b, 0)
-                    dose = to_device(torch.tensor([a for _, a in chunk], dtype=torch.float32), device)
-                    dose = dose.repeat_interleave(b)
-                    src = None if mode != "patch" else on_device[layer].index_select(0, rows_of).repeat(k, 1)
-                    hooks = row_hooks(layer, vec, dose, mode=mode, positions=positions, source=src)
-                    rows = torch.arange(b, device=device).repeat(k)
-                    logits, _ = _logits(model, batch, answers.vocab, hooks=hooks, rows=rows, prefix=cache)
-                    runs.add(answers.read(logits, k), [i for i, _ in chunk for _ in range(b)],
-                             [a for _, a in chunk for _ in range(b)], idx * k)
-                    bar.update(b * k)
-    bar.close()
-    diff, choice = runs.to_host(n, len(alphas))
+        _check_patch_sources(positions, directions, sources, len(stimuli))
+    steer = _Steer.of(model, directions, alphas, mode, positions, sources, batch_size, rows_per_forward)
+    runs = steer.run(stimuli, progress)
+    diff, choice = runs.to_host(len(stimuli), len(alphas))
     base_d, base_c = diff[-1, 0], choice[-1, 0]
     zero = [j for j, a in enumerate(alphas) if a == 0.0]  # alpha 0 is the unhooked run
     diff[:-1, zero], choice[:-1, zero] = base_d, base_c
@@ -170,6 +113,107 @@ def dose_response(model: Any, stimuli: Sequence[Any], directions: Sequence[Direc
         return _per_prompt_table(directions, alphas, stimuli, conds, diff[:-1], choice[:-1], answer, base_c)
     return _summary_table(directions, alphas, conds, diff[:-1], choice[:-1], answer, base_c)
 
+
+def _check_patch_sources(positions: str, directions: Sequence[Direction],
+                         sources: Mapping[int, Tensor] | None, n: int) -> None:
+    """Mode "patch" here: the final position, and one source row per prompt for every layer steered."""
+    if positions != "final":
+        raise TomlensError("mode 'patch' is run at the final position here",
+                           "use positions = 'final', or the `steering` context manager with [n, pos, d] sources")
+    missing = sorted({d.layer for d in directions} - set(sources or {}))
+    if missing:
+        raise TomlensError(f"mode 'patch' needs source activations for layers {missing}",
+                           "pass sources = paired_sources(model, stimuli, layers)")
+    for layer, t in (sources or {}).items():
+        if t.shape[0] != n:
+            raise TomlensError(f"sources for layer {layer} have {t.shape[0]} rows for {n} prompts",
+                               "pass one source row per prompt, in stimulus order")
+
+
+@dataclass(frozen=True)
+class _Steer:
+    """One dose-response call's settings, with every direction's vector and every patch source
+    on the model's device once (a chunk's rows index them there). `by_layer`: the steered
+    (direction, alpha) pairs of each layer (alpha 0 is the unhooked run, not steered);
+    `per_fwd`: the rows one steered forward may hold."""
+
+    model: Any
+    directions: list[Direction]
+    alphas: list[float]
+    mode: str
+    positions: str
+    batch_size: int
+    per_fwd: int
+    by_layer: dict[int, list[tuple[int, float]]]
+    vectors: Tensor
+    on_device: dict[int, Tensor]
+    device: torch.device
+
+    @classmethod
+    def of(cls, model: Model, directions: list[Direction], alphas: list[float], mode: str, positions: str,
+           sources: Mapping[int, Tensor] | None, batch_size: int, rows_per_forward: int | None) -> _Steer:
+        by_layer: dict[int, list[tuple[int, float]]] = {}
+        for i, direction in enumerate(directions):
+            for a in alphas:
+                if a != 0.0:
+                    by_layer.setdefault(int(direction.layer), []).append((i, a))
+        batch_size = max(1, int(batch_size))
+        device = model_device(model)
+        vectors = to_device(torch.stack([d.vector.to(torch.float32) for d in directions]), device)
+        on_device = {layer: to_device(t, device) for layer, t in (sources or {}).items() if layer in by_layer}
+        return cls(model, directions, alphas, mode, positions, batch_size,
+                   max(batch_size, int(rows_per_forward or 4 * batch_size)), by_layer, vectors, on_device, device)
+
+    def run(self, stimuli: list[Any], progress: bool) -> _Runs:
+        """Every prompt unhooked, then at every steered (direction, alpha), batch by batch in
+        length order; each batch's prompt is run once and reused by its steered passes."""
+        start_opt, now_opt = option_roles(stimuli)
+        first = option_first_tokens(self.model, stimuli, [tuple(s.options) for s in stimuli]).tolist()  # [n, 2], host
+        n = len(stimuli)
+        total = count_passes(n, len(self.directions), self.alphas)
+        if progress:
+            warn(f"steering: {len(self.directions)} directions x {sum(a != 0 for a in self.alphas)} non-zero "
+                       f"alphas x {n} prompts + {n} unsteered = {total} forward passes ({self.mode}, "
+                       f"{self.positions} position)")
+        bar = tqdm(total=total, desc="steering", unit="pass", disable=not progress)
+        order = sorted(range(n), key=lambda i: (len(stimuli[i].text), i))
+        runs = _Runs(len(self.directions), {a: j for j, a in enumerate(self.alphas)})
+        with torch.inference_mode():
+            for b0 in range(0, n, self.batch_size):
+                idx = order[b0 : b0 + self.batch_size]
+                batch = encode(self.model, [stimuli[i].text for i in idx])
+                answers = _AnswerColumns.of([first[i] for i in idx], [start_opt[i] for i in idx],
+                                            [now_opt[i] for i in idx], self.device)
+                base, cache = _logits(self.model, batch, answers.vocab, keep_cache=self.positions == "final")
+                runs.add(answers.read(base, 1), [len(self.directions)] * len(idx), [self.alphas[0]] * len(idx), idx)
+                bar.update(len(idx))
+                self._steer_batch(batch, answers, cache, idx, runs, bar)
+        bar.close()
+        return runs
+
+    def _steer_batch(self, batch: Any, answers: _AnswerColumns, cache: Any, idx: list[int], runs: _Runs,
+                     bar: Any) -> None:
+        """The batch's prompts at every steered (direction, alpha), as many combinations a forward
+        as `per_fwd` rows allow, from the cached unhooked prefix."""
+        b, device = len(idx), self.device
+        rows_of = to_device(torch.tensor(idx, dtype=torch.long), device) if self.on_device else None
+        for layer, combos in sorted(self.by_layer.items()):
+            per = max(1, self.per_fwd // b)
+            for c0 in range(0, len(combos), per):
+                chunk = combos[c0 : c0 + per]
+                k = len(chunk)
+                which = to_device(torch.tensor([i for i, _ in chunk], dtype=torch.long), device)
+                vec = self.vectors.index_select(0, which).repeat_interleave(b, 0)
+                dose = to_device(torch.tensor([a for _, a in chunk], dtype=torch.float32), device)
+                dose = dose.repeat_interleave(b)
+                src = (None if self.mode != "patch" or rows_of is None
+                       else self.on_device[layer].index_select(0, rows_of).repeat(k, 1))
+                hooks = row_hooks(layer, vec, dose, mode=self.mode, positions=self.positions, source=src)
+                rows = torch.arange(b, device=device).repeat(k)
+                logits, _ = _logits(self.model, batch, answers.vocab, hooks=hooks, rows=rows, prefix=cache)
+                runs.add(answers.read(logits, k), [i for i, _ in chunk for _ in range(b)],
+                         [a for _, a in chunk for _ in range(b)], idx * k)
+                bar.update(b * k)
 
 @dataclass(frozen=True)
 class _AnswerColumns:
@@ -273,7 +317,7 @@ def _summary_table(directions: Sequence[Direction], alphas: Sequence[float], con
     return pd.DataFrame(out, columns=list(COLUMNS))
 
 
-def paired_sources(model: Any, stimuli: Sequence[Any], layers: Sequence[int], *, store: Any = None,
+def paired_sources(model: Model, stimuli: Sequence[Any], layers: Sequence[int], *, store: Any = None,
                    batch_size: int | None = None, progress: bool = True) -> dict[int, Tensor]:
     """For mode "patch": per layer, the final-token resid_post of each prompt's partner (same task,
     same question, the other condition), `[n, d]` in stimulus order."""
@@ -284,7 +328,7 @@ def paired_sources(model: Any, stimuli: Sequence[Any], layers: Sequence[int], *,
     for i, s in enumerate(stimuli):
         key.setdefault((s.task_id, s.prompt_type, s.reversed), []).append(i)
     partner = []
-    for i, s in enumerate(stimuli):
+    for s in stimuli:
         others = [j for j in key[(s.task_id, s.prompt_type, s.reversed)] if stimuli[j].condition != s.condition]
         if len(others) != 1:
             raise TomlensError(f"stimulus {s.id!r} has {len(others)} prompts of another condition in its task",

@@ -26,6 +26,7 @@ from torch import Tensor
 from tomlens.devices import to_device
 from tomlens.errors import TomlensError
 from tomlens.hooks.sites import Site, check_sites, hook_name
+from tomlens.models.protocol import Model
 from tomlens.steering.directions import Direction, check_finite
 
 MODES: tuple[str, ...] = ("add", "project_out", "patch")
@@ -88,7 +89,7 @@ def row_hooks(layer: int, vectors: Float[Tensor, "r d"], alphas: Float[Tensor, "
     return [(hook_name(Site("resid_post", int(layer))), fn)]
 
 
-def model_device(model: Any) -> torch.device:
+def model_device(model: Model) -> torch.device:
     """Where the model's weights are (the CPU for a model without parameters)."""
     try:
         return next(model.parameters()).device
@@ -96,10 +97,10 @@ def model_device(model: Any) -> torch.device:
         return torch.device("cpu")
 
 
-def _on(t: Tensor | None, device: torch.device | None) -> Tensor | None:
+def _on(t: Tensor, device: torch.device | None) -> Tensor:
     """`t` on `device` (moved once, without a host sync), or as it is where no device is named. A
     hook that moved a host tensor to the GPU itself would copy it, blocking, on every forward."""
-    return t if t is None or device is None else to_device(t, device)
+    return t if device is None else to_device(t, device)
 
 
 def _source_for(source: Tensor | Mapping[int, Tensor] | None, layer: int) -> Tensor | None:
@@ -124,7 +125,9 @@ def steering_hooks(directions: Sequence[Direction], alpha: float, *, n_rows: int
     hooks: list[Hook] = []
     for layer, ds in sorted(by_layer.items()):
         dose = torch.full((n_rows,), float(alpha), device=device)
-        src = _on(_source_for(source, layer), device)
+        src = _source_for(source, layer)
+        if src is not None:
+            src = _on(src, device)
         parts = [row_hooks(layer, _on(d.vector, device).expand(n_rows, -1), dose, mode=mode, positions=positions,
                            source=src)[0][1] for d in ds]
 
@@ -137,7 +140,7 @@ def steering_hooks(directions: Sequence[Direction], alpha: float, *, n_rows: int
     return hooks
 
 
-def check_directions(model: Any, directions: Sequence[Direction]) -> None:
+def check_directions(model: Model, directions: Sequence[Direction]) -> None:
     """Each direction's layer exists and its vector has the model's width and finite entries."""
     if not directions:
         raise TomlensError("no directions to steer along", "pass at least one Direction")
@@ -151,7 +154,7 @@ def check_directions(model: Any, directions: Sequence[Direction]) -> None:
 
 
 @contextmanager
-def steering(model: Any, directions: Sequence[Direction], alpha: float, *, mode: str = "add",
+def steering(model: Model, directions: Sequence[Direction], alpha: float, *, mode: str = "add",
              positions: str = "final", source: Tensor | Mapping[int, Tensor] | None = None,
              n_rows: int | None = None) -> Iterator[None]:
     """Every forward inside the block is steered along `directions` with dose `alpha`.

@@ -5,7 +5,8 @@ from __future__ import annotations
 import difflib
 import importlib
 import inspect
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from tomlens.errors import TomlensError
 from tomlens.stimuli.records import Span, Stimulus, stimuli_hash, write_jsonl

@@ -14,8 +14,9 @@ would start with the same token and a first-token score could not tell them apar
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Literal, Sequence
+from typing import Literal
 
 from tomlens.errors import TomlensError
 from tomlens.stimuli.records import Span, Stimulus

@@ -197,7 +197,7 @@ class RMStatement:
         being whether the subject is who the walk reaches. The statement is true iff all are."""
         if self.kind == "mental":
             *knowers, hoper = self.people
-            pairs = [_knows_link(a, b) for a, b in zip(self.people, self.people[1:])]
+            pairs = [_knows_link(a, b) for a, b in zip(self.people, self.people[1:], strict=False)]
             return pairs + [hoper == 1 or (hoper == OUT and outsider_hopes)]
         subject, base = self.people
         reached: list[int | None] = [base]
@@ -211,7 +211,7 @@ class RMStatement:
         return all(self.links(outsider_hopes))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _mental_pool(level: int, outsider: bool) -> dict[tuple[int, int], tuple[tuple[int, ...], ...]]:
     """Every mental sequence of `level` people (the outsider first when `outsider`, chain members
     otherwise, no one twice, no open link), keyed by (subject, violation): violation 0 for a true
@@ -319,7 +319,7 @@ def _rm_items(rng: random.Random, seed: int, index: int, outsider_hopes: bool) -
             rng.shuffle(formats)
             pairs = {t: _rm_pair(rng, kind, level, t == "outsider") for t in SUBJECT_TYPES}
             seen: set[tuple[str, bool]] = set()
-            for (subject_type, negated), (sfmt, qfmt) in zip(cells, formats):
+            for (subject_type, negated), (sfmt, qfmt) in zip(cells, formats, strict=True):
                 true, false, violation = pairs[subject_type]
                 if kind == "mental" and level == 1 and subject_type == "insider":
                     true, false, violation = _rm_pair(rng, kind, level, False)  # each its own non-hoper
@@ -726,7 +726,7 @@ def expected_count(access: int | None, said: str | None) -> str:
     utterance the prior ("almost always": 3); at full access the literal count ("Some" = 2, the
     implicature "not all"); at partial access the seen count plus the unseen, which almost always
     have the property ("Some" cancels the implicature: 3)."""
-    if access is None:
+    if access is None or said is None:  # before the utterance (both unset together)
         return "3"
     if said == "Some":
         return "2" if access == 3 else "3"
@@ -741,7 +741,7 @@ def _si_foils(seed: int, index: int, cells: list[tuple[str | None, int | None, s
     foils = ["2", "1"] * (len(threes) // 2) + ["2"] * (len(threes) % 2)
     random.Random(f"{SI_FAMILY}/foils/{seed}/{index}").shuffle(foils)
     out: dict[Any, str] = {c: "3" for c in cells}
-    out.update(zip(threes, foils))
+    out.update(zip(threes, foils, strict=True))
     return out
 
 
@@ -772,13 +772,15 @@ def scalar_implicature(n: int = 12, seed: int = 0) -> list[Stimulus]:
                  f"{sp[0]} {t.got} 3 {t.things} from {t.source}.")
         question = f"Q: How many of the 3 {t.things} do you think {t.prop}? (0, 1, 2, or 3)\nA:"
         for exp, a, said in cells:
-            if exp is None:
+            if exp is None or said is None:  # the before prompt: (None, None, None)
                 text = f"{intro}\n{question}"
                 utter = ""
+                suffix = "before"
             else:
                 utter = (f'{sp[0]} tells you: "I have looked at {a} of the 3 {t.things}. '
                          f'{WORDS[said]} of the {t.things} {_singular(t.prop) if said == "1" else t.prop}."')
                 text = f"{intro}\n{utter}\n{question}"
+                suffix = f"{exp.lower()}-a{a}-n{said.lower()}"
             answer = expected_count(a, said)
             options = _si_options(answer, foils[(exp, a, said)], flags[(exp, a, said)][i])
             spans = {"scene": Span(0, len(intro)), "query": Span(text.index(question), len(text))}
@@ -787,7 +789,6 @@ def scalar_implicature(n: int = 12, seed: int = 0) -> list[Stimulus]:
                 spans["utterance"] = Span(u0, u0 + len(utter))
             found = find_mentions(text[: spans["query"].start], {"protagonist": sp[0], "object": t.things})
             spans.update({role: ms[0] for role, ms in found.items()})
-            suffix = "before" if exp is None else f"{exp.lower()}-a{a}-n{said.lower()}"
             out.append(Stimulus(
                 id=f"{task_id}-{suffix}", text=text, options=options, answer=answer, family=SI_FAMILY,
                 task_id=task_id, template_id=f"si-{t.id}", condition="before" if exp is None else f"{exp}-a{a}-n{said}",

@@ -32,10 +32,11 @@ have been used.
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import product
 from string import Formatter
-from typing import Any, Sequence
+from typing import Any
 
 from tomlens.errors import TomlensError
 from tomlens.stimuli import lexicon
@@ -286,7 +287,8 @@ def make_factorial_tasks(n: int, seed: int) -> list[FactorialTask]:
 
 def _fill(template: str, slots: dict[str, str], offset: int) -> tuple[str, dict[str, Span]]:
     """`template` with its slots filled, and the span of each slot's first use (offset by `offset`)."""
-    text, spans = "", {}
+    text = ""
+    spans: dict[str, Span] = {}
     for literal, name, _spec, _conv in Formatter().parse(template):
         text += literal
         if name is not None:
@@ -333,7 +335,9 @@ def factorial_stimulus(task: FactorialTask, version: Version, query: str) -> Sti
     if query not in QUERIES:
         raise TomlensError(f"unknown {FAMILY} query {query!r}", f"use one of {list(QUERIES)}")
     slots = task.slots(version.first_mention)
-    text, first, sentences = "", {}, {}
+    text = ""
+    first: dict[str, Span] = {}  # role -> its first mention
+    sentences: dict[str, Span] = {}  # story part -> its sentence
     for part, template in [*story_parts(task, version), ("query", QUERIES[query])]:
         if text:
             text += " "

@@ -63,10 +63,10 @@ from __future__ import annotations
 import random
 import re
 from collections import Counter
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from string import Formatter
-from typing import Any, Sequence
+from typing import Any
 
 from tomlens.errors import TomlensError
 from tomlens.stimuli import lexicon
@@ -411,7 +411,7 @@ def _crossed_flags(rng: random.Random) -> tuple[list[bool], list[bool], list[boo
     one it does not (which option is keyed)."""
     combos = [(o, f, la) for o in (True, False) for f in (True, False) for la in (True, False)]
     rng.shuffle(combos)
-    opt, first, last = (list(x) for x in zip(*combos))
+    opt, first, last = (list(x) for x in zip(*combos, strict=True))
     return opt, first, last
 
 
@@ -590,6 +590,14 @@ class Story:
                 belief = self.slots[s.belief]
         return world, belief
 
+    def final_labels(self) -> tuple[str, str]:
+        """(world, belief) words at the story's end, which every template establishes (`_check_labels`
+        holds each story to its condition's expected pair)."""
+        world, belief = self.labels()
+        if world is None or belief is None:
+            raise RuntimeError(f"{self.task.task_id} {self.condition}: the story leaves the world or belief unset")
+        return world, belief
+
     @property
     def reference(self) -> str:
         """Transfer: the object's starting location; contents: the word on the label."""
@@ -723,7 +731,7 @@ def _transfer_story(task: Task, condition: str, rev: bool, start: str, other: st
     slots["LX"], slots["LY"] = (start, other) if task.first_ref else (other, start)
     slots["LZ"], slots["LW"] = (other, start) if task.last_ref else (start, other)
     loc = {"L1": ("location_1",), "L2": ("location_2",)}
-    roles = {
+    roles: dict[str, tuple[str, ...]] = {
         "P": ("protagonist",), "A": ("other_agent",), "obj": ("object",), **loc,
         "LX": loc["L1"] if task.first_ref else loc["L2"],
         "LY": loc["L2"] if task.first_ref else loc["L1"],
@@ -917,8 +925,8 @@ def story_stimulus(story: Story, prompt_type: str) -> Stimulus:
     """The record for one scenario's reality or belief prompt."""
     task = story.task
     r = story.render(prompt_type=prompt_type)
-    by_role = {s.role: span for s, span in zip(story.sentences, r.sentences)}
-    world, belief = story.labels()
+    by_role = {s.role: span for s, span in zip(story.sentences, r.sentences, strict=True)}
+    world, belief = story.final_labels()
     spans = dict(r.spans)
 
     # without a decoy the decoy slot holds a neutral sentence that no contrast needs
@@ -1049,7 +1057,7 @@ def _check_matched(stories: Sequence[Story]) -> None:
     texts = [s.render().text for s in stories]
     task = stories[0].task
     counts = [Counter(mentions(t, task.words)) for t in texts]
-    shapes = {(len(s.sentences), tuple(sorted(c.items()))) for s, c in zip(stories, counts)}
+    shapes = {(len(s.sentences), tuple(sorted(c.items()))) for s, c in zip(stories, counts, strict=True)}
     lengths = [len(t.split()) for t in texts]
     same_words = len({tuple(sorted(t.replace(",", " ").replace(".", " ").split())) for t in texts}) == 1
     tied = all(c[task.words[0]] == c[task.words[1]] for c in counts)

@@ -47,7 +47,8 @@ from __future__ import annotations
 
 import random
 import re
-from typing import Literal, Sequence
+from collections.abc import Sequence
+from typing import Literal
 
 from tomlens.errors import TomlensError
 from tomlens.stimuli.lexicon import NAMES, article

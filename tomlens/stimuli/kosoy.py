@@ -85,8 +85,9 @@ import difflib
 import itertools
 import random
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from tomlens.errors import TomlensError
 from tomlens.stimuli import lexicon
@@ -283,7 +284,7 @@ def _transfer_sentences(w: dict[str, Any], names_first: bool, start_first: bool,
 # the first and last of the sentences it spans).
 # The paper's cell and its twin use the same sentences; only the order differs, and with it whether
 # the owner saw (or was told about) the move. The pairs-only witnessed twin swaps one sentence.
-TRANSFER_ORDERS: dict[str, tuple[tuple[str, ...], str]] = {
+TRANSFER_ORDERS: dict[str, tuple[tuple[str, ...], str | tuple[str, str]]] = {  # (order, contrast sentence(s))
     "sally-anne": (("depart", "move", "return"), "move"),  # the move while the owner is away
     # the other character goes off and the owner moves the object herself: she knows
     "sally-anne-twin": (("depart_other", "move_own", "return_other"), "move_own"),
@@ -581,8 +582,8 @@ def lucas_members(conjunctive: bool, trials: Sequence[tuple[frozenset[str], bool
     trials: True/False where every assignment consistent with the trials agrees, None where it is
     left open. Raises when no assignment fits (the trials contradict the rule)."""
     need = 2 if conjunctive else 1
-    fits = [dict(zip(blocks, m)) for m in itertools.product((False, True), repeat=len(blocks))
-            if all((sum(dict(zip(blocks, m))[x] for x in on) >= need) == played for on, played in trials)]
+    fits = [dict(zip(blocks, m, strict=True)) for m in itertools.product((False, True), repeat=len(blocks))
+            if all((sum(dict(zip(blocks, m, strict=True))[x] for x in on) >= need) == played for on, played in trials)]
     if not fits:
         raise TomlensError(f"lucas trials {trials} contradict the {'conjunctive' if conjunctive else 'disjunctive'} "
                            "rule", "this is a generator bug: report it")
@@ -735,7 +736,7 @@ def _draw(task: str, rng: random.Random) -> tuple[dict[str, Any], dict[str, str]
     if task in ("blicket", "lucas"):
         w = {"P": P, "nonce": rng.choice(NONCE), "blocks": tuple(_pick(rng, COLOURS, 4))}
         return w, {"blicket": w["nonce"], "experimenter": P[0],
-                   **{f"block {k}": c for k, c in zip("ABCD", w["blocks"])}}
+                   **{f"block {k}": c for k, c in zip("ABCD", w["blocks"], strict=True)}}
     raise TomlensError(f"kosoy has no task {task!r}", f"use one of {list(TASKS)}")
 
 
@@ -765,7 +766,7 @@ def _build(task: str, cell: str, i: int, seed: int, rename: int, variant: str | 
     # always choosing the first option passes half of the stories whose controls it passes
     sw = _cross(task, seed, i, "options" + (f"/{variant}" if variant else ""), 3 if domain == "tom" else 2)
     sentences, contrast, qs, extra = RENDER[task](cell, w, sw, i, seed)
-    flags = dict(zip((q.kind for q in qs), sw))
+    flags = dict(zip((q.kind for q in qs), sw, strict=True))
     story = " ".join(sentences) + " "
     # the classic words this story renames (a word the cell never uses is left out)
     mapping = {k: v for k, v in mapping.items() if all(find_mentions(story, {"w": (part, part + "s")}) for part in v.split())}
@@ -829,16 +830,16 @@ def _woodward(n: int, seed: int, rename: int, k: int) -> list[Stimulus]:
     for case in ("animate", "inanimate"):
         for block in range(full // BLOCK):
             for first in (0, 1):
-                group = [i for s, i in zip(base, items) if s.meta["test_case"] == case and i // BLOCK == block
+                group = [i for s, i in zip(base, items, strict=True) if s.meta["test_case"] == case and i // BLOCK == block
                          and s.answer_index == first]
                 flags = balanced_flags(random.Random(f"{FAMILY}/woodward/options/{seed}/{block}/{case}/{first}"),
                                        len(group))
-                cflag.update({(i, case): f for i, f in zip(group, flags)})
+                cflag.update({(i, case): f for i, f in zip(group, flags, strict=True)})
                 asks = balanced_flags(random.Random(f"{FAMILY}/woodward/probe/{seed}/{block}/{case}/{first}"),
                                       len(group))
-                probe.update({(i, case): f for i, f in zip(group, asks)})
+                probe.update({(i, case): f for i, f in zip(group, asks, strict=True)})
     out: list[Stimulus] = []
-    for s, i in zip(base, items):
+    for s, i in zip(base, items, strict=True):
         if i >= n:
             continue
         cell = "woodward" if s.meta["test_case"] == "animate" else "woodward-nonhuman"
@@ -998,7 +999,7 @@ def minimal_pairs(n: int = 24, seed: int = 0, *, contrasts: Sequence[str] = ("wi
              if s.meta["question"] == "test"]
     by = {(s.task_id, s.condition): s for s in tests}
     pairs = []
-    for contrast, cell in zip(contrasts, cells):
+    for contrast, cell in zip(contrasts, cells, strict=True):
         task, base = PAIR_CELLS[cell]
         for s in tests:
             if s.condition == cell:

@@ -72,12 +72,13 @@ from __future__ import annotations
 
 import random
 import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from tomlens.errors import TomlensError
 from tomlens.stimuli import lexicon
-from tomlens.stimuli.belief_state import Event, belief, beliefs, chains
+from tomlens.stimuli.belief_state import Event, belief, beliefs
 from tomlens.stimuli.records import Span, Stimulus, find_mentions
 from tomlens.stimuli.shortcuts import Contrast, Rule
 
@@ -290,55 +291,116 @@ def _build_story(story_index: int, seed: int, n_characters: int, topic: Topic) -
 
 def _draw_story(rng: random.Random, story_index: int, seed: int, n_characters: int,
                 topic: Topic) -> StoryModel:
-    rows = rng.sample(lexicon.NAMES, n_characters)
-    people = tuple(Person(*r) for r in rows)
-    p = people[0]
-    others = [q.name for q in people[1:]]
-    roles = rng.sample(topic.roles, len(others))
-    by_name = {q.name: q for q in people}
-    relations = {name: (role[0] if by_name[name].subj == "she" else role[1])
-                 for name, role in zip(others, roles)}
-    v1, v2 = rng.sample(topic.values, 2)
-    fmt = lambda s, **k: s.format(P=p.name, pos=p.pos, **k)  # noqa: E731
-    events: list[Event] = []
+    """Draw one story: its cast, the two gatherings, and how the others learn the new plan after
+    them. The draws from `rng` come in one fixed order (a seed's stories depend on it)."""
+    draft = _StoryDraft.cast(rng, topic, n_characters)
+    keeper, rest, s1, s2 = draft.gatherings()
+    draft.narrate(_later_steps(rng, draft, keeper, rest, s1, s2))
+    return draft.story(story_index, seed)
 
-    sentences = [fmt(topic.intro)]
-    rel = [f"{name} was {p.name}'s {relations[name]}" for name in others]
-    sentences.append(_join(rel) + ".")
-    sentences.append(fmt(topic.setting))
-    # Roles (see `build_story`): one character ("keeper") never hears of the change; the others
-    # learn it at the second gathering or afterwards, some of them separately.
-    order = rng.sample(others, len(others))
-    keeper, rest = order[0], order[1:]
-    # First gathering: everyone but possibly the keeper (who then hears the old plan second-hand).
-    s1 = sorted([*rest, *([keeper] if rng.random() < 0.75 else [])], key=others.index)
-    absent1 = [o for o in others if o not in s1]
-    events.append(Event("place", v1, frozenset({p.name, *s1})))
-    sentences.append(f"{topic.scene_1} with {_join(s1)} there, {fmt(topic.decide, V=v1)}."
-                     + (f" {_join(absent1)} {_was(absent1)} not there." if absent1 else ""))
-    cues = list(topic.cues)
-    rng.shuffle(cues)
-    cue_log: list[tuple[int, str]] = []  # (cue index in topic.cues, who)
 
-    def cue(k: int) -> None:
-        x = rng.choice(people)
-        cue_log.append((topic.cues.index(cues[k]), x.name))
-        sentences.append(cues[k][0].format(X=x.name, pos=x.pos, P=p.name))
+class _StoryDraft:
+    """A story while it is drawn: the cast (`p`, the organiser, and the `others`), the event model
+    and sentences so far, and the shuffled cues with who each was said of."""
 
-    cue(0)
-    # Second gathering (possibly the organiser alone): the plan changes; at least one of the others
-    # is not there.
-    s2 = sorted(rng.sample(rest, rng.randint(0, len(rest) - 1)), key=others.index)
-    events.append(Event("move", v2, frozenset({p.name, *s2})))
-    if s2:
-        sentences.append(f"{topic.scene_2} with only {_join(s2)} there, {fmt(topic.change, V=v2)}.")
-    else:
-        sentences.append(fmt(topic.alone, V=v2))
-    # Afterwards, everyone but the keeper learns the new plan, each from one who knows it (in
-    # private, now and then with one who knows it listening) or by checking it; a keeper who missed
-    # the first gathering hears the old plan first from one who does not know of the change yet.
+    def __init__(self, rng: random.Random, topic: Topic, people: tuple[Person, ...], relations: dict[str, str],
+                 values: tuple[str, str]):
+        self.rng, self.topic, self.people, self.relations, self.values = rng, topic, people, relations, values
+        self.p = people[0]
+        self.others = [q.name for q in people[1:]]
+        self.events: list[Event] = []
+        self.sentences: list[str] = []
+        self.cues = list(topic.cues)
+        self.cue_log: list[tuple[int, str]] = []  # (cue index in topic.cues, who)
+        self.tellings: list[tuple[int, str, str]] = []  # (event index, teller, hearer)
+
+    @classmethod
+    def cast(cls, rng: random.Random, topic: Topic, n_characters: int) -> _StoryDraft:
+        """Draw the people, their relations to the organiser and the two plans; the opening."""
+        people = tuple(Person(*r) for r in rng.sample(lexicon.NAMES, n_characters))
+        others = [q.name for q in people[1:]]
+        roles = rng.sample(topic.roles, len(others))
+        by_name = {q.name: q for q in people}
+        relations = {name: (role[0] if by_name[name].subj == "she" else role[1])
+                     for name, role in zip(others, roles, strict=True)}
+        v1, v2 = rng.sample(topic.values, 2)
+        draft = cls(rng, topic, people, relations, (v1, v2))
+        rel = [f"{name} was {people[0].name}'s {relations[name]}" for name in others]
+        draft.sentences += [draft.fmt(topic.intro), _join(rel) + ".", draft.fmt(topic.setting)]
+        return draft
+
+    def fmt(self, s: str, **k: str) -> str:
+        return s.format(P=self.p.name, pos=self.p.pos, **k)
+
+    def cue(self, k: int) -> None:
+        x = self.rng.choice(self.people)
+        self.cue_log.append((self.topic.cues.index(self.cues[k]), x.name))
+        self.sentences.append(self.cues[k][0].format(X=x.name, pos=x.pos, P=self.p.name))
+
+    def gatherings(self) -> tuple[str, list[str], list[str], list[str]]:
+        """The two gatherings, with the first cue between them: (keeper, the rest, who was at each).
+        Roles (see `build_story`): one character ("keeper") never hears of the change; the others
+        learn it at the second gathering or afterwards, some of them separately."""
+        rng, topic, others, (v1, v2) = self.rng, self.topic, self.others, self.values
+        order = rng.sample(others, len(others))
+        keeper, rest = order[0], order[1:]
+        # First gathering: everyone but possibly the keeper (who then hears the old plan second-hand).
+        s1 = sorted([*rest, *([keeper] if rng.random() < 0.75 else [])], key=others.index)
+        absent1 = [o for o in others if o not in s1]
+        self.events.append(Event("place", v1, frozenset({self.p.name, *s1})))
+        self.sentences.append(f"{topic.scene_1} with {_join(s1)} there, {self.fmt(topic.decide, V=v1)}."
+                              + (f" {_join(absent1)} {_was(absent1)} not there." if absent1 else ""))
+        rng.shuffle(self.cues)
+        self.cue(0)
+        # Second gathering (possibly the organiser alone): the plan changes; at least one of the
+        # others is not there.
+        s2 = sorted(rng.sample(rest, rng.randint(0, len(rest) - 1)), key=others.index)
+        self.events.append(Event("move", v2, frozenset({self.p.name, *s2})))
+        if s2:
+            self.sentences.append(f"{topic.scene_2} with only {_join(s2)} there, {self.fmt(topic.change, V=v2)}.")
+        else:
+            self.sentences.append(self.fmt(topic.alone, V=v2))
+        return keeper, rest, s1, s2
+
+    def narrate(self, steps: list[tuple[str, str, str, list[str]]]) -> None:
+        """Tell each later step (a telling or a check, with its bystanders) in order, a further cue
+        after each while cues remain, then the close."""
+        openers = ["The next day,", "Soon after,", "Later that week,", "That evening,", "Afterwards,"]
+        names = [q.name for q in self.people]
+        topic, events = self.topic, self.events
+        for i, (kind, agent, hearer, by) in enumerate(steps):
+            opener = openers[i % len(openers)]
+            by = sorted(by, key=names.index)
+            if kind == "tell":
+                told = belief((agent,), events)
+                assert told is not None
+                self.tellings.append((len(events), agent, hearer))
+                events.append(Event("tell", told, frozenset({agent, hearer, *by})))
+                listen = f", in front of {_join(by)}," if by else " in private"
+                self.sentences.append(f"{opener} {agent} told {hearer}{listen} that {topic.told.format(V=told)}.")
+            else:
+                events.append(Event("look", None, frozenset({agent, *by}), agent=agent))
+                watch = f", while {_join(by)} watched" if by else ", with nobody else around"
+                self.sentences.append(f"{opener} {topic.check.format(L=agent, P=self.p.name)}{watch}.")
+            if i + 1 < len(self.cues):  # each cue at most once
+                self.cue(i + 1)
+        self.sentences.append(topic.close)
+
+    def story(self, story_index: int, seed: int) -> StoryModel:
+        return StoryModel(story_index, f"{FAMILY}-{seed}-{story_index:03d}", self.topic, self.people, self.relations,
+                          self.values, tuple(self.events), " ".join(self.sentences), tuple(self.tellings),
+                          tuple(self.cue_log))
+
+
+def _later_steps(rng: random.Random, draft: _StoryDraft, keeper: str, rest: list[str], s1: list[str],
+                 s2: list[str]) -> list[tuple[str, str, str, list[str]]]:
+    """After the gatherings, everyone but the keeper learns the new plan, each from one who knows
+    it (in private, now and then with one who knows it listening) or by checking it; a keeper who
+    missed the first gathering hears the old plan first from one who does not know of the change
+    yet. (kind, teller or looker, hearer, bystanders) per step."""
+    p, others = draft.p, draft.others
     knowers = {p.name, *s2}
-    steps: list[tuple[str, str, str, list[str]]] = []  # (kind, teller/looker, hearer, bystanders)
+    steps: list[tuple[str, str, str, list[str]]] = []
     learners = [n for n in rest if n not in knowers]
     rng.shuffle(learners)
     if keeper not in s1:
@@ -355,31 +417,7 @@ def _draw_story(rng: random.Random, story_index: int, seed: int, n_characters: i
             by = [rng.choice(others_known)] if others_known and rng.random() < 0.5 else []
             steps.append(("tell", teller, learner, by))
         knowers.add(learner)
-    openers = ["The next day,", "Soon after,", "Later that week,", "That evening,", "Afterwards,"]
-    tellings: list[tuple[int, str, str]] = []
-    names = [q.name for q in people]
-    for i, (kind, agent, hearer, by) in enumerate(steps):
-        opener = openers[i % len(openers)]
-        by = sorted(by, key=names.index)
-        if kind == "tell":
-            told = belief((agent,), events)
-            assert told is not None
-            tellings.append((len(events), agent, hearer))
-            events.append(Event("tell", told, frozenset({agent, hearer, *by})))
-            listen = f", in front of {_join(by)}," if by else " in private"
-            sentences.append(f"{opener} {agent} told {hearer}{listen} that "
-                             f"{topic.told.format(V=told)}.")
-        else:
-            events.append(Event("look", None, frozenset({agent, *by}), agent=agent))
-            watch = f", while {_join(by)} watched" if by else ", with nobody else around"
-            sentences.append(f"{opener} {topic.check.format(L=agent, P=p.name)}{watch}.")
-        if i + 1 < len(cues):  # each cue at most once
-            cue(i + 1)
-    sentences.append(topic.close)
-    text = " ".join(sentences)
-    return StoryModel(story_index, f"{FAMILY}-{seed}-{story_index:03d}", topic, people, relations,
-                      (v1, v2), tuple(events), text, tuple(tellings),
-                      tuple(cue_log))
+    return steps
 
 
 # ---------------------------------------------------------------------------------------------
@@ -570,7 +608,8 @@ def belief_table(model: StoryModel, max_len: int = MAX_BELIEVERS) -> Table:
     out: Table = {}
     # (prefix, events all its members perceived, its value after each event, whether a level of
     # it holds the new plan, whether it is reader-consistent)
-    stack = [((), [True] * len(events), world, False, True)]
+    stack: list[tuple[tuple[str, ...], list[bool], list[str | None], bool, bool]] = [
+        ((), [True] * len(events), world, False, True)]
     while stack:
         prefix, seen_p, line_p, new_seen, consistent = stack.pop()
         if len(prefix) == max_len:
@@ -578,7 +617,7 @@ def belief_table(model: StoryModel, max_len: int = MAX_BELIEVERS) -> Table:
         for name in model.names:
             if prefix and prefix[-1] == name:
                 continue
-            seen = [s and name in e.perceivers for s, e in zip(seen_p, events)]
+            seen = [s and name in e.perceivers for s, e in zip(seen_p, events, strict=True)]
             line: list[str | None] = []
             value = None
             for i, e in enumerate(events):
@@ -756,7 +795,7 @@ class ShortcutBalance:
 
     def _cost_after(self, truth: bool, misread: Misread) -> float:
         cost = 0.0
-        for (n_mis, n), flag in zip(self.counts[truth], misread):
+        for (n_mis, n), flag in zip(self.counts[truth], misread, strict=True):
             if flag is not None:
                 n_mis, n = n_mis + flag, n + 1
             cost += abs(n_mis - n / 2)
@@ -766,7 +805,7 @@ class ShortcutBalance:
         return self._cost_after(True, true_misread) + self._cost_after(False, false_misread)
 
     def add(self, truth: bool, misread: Misread) -> None:
-        for count, flag in zip(self.counts[truth], misread):
+        for count, flag in zip(self.counts[truth], misread, strict=True):
             if flag is not None:
                 count[0] += flag
                 count[1] += 1
@@ -972,7 +1011,7 @@ def _stimulus(model: StoryModel, st: Statement, condition: str) -> Stimulus:
     text, spans, options = prompt(model, st.text, condition)
     style, order = condition.split("/")
     ev = model.events
-    words = {role: name for role, name in zip(ROLE_KEYS, model.names)}
+    words = {role: name for role, name in zip(ROLE_KEYS, model.names, strict=False)}
     words.update(location_1=model.values[0], location_2=model.values[1])
     mentions = find_mentions(text, words)
     for role, found in mentions.items():
@@ -987,8 +1026,10 @@ def _stimulus(model: StoryModel, st: Statement, condition: str) -> Stimulus:
             assert m is not None  # the statement names every believer, in order
             spans[f"holder_{d + 1}"] = Span(s0 + m.start(), s0 + m.end())
             at = m.end()
-        c = st.text.rindex(st.claim_value)
-        spans["statement_claim"] = Span(s0 + c, s0 + c + len(st.claim_value))
+        claim = st.claim_value
+        assert claim is not None  # a ToM statement always claims a value
+        c = st.text.rindex(claim)
+        spans["statement_claim"] = Span(s0 + c, s0 + c + len(claim))
     else:
         world_true = holder_true = st.truth
     truth = "true" if st.truth else "false"
@@ -1046,7 +1087,7 @@ def minimal_pairs(n: int = 20, seed: int = 0, *, conditions: Sequence[str] | str
         t, f = by["true"], by["false"]
         if f.meta["false_kind"] != "one_believer":
             continue
-        depth = next(d for d, (a, b) in enumerate(zip(t.meta["chain"], f.meta["chain"])) if a != b)
+        depth = next(d for d, (a, b) in enumerate(zip(t.meta["chain"], f.meta["chain"], strict=True)) if a != b)
         role = f"holder_{depth + 1}"
         clean = t.with_(spans={**t.spans, "contrast": t.spans[role]})
         corrupted = f.with_(spans={**f.spans, "contrast": f.spans[role]})
@@ -1095,14 +1136,14 @@ def _order(s: Stimulus) -> int | None:
 TOM_CONTRASTS: tuple[str, ...] = tuple(f"ToM statement truth, order {k}" for k in ORDERS)
 CONTRASTS: tuple[Contrast, ...] = (
     *(Contrast(name, _tom_truth(k), f"true vs false ToM statements of order {k} (chains of {k - 1} "
-               "believers): what accuracy at that order is about") for name, k in zip(TOM_CONTRASTS, ORDERS)),
+               "believers): what accuracy at that order is about") for name, k in zip(TOM_CONTRASTS, ORDERS, strict=True)),
     Contrast("ToM statement truth", _tom_truth(None), "true vs false ToM statements, all orders"),
     Contrast("factual statement truth", _fact_truth, "true vs false factual statements, all levels"),
 )
 _TOM = (*TOM_CONTRASTS, "ToM statement truth")
 RULES: tuple[Rule, ...] = (
     *(Rule(f"shortcut: {k}", _shortcut_rule(k), f"the answer given by {SHORTCUT_READINGS[k]}",
-           (*(c for c, o in zip(TOM_CONTRASTS, ORDERS) if o - 1 >= MIN_BELIEVERS[k]), "ToM statement truth"))
+           (*(c for c, o in zip(TOM_CONTRASTS, ORDERS, strict=True) if o - 1 >= MIN_BELIEVERS[k]), "ToM statement truth"))
       for k in SHORTCUTS),
     Rule("chain profile and claimed plan", _profile_and_claim,
          "how many people the chain names, where it names the organiser and how many of them were "

@@ -21,9 +21,10 @@ what decides belief (`meta["cue_kind"] = "order"`); `tomlens.stimuli.pairs` pair
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 from string import Formatter
-from typing import Any, Sequence
+from typing import Any
 
 from tomlens.errors import TomlensError
 from tomlens.stimuli import lexicon
@@ -146,7 +147,7 @@ def _block_plan(seed: int, block: int) -> list[tuple[bool, bool]]:
     """(options_ref_first, last_ref) for the tasks of one block; depends only on (seed, block),
     so the tasks of a smaller n are a prefix of a larger n."""
     rng = random.Random(f"{FAMILY}/plan/{seed}/{block}")
-    return list(zip(balanced_flags(rng, BLOCK), balanced_flags(rng, BLOCK)))
+    return list(zip(balanced_flags(rng, BLOCK), balanced_flags(rng, BLOCK), strict=True))
 
 
 def make_order_tasks(n: int, seed: int) -> list[OrderTask]:

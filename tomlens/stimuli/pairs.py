@@ -32,9 +32,10 @@ from __future__ import annotations
 import json
 import re
 from collections import Counter, defaultdict
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 from tomlens.errors import TomlensError
 from tomlens.stimuli.records import Span, Stimulus
@@ -353,7 +354,7 @@ def structural_problem(pair: MinimalPair) -> str | None:
         before = c.text[: cs.start] != k.text[: ks.start]
         a, b = (c.text[: cs.start], k.text[: ks.start]) if before else (c.text[cs.end:],
                                                                         k.text[ks.end:])
-        i = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        i = next((j for j, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
         return (f"outside_contrast: the texts differ {'before' if before else 'after'} the "
                 f"contrast span ({_preview(a[i:i + 30])} vs {_preview(b[i:i + 30])})")
     if c.text == k.text:
@@ -396,7 +397,7 @@ def _encode(tokenizer: Any, texts: list[str]) -> list[tuple[list[int], list[tupl
             "use_fast=True)",
         ) from e
     return [(list(ids), [tuple(o) for o in offs])
-            for ids, offs in zip(enc["input_ids"], enc["offset_mapping"])]
+            for ids, offs in zip(enc["input_ids"], enc["offset_mapping"], strict=True)]
 
 
 def _inside(text: str, offset: tuple[int, int], span: Span) -> bool:
@@ -449,7 +450,7 @@ def _token_problem(pair: MinimalPair, clean: tuple[list[int], list[tuple[int, in
         return (f"token_count: clean has {len(ids_c)} tokens, corrupted {len(ids_k)} "
                 f"(contrast {_preview(cs.of(pair.clean.text))} vs "
                 f"{_preview(ks.of(pair.corrupted.text))})")
-    diff = [i for i, (a, b) in enumerate(zip(ids_c, ids_k)) if a != b]
+    diff = [i for i, (a, b) in enumerate(zip(ids_c, ids_k, strict=True)) if a != b]
     if not diff:
         return "identical: both texts give the same tokens"
     for i in diff:
@@ -485,7 +486,7 @@ def diff_positions(pair: MinimalPair, tokenizer: Any) -> list[int]:
     if len(ids_c) != len(ids_k):
         raise TomlensError(f"pair {pair.id!r} is not token-aligned for this tokenizer",
                            "run align_pairs first and use only the pairs it keeps")
-    return [i for i, (a, b) in enumerate(zip(ids_c, ids_k)) if a != b]
+    return [i for i, (a, b) in enumerate(zip(ids_c, ids_k, strict=True)) if a != b]
 
 
 # ---------------------------------------------------------------------------------------------

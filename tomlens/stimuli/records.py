@@ -7,9 +7,10 @@ token positions through the tokenizer's offsets without hard-coded indices.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Iterable, Literal, Sequence
+from typing import Any, Literal
 
 from tomlens import io
 from tomlens.errors import TomlensError
@@ -163,14 +164,14 @@ def validate(s: Stimulus) -> list[str]:
     return problems
 
 
-def find_mentions(text: str, words: dict[str, str | Sequence[str]]) -> dict[str, tuple[Span, ...]]:
+def find_mentions(text: str, words: Mapping[str, str | Sequence[str]]) -> dict[str, tuple[Span, ...]]:
     """Every whole-word occurrence of each role's word(s) in `text`, in text order.
 
     `words` maps a role to its surface form(s), e.g. {"protagonist": "Mia", "location_1": "the
     basket"}; a role whose words never occur is left out. Used by generators to fill `mentions`."""
     out: dict[str, tuple[Span, ...]] = {}
-    for role, forms in words.items():
-        forms = [forms] if isinstance(forms, str) else list(forms)
+    for role, given in words.items():
+        forms = [given] if isinstance(given, str) else list(given)
         found: set[tuple[int, int]] = set()
         for form in forms:
             if not form:

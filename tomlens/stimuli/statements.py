@@ -32,9 +32,9 @@ from __future__ import annotations
 
 import importlib
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal, Sequence
+from typing import Literal
 
 from tomlens.errors import TomlensError
 from tomlens.stimuli import lexicon
@@ -46,7 +46,7 @@ SOURCES: dict[str, tuple[str, str]] = {
     "unexpected-contents": ("tomlens.stimuli.false_belief", "unexpected_contents"),
     "order-only": ("tomlens.stimuli.order_only", "order_only"),
 }
-CLAIMS: dict[str, str] = {"unexpected-contents": "contents"}  # others: "transfer"
+CLAIMS: dict[str, Literal["transfer", "contents"]] = {"unexpected-contents": "contents"}  # others: "transfer"
 FAMILY = "belief-statements"
 MAX_ORDER = 4
 STATEMENT_QUERY = "Is this statement true or false? Answer:"
@@ -188,7 +188,7 @@ def third_agents(stories: Sequence[Stimulus]) -> dict[str, ThirdAgent]:
         rng = random.Random(f"{FAMILY}/third/{'|'.join(block)}")
         stays = [k % 2 == 0 for k in range(len(block))]
         rng.shuffle(stays)
-        for task_id, stay in zip(block, stays):
+        for task_id, stay in zip(block, stays, strict=True):
             words = {w.strip(".,;:!?") for s in tasks[task_id] for w in s.text.split()}
             # nor the bystander, who may be a believer without being named in the text
             words |= {s.meta["bystander"] for s in tasks[task_id] if isinstance(s.meta.get("bystander"), str)}
@@ -306,7 +306,7 @@ def _check_orders(orders: Sequence[int] | int) -> list[int]:
 
 def _agents(story: Stimulus, third: ThirdAgent | None) -> list[tuple[str, str]]:
     """(name, role) of the believers a statement may name."""
-    out = [(story.span_text(r), r) for r in ("protagonist", "other_agent") if r in story.spans]
+    out: list[tuple[str, str]] = [(story.span_text(r), r) for r in ("protagonist", "other_agent") if r in story.spans]
     bystander = story_bystander(story)
     if out and bystander and bystander not in dict(out):
         out.append((bystander, "bystander"))

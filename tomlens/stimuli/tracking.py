@@ -17,12 +17,20 @@ per-sentence update rules that label the full stories, so the two families canno
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from tomlens.errors import TomlensError
 from tomlens.stimuli.false_belief import (
-    CONDITION_CODES, CONDITIONS, CONTENTS, CONTRAST_ROLES, EXTRA_CONTRASTS, PROMPT_TYPES, TRANSFER, Story,
-    build_story, make_tasks,
+    CONDITION_CODES,
+    CONDITIONS,
+    CONTENTS,
+    CONTRAST_ROLES,
+    EXTRA_CONTRASTS,
+    PROMPT_TYPES,
+    TRANSFER,
+    Story,
+    build_story,
+    make_tasks,
 )
 from tomlens.stimuli.records import Span, Stimulus
 
@@ -75,7 +83,7 @@ def prefix_stimulus(story: Story, k: int, prompt_type: str) -> Stimulus:
     lead_in = (last,) if (story.family == TRANSFER and prompt_type == "belief" and k < n_sent) else ()
     r = story.render(range(k), prompt_type, lead_in=lead_in)
     world_t, belief_t = story.labels(k)
-    world_final, belief_final = story.labels()
+    world_final, belief_final = story.final_labels()
     label = world_t if prompt_type == "reality" else belief_t
     final = world_final if prompt_type == "reality" else belief_final
 

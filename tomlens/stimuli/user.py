@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import csv
 import json
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any
 
 from tomlens.errors import TomlensError
 from tomlens.io import atomic_path
@@ -171,7 +172,7 @@ def _csv_rows(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
                     f"{len(header)} columns",
                     "quote values that contain commas or newlines; " + FORMAT_DOC,
                 )
-            yield line, dict(zip(header, values))
+            yield line, dict(zip(header, values, strict=True))
 
 
 # --------------------------------------------------------------------------------------------
@@ -180,6 +181,37 @@ def _csv_rows(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
 
 def _row_to_stimulus(row: dict[str, Any], *, is_csv: bool) -> Stimulus:
     row = dict(row)
+    meta = _pop_meta_columns(row, is_csv)
+    options = _options(row, is_csv)
+    for name in REQUIRED:
+        if name != "options" and name not in row:
+            raise _RowError(name, "required field is missing")
+    sid = _string(row, "id", required=True, allow_int=True)
+    text = row["text"]
+    if not isinstance(text, str) or not text:
+        raise _RowError("text", "must be a non-empty string")
+    answer = _answer(row["answer"], options)
+    kwargs = _optional_fields(row, text, is_csv)
+    kwargs["meta"] = _merged_meta(row, meta, is_csv)
+    try:
+        stim = Stimulus(id=sid, text=text, options=options, answer=answer, **kwargs)
+    except TomlensError as e:  # the record's own checks; fields were checked above
+        raise _RowError("(row)", e.problem) from None
+    if "belief_differs" in row and row["belief_differs"] not in (None, ""):
+        given = _bool(row["belief_differs"], "belief_differs")
+        if given != stim.belief_differs:
+            raise _RowError(
+                "belief_differs",
+                f"says {given} but world_state {stim.world_state!r} and protagonist_belief "
+                f"{stim.protagonist_belief!r} make it {stim.belief_differs}",
+                "drop the field (it is derived) or fix the two states",
+            )
+    return stim
+
+
+def _pop_meta_columns(row: dict[str, Any], is_csv: bool) -> dict[str, Any]:
+    """Take the `meta.<label>` columns out of `row` as labels, then refuse any field left that the
+    format does not know."""
     meta: dict[str, Any] = {}
     for key in list(row):
         if key.startswith("meta."):
@@ -196,17 +228,11 @@ def _row_to_stimulus(row: dict[str, Any], *, is_csv: bool) -> Stimulus:
             f"keep extra labels under `meta` (JSON object) or as `meta.{unknown[0]}` "
             f"columns; {FORMAT_DOC}",
         )
+    return meta
 
-    options = _options(row, is_csv)
-    for name in REQUIRED:
-        if name != "options" and name not in row:
-            raise _RowError(name, "required field is missing")
-    sid = _string(row, "id", required=True, allow_int=True)
-    text = row["text"]
-    if not isinstance(text, str) or not text:
-        raise _RowError("text", "must be a non-empty string")
-    answer = _answer(row["answer"], options)
 
+def _optional_fields(row: dict[str, Any], text: str, is_csv: bool) -> dict[str, Any]:
+    """The row's optional fields, checked, as `Stimulus` keywords (`group` is `task_id`)."""
     kwargs: dict[str, Any] = {}
     for name in STRING_FIELDS:
         if name in row:
@@ -237,31 +263,21 @@ def _row_to_stimulus(row: dict[str, Any], *, is_csv: bool) -> Stimulus:
         kwargs["spans"] = _spans(row["spans"], text, is_csv)
     if "mentions" in row:
         kwargs["mentions"] = _mentions(row["mentions"], text, is_csv)
-    if "meta" in row:
-        base = _json_object(row["meta"], "meta", is_csv)
-        clash = sorted(set(base) & set(meta))
-        if clash:
-            raise _RowError(
-                f"meta.{clash[0]}", "this label is given both in `meta` and as its own column"
-            )
-        meta = {**base, **meta}
-    kwargs["meta"] = meta
+    return kwargs
 
-    try:
-        stim = Stimulus(id=sid, text=text, options=options, answer=answer, **kwargs)
-    except TomlensError as e:  # the record's own checks; fields were checked above
-        raise _RowError("(row)", e.problem) from None
-    if "belief_differs" in row and row["belief_differs"] not in (None, ""):
-        given = _bool(row["belief_differs"], "belief_differs")
-        if given != stim.belief_differs:
-            raise _RowError(
-                "belief_differs",
-                f"says {given} but world_state {stim.world_state!r} and protagonist_belief "
-                f"{stim.protagonist_belief!r} make it {stim.belief_differs}",
-                "drop the field (it is derived) or fix the two states",
-            )
-    return stim
 
+def _merged_meta(row: dict[str, Any], meta: dict[str, Any], is_csv: bool) -> dict[str, Any]:
+    """The `meta` object (JSON, or a CSV cell holding JSON) with the `meta.<label>` columns; a label
+    given both ways is refused."""
+    if "meta" not in row:
+        return meta
+    base = _json_object(row["meta"], "meta", is_csv)
+    clash = sorted(set(base) & set(meta))
+    if clash:
+        raise _RowError(
+            f"meta.{clash[0]}", "this label is given both in `meta` and as its own column"
+        )
+    return {**base, **meta}
 
 def _options(row: dict[str, Any], is_csv: bool) -> tuple[str, str]:
     has_pair = "option_a" in row or "option_b" in row
