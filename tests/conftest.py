@@ -141,7 +141,7 @@ TIER_TABLE: dict[str, str] = {
     "test_statements.py": "unit",
     "test_kosoy.py": "unit", "test_kosoy.py::test_end_to_end_on_tiny_llama_the_summary_is_the_gate_of_the_scored_table": "integration",
     "test_motomqa.py": "unit",  # its tiny-llama tests are raised to integration by load_tiny
-    "test_sweep.py": "unit",  # its two local-executor sweeps are marked integration
+    "test_study.py": "unit",  # its two local-executor studies are marked integration
     "test_steering_unit.py": "unit",
     "test_organism.py": "unit",
     "test_organism_train.py": "integration",

@@ -201,9 +201,11 @@ def test_validation_checks_side_by_side(runs, tmp_path):
     assert [list(row) for row in fig.data[0].z] == [[1.0], [0.0], [0.0]]
 
 
-def test_models_asked_for_in_config_or_sweep_are_missing(runs, tmp_path):
-    """A crashed multi-model run (no manifest, one model never started) and a sweep's failed job
-    are rows of `missing`, named from config.json and sweep.json, never silently dropped."""
+def test_models_asked_for_in_config_or_a_study_are_missing(runs, tmp_path):
+    """A crashed multi-model run (no manifest, one model never started) and a study's failed job
+    are rows of `missing`, named from config.json and the job list, never silently dropped; the
+    folder here is one `tomlens sweep` (the study's old name) wrote, with sweep.json and
+    sweep-failed.json, and reads the same."""
     crashed = tmp_path / "two"
     shutil.copytree(runs["two"], crashed)
     (crashed / "manifest.json").unlink()
@@ -219,8 +221,8 @@ def test_models_asked_for_in_config_or_sweep_are_missing(runs, tmp_path):
         {"slug": "tom-organism", "state": "failed", "folder": "/elsewhere/tom-organism", "error": "?"}]}))
     r = compare_runs([crashed], missing=["tom-organism"])
     rows = r.tables["missing"]
-    assert list(rows["model"]) == ["tom-organism"]  # once, with the sweep's reason
-    assert "sweep job failed" in rows["reason"].iloc[0] and "CUDA out of memory" in rows["reason"].iloc[0]
+    assert list(rows["model"]) == ["tom-organism"]  # once, with the study's reason
+    assert "study job failed" in rows["reason"].iloc[0] and "CUDA out of memory" in rows["reason"].iloc[0]
 
 
 def _summary(ks_rows, **extra):

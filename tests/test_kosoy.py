@@ -503,7 +503,7 @@ def test_gate_scores_a_story_only_when_every_control_is_right():
             + _story("sally-anne", 2, False, [True, True]) + _story("sally-anne", 3, True, [True, True])
             + [_row("sally-anne", "sally-anne-4", "lonely", "test", True)])  # no control: cannot be gated
     df = pd.DataFrame(rows)
-    g = kb.gate(df).set_index("story_id")
+    g = kb.score_stories(df).set_index("story_id")
     assert g.loc["sally-anne-0", "passed"] and not g.loc["sally-anne-1", "passed"]
     assert not g.loc["sally-anne-2", "passed"] and g.loc["sally-anne-2", "controls_correct"]
     assert pd.isna(g.loc["lonely", "passed"])
@@ -521,14 +521,14 @@ def test_gate_scores_a_story_only_when_every_control_is_right():
 def test_gate_names_missing_columns_and_unknown_cells():
     df = pd.DataFrame(_story("sally-anne", 0, True, [True]))
     with pytest.raises(TomlensError, match="question"):
-        kb.gate(df.drop(columns="question"))
+        kb.score_stories(df.drop(columns="question"))
     with pytest.raises(TomlensError, match="unknown conditions"):
-        kb.gate(df.assign(condition="sally"))
+        kb.score_stories(df.assign(condition="sally"))
     with pytest.raises(TomlensError, match="test rows"):
-        kb.gate(pd.DataFrame(_story("sally-anne", 0, True, [True]) + _story("sally-anne", 0, True, [True])))
+        kb.score_stories(pd.DataFrame(_story("sally-anne", 0, True, [True]) + _story("sally-anne", 0, True, [True])))
     # the pairs-only twins (kosoy(..., witnessed=True)) are not the paper's battery: left out, not refused
     twins = df.assign(condition="sally-anne-witnessed", story_id="twin")
-    assert list(kb.gate(pd.concat([df, twins]))["story_id"]) == list(kb.gate(df)["story_id"])
+    assert list(kb.score_stories(pd.concat([df, twins]))["story_id"]) == list(kb.score_stories(df)["story_id"])
 
 
 def test_domain_means_are_unweighted_cell_means_and_tom_minus_non_tom():

@@ -102,7 +102,7 @@ FAMILY = Path(__file__).resolve().parents[1] / "examples" / "family-study.toml"
 
 def test_family_study_comparison_renders_in_chromium(chromium, tmp_path):
     """The example family study's comparison (`examples/family-study.toml`, its stages as written,
-    shrunk to seconds on two tiny models of different depths, as `tomlens sweep` would leave them)
+    shrunk to seconds on two tiny models of different depths, as `tomlens study` would leave them)
     leads with its findings and passes the same browser checks as the run report."""
     from tomlens.report.compare import write_compare_report
     from tomlens.runs.compare import compare_runs

@@ -39,7 +39,7 @@ def _configs(tmp_path):
         probes.ProbesConfig(model=TINY, stimuli=StimuliSpec(family="unexpected-transfer", n=3, seed=1),
                             test_stimuli=StimuliSpec(family="unexpected-transfer", n=2, seed=9),
                             targets=("protagonist_belief", "world_state"), sites=("resid_post",),
-                            store=str(tmp_path / "store"), format="csv", selection_fraction=0.4,
+                            store=str(tmp_path / "store"), format="csv", select_fraction=0.4,
                             n_permutations=9, random_twin=True, **FAST_PROBES),
     ]
 
@@ -226,10 +226,10 @@ def test_probe_cli_selection_flags_reach_the_config(monkeypatch, tmp_path):
             probe.run(build_parser().parse_args(base + flags))
     default, chosen = seen
     assert (default.selection, default.n_permutations, default.random_twin) == (True, 1000, True)
-    assert (chosen.selection, chosen.n_permutations, chosen.random_twin, chosen.selection_fraction) == \
+    assert (chosen.selection, chosen.n_permutations, chosen.random_twin, chosen.select_fraction) == \
         (False, 7, False, 0.3)
-    with pytest.raises(TomlensError, match="selection_fraction"):
-        probes.ProbesConfig(stimuli=StimuliSpec(path="s.jsonl"), selection_fraction=1.0)
+    with pytest.raises(TomlensError, match="select_fraction"):
+        probes.ProbesConfig(stimuli=StimuliSpec(path="s.jsonl"), select_fraction=1.0)
 
 
 @pytest.mark.integration

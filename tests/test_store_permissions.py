@@ -116,3 +116,20 @@ def test_a_lock_file_the_system_refuses_is_one_clear_error_whoever_runs(tmp_path
         with st.writer_lock(request):
             pass
     _says_folder_and_fix(caught.value, request)
+
+
+def test_an_experiment_with_a_refused_store_stops_before_loading_its_model(tmp_path, monkeypatch):
+    from tomlens.runs.base import ModelSpec
+    from tomlens.runs.experiment import ExperimentConfig, run_experiment
+
+    store = tmp_path / "store"
+    store.mkdir()
+    real_access = os.access
+    monkeypatch.setattr(st.os, "access", lambda p, mode: False if Path(p) == store else real_access(p, mode))
+    monkeypatch.setattr(ModelSpec, "load", lambda self: pytest.fail("the model loaded before the store was checked"))
+    config = ExperimentConfig.from_dict({
+        "name": "ro", "model": {"name": "tiny-llama"},
+        "cache": {"stimuli": {"family": "order-only", "n": 2}, "sites": ["resid_post"], "store": str(store)}})
+    with pytest.raises(TomlensError) as caught:
+        run_experiment(config, tmp_path / "out", progress=False)
+    _says_folder_and_fix(caught.value, store)

@@ -1,4 +1,4 @@
-"""Kosoy et al.'s developmental battery (family `kosoy`): the gating rule and the paper's table.
+"""Kosoy et al.'s developmental battery (family `kosoy`): the control rule and the paper's table.
 
 The rule (their scoring, as for children): a story scores only when every control question of the
 story (reality, memory) is answered right; failing a control scores 0, whatever the test answer.
@@ -83,17 +83,17 @@ COLUMN_NOTES: dict[str, str] = {
 REQUIRED: tuple[str, ...] = ("condition", "task_id", "story_id", "question", "correct")
 
 
-def gate(df: pd.DataFrame) -> pd.DataFrame:
+def score_stories(df: pd.DataFrame) -> pd.DataFrame:
     """One row per story: was the test answered right, were all its controls, and did it pass.
 
     Stories are keyed by `story_id` (the text before the question, which a story's test and control
-    prompts share). A story without a control cannot be gated: `n_controls` is 0 and `passed` is
+    prompts share). A story without a control cannot be scored by the rule: `n_controls` is 0 and `passed` is
     missing (NA), so it is counted apart rather than scored.
     """
     d = df[df["family"] == FAMILY] if "family" in df else df
     missing = [c for c in REQUIRED if c not in d.columns]
     if missing:
-        raise TomlensError(f"the behaviour table lacks {missing} for the kosoy gate",
+        raise TomlensError(f"the behaviour table lacks {missing} for the kosoy control rule",
                            "score kosoy stimuli with `tomlens behaviour` (it writes story_id and question)")
     # the pairs-only twins (`witnessed=True`) are for probes and patching, not the paper's battery
     d = d[~d["condition"].astype(str).isin(PAIR_CELLS)]
@@ -165,7 +165,7 @@ def cell_summary(df: pd.DataFrame, *, n_boot: int = 1000, seed: int = 0,
     how much next-word probability its prompts (tests and controls) put on their two options, with
     `low_option_mass` where that is under `min_mass` (there the model would more likely say
     neither option, and a two-way choice describes the minority of what it would say)."""
-    stories = gate(df)
+    stories = score_stories(df)
     gated = stories[stories["passed"].notna()]
     boots = _cell_boots(gated, n_boot, seed)
     rows = []
@@ -203,7 +203,7 @@ def domain_summary(df: pd.DataFrame, *, n_boot: int = 1000, seed: int = 0, min_m
     scores half the ToM cells, not most of them); the non-human Woodward comparison does not, since
     its "correct" is a bias."""
     cells = cell_summary(df, n_boot=n_boot, seed=seed, min_mass=min_mass) if cells is None else cells
-    stories = gate(df)
+    stories = score_stories(df)
     boots = _cell_boots(stories[stories["passed"].notna()], n_boot, seed)
     scored = cells[~cells["condition"].isin(COMPARISON_CELLS) & cells["score"].notna()]
     rows: list[dict[str, Any]] = []  # one table row each: text, counts and rates side by side

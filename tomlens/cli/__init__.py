@@ -9,7 +9,7 @@ import sys
 from tomlens.errors import TomlensError
 
 # Subcommands: each module defines `register(subparsers)` and sets `func` on its parser.
-COMMANDS: tuple[str, ...] = ("models", "stimuli", "audit", "behave", "cache", "probe", "pairs", "patch", "steer", "run", "demo", "validate", "organism", "sweep", "export", "compare", "freetext", "runs", "store")
+COMMANDS: tuple[str, ...] = ("models", "stimuli", "audit", "behave", "cache", "probe", "pairs", "patch", "steer", "run", "demo", "validate", "organism", "study", "export", "compare", "freetext", "runs", "store")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,6 +1,6 @@
 """`tomlens compare RUN [RUN ...] --out DIR`: runs of several models side by side on relative depth.
 
-Each RUN is the folder of `tomlens run` or `tomlens sweep` (one model or several). Probe curves and
+Each RUN is the folder of `tomlens run` or `tomlens study` (one model or several). Probe curves and
 per-head patching effects are put on relative depth, layer / (n_layers - 1), so models of different
 depths line up; patching effects stay fractions of each model's own false-minus-true-belief gap
 (effect / the model's largest |effect| is a column beside them). The folder gets
@@ -17,7 +17,7 @@ from pathlib import Path
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("compare", help="compare runs of several models on relative depth (report + tables)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("runs", nargs="+", metavar="RUN", help="run folders (of `tomlens run` or `tomlens sweep`)")
+    p.add_argument("runs", nargs="+", metavar="RUN", help="run folders (of `tomlens run` or `tomlens study`)")
     p.add_argument("--out", required=True, help="output folder for report.html and the tables")
     p.add_argument("--label", dest="labels", action="append", default=None, metavar="NAME",
                    help="a name for each RUN, in order (repeat once per RUN; default: the model's folder name)")

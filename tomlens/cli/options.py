@@ -8,11 +8,12 @@ of that syntax. The model flags build a `ModelSpec`.
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Sequence
 
 from tomlens.runs.base import ModelSpec, split_items
 
-__all__ = ["add_model_options", "add_positions", "add_prepend_bos", "add_progress", "add_sites",
+__all__ = ["add_model_options", "add_positions", "add_prepend_bos", "add_progress", "add_renamed", "add_sites",
            "model_spec", "split_items"]
 
 
@@ -50,3 +51,23 @@ def add_positions(p: argparse.ArgumentParser, default: Sequence[str], help: str)
 
 def add_progress(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+class _Renamed(argparse.Action):
+    """An old flag name: stores into the new one's destination and says the new name once."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, new: str = "", **kwargs: object) -> None:
+        self.new = new
+        super().__init__(option_strings, dest, **kwargs)  # type: ignore[arg-type]
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
+                 option_string: str | None = None) -> None:
+        print(f"{option_string} is now {self.new} (one name per idea); the old name goes in a later release",
+              file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
+
+def add_renamed(p: argparse.ArgumentParser, old: str, new: str, **kwargs: object) -> None:
+    """Accept `old`, a flag renamed to `new` (added before), for one release, hidden from --help."""
+    dest = new.lstrip("-").replace("-", "_")
+    p.add_argument(old, dest=dest, action=_Renamed, new=new, help=argparse.SUPPRESS, **kwargs)  # type: ignore[arg-type]

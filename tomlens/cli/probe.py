@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import argparse
 
-from tomlens.cli.options import add_model_options, add_positions, add_progress, add_sites, model_spec, split_items
+from tomlens.cli.options import (
+    add_model_options,
+    add_positions,
+    add_progress,
+    add_renamed,
+    add_sites,
+    model_spec,
+    split_items,
+)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -49,8 +57,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-selection", action="store_true",
                    help="skip choosing the unit on selection stories and reporting it on held-out evaluation "
                    "stories (then only the selection-biased per-unit maxima are printed)")
-    p.add_argument("--selection-fraction", type=float, default=0.5,
+    p.add_argument("--select-fraction", type=float, default=0.5,
                    help="fraction of the story groups used to choose the unit (default 0.5)")
+    add_renamed(p, "--selection-fraction", "--select-fraction", type=float)
     p.add_argument("--permutations", type=int, default=None, metavar="N",
                    help="permutations of the max-statistic null for the best unit (default 1000; 0 skips "
                    "it, and the verdict is then withheld). Its cost is about one ridge fit per unit and "
@@ -85,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
         inner_folds=args.inner_folds, evaluation=args.evaluation, group_by=args.group_by,
         c_grid=tuple(args.c_grid) if args.c_grid else None, n_boot=args.n_boot, controls=not args.no_controls,
         bow=not args.no_bow, conditions=not args.no_conditions, batch_size=args.batch_size, seed=args.seed,
-        format=args.format, selection=not args.no_selection, selection_fraction=args.selection_fraction,
+        format=args.format, selection=not args.no_selection, select_fraction=args.select_fraction,
         n_permutations=probes.DEFAULT_PERMUTATIONS if args.permutations is None else args.permutations,
         random_twin=args.random_twin,
         budget_minutes=probes.DEFAULT_BUDGET_MINUTES if args.budget_minutes is None

@@ -165,7 +165,7 @@ def selection_split(stimuli: Sequence[Stimulus], fraction: float = 0.5, seed: in
     """Rows of the selection half (`train`) and the evaluation half (`test`): whole groups (tasks,
     or templates) on one side, about `fraction` of the groups for selection, seeded."""
     if not 0 < fraction < 1:
-        raise TomlensError(f"selection_fraction = {fraction}", "use a fraction strictly between 0 and 1")
+        raise TomlensError(f"select_fraction = {fraction}", "use a fraction strictly between 0 and 1")
     codes = group_codes(stimuli, group_by)
     uniq = torch.unique(codes)
     if uniq.numel() < 2:
@@ -344,7 +344,7 @@ class _Halves:
     withheld: str
 
 
-def _halves(acts: ActivationsLike, target: str, cfg: SweepConfig, seed: int, selection_fraction: float,
+def _halves(acts: ActivationsLike, target: str, cfg: SweepConfig, seed: int, select_fraction: float,
             test_acts: ActivationsLike | None, twin_acts: ActivationsLike | None,
             twin_test_acts: ActivationsLike | None) -> _Halves:
     sel: ActivationsLike
@@ -352,7 +352,7 @@ def _halves(acts: ActivationsLike, target: str, cfg: SweepConfig, seed: int, sel
     tw_sel: ActivationsLike | None
     tw_ev: ActivationsLike | None
     if test_acts is None:
-        split = selection_split(acts.stimuli, selection_fraction, seed, cfg.group_by)
+        split = selection_split(acts.stimuli, select_fraction, seed, cfg.group_by)
         sel, ev = _Rows(acts, split.train), _Rows(acts, split.test)
         tw_sel = None if twin_acts is None else _Rows(twin_acts, split.train)
         tw_ev = None if twin_acts is None else _Rows(twin_acts, split.test)
@@ -374,12 +374,12 @@ def _halves(acts: ActivationsLike, target: str, cfg: SweepConfig, seed: int, sel
         # withheld, not an error: the sweep's table is already computed and stays valid
         withheld = (f"the selection half holds {n_groups} {cfg.group_by} group(s) with the target: "
                     f"need >= 3 {cfg.group_by} groups in the selection half (give more stimuli, or a larger "
-                    "selection_fraction)")
+                    "select_fraction)")
     return _Halves(sel, ev, tw_sel, tw_ev, rs, re_, st_s, st_e, ys, ye, gs, ge, n_groups, folds, scfg, withheld)
 
 
 def selection_stage(acts: ActivationsLike, target: str, *, sites: Sequence[str], position: str, seed: int = 0,
-                    selection_fraction: float = 0.5, n_permutations: int = DEFAULT_PERMUTATIONS,
+                    select_fraction: float = 0.5, n_permutations: int = DEFAULT_PERMUTATIONS,
                     config: SweepConfig | None = None, probe: str = "logistic",
                     test_acts: ActivationsLike | None = None, twin: bool = False) -> PlanStage:
     """What `select_and_evaluate` (same arguments) will fit, for the plan: the sweep of every unit
@@ -389,7 +389,7 @@ def selection_stage(acts: ActivationsLike, target: str, *, sites: Sequence[str],
     from tomlens.probes.sweep_plan import sweep_stages
 
     cfg = config or SweepConfig()
-    h = _halves(acts, target, cfg, seed, selection_fraction, test_acts, None, None)
+    h = _halves(acts, target, cfg, seed, select_fraction, test_acts, None, None)
     name = f"selection ({target})"
     if h.withheld:
         return PlanStage(name, f"nothing fitted: {h.withheld}")
@@ -464,7 +464,7 @@ def select_and_evaluate(
     sites: Sequence[str],
     position: str,
     seed: int = 0,
-    selection_fraction: float = 0.5,
+    select_fraction: float = 0.5,
     n_permutations: int = DEFAULT_PERMUTATIONS,
     config: SweepConfig | None = None,
     probe: str = "logistic",
@@ -492,7 +492,7 @@ def select_and_evaluate(
         notes.append(f"{n_permutations} permutations: the smallest possible p_max is 1 / {n_permutations + 1} = "
                      f"{1 / (1 + n_permutations):.3f}, not below alpha {alpha}, so no unit can be found: use at "
                      f"least {math.floor(1 / alpha)} permutations")
-    h = _halves(acts, target, cfg, seed, selection_fraction, test_acts, twin_acts, twin_test_acts)
+    h = _halves(acts, target, cfg, seed, select_fraction, test_acts, twin_acts, twin_test_acts)
     result = SelectionResult(target=target, unit=None, selection_score=float("nan"), evaluation=None,
                              n_selection=len(h.st_s), n_evaluation=len(h.st_e))
     if h.withheld:

@@ -172,6 +172,28 @@ def _convert(value: Any, tp: Any, where: str) -> Any:
     return value
 
 
+def _renamed_keys(cls: type, data: Mapping[str, Any], where: str) -> Mapping[str, Any]:
+    """`data` with each key a config class has renamed (its `RENAMED`: old -> new) under its new
+    name, saying so once per key: an old settings file or run folder still reads, for one release."""
+    renamed: Mapping[str, str] = getattr(cls, "RENAMED", {})
+    if not any(k in renamed for k in data):
+        return data
+    from tomlens.messages import warn
+
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        new = renamed.get(key)
+        if new is None:
+            out[key] = value
+            continue
+        if new in data:
+            raise TomlensError(f"both {key!r} and {new!r} are set{' in ' + where if where else ''}",
+                               f"keep only {new!r} ({key!r} is its old name)")
+        warn(f"setting {key!r} is now {new!r} (one name per idea); the old name goes in a later release")
+        out[new] = value
+    return out
+
+
 def config_from_dict(cls: type[C], data: Mapping[str, Any], *, where: str = "") -> C:
     """Build config `cls` from `data`; a key that is not a field is an error naming the nearest one."""
     if not isinstance(data, Mapping):
@@ -180,7 +202,7 @@ def config_from_dict(cls: type[C], data: Mapping[str, Any], *, where: str = "") 
     hints = _hints(cls)
     names = [f.name for f in dataclasses.fields(cls) if f.init]  # type: ignore[arg-type]  # a dataclass by contract
     kwargs: dict[str, Any] = {}
-    for key, value in data.items():
+    for key, value in _renamed_keys(cls, data, where).items():
         path = f"{where}.{key}" if where else key
         if key not in names:
             near = difflib.get_close_matches(key, names, n=1, cutoff=0.5)

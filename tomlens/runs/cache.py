@@ -16,7 +16,14 @@ from tomlens.hooks.sites import KINDS
 from tomlens.models.positions import parse_selectors
 from tomlens.provenance import run_manifest
 from tomlens.runs.base import ModelSpec, StimuliSpec, split_items
-from tomlens.runs.files import begin_save, finish_save, read_finished, summary_from_dict, summary_to_dict
+from tomlens.runs.files import (
+    begin_save,
+    check_store_writable,
+    finish_save,
+    read_finished,
+    summary_from_dict,
+    summary_to_dict,
+)
 from tomlens.stimuli.records import stimuli_hash
 
 
@@ -114,6 +121,7 @@ def run(config: CacheConfig, *, model: Any = None, progress: bool = True) -> Cac
     """Cache (or find cached) the activations `config` asks for."""
     assert config.stimuli is not None  # checked in CacheConfig
     stimuli = config.stimuli.load()  # a bad file fails before the model loads
+    check_store_writable(config)  # a read-only store: one clear error before the model loads
     if model is None:
         model = config.model.load()
     acts = cache_activations(model, stimuli, list(config.sites), list(config.positions), store=config.store,

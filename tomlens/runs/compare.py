@@ -2,7 +2,7 @@
 
 Models of different families have different numbers of layers, so "layer 14" means nothing across
 them; relative depth puts the first layer at 0 and the last at 1 for every model. `compare_runs`
-reads finished run folders (`tomlens run`, `tomlens sweep`: `<out>/<stage>/` for one model,
+reads finished run folders (`tomlens run`, `tomlens study`: `<out>/<stage>/` for one model,
 `<out>/<model_slug>/<stage>/` for several) and lays their results side by side, each table with a
 `model` column:
 
@@ -19,7 +19,7 @@ reads finished run folders (`tomlens run`, `tomlens sweep`: `<out>/<stage>/` for
   ranking passed its gate, judged at validate's k (withheld or forced heads are never "found");
 - `validation`: the checks of `tomlens validate` side by side;
 - `gates`: one row per model x claim: found / withheld (with the reason) / not run;
-- `missing`: what was asked for and is absent (models of `config.json` or `sweep.json` that did not
+- `missing`: what was asked for and is absent (models of `config.json` or `study.json` that did not
   finish or never started, stages without a finished result), so nothing is silently dropped.
 
 Layer numbers are 0-based everywhere ("layer 4 (0-based) of 5" is the last of five).
@@ -186,25 +186,28 @@ def _spec_slugs(entries: Any) -> list[str]:
 
 def _asked_models(run: Path, found: Sequence[Path]) -> list[dict[str, Any]]:
     """Rows of `missing` for models the run asked for and that left no finished folder: every job
-    of `sweep.json` that is not done or reused (with its `sweep-failed.json` error), then every model
+    of `study.json` that is not done or reused (with its `study-failed.json` error), then every model
     of `config.json` whose folder was not found (a crashed multi-model run writes no manifest, and a
-    sweep's top-level manifest lists only finished jobs)."""
+    study's top-level manifest lists only finished jobs). A study folder `tomlens sweep` wrote reads
+    the same (`runs.study.marker`)."""
+    from tomlens.runs.study import FAILED, STUDY, marker
+
     rows: list[dict[str, Any]] = []
     seen = {Path(f).resolve() for f in found}
-    sweep = run / "sweep.json"
-    if sweep.is_file():
-        data = read_json(sweep)
+    study = marker(run, STUDY)
+    if study.is_file():
+        data = read_json(study)
         for job in (data.get("jobs") or []) if isinstance(data, dict) else []:
             if job.get("state") in ("done", "reused"):
                 continue
             folder = run / Path(str(job.get("folder") or job.get("slug", ""))).name
             why = job.get("error") or ""
-            failed = folder / "sweep-failed.json"
+            failed = marker(folder, FAILED)
             if failed.is_file():
                 rec = read_json(failed)
                 why = (rec.get("error") if isinstance(rec, dict) else None) or why
             rows.append({"model": str(job.get("slug") or folder.name), "stage": "all", "folder": str(folder),
-                         "reason": f"asked for but absent: sweep job {job.get('state', '?')}"
+                         "reason": f"asked for but absent: study job {job.get('state', '?')}"
                                    + (f" ({why})" if why else "")})
             seen.add(folder.resolve())
     cfg = run / CONFIG
@@ -226,11 +229,11 @@ def _asked_models(run: Path, found: Sequence[Path]) -> list[dict[str, Any]]:
 def _entries(run: Path, label: str | None) -> tuple[list[ModelEntry], list[dict[str, Any]]]:
     """The models of run folder `run` with their finished results, and the rows of what is missing."""
     if not run.is_dir():
-        raise TomlensError(f"{str(run)!r} is not a folder", "pass run folders written by `tomlens run` or `tomlens sweep`")
+        raise TomlensError(f"{str(run)!r} is not a folder", "pass run folders written by `tomlens run` or `tomlens study`")
     models = _model_folders(run)
     if not models:
         raise TomlensError(f"{run} is not a tomlens run: it holds no manifest.json and no stage folder "
-                           f"({', '.join(ALL_STAGES)})", "pass the --out folder of `tomlens run` or `tomlens sweep`")
+                           f"({', '.join(ALL_STAGES)})", "pass the --out folder of `tomlens run` or `tomlens study`")
     entries: list[ModelEntry] = []
     missing: list[dict[str, Any]] = []
     done: list[Path] = []
@@ -671,7 +674,7 @@ def compare_runs(folders: Sequence[str | Path], *, missing: Sequence[str] = (),
                  labels: Sequence[str] | None = None) -> CompareResult:
     """Load every model of every run folder and lay their results side by side on relative depth.
 
-    `missing` names models that were asked for and did not finish (e.g. a sweep's failed jobs):
+    `missing` names models that were asked for and did not finish (e.g. a study's failed jobs):
     they are listed in the `missing` table. `labels` names each run folder (a run of several models
     labels them `label:slug`); without it a model is named by its folder slug."""
     if not folders:
@@ -686,7 +689,7 @@ def compare_runs(folders: Sequence[str | Path], *, missing: Sequence[str] = (),
         entries.extend(found)
         missing_rows.extend(miss)
     unique: dict[tuple[str, str], dict[str, Any]] = {}
-    for row in missing_rows:  # a model named by the caller (a sweep's failed job) and by sweep.json: once
+    for row in missing_rows:  # a model named by the caller (a study's failed job) and by study.json: once
         key = (row["model"], row["stage"])
         if key not in unique or (not unique[key]["folder"] and row["folder"]):  # keep the row that says more
             unique[key] = row

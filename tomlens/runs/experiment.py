@@ -29,7 +29,16 @@ from tomlens.errors import TomlensError
 from tomlens.io import file_sha256, read_json, write_json
 from tomlens.messages import say
 from tomlens.runs.base import ModelSpec, config_from_dict, config_hash, config_to_dict
-from tomlens.runs.files import CONFIG, INPUTS, MANIFEST, RESULT, RunResult, begin_save, summary_from_dict
+from tomlens.runs.files import (
+    CONFIG,
+    INPUTS,
+    MANIFEST,
+    RESULT,
+    RunResult,
+    begin_save,
+    check_store_writable,
+    summary_from_dict,
+)
 
 # Pipeline order; each stage is `tomlens.runs.<stage>` with these config and result classes.
 STAGES: tuple[str, ...] = ("audit", "behaviour", "cache", "probes", "pairs", "patching", "steering", "validate")
@@ -84,8 +93,8 @@ def model_slug(spec: ModelSpec) -> str:
 
 def expand_model_entry(entry: Any, where: str) -> list[tuple[Any, str]]:
     """A model entry with `revisions = [...]` and/or `seeds = [...]` as one plain entry per value
-    (revisions x seeds), each with where it came from: a sweep over training checkpoints or weight
-    seeds is written once and runs as one model per value (`tomlens sweep`, `tomlens run`)."""
+    (revisions x seeds), each with where it came from: a study over training checkpoints or weight
+    seeds is written once and runs as one model per value (`tomlens study`, `tomlens run`)."""
     if not isinstance(entry, Mapping) or not ({"revisions", "seeds"} & set(entry)):
         return [(entry, where)]
     lists: dict[str, list[Any]] = {}
@@ -524,6 +533,8 @@ def run_experiment(config: ExperimentConfig, out: str | Path, *, progress: bool 
         folder = out / model_slug(spec) if several else out
         run = ModelRun(spec, folder)
         run.folders = {s: folder / s for s in STAGES if s in config.stages}
+        for stage in run.folders:  # a read-only activation store: refused before the model loads
+            check_store_writable(config.stage_config(stage, spec, run.folders))
         loaded: Any = None
         rerun: set[str] = set()
         for stage in STAGES:

@@ -26,6 +26,17 @@ RESULT = "result.json"
 INPUTS = "inputs.json"  # an experiment stage's input fingerprints (`tomlens.runs.experiment`)
 
 
+def check_store_writable(config: Any) -> None:
+    """Refuse, before a model loads, a stage whose activation store (`config.store`, else the
+    default store) this process cannot write: found out later, it would cost the model's loading
+    and end in a bare PermissionError. A config with no `store` setting uses none."""
+    if not any(f.name == "store" for f in dataclasses.fields(config)):
+        return
+    from tomlens.activations.store import check_writable, default_store
+
+    check_writable(Path(config.store) if config.store else default_store())
+
+
 def begin_save(out: str | Path) -> Path:
     """Create `out` and remove its finished-run marker before anything else is written."""
     out = Path(out)

@@ -21,9 +21,10 @@ estimate; `result.json` keeps both under "plan".
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pandas as pd
 from torch import Tensor
@@ -64,7 +65,7 @@ from tomlens.probes.sweep_plan import sweep_stages, time_fits
 from tomlens.probes.targets import get_target
 from tomlens.provenance import run_manifest
 from tomlens.runs.base import ModelSpec, StimuliSpec, split_items
-from tomlens.runs.files import begin_save, finish_save, read_finished, summary_to_dict
+from tomlens.runs.files import begin_save, check_store_writable, finish_save, read_finished, summary_to_dict
 from tomlens.runs.probes_summary import PlannedStage, ProbePlanSummary, ProbesSummary, SelectedUnit
 from tomlens.stimuli.records import stimuli_hash
 from tomlens.timing import format_seconds
@@ -107,7 +108,8 @@ class ProbesConfig:
     seed: int = 0
     format: str = "parquet"
     selection: bool = True  # choose the unit on selection stories, report it on evaluation stories
-    selection_fraction: float = 0.5  # of the story groups, for selection
+    select_fraction: float = 0.5  # of the story groups, for selection
+    RENAMED: ClassVar[Mapping[str, str]] = {"selection_fraction": "select_fraction"}  # old key -> new (one release)
     n_permutations: int = DEFAULT_PERMUTATIONS  # max-statistic permutation null of the best unit
     # sweep random:<model> too (baseline_random_init): the issue lists the random-init model among
     # every table's baselines, so it is on by default (a tiny model's twin is itself: said in a note)
@@ -142,8 +144,8 @@ class ProbesConfig:
         _one_of("evaluation", self.evaluation, EVALUATIONS)
         _one_of("group_by", self.group_by, GROUPINGS)
         _one_of("format", self.format, FORMATS)
-        if not 0 < float(self.selection_fraction) < 1:
-            raise TomlensError(f"selection_fraction = {self.selection_fraction}",
+        if not 0 < float(self.select_fraction) < 1:
+            raise TomlensError(f"select_fraction = {self.select_fraction}",
                                "use a fraction strictly between 0 and 1 (e.g. 0.5)")
         if int(self.n_permutations) < 0:
             raise TomlensError(f"n_permutations = {self.n_permutations}", "use 0 (no null: always withheld) or more")
@@ -294,6 +296,7 @@ def run(config: ProbesConfig, *, model: Any = None, progress: bool = True,
     assert config.stimuli is not None  # checked in ProbesConfig
     stimuli = config.stimuli.load()  # bad files fail before the model loads
     test = config.test_stimuli.load() if config.test_stimuli is not None else None
+    check_store_writable(config)  # a read-only store: one clear error before the model loads
     if model is None:
         model = config.model.load()
     sites = cache_sites(config)
@@ -339,7 +342,7 @@ def run(config: ProbesConfig, *, model: Any = None, progress: bool = True,
         for target in config.targets:
             selection[target] = select_and_evaluate(
                 acts, target, sites=list(config.sites), position=config.position, seed=config.seed,
-                selection_fraction=config.selection_fraction, n_permutations=config.n_permutations,
+                select_fraction=config.select_fraction, n_permutations=config.n_permutations,
                 config=replace(scfg, progress=False), probe=config.probe, test_acts=test_acts,
                 twin_acts=twin_acts, twin_test_acts=twin_test)
             clock.done(f"selection ({target})")
@@ -391,7 +394,7 @@ def stage_plan(config: ProbesConfig, layout: SweepLayout, cache_seconds: float |
         for target in config.targets:
             stages.append(selection_stage(
                 layout.acts, target, sites=list(config.sites), position=config.position, seed=config.seed,
-                selection_fraction=config.selection_fraction, n_permutations=config.n_permutations,
+                select_fraction=config.select_fraction, n_permutations=config.n_permutations,
                 config=replace(cfg, progress=False), probe=config.probe, test_acts=layout.test_acts,
                 twin=config.random_twin))
     dev = cfg.device or str(default_device())

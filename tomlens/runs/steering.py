@@ -47,7 +47,14 @@ from tomlens.probes.splits import fraction_split, group_codes
 from tomlens.probes.targets import get_target
 from tomlens.provenance import run_manifest
 from tomlens.runs.base import DEFAULT_N, ModelSpec, StimuliSpec
-from tomlens.runs.files import begin_save, finish_save, read_finished, summary_from_dict, summary_to_dict
+from tomlens.runs.files import (
+    begin_save,
+    check_store_writable,
+    finish_save,
+    read_finished,
+    summary_from_dict,
+    summary_to_dict,
+)
 from tomlens.runs.steering_summary import SteeringLayer, SteeringSummary
 from tomlens.steering import (
     METHODS,
@@ -340,6 +347,7 @@ def run(config: SteeringConfig, *, model: Any = None, progress: bool = True) -> 
     """Split the tasks, fit the directions and choose the dose on the selection half, then run
     every direction at every alpha on the evaluation half and judge each layer."""
     stimuli = config.stimuli.load()
+    check_store_writable(config)  # a read-only store: one clear error before the model loads
     if model is None:
         model = config.model.load()
     n_layers = int(model.cfg.n_layers)

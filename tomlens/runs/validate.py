@@ -50,7 +50,7 @@ import pandas as pd
 from tomlens.errors import TomlensError
 from tomlens.messages import say
 from tomlens.runs.base import ModelSpec, StimuliSpec
-from tomlens.runs.files import summary_from_dict, summary_to_dict
+from tomlens.runs.files import check_store_writable, summary_from_dict, summary_to_dict
 from tomlens.runs.patching import ATTRIBUTION_PATHS, DEFAULT_ATTRIBUTION_PATH, DEFAULT_ATTRIBUTION_STEPS
 
 if TYPE_CHECKING:
@@ -605,6 +605,7 @@ def run(config: ValidateConfig, *, model: Any = None, progress: bool = True) -> 
 
     started = time.time()
     stimuli = config.stimuli().load()
+    check_store_writable(config)  # a read-only store: one clear error before the model loads
     if model is None:
         model = config.model.load()
     heads = _heads_total(model)
@@ -628,7 +629,7 @@ def run(config: ValidateConfig, *, model: Any = None, progress: bool = True) -> 
                                    attribution_path=config.attribution_path)
     pcfg = probes.ProbesConfig(model=config.model, stimuli=config.belief_questions(), targets=(TARGET,),
                                sites=("resid_post",), positions=("final",), store=config.store, seed=config.seed,
-                               selection=True, selection_fraction=config.select_fraction,
+                               selection=True, select_fraction=config.select_fraction,
                                n_permutations=config.n_permutations, random_twin=False, format=config.format,
                                batch_size=config.batch_size)
     say("\n".join(_plan(config, model, k, len(stimuli), _time_forward(model, stimuli))))

@@ -241,11 +241,11 @@ def _template_order(seed: int, cycle: int) -> list[int]:
     return order
 
 
-def _option_plan(seed: int, block: int, what: str = "options") -> list[bool]:
+def _option_layout(seed: int, block: int, what: str = "options") -> list[bool]:
     return balanced_flags(random.Random(f"{FAMILY}/{what}/{seed}/{block}"), BLOCK)
 
 
-def _cue_plan(seed: int, block: int) -> list[int]:
+def _cue_layout(seed: int, block: int) -> list[int]:
     """Cue pair indices dealt in seeded shuffled blocks of the pool size, so every pair is used
     equally often (an independent draw per task is lopsided)."""
     rng = random.Random(f"{FAMILY}/cues/{seed}/{block}")
@@ -272,15 +272,15 @@ def make_factorial_tasks(n: int, seed: int) -> list[FactorialTask]:
         obj = rng.choice(template.objects)
         start, end = rng.sample(template.locations, 2)
         phrasing = {"place": rng.randrange(len(PLACE)),
-                    "cue": _cue_plan(seed, i // len(ABSENCE))[i % len(ABSENCE)],
+                    "cue": _cue_layout(seed, i // len(ABSENCE))[i % len(ABSENCE)],
                     "move": rng.randrange(len(MOVE)), "later": rng.randrange(len(LATER))}
         bystander = rng.choice([row for row in lexicon.NAMES if row[0] not in (protagonist[0], agent[0])])
         tasks.append(FactorialTask(
             index=i, seed=seed, task_id=f"{PREFIX}-s{seed}-{i:04d}", template=template,
             protagonist=protagonist, agent=agent, obj=obj, locations=(start, end),
             place=rng.choice(lexicon.PLACES), bystander=bystander,
-            absence_first=_option_plan(seed, i // BLOCK, "cue-order")[i % BLOCK], phrasing=phrasing,
-            options_start_first=_option_plan(seed, i // BLOCK)[i % BLOCK],
+            absence_first=_option_layout(seed, i // BLOCK, "cue-order")[i % BLOCK], phrasing=phrasing,
+            options_start_first=_option_layout(seed, i // BLOCK)[i % BLOCK],
         ))
     return tasks
 

@@ -378,7 +378,7 @@ def balanced_flags(rng: random.Random, size: int) -> list[bool]:
     return flags
 
 
-def _block_plan(family: str, seed: int, block: int, decoys: float = 1.0) -> list[dict[str, Any]]:
+def _block_layout(family: str, seed: int, block: int, decoys: float = 1.0) -> list[dict[str, Any]]:
     """Flags, templates, cue groups, decoys and layouts for the tasks of one block; depends only
     on (family, seed, block, decoys), so the tasks of a smaller n are a prefix of a larger n. Every
     cue group is used once per block; `decoys` of the block's tasks (rounded) carry decoys, and
@@ -454,7 +454,7 @@ def make_tasks(family: str, n: int, seed: int, decoys: bool | float = True) -> l
     plan: list[dict[str, Any]] = []
     for i in range(n):
         if i % BLOCK == 0:
-            plan = _block_plan(family, seed, i // BLOCK, fraction)
+            plan = _block_layout(family, seed, i // BLOCK, fraction)
         rng = random.Random(f"{family}/task/{seed}/{i}")
         for _attempt in range(1000):
             choice = _draw_transfer(rng) if family == TRANSFER else _draw_contents(rng)

@@ -207,7 +207,7 @@ def _pick(rng: random.Random, pool: Sequence[Any], k: int = 1) -> list[Any]:
     return rng.sample(list(pool), k)
 
 
-def _plan(task: str, seed: int, i: int, what: str) -> bool:
+def _balanced_flag(task: str, seed: int, i: int, what: str) -> bool:
     """A flag for item i, exactly balanced within each block of 8 items of a task."""
     block, pos = divmod(i, BLOCK)
     return balanced_flags(random.Random(f"{FAMILY}/{task}/{what}/{seed}/{block}"), BLOCK)[pos]
@@ -339,7 +339,7 @@ def _transfer(cell, w, sw, i, seed):
         # which container is on the floor (the one the object was in when it was lifted); the
         # question asks about either, half each, so "floor" is the answer half the time
         lifted = L2 if keys.index("lift") > keys.index("move") else L1
-        on_floor = _plan("ullman", seed, i, "reality_probe")
+        on_floor = _balanced_flag("ullman", seed, i, "reality_probe")
         box = lifted if on_floor else (L1 if lifted == L2 else L2)
         reality = _Q("reality", f"Right now, the {box} is on the",
                      *_first("floor" if on_floor else "table", "table" if on_floor else "floor", sw[1]))
@@ -499,7 +499,7 @@ def _helper(cell, w, sw, i, seed):
     (c0, climber), (ch, helper), (cd, hinderer) = w["climber"], w["helper"], w["hinderer"]
     help_s = f"{_a(ch, True)} {helper} comes up behind it and pushes it up to the top."
     hinder_s = f"{_a(cd, True)} {hinderer} comes down from above and pushes it back to the bottom."
-    helper_first = _plan("helper-hinderer", seed, i, "helper_first")
+    helper_first = _balanced_flag("helper-hinderer", seed, i, "helper_first")
     s = [f"{_a(c0, True)} {climber} is trying to climb a steep hill.",
          *((help_s, hinder_s) if helper_first else (hinder_s, help_s))]
     qs = [_Q("test", "You can play with one of the two who came along. You would rather play with the",
@@ -529,7 +529,7 @@ def _gears(cell, w, sw, i, seed):
         opts, ans = _yes_no(not needs, sw[0])
         test = _Q("test", f"Question: Can the {x} gear spin without the {y} gear? Answer:", opts, ans)
     # the control asks about a step whose outcome is the same in both cells, "spun" or "stayed still"
-    both = _plan("gears", seed, i, "control_probe")
+    both = _balanced_flag("gears", seed, i, "control_probe")
     control = (_Q("memory", "With both gears on the machine and the switch flipped, the gears",
                   *_first("spun", "stayed still", sw[1])) if both else
                _Q("memory", f"With the {a} gear taken off and the switch flipped, the {b} gear",
@@ -566,7 +566,7 @@ def _blicket(cell, w, sw, i, seed):
         opts, ans = _yes_no(ask_member, sw[0])
         test = _Q("test", f"Question: Is the {x} block {_a(W)}? Answer:", opts, ans)
     # the control asks which block went on first or second, half each
-    first = _plan("blicket", seed, i, "control_probe")
+    first = _balanced_flag("blicket", seed, i, "control_probe")
     on_first, on_second = (c1, c2) if member_first else (c2, c1)
     qs = [test, _Q("memory", f"Question: Which block went on the machine {'first' if first else 'second'}? Answer: the",
                    *_first(on_first if first else on_second, on_second if first else on_first, sw[1]))]
@@ -612,14 +612,14 @@ def _lucas(cell, w, sw, i, seed):
     member = lucas_members(conj, [(frozenset({d}), False), (frozenset({d, f}), True)], (d, f))[d]
     if member is None:  # the design's point is that the rule settles the ambiguous block
         raise TomlensError(f"lucas: the {rule} rule leaves the {d} block open", "this is a generator bug: report it")
-    is_q = _plan("lucas", seed, i, "polarity")
+    is_q = _balanced_flag("lucas", seed, i, "polarity")
     if is_q:
         opts, ans = _yes_no(member, sw[0])
         test = _Q("test", f"Question: Is the {d} block {_a(W)}? Answer:", opts, ans)
     else:
         opts, ans = _yes_no(not member, sw[0])
         test = _Q("test", f"Question: Is the {d} block an ordinary block, not {_a(W)}? Answer:", opts, ans)
-    alone = _plan("lucas", seed, i, "control_probe")
+    alone = _balanced_flag("lucas", seed, i, "control_probe")
     copts, cans = _yes_no(not alone, sw[1])  # alone: it did nothing; together: it played
     control = _Q("memory", f"Question: Did the machine play music with the {d} block on it by itself? Answer:"
                  if alone else f"Question: Did the machine play music with the {d} and {f} blocks on it together? "

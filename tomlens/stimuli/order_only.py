@@ -143,7 +143,7 @@ class OrderTask:
         return PHRASINGS[role][self.phrasing[role]]
 
 
-def _block_plan(seed: int, block: int) -> list[tuple[bool, bool]]:
+def _block_layout(seed: int, block: int) -> list[tuple[bool, bool]]:
     """(options_ref_first, last_ref) for the tasks of one block; depends only on (seed, block),
     so the tasks of a smaller n are a prefix of a larger n."""
     rng = random.Random(f"{FAMILY}/plan/{seed}/{block}")
@@ -159,7 +159,7 @@ def make_order_tasks(n: int, seed: int) -> list[OrderTask]:
     plan: list[tuple[bool, bool]] = []
     for i in range(n):
         if i % BLOCK == 0:
-            plan = _block_plan(seed, i // BLOCK)
+            plan = _block_layout(seed, i // BLOCK)
         options_ref_first, last_ref = plan[i % BLOCK]
         rng = random.Random(f"{FAMILY}/task/{seed}/{i}")
         for _attempt in range(1000):

@@ -1,17 +1,20 @@
-"""`tomlens sweep FILE.toml`: an experiment over many models, checkpoints or seeds, one job per model
+"""`tomlens study FILE.toml`: an experiment over many models, checkpoints or seeds, one job per model
 entry, dispatched through submitit (its local executor here, SLURM on a cluster).
 
 A model entry may list `revisions = [...]` (training checkpoints) and/or `seeds = [...]` (weights of a
 random-init model): each value is one job, run into `<out>/<model>/` (the layout of a multi-model
 `tomlens run`). A job that finished with the same settings is reused, not rerun; a failed job is
-recorded in its folder (`sweep-failed.json`) and the others go on. `<out>/sweep.json` lists every job;
+recorded in its folder (`study-failed.json`) and the others go on. `<out>/study.json` lists every job;
 the comparison of what finished is written to `<out>/compare/`, naming what is missing.
 
 Exit status: 0 every job finished, 1 some failed or did not finish (named, with their logs),
-2 bad input, 130 stopped by Ctrl-C, 143 stopped by SIGTERM (sweep.json records every job either
+2 bad input, 130 stopped by Ctrl-C, 143 stopped by SIGTERM (study.json records every job either
 way). With `--executor slurm --no-wait` the jobs are submitted and the command returns; the same
 command without --no-wait collects them (it reattaches the SLURM jobs whatever --executor it is
 given; a job whose settings or input files changed since is cancelled and submitted again).
+
+`tomlens sweep` is this command's name before 0.2: it still works, with a line saying so, and a
+study folder it wrote (`sweep.json`, `sweep-done.json`) is read as this command's.
 
 Local jobs see the GPUs this shell sees unless --gpus-per-job asks for a number. A model larger than
 one GPU loads across several with `device_map = "auto"` in its model entry (accelerate), e.g. with
@@ -33,10 +36,10 @@ EXIT_TERMINATED = 128 + signal.SIGTERM  # 143: what a shell reports for a comman
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("sweep", help="run an experiment over many models / checkpoints / seeds as submitit jobs",
+    p = sub.add_parser("study", aliases=["sweep"], help="run an experiment over many models / checkpoints / seeds as submitit jobs",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("file", help="experiment file; model entries may list revisions = [...] or seeds = [...]")
-    p.add_argument("--out", default=None, help="sweep folder (default: runs/<name>)")
+    p.add_argument("--out", default=None, help="study folder (default: runs/<name>)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="change one setting of the file, e.g. --set models.0.seeds=[0,1] (repeatable)")
     p.add_argument("--executor", choices=["local", "slurm"], default="local",
@@ -62,7 +65,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def collect_argv(args: argparse.Namespace) -> list[str]:
-    """The arguments of this command without --no-wait: what collects a --no-wait sweep."""
+    """The arguments of this command without --no-wait: what collects a --no-wait study."""
     argv = [str(args.file)]
     if args.out is not None:
         argv += ["--out", str(args.out)]
@@ -83,24 +86,27 @@ def collect_argv(args: argparse.Namespace) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     from tomlens.runs.experiment import ExperimentConfig
-    from tomlens.runs.sweep import ExecutorOptions, SweepTerminated, parse_slurm_args, run_sweep
+    from tomlens.runs.study import ExecutorOptions, StudyTerminated, parse_slurm_args, run_study
 
+    if args.command == "sweep":
+        print("tomlens sweep is now `tomlens study` (one word, one meaning: a sweep is one method over every "
+              "unit of one model); the old name goes in a later release", file=sys.stderr)
     t0 = time.time()
     options = ExecutorOptions(executor=args.executor, parallel=args.parallel, partition=args.slurm_partition,
                               gpus_per_job=args.gpus_per_job, time_min=args.time_min, mem_gb=args.mem_gb,
                               cpus_per_job=args.cpus_per_job, slurm_args=parse_slurm_args(args.slurm_arg))
     config = ExperimentConfig.load(args.file, args.overrides)
     out = Path(args.out) if args.out else Path("runs") / config.name
-    command = ["tomlens", "sweep", *collect_argv(args)]
+    command = ["tomlens", "study", *collect_argv(args)]
     try:
-        result = run_sweep(config, out, options, wait=not args.no_wait, progress=not args.no_progress,
+        result = run_study(config, out, options, wait=not args.no_wait, progress=not args.no_progress,
                            command=command)
-    except SweepTerminated:  # Ctrl-C (a plain KeyboardInterrupt) is the CLI's: it exits 130
-        print("tomlens sweep: terminated (SIGTERM); finished work is kept", file=sys.stderr)
+    except StudyTerminated:  # Ctrl-C (a plain KeyboardInterrupt) is the CLI's: it exits 130
+        print("tomlens study: terminated (SIGTERM); finished work is kept", file=sys.stderr)
         return EXIT_TERMINATED
     print()
     print(result.describe())
-    print(f"jobs listed in {out / 'sweep.json'}; logs in {out / 'sweep-logs'}/")
+    print(f"jobs listed in {out / 'study.json'}; logs in {out / 'study-logs'}/")
     if not result.waited:
         print(f"\nsubmitted; collect with: {shlex.join(command)}")
         return 0

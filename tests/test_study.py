@@ -1,5 +1,5 @@
-"""Sweeps through submitit: `revisions` / `seeds` lists expand to one model entry per value; a local
-sweep runs one subprocess job per entry into the multi-model layout, is reused on a second
+"""Studies through submitit: `revisions` / `seeds` lists expand to one model entry per value; a local
+study runs one subprocess job per entry into the multi-model layout, is reused on a second
 invocation, records a failed job while the others finish (exit 1); SLURM options map onto
 submitit's SlurmExecutor parameters; bad input exits 2."""
 
@@ -16,11 +16,11 @@ from tomlens.cli import main
 from tomlens.errors import TomlensError
 from tomlens.models.registry import local_weights_revision
 from tomlens.runs.experiment import ExperimentConfig, expand_model_entry, model_slug
-from tomlens.runs.sweep import (
+from tomlens.runs.study import (
     DONE,
     FAILED,
     LOGS,
-    SWEEP,
+    STUDY,
     ExecutorOptions,
     finished_record,
     in_environment,
@@ -32,8 +32,8 @@ from tomlens.runs.sweep import (
     slurm_parameters,
 )
 
-SWEEP_TOML = """
-name = "seed-sweep"
+STUDY_TOML = """
+name = "seed-study"
 description = "two weight seeds of a tiny random model"
 [[models]]
 name = "random:tiny-llama"
@@ -60,9 +60,9 @@ STAGES = {"behaviour": {"stimuli": [{"family": "unexpected-transfer", "n": 1}]}}
 
 
 @pytest.fixture(scope="module")
-def sweep_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("sweep") / "sweep.toml"
-    path.write_text(SWEEP_TOML, encoding="utf-8")
+def study_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("study") / "study.toml"
+    path.write_text(STUDY_TOML, encoding="utf-8")
     return path
 
 
@@ -105,15 +105,15 @@ def test_a_list_that_repeats_another_entry_is_refused():
             {"name": "tiny-llama", "seeds": [0, 1]}, {"name": "tiny-llama", "seed": 1}]})
 
 
-def test_plan_gives_one_one_model_job_per_entry_with_a_hash_that_follows_the_settings(sweep_file, tmp_path):
-    config = ExperimentConfig.load(sweep_file)
+def test_plan_gives_one_one_model_job_per_entry_with_a_hash_that_follows_the_settings(study_file, tmp_path):
+    config = ExperimentConfig.load(study_file)
     jobs = plan_jobs(config, tmp_path)
     assert [j.slug for j in jobs] == ["random-tiny-llama", "random-tiny-llama-seed1"]
     assert all(len(j.config.models) == 1 and j.folder == tmp_path / j.slug for j in jobs)
     assert jobs[0].hash != jobs[1].hash
-    changed = plan_jobs(ExperimentConfig.load(sweep_file, ["probes.n_boot=30"]), tmp_path)
+    changed = plan_jobs(ExperimentConfig.load(study_file, ["probes.n_boot=30"]), tmp_path)
     assert changed[0].hash != jobs[0].hash
-    presentation = plan_jobs(ExperimentConfig.load(sweep_file, ["probes.format=parquet"]), tmp_path)
+    presentation = plan_jobs(ExperimentConfig.load(study_file, ["probes.format=parquet"]), tmp_path)
     assert presentation[0].hash == jobs[0].hash  # where output goes does not make a job stale
 
 
@@ -214,28 +214,28 @@ def test_slurm_options_map_onto_submitits_slurm_executor(tmp_path):
     (["--executor", "slurm", "--slurm-arg", "constraint="], "neither KEY=VALUE nor a bare KEY"),
     (["--set", "models.0.seeds=[]"], "not a non-empty list"),
 ])
-def test_bad_input_exits_2_with_the_problem(sweep_file, tmp_path, capsys, argv, says):
-    assert main(["sweep", str(sweep_file), "--out", str(tmp_path / "out"), *argv]) == 2
+def test_bad_input_exits_2_with_the_problem(study_file, tmp_path, capsys, argv, says):
+    assert main(["study", str(study_file), "--out", str(tmp_path / "out"), *argv]) == 2
     assert says in capsys.readouterr().err
-    assert not (tmp_path / "out" / SWEEP).exists()
+    assert not (tmp_path / "out" / STUDY).exists()
 
 
 def test_a_missing_file_exits_2(tmp_path, capsys):
-    assert main(["sweep", str(tmp_path / "nope.toml")]) == 2
+    assert main(["study", str(tmp_path / "nope.toml")]) == 2
     assert "does not exist" in capsys.readouterr().err
 
 
 # -- local executor (subprocess jobs on tiny models) -----------------------------------------------
-def _sweep(sweep_file: Path, out: Path, *extra: str) -> int:
-    return main(["sweep", str(sweep_file), "--out", str(out), "--parallel", "2", "--no-progress", *extra])
+def _study(study_file: Path, out: Path, *extra: str) -> int:
+    return main(["study", str(study_file), "--out", str(out), "--parallel", "2", "--no-progress", *extra])
 
 
 @pytest.mark.integration
-def test_local_sweep_runs_each_seed_as_a_job_then_reuses_them(sweep_file, tmp_path, capsys):
-    out = tmp_path / "sweep"
-    assert _sweep(sweep_file, out) == 0
+def test_local_study_runs_each_seed_as_a_job_then_reuses_them(study_file, tmp_path, capsys):
+    out = tmp_path / "study"
+    assert _study(study_file, out) == 0
     printed = capsys.readouterr().out
-    jobs = json.loads((out / SWEEP).read_text())["jobs"]
+    jobs = json.loads((out / STUDY).read_text())["jobs"]
     assert [(j["slug"], j["state"]) for j in jobs] == [("random-tiny-llama", "done"), ("random-tiny-llama-seed1", "done")]
     for job in jobs:
         folder = out / job["slug"]
@@ -253,29 +253,29 @@ def test_local_sweep_runs_each_seed_as_a_job_then_reuses_them(sweep_file, tmp_pa
     assert "random-tiny-llama-seed1" in printed and "done" in printed
     logs = sorted((out / LOGS).iterdir())
 
-    assert _sweep(sweep_file, out) == 0  # again: nothing is resubmitted
+    assert _study(study_file, out) == 0  # again: nothing is resubmitted
     printed = capsys.readouterr().out
-    again = json.loads((out / SWEEP).read_text())["jobs"]
+    again = json.loads((out / STUDY).read_text())["jobs"]
     assert [j["state"] for j in again] == ["reused", "reused"]
     assert [j["job_id"] for j in again] == [j["job_id"] for j in jobs]
     assert sorted((out / LOGS).iterdir()) == logs  # no new job was submitted
     assert "0 to submit" in printed
 
-    record = json.loads((out / SWEEP).read_text())  # as a `--no-wait` sweep leaves it: submitted
+    record = json.loads((out / STUDY).read_text())  # as a `--no-wait` study leaves it: submitted
     record["jobs"] = [{**j, "state": "submitted"} for j in record["jobs"]]
-    (out / SWEEP).write_text(json.dumps(record))
-    assert _sweep(sweep_file, out) == 0  # collecting: the jobs it submitted finished, so "done"
-    assert [j["state"] for j in json.loads((out / SWEEP).read_text())["jobs"]] == ["done", "done"]
+    (out / STUDY).write_text(json.dumps(record))
+    assert _study(study_file, out) == 0  # collecting: the jobs it submitted finished, so "done"
+    assert [j["state"] for j in json.loads((out / STUDY).read_text())["jobs"]] == ["done", "done"]
     assert sorted((out / LOGS).iterdir()) == logs
 
 
 @pytest.mark.integration
-def test_a_failed_job_is_recorded_and_the_other_finishes(sweep_file, tmp_path, capsys):
-    out = tmp_path / "sweep"
+def test_a_failed_job_is_recorded_and_the_other_finishes(study_file, tmp_path, capsys):
+    out = tmp_path / "study"
     models = 'models=[{name = "no-such-model"}, {name = "random:tiny-llama", seed = 2}]'
-    assert _sweep(sweep_file, out, "--set", models) == 1
+    assert _study(study_file, out, "--set", models) == 1
     printed = capsys.readouterr().out
-    jobs = {j["slug"]: j for j in json.loads((out / SWEEP).read_text())["jobs"]}
+    jobs = {j["slug"]: j for j in json.loads((out / STUDY).read_text())["jobs"]}
     assert jobs["no-such-model"]["state"] == "failed" and jobs["random-tiny-llama-seed2"]["state"] == "done"
     failed = json.loads((out / "no-such-model" / FAILED).read_text())
     assert "no-such-model" in failed["error"] and failed["traceback"] and failed["job_id"] == jobs["no-such-model"]["job_id"]
@@ -307,22 +307,22 @@ def _lines(path: Path) -> list[str]:
     return path.read_text().splitlines() if path.is_file() else []
 
 
-def test_slurm_no_wait_submits_one_array_then_collects_reattaches_or_resubmits(sweep_file, tmp_path, capsys,
+def test_slurm_no_wait_submits_one_array_then_collects_reattaches_or_resubmits(study_file, tmp_path, capsys,
                                                                                monkeypatch):
     """`--executor slurm --no-wait` against stand-in `sbatch`/`scancel` (no cluster here): one job array
     with the options passed through, every job recorded as submitted with its hash and options; the
     same command again reattaches (nothing resubmitted); changed settings cancel and resubmit; failures
     recorded while unattended are collected as failed, whatever executor the collecting command names."""
     bin_dir = _stand_in_slurm(tmp_path, monkeypatch)
-    out = tmp_path / "sweep"
-    argv = ["sweep", str(sweep_file), "--out", str(out), "--executor", "slurm",
+    out = tmp_path / "study"
+    argv = ["study", str(study_file), "--out", str(out), "--executor", "slurm",
             "--slurm-partition", "gpu", "--gpus-per-job", "1", "--time", "30", "--mem", "8",
             "--slurm-arg", "constraint=a100", "--no-progress"]
     with mock.patch("submitit.slurm.slurm.SlurmExecutor.affinity", return_value=1):
         assert main([*argv, "--no-wait"]) == 0
     printed = capsys.readouterr().out
-    sweep = json.loads((out / SWEEP).read_text())
-    jobs = sweep["jobs"]
+    study = json.loads((out / STUDY).read_text())
+    jobs = study["jobs"]
     assert [(j["state"], j["job_id"]) for j in jobs] == [("submitted", "4242_0"), ("submitted", "4242_1")]
     assert len(_lines(bin_dir / "calls")) == 1  # one array, not one sbatch per job
     script = next((out / LOGS).glob("*.sh")).read_text()
@@ -331,12 +331,12 @@ def test_slurm_no_wait_submits_one_array_then_collects_reattaches_or_resubmits(s
     assert not any((out / j["slug"] / DONE).exists() for j in jobs)
     hashes = [j["hash"] for j in jobs]
     assert [h for h in hashes if len(h) == 16] == hashes and hashes == [j.hash for j in plan_jobs(
-        ExperimentConfig.load(sweep_file), out)]
+        ExperimentConfig.load(study_file), out)]
     assert jobs[0]["executor"] == {"executor": "slurm", "parallel": None, "partition": "gpu", "gpus_per_job": 1,
                                    "time_min": 30, "mem_gb": 8.0, "cpus_per_job": None,
                                    "slurm_args": {"constraint": "a100"}}
     collect = ["tomlens", *argv]  # the full command without --no-wait
-    assert sweep["collect"] == collect and f"collect with: {' '.join(collect)}" in printed and "--no-wait" not in \
+    assert study["collect"] == collect and f"collect with: {' '.join(collect)}" in printed and "--no-wait" not in \
         printed.split("collect with:")[1]
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["models"] == [] and [(u["slug"], u["state"]) for u in manifest["unfinished"]] == [
@@ -344,7 +344,7 @@ def test_slurm_no_wait_submits_one_array_then_collects_reattaches_or_resubmits(s
 
     assert main([*argv, "--no-wait"]) == 0  # the same settings: reattached, nothing resubmitted or cancelled
     assert "2 submitted earlier (reattached), 0 to submit" in capsys.readouterr().out
-    assert [j["job_id"] for j in json.loads((out / SWEEP).read_text())["jobs"]] == ["4242_0", "4242_1"]
+    assert [j["job_id"] for j in json.loads((out / STUDY).read_text())["jobs"]] == ["4242_0", "4242_1"]
     assert len(_lines(bin_dir / "calls")) == 1 and not _lines(bin_dir / "cancelled")
 
     changed = [*argv, "--set", "probes.n_boot=30"]  # another hash: the queued jobs would be stale
@@ -352,17 +352,17 @@ def test_slurm_no_wait_submits_one_array_then_collects_reattaches_or_resubmits(s
         assert main([*changed, "--no-wait"]) == 0
     assert "cancelled SLURM job 4242_0" in capsys.readouterr().out
     assert sorted(_lines(bin_dir / "cancelled")) == ["4242_0", "4242_1"] and len(_lines(bin_dir / "calls")) == 2
-    jobs = json.loads((out / SWEEP).read_text())["jobs"]
+    jobs = json.loads((out / STUDY).read_text())["jobs"]
     assert [j["job_id"] for j in jobs] == ["4243_0", "4243_1"] and all(j["hash"] not in hashes for j in jobs)
 
-    for j in jobs:  # both fail on the cluster while no sweep watches
+    for j in jobs:  # both fail on the cluster while no study watches
         (out / j["slug"]).mkdir(exist_ok=True)
         (out / j["slug"] / FAILED).write_text(json.dumps({"config_hash": j["hash"], "error": "CUDA out of memory",
                                                           "job_id": j["job_id"], "seconds": 3.0}))
-    collect_locally = ["sweep", str(sweep_file), "--out", str(out), "--set", "probes.n_boot=30", "--no-progress"]
+    collect_locally = ["study", str(study_file), "--out", str(out), "--set", "probes.n_boot=30", "--no-progress"]
     assert main(collect_locally) == 1  # collected with the default (local) executor: reported, not resubmitted
     printed = capsys.readouterr().out
-    jobs = json.loads((out / SWEEP).read_text())["jobs"]
+    jobs = json.loads((out / STUDY).read_text())["jobs"]
     assert [(j["state"], j["job_id"], j["error"]) for j in jobs] == [("failed", "4243_0", "CUDA out of memory"),
                                                                      ("failed", "4243_1", "CUDA out of memory")]
     assert all((out / j["slug"] / FAILED).is_file() for j in jobs) and len(_lines(bin_dir / "calls")) == 2
@@ -374,19 +374,19 @@ def _sleep_then_write(path: str) -> None:
     import time as _time
 
     _time.sleep(3)
-    Path(path).write_text("the job outlived its sweep")
+    Path(path).write_text("the job outlived its study")
 
 
-def test_stopping_the_sweep_cancels_its_local_jobs_and_leaves_cluster_jobs(tmp_path, capsys):
-    """SIGTERM (or Ctrl-C) on `tomlens sweep`: its local jobs are its subprocesses and stop with it
-    (one left running went on writing into the sweep folder); a SLURM job (reattached by a local
-    sweep) is not cancelled; the interruption propagates and the SIGTERM handler is restored."""
+def test_stopping_the_study_cancels_its_local_jobs_and_leaves_cluster_jobs(tmp_path, capsys):
+    """SIGTERM (or Ctrl-C) on `tomlens study`: its local jobs are its subprocesses and stop with it
+    (one left running went on writing into the study folder); a SLURM job (reattached by a local
+    study) is not cancelled; the interruption propagates and the SIGTERM handler is restored."""
     import signal
     import time
 
     import submitit
 
-    from tomlens.runs.sweep import jobs_stop_with_this_command
+    from tomlens.runs.study import jobs_stop_with_this_command
 
     executor = submitit.LocalExecutor(folder=tmp_path / "logs")
     executor.update_parameters(timeout_min=2)
@@ -407,4 +407,24 @@ def test_stopping_the_sweep_cancels_its_local_jobs_and_leaves_cluster_jobs(tmp_p
     cluster.cancel.assert_not_called()
     err = capsys.readouterr().err
     assert "job-a: cancelled local job" in err and "1 SLURM jobs keep running (job-b)" in err
-    assert signal.getsignal(signal.SIGTERM) == before  # the handler is the sweep's only while it waits
+    assert signal.getsignal(signal.SIGTERM) == before  # the handler is the study's only while it waits
+
+
+def test_the_old_command_name_still_parses_to_a_study() -> None:
+    from tomlens.cli import build_parser
+    from tomlens.cli import study as study_cli
+
+    args = build_parser().parse_args(["sweep", "examples/family-study.toml"])
+    assert args.command == "sweep" and args.func is study_cli.run  # run() prints the rename line for it
+
+
+def test_a_folder_the_old_name_wrote_reads_as_a_study(tmp_path) -> None:
+    from tomlens.runs.study import DONE, FAILED, STUDY, finished_record, marker
+
+    (tmp_path / "sweep-done.json").write_text(json.dumps({"config_hash": "abc"}))
+    (tmp_path / "sweep.json").write_text(json.dumps({"jobs": []}))
+    assert marker(tmp_path, DONE).name == "sweep-done.json" and marker(tmp_path, STUDY).name == "sweep.json"
+    assert finished_record(tmp_path, "abc") == {"config_hash": "abc"}  # a finished job is reused, not rerun
+    assert marker(tmp_path, FAILED).name == "study-failed.json"  # neither exists: the new name
+    (tmp_path / "study-done.json").write_text(json.dumps({"config_hash": "new"}))
+    assert finished_record(tmp_path, "new") is not None  # the new file wins once written

@@ -1,6 +1,6 @@
-"""Stopping `tomlens sweep`: SIGTERM exits 143 and Ctrl-C 130, each after cancelling the local jobs
-and writing `sweep.json`; an interrupt that arrives while a job is being submitted never leaves a
-job unrecorded: `sweep.json` lists it as submitted (with its id) or as not submitted. The executor
+"""Stopping `tomlens study`: SIGTERM exits 143 and Ctrl-C 130, each after cancelling the local jobs
+and writing `study.json`; an interrupt that arrives while a job is being submitted never leaves a
+job unrecorded: `study.json` lists it as submitted (with its id) or as not submitted. The executor
 is a stand-in (no job runs, no model loads)."""
 
 from __future__ import annotations
@@ -18,13 +18,13 @@ import pytest
 import submitit
 
 from tomlens.cli import main
-from tomlens.runs import sweep as sweep_module
+from tomlens.runs import study as study_module
 from tomlens.runs.experiment import ExperimentConfig
-from tomlens.runs.sweep import SWEEP, ExecutorOptions, SweepTerminated, run_sweep
+from tomlens.runs.study import STUDY, ExecutorOptions, StudyTerminated, run_study
 
 pytestmark = pytest.mark.unit
 
-SWEEP_TOML = """
+STUDY_TOML = """
 name = "signals"
 [[models]]
 name = "random:tiny-llama"
@@ -37,7 +37,7 @@ n = 1
 
 
 def _job(job_id: str, done: Callable[[], bool] = lambda: False) -> Any:
-    """A stand-in for a submitted local job (a `LocalJob` to the sweep's isinstance checks)."""
+    """A stand-in for a submitted local job (a `LocalJob` to the study's isinstance checks)."""
     job = mock.Mock(spec=submitit.LocalJob)
     job.job_id = job_id
     job.paths.stdout = Path(f"/nowhere/{job_id}.out")
@@ -65,14 +65,14 @@ class FakeExecutor:
 
 
 @pytest.fixture
-def sweep_file(tmp_path: Path) -> Path:
+def study_file(tmp_path: Path) -> Path:
     path = tmp_path / "signals.toml"
-    path.write_text(SWEEP_TOML, encoding="utf-8")
+    path.write_text(STUDY_TOML, encoding="utf-8")
     return path
 
 
 def _jobs(out: Path) -> list[tuple[str, str | None, str | None]]:
-    rows = json.loads((out / SWEEP).read_text())["jobs"]
+    rows = json.loads((out / STUDY).read_text())["jobs"]
     return [(r["state"], r["job_id"], r["error"]) for r in rows]
 
 
@@ -84,13 +84,13 @@ def _kill_self(signum: int) -> Callable[[], bool]:
 
 
 @pytest.mark.parametrize("signum, status", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
-def test_sigterm_exits_143_and_ctrl_c_130_after_recording_every_job(sweep_file, tmp_path, capsys, monkeypatch,
+def test_sigterm_exits_143_and_ctrl_c_130_after_recording_every_job(study_file, tmp_path, capsys, monkeypatch,
                                                                     signum, status):
     executor = FakeExecutor(lambda n, job: None, done=_kill_self(signum))
-    monkeypatch.setattr(sweep_module, "make_executor", lambda *a: executor)
-    out = tmp_path / "sweep"
+    monkeypatch.setattr(study_module, "make_executor", lambda *a: executor)
+    out = tmp_path / "study"
     before = signal.getsignal(signal.SIGTERM)
-    assert main(["sweep", str(sweep_file), "--out", str(out), "--no-progress"]) == status
+    assert main(["study", str(study_file), "--out", str(out), "--no-progress"]) == status
     assert signal.getsignal(signal.SIGTERM) == before
     err = capsys.readouterr().err
     assert "cancelled local job 100" in err and "finished work is kept" in err
@@ -99,7 +99,7 @@ def test_sigterm_exits_143_and_ctrl_c_130_after_recording_every_job(sweep_file, 
 
 
 @pytest.mark.parametrize("executor_name", ["local", "slurm"])
-def test_ctrl_c_raised_inside_submit_leaves_every_job_recorded_as_not_submitted(sweep_file, tmp_path, monkeypatch,
+def test_ctrl_c_raised_inside_submit_leaves_every_job_recorded_as_not_submitted(study_file, tmp_path, monkeypatch,
                                                                                 executor_name):
     """The interrupt escapes `submit` itself (no job handle comes back): the job is on record as
     not submitted, and so is every job after it; for SLURM (one array) that is all of them."""
@@ -107,13 +107,13 @@ def test_ctrl_c_raised_inside_submit_leaves_every_job_recorded_as_not_submitted(
         if n == (0 if executor_name == "slurm" else 1):
             raise KeyboardInterrupt
 
-    monkeypatch.setattr(sweep_module, "make_executor", lambda *a: FakeExecutor(interrupt_second))
-    out = tmp_path / "sweep"
+    monkeypatch.setattr(study_module, "make_executor", lambda *a: FakeExecutor(interrupt_second))
+    out = tmp_path / "study"
     out.mkdir()
-    (out / SWEEP).write_text(json.dumps({"jobs": []}))  # an earlier sweep's file must not stay as it was
-    config = ExperimentConfig.load(sweep_file)
+    (out / STUDY).write_text(json.dumps({"jobs": []}))  # an earlier study's file must not stay as it was
+    config = ExperimentConfig.load(study_file)
     with pytest.raises(KeyboardInterrupt):
-        run_sweep(config, out, ExecutorOptions(executor=executor_name, parallel=2 if executor_name == "local" else None),
+        run_study(config, out, ExecutorOptions(executor=executor_name, parallel=2 if executor_name == "local" else None),
                   progress=False)
     expected = [("missing", None, "never submitted")] * 2
     if executor_name == "local":
@@ -123,20 +123,20 @@ def test_ctrl_c_raised_inside_submit_leaves_every_job_recorded_as_not_submitted(
 
 @pytest.mark.parametrize("executor_name, signum, raised", [
     ("local", signal.SIGINT, KeyboardInterrupt), ("slurm", signal.SIGINT, KeyboardInterrupt),
-    ("local", signal.SIGTERM, SweepTerminated)])
-def test_a_signal_while_a_job_is_submitted_waits_until_it_is_recorded(sweep_file, tmp_path, monkeypatch,
+    ("local", signal.SIGTERM, StudyTerminated)])
+def test_a_signal_while_a_job_is_submitted_waits_until_it_is_recorded(study_file, tmp_path, monkeypatch,
                                                                        executor_name, signum, raised):
     """The signal arrives after the job was submitted but before `submit` returns its handle: it is
-    held until the job is on record as submitted, with its id, then stops the sweep."""
+    held until the job is on record as submitted, with its id, then stops the study."""
     def signal_first(n: int, job: Any) -> None:
         if n == 0:
             os.kill(os.getpid(), signum)
 
-    monkeypatch.setattr(sweep_module, "make_executor", lambda *a: FakeExecutor(signal_first))
-    out = tmp_path / "sweep"
+    monkeypatch.setattr(study_module, "make_executor", lambda *a: FakeExecutor(signal_first))
+    out = tmp_path / "study"
     handlers = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
     with pytest.raises(raised):
-        run_sweep(ExperimentConfig.load(sweep_file), out, ExecutorOptions(executor=executor_name),
+        run_study(ExperimentConfig.load(study_file), out, ExecutorOptions(executor=executor_name),
                   progress=False)
     assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == handlers
     if executor_name == "slurm":  # one array: every job of it was submitted before the signal is raised

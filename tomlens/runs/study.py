@@ -1,15 +1,15 @@
-"""Sweeps: one experiment over many models, training checkpoints (`revisions = [...]`) or weight
+"""Studies: one experiment over many models, training checkpoints (`revisions = [...]`) or weight
 seeds (`seeds = [...]`), run as one independent job per model entry through submitit.
 
 submitit is the engine (its `LocalExecutor` runs each job as a subprocess on this machine, its
 `SlurmExecutor` on a cluster), so there is no scheduler here: this module turns an experiment into
 one-model experiments, submits those that have not finished, and collects what they left. Each job
 runs `run_experiment` into `<out>/<model_slug>/`, the layout a multi-model `tomlens run` writes, and
-marks its folder finished with `sweep-done.json` (job hash, time, provenance) or failed with
-`sweep-failed.json` (the traceback's tail). A job's hash covers its resolved settings and the sha256
+marks its folder finished with `study-done.json` (job hash, time, provenance) or failed with
+`study-failed.json` (the traceback's tail). A job's hash covers its resolved settings and the sha256
 of every input file they name, so a job whose folder holds a finished record of the same hash is
-reused, never resubmitted, and an edited stimulus file makes it run again. `<out>/sweep.json` lists
-every job (state, hash, the executor options it was submitted with), so a `--no-wait` SLURM sweep
+reused, never resubmitted, and an edited stimulus file makes it run again. `<out>/study.json` lists
+every job (state, hash, the executor options it was submitted with), so a `--no-wait` SLURM study
 is collected by running the command again; the comparison is built from the folders that
 finished, naming the ones that did not.
 """
@@ -35,14 +35,24 @@ from tomlens.models.registry import local_weights_revision
 from tomlens.runs.base import ModelSpec, config_hash
 from tomlens.runs.experiment import PROBES_TABLE, ExperimentConfig, input_files, model_slug, run_experiment
 
-DONE = "sweep-done.json"  # in a job's model folder: it finished (config hash, time, provenance)
-FAILED = "sweep-failed.json"  # in a job's model folder: it failed (error, traceback tail)
-SWEEP = "sweep.json"  # in the sweep folder: every job, its state, hash, id, folder, executor and seconds
-SWEEP_VERSION = 1  # of sweep.json's layout
-LOGS = "sweep-logs"  # submitit's folder: each job's pickled call, stdout and stderr
+DONE = "study-done.json"  # in a job's model folder: it finished (config hash, time, provenance)
+FAILED = "study-failed.json"  # in a job's model folder: it failed (error, traceback tail)
+STUDY = "study.json"  # in the study folder: every job, its state, hash, id, folder, executor and seconds
+STUDY_VERSION = 1  # of study.json's layout
+LOGS = "study-logs"  # submitit's folder: each job's pickled call, stdout and stderr
+# What `tomlens sweep` (this command's name before 0.2) wrote: read when the new file is absent, so a
+# study begun under the old name reuses its finished jobs instead of running them again.
+LEGACY = {DONE: "sweep-done.json", FAILED: "sweep-failed.json", STUDY: "sweep.json"}
+
+
+def marker(folder: Path, name: str) -> Path:
+    """`folder / name`, or the file of the same role an older tomlens wrote, where only that exists."""
+    path = folder / name
+    old = folder / LEGACY.get(name, name)
+    return old if not path.is_file() and old.is_file() else path
 STATES = ("done", "reused", "failed", "missing", "submitted")
 EXECUTORS = ("local", "slurm")
-TRACEBACK_LINES = 30  # lines of a failed job's traceback kept in sweep-failed.json
+TRACEBACK_LINES = 30  # lines of a failed job's traceback kept in study-failed.json
 LOCAL_TIMEOUT_MIN = 24 * 60  # submitit's local default (2 minutes) would kill a real job
 
 
@@ -80,7 +90,7 @@ class ExecutorOptions:
                                    "add --executor slurm, or drop those options")
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain values for `sweep.json` (each job records the options it was submitted with)."""
+        """Plain values for `study.json` (each job records the options it was submitted with)."""
         return {"executor": self.executor, "parallel": self.parallel, "partition": self.partition,
                 "gpus_per_job": self.gpus_per_job, "time_min": self.time_min, "mem_gb": self.mem_gb,
                 "cpus_per_job": self.cpus_per_job, "slurm_args": dict(self.slurm_args)}
@@ -168,14 +178,14 @@ def make_executor(options: ExecutorOptions, folder: Path, name: str) -> Any:
     try:
         slurm = submitit.SlurmExecutor(folder=folder)
     except RuntimeError as e:
-        raise TomlensError(f"--executor slurm: {e}", "run the sweep on a SLURM login node, or use --executor local") from None
+        raise TomlensError(f"--executor slurm: {e}", "run the study on a SLURM login node, or use --executor local") from None
     slurm.update_parameters(**slurm_parameters(options, name))
     return slurm
 
 
 @dataclass(frozen=True)
-class SweepJob:
-    """One model entry of a sweep: the one-model experiment it runs and where it goes."""
+class StudyJob:
+    """One model entry of a study: the one-model experiment it runs and where it goes."""
 
     slug: str
     model: ModelSpec
@@ -186,9 +196,9 @@ class SweepJob:
 
 @dataclass
 class JobRecord:
-    """What a sweep knows of one job (a row of `sweep.json`). `hash`: the job's settings and input
+    """What a study knows of one job (a row of `study.json`). `hash`: the job's settings and input
     files; `executor`: the `ExecutorOptions.to_dict()` it was submitted with (None: never submitted
-    by a sweep that recorded them)."""
+    by a study that recorded them)."""
 
     slug: str
     state: str
@@ -205,7 +215,7 @@ class JobRecord:
 
 
 @dataclass
-class SweepResult:
+class StudyResult:
     """Every job's record, and the comparison of those that finished (or why there is none)."""
 
     out: Path
@@ -247,7 +257,7 @@ def job_inputs(config: ExperimentConfig) -> dict[str, str | None]:
     return {p: file_sha256(p) if Path(p).is_file() else None for p in sorted(files)}
 
 
-def plan_jobs(config: ExperimentConfig, out: str | Path) -> list[SweepJob]:
+def plan_jobs(config: ExperimentConfig, out: str | Path) -> list[StudyJob]:
     """One job per model entry (revisions and seeds already expanded): its one-model experiment,
     folder `<out>/<slug>/` and the hash (settings, input files and, for weights on this machine
     such as a retrained tom-organism, their digest) a finished record must match to be reused."""
@@ -262,13 +272,13 @@ def plan_jobs(config: ExperimentConfig, out: str | Path) -> list[SweepJob]:
         if weights is not None:  # only then: the hashes of hub and built-in jobs stay as they were
             keyed["weights"] = weights
         hash_ = config_hash(keyed)
-        jobs.append(SweepJob(slug, spec, one, out / slug, hash_))
+        jobs.append(StudyJob(slug, spec, one, out / slug, hash_))
     return jobs
 
 
 def finished_record(folder: Path, hash_: str) -> dict[str, Any] | None:
-    """The folder's `sweep-done.json` if it records a finished run of config `hash_`."""
-    path = folder / DONE
+    """The folder's `study-done.json` if it records a finished run of config `hash_`."""
+    path = marker(folder, DONE)
     if not path.is_file():
         return None
     try:
@@ -280,7 +290,7 @@ def finished_record(folder: Path, hash_: str) -> dict[str, Any] | None:
 
 def run_job(config: dict[str, Any], folder: str, hash_: str) -> dict[str, Any]:
     """The body of one job, in the job's own process: run the one-model experiment into `folder`,
-    then write `sweep-done.json`; on any error write `sweep-failed.json` and raise, so submitit
+    then write `study-done.json`; on any error write `study-failed.json` and raise, so submitit
     marks the job failed too."""
     from tomlens.provenance import versions
 
@@ -320,14 +330,15 @@ def _now() -> str:
 
 def _failure(folder: Path) -> dict[str, Any]:
     try:
-        return read_json(folder / FAILED) if (folder / FAILED).is_file() else {}
+        path = marker(folder, FAILED)
+        return read_json(path) if path.is_file() else {}
     except ValueError:
         return {}
 
 
 def _previous(out: Path) -> dict[str, dict[str, Any]]:
-    """The last `sweep.json`'s rows by slug (a `--no-wait` sweep's submitted job ids and hashes)."""
-    path = out / SWEEP
+    """The last `study.json`'s rows by slug (a `--no-wait` study's submitted job ids and hashes)."""
+    path = marker(out, STUDY)
     try:
         data = read_json(path) if path.is_file() else {}
     except ValueError:
@@ -337,35 +348,35 @@ def _previous(out: Path) -> dict[str, dict[str, Any]]:
 
 
 def _submitted_with(row: Mapping[str, Any]) -> str | None:
-    """The executor a `sweep.json` row's job was submitted to ("local", "slurm"; None: unknown)."""
+    """The executor a `study.json` row's job was submitted to ("local", "slurm"; None: unknown)."""
     options = row.get("executor")
     return options.get("executor") if isinstance(options, Mapping) else None
 
 
 def _slurm_job(logs: Path, job_id: str) -> Any:
-    """A handle on a SLURM job an earlier sweep submitted (whatever executor this sweep uses)."""
+    """A handle on a SLURM job an earlier study submitted (whatever executor this study uses)."""
     import submitit
 
     return submitit.SlurmJob(folder=logs, job_id=job_id)
 
 
-class SweepTerminated(KeyboardInterrupt):
-    """SIGTERM stopped the sweep. A `KeyboardInterrupt`, so that everything Ctrl-C does on the way
-    out (cancel the local jobs, write `sweep.json`) happens for it too; its own type lets the CLI
+class StudyTerminated(KeyboardInterrupt):
+    """SIGTERM stopped the study. A `KeyboardInterrupt`, so that everything Ctrl-C does on the way
+    out (cancel the local jobs, write `study.json`) happens for it too; its own type lets the CLI
     exit 143 (128 + SIGTERM), the status a scheduler or a shell expects of a terminated command,
     where Ctrl-C exits 130."""
 
 
-def run_sweep(config: ExperimentConfig, out: str | Path, options: ExecutorOptions | None = None, *,
-              wait: bool = True, progress: bool = True, command: list[str] | None = None) -> SweepResult:
+def run_study(config: ExperimentConfig, out: str | Path, options: ExecutorOptions | None = None, *,
+              wait: bool = True, progress: bool = True, command: list[str] | None = None) -> StudyResult:
     """Submit every job of `config` that has not finished into `out` and (with `wait`) collect
-    them all; write `<out>/sweep.json` and build the comparison of what finished.
+    them all; write `<out>/study.json` and build the comparison of what finished.
 
-    Jobs an earlier `--no-wait` sweep submitted to SLURM are reattached (whatever executor this call
+    Jobs an earlier `--no-wait` study submitted to SLURM are reattached (whatever executor this call
     uses) when their recorded hash is the job's current one, else cancelled and submitted again; a
     failure one of them recorded meanwhile is reported as failed, not resubmitted (the next run
-    retries it). `command`: the arguments that collect a `--no-wait` sweep, kept in `sweep.json`.
-    Stopped (Ctrl-C, SIGTERM) at any point after planning, it writes `sweep.json` first: every job
+    retries it). `command`: the arguments that collect a `--no-wait` study, kept in `study.json`.
+    Stopped (Ctrl-C, SIGTERM) at any point after planning, it writes `study.json` first: every job
     is listed as submitted (with its id) or as not submitted, never lost between the two."""
     import submitit  # noqa: F401 - fail here, before any folder is written, if it is missing
 
@@ -376,31 +387,31 @@ def run_sweep(config: ExperimentConfig, out: str | Path, options: ExecutorOption
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     write_json(config.to_dict(), out / "config.json")
-    sweep = _Sweep(config, out, options, plan_jobs(config, out), command)
-    todo = sweep.triage()
-    sweep.announce(todo)
-    sweep.prepare(todo)
+    study = _Study(config, out, options, plan_jobs(config, out), command)
+    todo = study.triage()
+    study.announce(todo)
+    study.prepare(todo)
     try:
         if options.executor == "slurm" and todo:
-            sweep.submit_array(todo)
+            study.submit_array(todo)
             todo = []
-            if wait:  # their ids on disk now: a stopped sweep's next run reattaches them instead of resubmitting
-                sweep.finish(waited=False)
+            if wait:  # their ids on disk now: a stopped study's next run reattaches them instead of resubmitting
+                study.finish(waited=False)
         if not wait:
-            return sweep.finish(waited=False)
-        sweep.wait_for_all(todo, progress)
+            return study.finish(waited=False)
+        study.wait_for_all(todo, progress)
     except KeyboardInterrupt:
-        sweep.finish(waited=False)  # what is still running, by id
+        study.finish(waited=False)  # what is still running, by id
         raise
-    return sweep.finish(waited=True)
+    return study.finish(waited=True)
 
 
-class _Sweep:
-    """One call of `run_sweep` in steps: sort the jobs (finished, reattached, to submit), submit,
-    wait, write `sweep.json`. It holds what the steps share and change: every job's record, the
+class _Study:
+    """One call of `run_study` in steps: sort the jobs (finished, reattached, to submit), submit,
+    wait, write `study.json`. It holds what the steps share and change: every job's record, the
     jobs still running and when this call submitted them."""
 
-    def __init__(self, config: ExperimentConfig, out: Path, options: ExecutorOptions, jobs: list[SweepJob],
+    def __init__(self, config: ExperimentConfig, out: Path, options: ExecutorOptions, jobs: list[StudyJob],
                  command: list[str] | None):
         self.config, self.out, self.options, self.jobs, self.command = config, out, options, jobs, command
         self.logs = out / LOGS
@@ -412,8 +423,8 @@ class _Sweep:
         self.executor: Any = None
         self.environment = job_environment(options)
 
-    def triage(self) -> list[SweepJob]:
-        """Record the jobs that finished before and reattach those an earlier sweep submitted to
+    def triage(self) -> list[StudyJob]:
+        """Record the jobs that finished before and reattach those an earlier study submitted to
         SLURM with the current hash; return the ones left to submit."""
         previous = _previous(self.out)
         todo = []
@@ -423,7 +434,7 @@ class _Sweep:
                 todo.append(job)
         return todo
 
-    def _reuse(self, job: SweepJob, before: Mapping[str, Any]) -> bool:
+    def _reuse(self, job: StudyJob, before: Mapping[str, Any]) -> bool:
         """Record `job` as done (collected now) or reused when its folder holds a finished record of
         its hash."""
         done = finished_record(job.folder, job.hash)
@@ -435,15 +446,15 @@ class _Sweep:
                                            hash=job.hash, executor=_executor_of(before))
         return True
 
-    def _reattach(self, job: SweepJob, before: Mapping[str, Any]) -> bool:
-        """Handle a job an earlier sweep submitted: failed while unattended (recorded), or on SLURM
+    def _reattach(self, job: StudyJob, before: Mapping[str, Any]) -> bool:
+        """Handle a job an earlier study submitted: failed while unattended (recorded), or on SLURM
         with its current hash (reattached); one with another hash is cancelled (False: resubmit)."""
         if before.get("state") != "submitted" or not before.get("job_id"):
             return False
         job_id = str(before["job_id"])
         current = before.get("hash") == job.hash
         failure = _failure(job.folder)
-        if current and failure.get("config_hash") == job.hash:  # it failed while no sweep watched
+        if current and failure.get("config_hash") == job.hash:  # it failed while no study watched
             self.records[job.slug] = JobRecord(job.slug, "failed", str(job.folder), job_id, failure.get("seconds"),
                                                before.get("log"), failure.get("error") or "failed",
                                                hash=job.hash, executor=_executor_of(before))
@@ -463,11 +474,11 @@ class _Sweep:
             "it was submitted); submitting it again")
         return False
 
-    def announce(self, todo: list[SweepJob]) -> None:
+    def announce(self, todo: list[StudyJob]) -> None:
         """Say what this call will do, and roughly how long a job takes."""
         options = self.options
         reused = [r for r in self.records.values() if r.state in ("reused", "done")]
-        say(f"sweep {self.config.name!r}: {len(self.jobs)} jobs, {len(reused)} finished before (not rerun), "
+        say(f"study {self.config.name!r}: {len(self.jobs)} jobs, {len(reused)} finished before (not rerun), "
             + (f"{self.failed_meanwhile} failed while unattended (run again to retry), "
                if self.failed_meanwhile else "")
             + f"{len(self.running)} submitted earlier (reattached), {len(todo)} to submit ({options.executor} executor"
@@ -479,30 +490,30 @@ class _Sweep:
         elif todo:
             say("no finished job to time yet: the progress bar estimates the rest after the first")
 
-    def prepare(self, todo: list[SweepJob]) -> None:
+    def prepare(self, todo: list[StudyJob]) -> None:
         """Clear the jobs' old markers (an earlier run's would make a queued job look finished or
         failed) and make the executor they go to."""
         for job in todo:
-            for marker in (DONE, FAILED):
-                (job.folder / marker).unlink(missing_ok=True)
+            for name in (DONE, FAILED, *(LEGACY[n] for n in (DONE, FAILED))):
+                (job.folder / name).unlink(missing_ok=True)
         self.executor = make_executor(self.options, self.logs, self.config.name) if todo else None
 
-    def _call(self, job: SweepJob) -> tuple[Any, ...]:
+    def _call(self, job: StudyJob) -> tuple[Any, ...]:
         return (in_environment, self.environment, run_job, job.config.to_dict(), str(job.folder), job.hash)
 
-    def _record(self, job: SweepJob, submitted: Any) -> None:
+    def _record(self, job: StudyJob, submitted: Any) -> None:
         self.running[job.slug] = submitted
         self.started[job.slug] = time.time()
         self.records[job.slug] = JobRecord(job.slug, "submitted", str(job.folder), str(submitted.job_id),
                                            log=str(submitted.paths.stdout), hash=job.hash,
                                            executor=self.options.to_dict())
 
-    def submit(self, job: SweepJob) -> None:
+    def submit(self, job: StudyJob) -> None:
         """Submit one job and record it, with Ctrl-C and SIGTERM held until it is recorded."""
         with interrupts_held():
             self._record(job, self.executor.submit(*self._call(job)))
 
-    def submit_array(self, todo: list[SweepJob]) -> None:
+    def submit_array(self, todo: list[StudyJob]) -> None:
         """Submit `todo` to SLURM as one job array (the cluster's scheduler runs it) and record
         every job, with Ctrl-C and SIGTERM held until they are recorded."""
         with interrupts_held():
@@ -512,13 +523,13 @@ class _Sweep:
                 self._record(job, submitted)
         say(f"submitted {len(futures)} SLURM jobs: {', '.join(str(j.job_id) for _, j in futures)}")
 
-    def wait_for_all(self, queue: list[SweepJob], progress: bool) -> None:
+    def wait_for_all(self, queue: list[StudyJob], progress: bool) -> None:
         """Submit the local `queue` (at most `parallel` at once) and collect every running job as
         it stops."""
         from tqdm.auto import tqdm
 
         cap = self.options.parallel or 1
-        bar = tqdm(total=len(queue) + len(self.running), desc="sweep jobs", unit="job", disable=not progress)
+        bar = tqdm(total=len(queue) + len(self.running), desc="study jobs", unit="job", disable=not progress)
         queue = list(queue)
         local_running = 0
         with jobs_stop_with_this_command(self.running):
@@ -544,12 +555,12 @@ class _Sweep:
         self.records[slug] = _collect(self.by_slug[slug], handle, seconds, self.records[slug].executor)
         return int(slug in self.started)
 
-    def finish(self, waited: bool) -> SweepResult:
+    def finish(self, waited: bool) -> StudyResult:
         return _finish(self.out, self.config, self.jobs, self.records, waited=waited, command=self.command)
 
 
 def _executor_of(row: Mapping[str, Any]) -> dict[str, Any] | None:
-    """The executor options a `sweep.json` row recorded (None: none recorded)."""
+    """The executor options a `study.json` row recorded (None: none recorded)."""
     options = row.get("executor")
     return options if isinstance(options, dict) else None
 
@@ -557,7 +568,7 @@ def _executor_of(row: Mapping[str, Any]) -> dict[str, Any] | None:
 @contextlib.contextmanager
 def interrupts_held() -> Iterator[None]:
     """Hold Ctrl-C and SIGTERM while a job is submitted and recorded, then raise them: stopped
-    halfway, a submitted job would run with no record of its id (SLURM) or outside the sweep's
+    halfway, a submitted job would run with no record of its id (SLURM) or outside the study's
     reach. A second signal while held raises at once (a hung `sbatch` can still be stopped); the
     job is then recorded as not submitted. Outside the main thread signals cannot be caught, and
     nothing is held."""
@@ -583,16 +594,16 @@ def interrupts_held() -> Iterator[None]:
 
 
 def _interruption(signum: int) -> KeyboardInterrupt:
-    return SweepTerminated() if signum == signal.SIGTERM else KeyboardInterrupt()
+    return StudyTerminated() if signum == signal.SIGTERM else KeyboardInterrupt()
 
 
 @contextlib.contextmanager
 def jobs_stop_with_this_command(running: dict[str, Any]) -> Iterator[None]:
-    """Ctrl-C or SIGTERM stops the sweep; local jobs are its subprocesses, so they are cancelled too
-    (left alone, one went on writing into the sweep folder after its sweep was killed). SLURM jobs
-    run on: the same command later reattaches and collects them. SIGTERM raises `SweepTerminated`."""
+    """Ctrl-C or SIGTERM stops the study; local jobs are its subprocesses, so they are cancelled too
+    (left alone, one went on writing into the study folder after its study was killed). SLURM jobs
+    run on: the same command later reattaches and collects them. SIGTERM raises `StudyTerminated`."""
     def stop(signum: int, frame: Any) -> None:
-        raise SweepTerminated
+        raise StudyTerminated
 
     try:
         previous = signal.signal(signal.SIGTERM, stop)
@@ -617,7 +628,7 @@ def _cancel_local_jobs(running: dict[str, Any]) -> None:
     for slug, job in running.items():
         if isinstance(job, submitit.LocalJob):
             job.cancel(check=False)
-            warn(f"{slug}: cancelled local job {job.job_id} (the sweep was stopped; run the same command "
+            warn(f"{slug}: cancelled local job {job.job_id} (the study was stopped; run the same command "
                        "to submit it again)")
         else:
             cluster.append(slug)
@@ -626,7 +637,7 @@ def _cancel_local_jobs(running: dict[str, Any]) -> None:
                    "collect them")
 
 
-def _collect(job: SweepJob, submitted: Any, seconds: float, executor: dict[str, Any] | None) -> JobRecord:
+def _collect(job: StudyJob, submitted: Any, seconds: float, executor: dict[str, Any] | None) -> JobRecord:
     """The record of a job that has stopped: done if it left a finished record, else failed with
     the error it recorded (or submitit's, when it died before it could write one)."""
     log = str(submitted.paths.stdout)
@@ -648,9 +659,9 @@ def _collect(job: SweepJob, submitted: Any, seconds: float, executor: dict[str, 
                      failure.get("seconds", seconds), log, failure.get("error") or error, job.hash, executor)
 
 
-def _finish(out: Path, config: ExperimentConfig, jobs: list[SweepJob], records: dict[str, JobRecord],
-            waited: bool, command: list[str] | None = None) -> SweepResult:
-    """Write `sweep.json` (every job, finished or not) and the top-level manifest (the finished
+def _finish(out: Path, config: ExperimentConfig, jobs: list[StudyJob], records: dict[str, JobRecord],
+            waited: bool, command: list[str] | None = None) -> StudyResult:
+    """Write `study.json` (every job, finished or not) and the top-level manifest (the finished
     jobs' model entries, and the unfinished ones by folder and state), and compare what finished."""
     rows = []
     for job in jobs:
@@ -659,20 +670,20 @@ def _finish(out: Path, config: ExperimentConfig, jobs: list[SweepJob], records: 
         if waited and record.state == "submitted":
             record.state = "missing"
         rows.append(record)
-    result = SweepResult(out, rows, waited=waited)
+    result = StudyResult(out, rows, waited=waited)
     manifests = [read_json(Path(r.folder) / "manifest.json")["models"][0] for r in result.finished
                  if (Path(r.folder) / "manifest.json").is_file()]
     unfinished = [{"slug": r.slug, "state": r.state, "folder": r.folder} for r in result.unfinished]
     write_json({"name": config.name, "argv": list(sys.argv), "models": manifests, "unfinished": unfinished,
-                "sweep": SWEEP}, out / "manifest.json")
-    write_json({"version": SWEEP_VERSION, "name": config.name, "time": _now(), "waited": waited,
-                "collect": command, "jobs": [r.to_dict() for r in rows]}, out / SWEEP)
+                "study": STUDY}, out / "manifest.json")
+    write_json({"version": STUDY_VERSION, "name": config.name, "time": _now(), "waited": waited,
+                "collect": command, "jobs": [r.to_dict() for r in rows]}, out / STUDY)
     if waited:
         result.comparison, result.comparison_note = compare_finished(result)
     return result
 
 
-def compare_finished(result: SweepResult) -> tuple[Any, str]:
+def compare_finished(result: StudyResult) -> tuple[Any, str]:
     """`compare_runs` over the finished folders, naming the jobs that did not finish as missing;
     (None, why) when there is nothing to compare or the comparison module is not installed."""
     folders = [Path(j.folder) for j in result.finished]
