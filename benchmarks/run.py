@@ -14,7 +14,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 OUT = HERE.parent / "bench-out"
-BENCHES = ("cache", "probes", "patching", "search")
+BENCHES = ("cache", "probes", "patching", "search", "behaviour")
 
 
 def main() -> int:

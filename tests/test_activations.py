@@ -196,7 +196,8 @@ def test_where_shards_end_never_changes_the_numbers(load_tiny, tmp_path):
 
 
 def test_a_shard_is_written_every_two_minutes_of_work_by_default(load_tiny, tmp_path, monkeypatch):
-    """Small rows would fill one shard for the whole run; the time bound cuts it every ~2 minutes."""
+    """Small rows would fill one shard for the whole run; the time bound cuts it every ~2 minutes,
+    the first shards sooner (after 15 s, then 30 s, 60 s, ...) so an early Ctrl-C keeps them."""
     model = load_tiny("tiny-gpt2")
     clock = [0.0]
     real_capture = cache_mod.capture
@@ -209,7 +210,9 @@ def test_a_shard_is_written_every_two_minutes_of_work_by_default(load_tiny, tmp_
     monkeypatch.setattr(cache_mod, "time", SimpleNamespace(perf_counter=lambda: clock[0], strftime=time.strftime))
     acts = cache_activations(model, STORIES, ["resid_post"], ["final"], store=tmp_path, batch_size=1, progress=False)
     assert cache_mod.FLUSH_SECONDS == 120
-    assert [s["stop"] - s["start"] for s in acts.manifest["shards"]] == [3, 3, 1]  # 150 s >= 120 s, then the rest
+    assert cache_mod.FIRST_FLUSH_SECONDS == 15
+    # 50 s >= 15 s, 50 s >= 30 s, 100 s >= 60 s, 150 s >= 120 s, then the rest
+    assert [s["stop"] - s["start"] for s in acts.manifest["shards"]] == [1, 1, 2, 3]
     assert acts.ids == [s.id for s in STORIES]
 
 

@@ -47,7 +47,7 @@ def test_behaviour_stage_scores_saves_and_reports_the_batteries(tmp_path):
         assert list(headline(back.batteries[family])[0].columns) == list(headline(df)[0].columns)
     sections = _behaviour_sections(back)
     battery = [s for s in sections if "batteries" in s.heading]
-    assert battery and len(battery[0].tables) == 1 + len(result.batteries)
+    assert battery and len(battery[0].collapsed) == len(result.batteries)  # one folded line each
 
 
 def test_headline_keeps_the_papers_cells_and_flags_and_drops_prose():

@@ -26,7 +26,7 @@ def test_batched_scoring_equals_one_at_a_time(name):
     stimuli = _stimuli()
     batched = score_options(model, stimuli, batch_size=8, progress=False)
     single = [score_options(model, [s], batch_size=1, progress=False)[0] for s in stimuli]
-    for (ba, bb), (sa, sb) in zip(batched, single):
+    for (ba, bb), (sa, sb) in zip(batched, single, strict=True):
         for b, s in ((ba, sa), (bb, sb)):
             assert b.n_tokens == s.n_tokens
             # padded batch vs one prompt, log-probs ~ -10 to -22 in fp32 (ulp 1e-6 to 2e-6): tolerance
@@ -39,7 +39,7 @@ def test_scores_equal_direct_logit_computation():
     s = _stimuli()[0]
     (a, b), = score_options(model, [s], batch_size=1, progress=False)
     tok = model.tokenizer
-    for opt, got in zip(s.options, (a, b)):
+    for opt, got in zip(s.options, (a, b), strict=True):
         prompt_ids = tok(s.text)["input_ids"]
         full_ids = tok(f"{s.text} {opt}")["input_ids"]
         assert full_ids[: len(prompt_ids)] == prompt_ids
@@ -68,7 +68,6 @@ def test_score_table_normalises_two_options():
 def test_belief_tracking_prompts_give_one_curve_point_per_prefix(load_tiny):
     from tomlens.runs.behaviour import run_behaviour
     from tomlens.stimuli import generate
-
     from tomlens.stimuli.tracking import belief_tracking
 
     stimuli = generate("belief-tracking", n=1, seed=0)
@@ -91,8 +90,8 @@ def test_belief_tracking_prompts_give_one_curve_point_per_prefix(load_tiny):
 def test_prompt_ending_in_whitespace_is_refused(load_tiny):
     from dataclasses import replace
 
-    from tomlens.errors import TomlensError
     from tomlens.behaviour.scoring import score
+    from tomlens.errors import TomlensError
     from tomlens.stimuli import generate
 
     good = generate("unexpected-transfer", n=1, seed=0)[0]
@@ -200,3 +199,73 @@ def test_first_word_scoring_runs_on_the_embedded_model(smollm2):
     assert set(strict["scoring"]) == {"two-way log-prob", "first word (greedy)"}
     assert set(strict["family"]) == {"unexpected-transfer", "unexpected-contents"}
     assert len(result.first_word) == 16 and result.first_word["off_key"].between(0, 1).all()
+
+
+def _assert_same_scores(got: list, want: list) -> None:
+    for pair, ref in zip(got, want, strict=True):
+        for g, w in zip(pair, ref, strict=True):
+            assert (g.n_tokens, g.first_token) == (w.n_tokens, w.first_token)
+            assert g.logp_sum == pytest.approx(w.logp_sum, abs=1e-4)
+            assert g.logp_first == pytest.approx(w.logp_first, abs=1e-4)
+
+
+def test_rows_without_a_shared_prefix_run_plainly(monkeypatch):
+    """Prompts of different stories share no prefix worth a second forward: every batch is one
+    plain forward, and `_forward_shared` is never called."""
+    from tomlens.behaviour import scoring
+
+    model = load_model("tiny-llama")
+    stimuli = _stimuli()
+    rows = scoring._rows(model, scoring._plan(model.tokenizer, stimuli))
+    assert [b.prefix for b in scoring._plan_batches(rows, scoring._common_prefixes(rows), 8, True)] == [0]
+
+    def no_sharing(*args):
+        raise AssertionError("a batch without a shared prefix took the shared path")
+
+    monkeypatch.setattr(scoring, "_forward_shared", no_sharing)
+    score_options(model, stimuli, batch_size=8, progress=False)
+
+
+def _one_story(n_questions: int = 4) -> list[Stimulus]:
+    story = ("Tom puts his ball in the cupboard and goes out to play in the garden with his sister. While he "
+             "is away, his mother moves the ball from the cupboard to the toy box under the bed. ")
+    questions = ["Tom will look for his ball in the", "The ball is now in the", "Tom thinks his ball is in the",
+                 "His mother knows the ball is in the"][:n_questions]
+    return [Stimulus(id=f"q{i}", text=story + q, options=o, answer=o[0])
+            for i, (q, o) in enumerate((q, o) for q in questions for o in (("cupboard", "box"), ("toy box", "garden shed")))]
+
+
+@pytest.mark.parametrize("name", ["tiny-gpt2", "tiny-llama"])
+def test_a_cache_that_cannot_be_shared_falls_back_to_plain_forwards(name, monkeypatch):
+    """Where the model's cache is not a plain one (`PrefixCache.from_output` gives None), the
+    batches are planned again without sharing and the scores are the shared path's."""
+    from tomlens.behaviour import scoring
+
+    model = load_model(name)
+    stimuli = _one_story()
+    rows = scoring._rows(model, scoring._plan(model.tokenizer, stimuli))
+    assert all(b.prefix for b in scoring._plan_batches(rows, scoring._common_prefixes(rows), 4, True))
+    shared = score_options(model, stimuli, batch_size=4, progress=False)
+    plain_rows: list[int] = []
+    forward_plain = scoring._forward_plain
+    monkeypatch.setattr(scoring.PrefixCache, "from_output", classmethod(lambda cls, cache: None))
+    monkeypatch.setattr(scoring, "_forward_plain",
+                        lambda m, chunk, *a: plain_rows.append(len(chunk)) or forward_plain(m, chunk, *a))
+    _assert_same_scores(score_options(model, stimuli, batch_size=4, progress=False), shared)
+    assert sum(plain_rows) == len(scoring._plan(model.tokenizer, stimuli))  # every row, once
+
+
+@pytest.mark.parametrize("name", ["tiny-gpt2", "tiny-llama"])
+def test_unembedding_only_the_read_positions_changes_nothing(name, monkeypatch):
+    """`logits_to_keep` (the last positions the targets read) gives the scores of a forward that
+    unembeds every position, on the plain and the shared path alike."""
+    from tomlens.behaviour import scoring
+    from tomlens.hooks.logits import keeps_last_logits
+
+    model = load_model(name)
+    assert keeps_last_logits(model)  # the tiny models take it, so the trimmed path is what runs
+    stimuli = _one_story() + _stimuli()
+    trimmed = [score_options(model, stimuli, batch_size=b, progress=False) for b in (1, 4)]
+    monkeypatch.setattr(scoring, "keeps_last_logits", lambda m: False)
+    for b, got in zip((1, 4), trimmed, strict=True):
+        _assert_same_scores(got, score_options(model, stimuli, batch_size=b, progress=False))

@@ -130,6 +130,41 @@ def test_tiny_scores_equal_plain_transformers(name, prepend_bos):
     _assert_scores_equal(got, want, atol=1e-4)
 
 
+STORY = ("Anna and her brother Tom are in the kitchen. Anna puts the ring in the drawer and goes out to "
+         "the garden to water the flowers. While she is out, Tom moves the ring from the drawer to the box. ")
+QUESTIONS = ("Anna will look for the ring in the", "The ring is now in the", "Where was the ring at first? In the")
+OPTIONS = (("drawer", "box"), ("drawer", "jewelry box"), ("kitchen drawer", "garden shed by the gate"))
+
+
+def _shared_story_stimuli() -> list[Stimulus]:
+    """One long story under several questions, with one- and multi-token options (rows scored from
+    the prompt's last position and rows scored as prompt + option), and one unrelated short prompt."""
+    stimuli = [Stimulus(id=f"q{i}", text=STORY + q, options=o, answer=o[i % 2])
+               for i, (q, o) in enumerate((q, o) for q in QUESTIONS for o in OPTIONS)]
+    return stimuli + _stimuli()[1:2]
+
+
+@pytest.mark.parametrize("name", ["tiny-gpt2", "tiny-llama", "tiny-neox"])
+@pytest.mark.parametrize("prepend_bos", [None, True])
+def test_shared_prefix_scores_equal_plain_transformers(name, prepend_bos, monkeypatch):
+    """Rows of one story run their common prefix once and the rest against its keys and values:
+    the log-probs are a plain model's, one prompt at a time, with and without BOS."""
+    from tomlens.behaviour import scoring
+    from tomlens.models.embedded import load_tokenizer as embedded_tokenizer
+    from tomlens.models.tiny import build_tiny, tokenizer_dir
+
+    model = load_model(name, device="cpu", dtype="float32", prepend_bos=prepend_bos)
+    stimuli = _shared_story_stimuli()
+    prefixes: list[int] = []
+    shared = scoring._forward_shared
+    monkeypatch.setattr(scoring, "_forward_shared",
+                        lambda m, chunk, prefix, *a: prefixes.append(prefix) or shared(m, chunk, prefix, *a))
+    got = score_options(model, stimuli, batch_size=4, progress=False)
+    assert prefixes and min(prefixes) >= len(model.tokenizer(STORY)["input_ids"]) - 2  # the story runs once
+    want = _reference(build_tiny(name, seed=0), embedded_tokenizer(tokenizer_dir()), stimuli, bos=bool(prepend_bos))
+    _assert_scores_equal(got, want, atol=1e-4)
+
+
 @pytest.mark.parametrize("name", ["tiny-gpt2", "tiny-llama", "tiny-neox"])
 def test_tiny_models_follow_their_tokenizer(name, load_tiny):
     model = load_tiny(name)

@@ -99,5 +99,6 @@ def test_errors_exit_2_with_a_message(tmp_path, capsys):
     assert main(["stimuli", "goal-encoding", "--path", str(bad)]) == 2
     assert main(["stimuli", "bigtom", "--path", str(tmp_path / "none.csv")]) == 2
     assert "does not exist" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        main(["stimuli", "no-such-family"])
+    assert main(["stimuli", "order-onyl"]) == 2  # one line with the nearest family, not argparse's usage
+    err = capsys.readouterr().err
+    assert "unknown stimulus family 'order-onyl': did you mean 'order-only'?" in err and "usage:" not in err

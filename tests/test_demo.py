@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_demo_writes_every_stage_and_one_report(tmp_path, capsys):
     out = tmp_path / "demo"
-    assert main(["--model", "tiny-llama", "--out", str(out), "--n", "1", "--probe-tasks", "6", "--pairs", "3",
+    assert main(["--model", "tiny-llama", "--out", str(out), "--n", "1", "--probe-tasks", "6", "--n-pairs", "3",
                  "--audit-tasks", "8"]) == 0
     printed = capsys.readouterr().out
     for stage in ("1/5 audit", "2/5 behaviour", "3/5 probes", "4/5 patching", "5/5 report"):
@@ -56,7 +56,7 @@ def test_the_example_demo_file_is_the_packaged_one():
 
 
 def test_demo_flags_set_the_pairs_and_the_activation_store(tmp_path):
-    args = argparse.Namespace(model="tiny-llama", out=str(tmp_path / "d"), n=1, probe_tasks=5, pairs=5, seed=0,
+    args = argparse.Namespace(model="tiny-llama", out=str(tmp_path / "d"), n=1, probe_tasks=5, n_pairs=5, seed=0,
                               prepend_bos=None, audit_tasks=16)
     config = demo_config(args)
     assert config.stage_config("audit", config.models[0]).min_tasks == 16

@@ -76,7 +76,7 @@ def test_a_budget_refuses_the_plan_before_any_fit(acts, monkeypatch):
     monkeypatch.setattr(sweep_module, "fit_layout", no_fit)
     with pytest.raises(TomlensError, match="more than the budget") as err:
         run_probe_sweep(acts, "protagonist_belief", progress=False, budget_minutes=1e-6, **FAST)
-    assert "--budget-minutes" in err.value.fix
+    assert "budget_minutes=" in err.value.fix and "--" not in err.value.fix  # a Python call: no CLI flag
 
 
 def test_the_estimate_scales_with_what_is_fitted():

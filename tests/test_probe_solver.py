@@ -333,7 +333,7 @@ def test_probe_command_on_scaled_tiny_llama_activations_prints_a_table(tmp_path,
     monkeypatch.setattr(probe_run, "run", lambda config, **k: resumed_in.append(k.get("out")) or run_probes(config, **k))
     path = write_jsonl(generate("unexpected-transfer", n=4, seed=7), tmp_path / "ut.jsonl")
     out = tmp_path / "P"
-    rc = main(["probe", "--model", "tiny-llama", "--stimuli", str(path), "--target", "protagonist_belief",
+    rc = main(["probe", "--model", "tiny-llama", "--stimuli", str(path), "--targets", "protagonist_belief",
                "--out", str(out), "--store", str(tmp_path / "S"), "--folds", "3", "--inner-folds", "2",
                "--n-boot", "50", "--no-progress", "--device", "cpu", "--format", "csv"])
     printed = capsys.readouterr()

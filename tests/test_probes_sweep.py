@@ -206,7 +206,7 @@ def test_probe_command_end_to_end_on_a_tiny_model(tmp_path, stimuli):
 
     path = write_jsonl(stimuli, tmp_path / "ut.jsonl")
     out = tmp_path / "out"
-    rc = main(["probe", "--model", "tiny-gpt2", "--stimuli", str(path), "--target", "protagonist_belief",
+    rc = main(["probe", "--model", "tiny-gpt2", "--stimuli", str(path), "--targets", "protagonist_belief",
                "--out", str(out), "--store", str(tmp_path / "store"), "--folds", "3", "--inner-folds", "2",
                "--c-grid", "0.1", "1", "--n-boot", "100", "--no-progress", "--device", "cpu", "--format", "csv"])
     assert rc == 0
@@ -226,5 +226,5 @@ def test_probe_command_end_to_end_on_a_tiny_model(tmp_path, stimuli):
     assert per_head["probe_accuracy"].sort_index().tolist() == want.sort_index().tolist()  # the same numbers, copied
     # belief is one class on false-belief rows here: that eval set is dropped, so no such column
     assert "probe_accuracy_false_belief" not in per_head
-    assert main(["probe", "--model", "tiny-gpt2", "--stimuli", str(path), "--target", "belief",
+    assert main(["probe", "--model", "tiny-gpt2", "--stimuli", str(path), "--targets", "belief",
                  "--out", str(out)]) == 2

@@ -24,14 +24,17 @@ from pathlib import Path
 import pandas as pd
 import plotly.graph_objects as go
 import pytest
-from browser import Browser, Page, colours, find_browser
+from browser import _PLOTS_JS, Browser, Page, colours, find_browser
 
 DEMO = Path(__file__).resolve().parents[1] / "tomlens" / "runs" / "demo.toml"
 SMALL = ["model.name=tiny-llama",
-         'behaviour.stimuli=[{family="unexpected-transfer",n=2},{family="order-only",n=2}]',
+         'behaviour.stimuli=[{family="unexpected-transfer",n=2},{family="order-only",n=2},'
+         '{family="motomqa",n=1,options={conditions=["simplified/true-first","simplified/false-first"]}},'
+         '{family="kosoy",n=1},{family="indirect-request",n=2},{family="scalar-implicature",n=1}]',
          "behaviour.n_boot=50", "probes.stimuli.n=6", "probes.n_boot=20", "probes.n_permutations=50",
          "probes.c_grid=[1.0]", "probes.folds=2", "probes.inner_folds=2", "patching.force=true"]
 MIN_COLOURS = 16  # a page of text and plots has hundreds (anti-aliasing); a blank one has 1
+MAX_HEIGHT = 5000  # px at a 1400 px window: the findings, the figures and the collapsed tables, not 16,000
 
 
 @pytest.fixture(scope="module")
@@ -88,6 +91,64 @@ def test_demo_report_renders_in_chromium_without_errors(chromium, demo_report):
     assert len(page.plots) == n_figures and _rendered(page) == [], _explain(page)
     assert page.scroll_width <= 1280, f"the page is {page.scroll_width} px wide at a 1280 px window"
     assert colours(page.png) > MIN_COLOURS, "the screenshot at 1280 px is blank"
+
+
+def page_height(browser: Browser, path: Path, width: int = 1400, settle_s: float = 15.0) -> int:
+    """The rendered page's height in CSS pixels at `width`, once every figure has drawn (the height
+    stops changing), with every <details> closed as the page ships."""
+    import json
+    import time
+
+    pipe = browser._pipe
+    target = pipe.send("Target.createTarget", {"url": "about:blank"})["targetId"]
+    session = pipe.send("Target.attachToTarget", {"targetId": target, "flatten": True})["sessionId"]
+    try:
+        pipe.send("Page.enable", session=session)
+        pipe.send("Emulation.setDeviceMetricsOverride", {"width": width, "height": 900, "deviceScaleFactor": 1,
+                                                         "mobile": False}, session=session)
+        pipe.events.clear()
+        pipe.send("Page.navigate", {"url": path.resolve().as_uri()}, session=session)
+        assert pipe.wait_event("Page.loadEventFired", 60), f"{path} did not load"
+
+        def height() -> int:
+            r = pipe.send("Runtime.evaluate", {"expression": "JSON.stringify(document.documentElement.scrollHeight)",
+                                               "returnByValue": True}, session=session)
+            return int(json.loads(r["result"]["value"]))
+
+        def drawn() -> bool:
+            r = pipe.send("Runtime.evaluate", {"expression": _PLOTS_JS, "returnByValue": True}, session=session)
+            return all(json.loads(r["result"]["value"]).values())
+
+        deadline = time.monotonic() + settle_s
+        while time.monotonic() < deadline and not drawn():
+            time.sleep(0.2)
+        seen = [height()]
+        while time.monotonic() < deadline and not (len(seen) >= 6 and len(set(seen[-6:])) == 1):
+            time.sleep(0.3)
+            seen.append(height())
+        return seen[-1]
+    finally:
+        pipe.send("Target.closeTarget", {"targetId": target})
+
+
+def test_demo_report_is_short_enough_to_read(chromium, demo_report):
+    """The demo's page (behaviour with the seed papers' batteries, probes, forced patching) stays under
+    MAX_HEIGHT at 1400 px: its long tables are behind <details>, each battery one line."""
+    text = demo_report.read_text()
+    assert text.count("<details>") >= 6 and "<details open" not in text
+    assert re.search(r"<summary>motomqa \(Street et al\.", text) and re.search(r"<summary>kosoy \(Kosoy", text)
+    height = page_height(chromium, demo_report)
+    assert height < MAX_HEIGHT, f"the report is {height} px tall at 1400 px wide (limit {MAX_HEIGHT})"
+
+
+def test_the_height_check_fails_on_a_long_open_table(chromium, tmp_path):
+    from tomlens.report.html import Section, write_report
+
+    long = [pd.DataFrame({"row": range(60), "value": [0.5] * 60})] * 6  # a page shows 60 rows of each table
+    path = write_report(tmp_path / "report.html", "long", [Section("Long", "every row open", long)])
+    assert page_height(chromium, path) > MAX_HEIGHT
+    folded = write_report(tmp_path / "folded.html", "folded", [Section("Long", collapsed=[("360 rows", long)])])
+    assert page_height(chromium, folded) < 1000
 
 
 def test_demo_report_reads_at_800_px(chromium, demo_report):

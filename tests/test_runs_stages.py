@@ -221,7 +221,7 @@ def test_probe_cli_selection_flags_reach_the_config(monkeypatch, tmp_path):
     monkeypatch.setattr(stage, "run", stop)
     stimuli = write_jsonl(generate("order-only", n=1, seed=1), tmp_path / "s.jsonl")
     base = ["probe", "--stimuli", str(stimuli), "--out", str(tmp_path / "o")]
-    for flags in ([], ["--no-selection", "--permutations", "7", "--no-random-twin", "--selection-fraction", "0.3"]):
+    for flags in ([], ["--no-selection", "--n-permutations", "7", "--no-random-twin", "--selection-fraction", "0.3"]):
         with pytest.raises(SystemExit):
             probe.run(build_parser().parse_args(base + flags))
     default, chosen = seen
@@ -254,8 +254,9 @@ def test_probe_cli_end_to_end(tmp_path, capsys):
 @pytest.mark.integration
 @pytest.mark.parametrize("flags, problem", [
     (["--positions", "final", "protagonist"], "one position"),
-    (["--sites", "resid_pst"], "not a site kind"),
-    (["--target", "world"], "unknown probe target"),
+    (["--sites", "resid_pst"], "unknown site kind 'resid_pst': did you mean 'resid_post'?"),
+    (["--sites", "resid_post:3"], "not a site kind"),
+    (["--targets", "world"], "unknown probe target 'world': did you mean 'world_state'?"),
 ])
 def test_probe_cli_refuses_bad_input_before_the_model_loads(flags, problem, tmp_path, capsys, monkeypatch):
     import tomlens.models

@@ -61,6 +61,40 @@ def test_scoring_syncs_do_not_grow_with_layers(tmp_path):
     assert shallow == deep <= SCORING_SYNCS, (shallow, deep)
 
 
+STORY = ("Anna and her brother Tom are in the kitchen. Anna puts the ring in the drawer and goes out to water "
+         "the flowers in the garden. While she is out, Tom moves the ring from the drawer to the box. ")
+QUESTIONS = ("Anna will look for the ring in the", "The ring is now in the", "Tom thinks the ring is in the",
+             "Anna thinks the ring is in the")
+
+
+def _one_story(n: int) -> list[Stimulus]:
+    """`n` questions on one long story (cycling): their rows share the story, so batches run it once
+    and the rest of each row against its keys and values."""
+    opts = (("drawer", "box"), ("drawer", "jewelry box"))
+    return [Stimulus(id=f"q{i}", text=STORY + QUESTIONS[i % 4], options=opts[i // 4 % 2],
+                     answer=opts[i // 4 % 2][i % 2]) for i in range(n)]
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gpt2"])
+def test_shared_prefix_scoring_adds_no_sync(name, load_tiny, monkeypatch):
+    """A batch's shared prefix runs in a forward of its own and its cache is expanded to the batch
+    on the device: still the one move per call, for 8 or 16 prompts, in batches of 4 or 8."""
+    from tomlens.behaviour import scoring
+
+    model = load_tiny(name)
+    prefixes: list[int] = []
+    shared = scoring._forward_shared
+    monkeypatch.setattr(scoring, "_forward_shared",
+                        lambda m, chunk, prefix, *a: prefixes.append(prefix) or shared(m, chunk, prefix, *a))
+    score_options(model, _one_story(8), batch_size=4, progress=False)  # warm-up outside the count
+    for n, batch_size in ((8, 4), (16, 4), (16, 8)):
+        prefixes.clear()
+        with count_syncs() as c:
+            score_options(model, _one_story(n), batch_size=batch_size, progress=False)
+        assert prefixes, "no batch took the shared path"
+        assert c.total <= SCORING_SYNCS, c.summary()
+
+
 def test_option_first_tokens_reads_only_the_tokenizer(load_tiny):
     """The table comes from the tokenizer's output: no device read, no sync, at any size."""
     model = load_tiny("tiny-llama")

@@ -19,7 +19,7 @@ def validate_fast(model: str, tmp_path: Path, **overrides: Any) -> tuple[int, Va
     code and the result read back from the folder it wrote."""
     cfg = fast_config(model, **overrides)
     out = tmp_path / "validate"
-    argv = ["validate", "--model", model, "--n-tasks", str(cfg.n_tasks), "--permutations", str(cfg.n_permutations),
+    argv = ["validate", "--model", model, "--n-tasks", str(cfg.n_tasks), "--n-permutations", str(cfg.n_permutations),
             "--n-random-heads", str(cfg.n_random_heads), "--n-random-directions", str(cfg.n_random_directions),
             "--seed", str(cfg.seed), "--store", str(tmp_path / "store"), "--out", str(out), "--no-progress"]
     if cfg.k is not None:

@@ -6,7 +6,10 @@ norm, no unembedding, no KV cache), only the requested positions kept (gathered 
 results kept on the model's device until a shard is written. A second identical request loads the
 shards and never runs the model; an interrupted one resumes from its finished shards. A shard is
 written when about `SHARD_BYTES` or `FLUSH_SECONDS` of work are pending, whichever comes first, so a
-killed run loses minutes, not hours. Out of GPU memory, the batch halves and the run goes on.
+killed run loses minutes, not hours; the first shards come sooner (`FIRST_FLUSH_SECONDS`, then twice
+the wait each time up to the flush interval), so a Ctrl-C in the first minute keeps most of what ran.
+A resumed run says how many prompts its finished shards hold, and an interrupted one says how many it
+kept and how many it lost. Out of GPU memory, the batch halves and the run goes on.
 
 Shards are cut only between batches, and batches are consecutive slices of one length-sorted order
 from the start (or from where a resumed run picks up), so where a shard ends never changes which
@@ -36,7 +39,7 @@ from tomlens.errors import TomlensError
 from tomlens.hooks import capture, check_sites, parse_sites
 from tomlens.hooks.sites import Site
 from tomlens.io import sha256_hex, write_json, write_jsonl
-from tomlens.messages import warn
+from tomlens.messages import say, warn
 from tomlens.models import encode, provenance
 from tomlens.models.positions import check_selectors, parse_selectors, resolve_positions
 from tomlens.models.protocol import Model
@@ -45,7 +48,13 @@ from tomlens.stimuli.records import Stimulus, stimuli_hash
 
 SHARD_BYTES = 256 * 2**20  # a shard is written once this much is pending (bounds memory held)
 FLUSH_SECONDS = 120.0  # ... or once this much work is pending (bounds the work a kill loses)
+FIRST_FLUSH_SECONDS = 15.0  # the first shard of a run is written this soon (then 30, 60, ... up to the above)
 _FINGERPRINTS: dict[int, tuple[Any, dict[str, Any]]] = {}
+
+
+def work_clock() -> float:
+    """What the flush points are timed by (a test may stand in a clock of its own)."""
+    return time.perf_counter()
 
 
 def cache_activations(
@@ -68,8 +77,8 @@ def cache_activations(
     lives in a sub-folder named by its hash. `dtype`: storage dtype (default: the model's).
     `batch_size`: prompts per forward (default 64 on CUDA, 16 on CPU; halves on out-of-memory).
     `shard_rows` / `flush_seconds`: a shard is written once this many rows (default: about 256 MiB)
-    or this many seconds of work (default `FLUSH_SECONDS`, 2 minutes) are pending; neither changes
-    the numbers, and a resumed run may use other values.
+    or this many seconds of work (default `FLUSH_SECONDS`, 2 minutes; the first shard sooner, after
+    `FIRST_FLUSH_SECONDS`) are pending; neither changes the numbers, and a resumed run may use other values.
     Per-head kinds are cached for every head; pick heads from the loaded tensor.
     """
     root = st.default_store() if store is None else Path(store)
@@ -179,11 +188,30 @@ def _run_into_shards(runner: _Runner, req: _Request, folder: Path, shard_rows: i
     shards = _finished_shards(folder, req.key, order, req.shapes_for)
     st.remove_shards_from(folder, len(shards))
     start = shards[-1]["stop"] if shards else 0
-    for a, b, rows, tensors in runner.shards(order, start, req.rows_per_shard(shard_rows), flush_seconds):
-        name = st.shard_file(len(shards))
-        st.write_shard(folder / name, {**tensors, st.ROWS: rows}, st.shard_meta(req.key, len(shards), a, b))
-        shards.append({"file": name, "start": a, "stop": b})
+    if 0 < start < len(order):
+        say(f"resuming: {start} of {len(order)} prompts done (in {len(shards)} finished shards under {folder})")
+    try:
+        for a, b, rows, tensors in runner.shards(order, start, req.rows_per_shard(shard_rows), flush_seconds):
+            name = st.shard_file(len(shards))
+            st.write_shard(folder / name, {**tensors, st.ROWS: rows}, st.shard_meta(req.key, len(shards), a, b))
+            shards.append({"file": name, "start": a, "stop": b})
+    except KeyboardInterrupt:
+        warn(interrupted_message(shards[-1]["stop"] if shards else 0, runner.done, len(order), folder))
+        raise
     return shards
+
+
+def interrupted_message(kept: int, ran: int, total: int, folder: Path) -> str:
+    """What an interrupted cache says, truthfully: how many prompts its finished shards keep and how
+    many that ran since the last shard are lost (`ran`: prompts whose forward finished)."""
+    lost = max(0, ran - kept)
+    if kept == 0:
+        return (f"stopped: nothing kept ({lost} of {total} prompts had run, none in a finished shard yet); "
+                "the same command starts again from the beginning")
+    text = f"stopped: {kept} of {total} prompts kept in finished shards under {folder}"
+    if lost:
+        text += f"; the {lost} run since the last shard are lost"
+    return text + "; run the same command again to resume"
 
 def _validate(
     model: Model, stimuli: list[Stimulus], sites: Any, positions: Any
@@ -293,6 +321,7 @@ class _Runner:
         self.tokens = 0
         self.start = time.perf_counter()
         self.lengths: dict[int, int] = {}
+        self.done = 0  # prompts of the run order whose forward finished (resumed ones included)
 
     def close(self) -> None:
         if self.bar is not None:
@@ -312,13 +341,15 @@ class _Runner:
         self, order: list[int], start: int, rows_per: int, flush_seconds: float
     ) -> Iterator[tuple[int, int, Tensor, dict[str, Tensor]]]:
         """Run `order[start:]` batch by batch; yield `(a, b, rows, tensors)` for the stretch
-        `order[a:b]` each time `rows_per` rows or `flush_seconds` of work are pending, and at the end.
+        `order[a:b]` each time `rows_per` rows or `flush_seconds` of work are pending (the first
+        after `FIRST_FLUSH_SECONDS`, each wait then doubling up to `flush_seconds`), and at the end.
         `rows` are the caller's row indices, ascending, and `tensors` hold them in that order."""
-        bar = self.bar = tqdm(total=len(order) - start, desc="caching", unit="prompt",
+        bar = self.bar = tqdm(total=len(order), initial=start, desc="caching", unit="prompt",
                               disable=not self.progress or start == len(order))
         parts: dict[str, list[Tensor]] = defaultdict(list)
-        a = pos = start
-        since = time.perf_counter()
+        a = pos = self.done = start
+        since = work_clock()
+        wait = min(flush_seconds, FIRST_FLUSH_SECONDS)  # early shards first: an early Ctrl-C keeps them
         while pos < len(order):
             rows = order[pos : pos + self.batch_size]
             try:
@@ -336,14 +367,16 @@ class _Runner:
                 parts[kind].append(to_host_async(stacked))
             del out
             pos += len(rows)
+            self.done = pos
             self.tokens += sum(self.lengths[r] for r in rows)
             bar.update(len(rows))
             bar.set_postfix(tok_s=f"{self.tokens / max(1e-9, time.perf_counter() - self.start):.0f}",
                             batch=self.batch_size, refresh=False)
-            if pos == len(order) or pos - a >= rows_per or time.perf_counter() - since >= flush_seconds:
+            if pos == len(order) or pos - a >= rows_per or work_clock() - since >= wait:
                 wait_for_host_copies(self.device)  # the one sync of a shard: its copies have landed
                 yield a, pos, *self._in_row_order(order[a:pos], parts)
-                parts, a, since = defaultdict(list), pos, time.perf_counter()
+                parts, a, since = defaultdict(list), pos, work_clock()
+                wait = min(flush_seconds, 2 * wait)
 
     def _run_batch(self, rows: list[int]) -> dict[Site, torch.Tensor]:
         chunk = [self.stimuli[r] for r in rows]

@@ -19,8 +19,10 @@ from __future__ import annotations
 import hashlib
 import math
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
+from itertools import pairwise
+from typing import Any
 
 import pandas as pd
 import torch
@@ -30,7 +32,10 @@ from tqdm.auto import tqdm
 
 from tomlens.devices import to_device
 from tomlens.errors import TomlensError
-from tomlens.models.tokens import encode
+from tomlens.hooks.logits import keeps_last_logits
+from tomlens.hooks.patch import PrefixCache
+from tomlens.models.protocol import Model
+from tomlens.models.tokens import _accepts_position_ids, _model_device, encode
 from tomlens.oom import OOM_ERRORS, release_memory
 from tomlens.stimuli.records import Stimulus
 
@@ -128,52 +133,219 @@ def _plan(tokenizer, stimuli: Sequence[Stimulus]) -> list[_Job]:
     return jobs
 
 
-def _batch_targets(chunk: Sequence[_Job], pad: Sequence[int], lengths: Sequence[int]
-                   ) -> tuple[list[list[int]], list[tuple[int, int, int, int]]]:
-    """The host table of a batch's scored tokens, `[rows, positions, tokens]` (positions predict the
-    token: one before it), and per (stimulus, option) its key, how many tokens it spans and its
-    first token's id, in order.
+# A batch's shared prefix runs once only where it is at least this long: a shorter one saves less
+# than the extra forward (and the cache it builds) costs.
+MIN_SHARED_PREFIX = 16
+# What one forward's fixed cost (hooks, kernel launches, building a cache) is worth in token
+# positions, for the batch planner: without it, it would run rows one by one to save a little padding.
+FORWARD_COST_TOKENS = 64
 
-    Built from the tokenizer's pads and lengths alone (a left-padded row ends at `pad + length`),
-    so nothing is read from the device to know where an option sits."""
+
+@dataclass(frozen=True)
+class _Row:
+    """A forward row: its job, its tokens (the model's tokenizer, with its own BOS rule) and `keep`,
+    how many trailing positions' logits its targets read."""
+
+    job: _Job
+    ids: tuple[int, ...]
+    keep: int
+
+
+@dataclass(frozen=True)
+class _Batch:
+    """Rows `[start, end)` of the sorted rows, whose first `prefix` tokens (all alike) run once,
+    at batch size 1, before the rest of every row runs against their keys and values; 0: one plain
+    forward of the whole rows."""
+
+    start: int
+    end: int
+    prefix: int
+
+
+def _keep(job: _Job) -> int:
+    """Trailing positions whose logits a job's targets read: an option that ends the text is
+    predicted from the position before its first token (its length + 1 from the end, the last
+    position unread); options after the text, from the last position."""
+    return max(len(toks) + 1 if job.joint else 1 for _, _, toks in job.wants)
+
+
+def _rows(model: Model, jobs: Sequence[_Job]) -> list[_Row]:
+    """Every job tokenized once and sorted by its token ids, so that the rows of one story (its
+    questions, both options) sit next to each other and share their leading tokens."""
+    if not jobs:
+        return []
+    n_ctx = getattr(getattr(model, "cfg", None), "n_ctx", None)
+    rows = [_Row(job, tuple(ids), _keep(job))
+            for job, ids in zip(jobs, model.tokenizer([j.text for j in jobs])["input_ids"], strict=True)]
+    for row in rows:
+        if n_ctx is not None and len(row.ids) > n_ctx:
+            raise TomlensError(f"a prompt with its option is {len(row.ids)} tokens long; the model's context is "
+                               f"{n_ctx} ({row.job.text[:60]!r}...)",
+                               "shorten the prompt or use a model with a longer context")
+    return sorted(rows, key=lambda r: r.ids)
+
+
+def _common_prefixes(rows: Sequence[_Row]) -> list[int]:
+    """`out[k]`: how many leading tokens rows `k` and `k + 1` share. Rows are sorted, so the tokens
+    all of rows `[i, j)` share are the fewest of `out[i : j - 1]`."""
+    out: list[int] = []
+    for a, b in pairwise(rows):
+        n, k = min(len(a.ids), len(b.ids)), 0
+        while k < n and a.ids[k] == b.ids[k]:
+            k += 1
+        out.append(k)
+    return out
+
+
+def _plan_batches(rows: Sequence[_Row], common: Sequence[int], batch_size: int, share: bool, first: int = 0
+                  ) -> list[_Batch]:
+    """Cut the sorted rows from `first` on into consecutive batches of at most `batch_size` rows
+    that cost the fewest token positions, by dynamic programming over the cut points.
+
+    A batch of `b` rows of at most `L` tokens costs `b * L` run plainly (left padding included);
+    sharing `P` leading tokens, `P + b * (L - P)`, each plus `FORWARD_COST_TOKENS` per forward.
+    `P` is the batch's common prefix, cut back so that every position whose logits are read runs
+    in the second forward, and is used only from `MIN_SHARED_PREFIX` tokens (and with `share`)."""
+    n = len(rows)
+    best = {first: 0.0}
+    choice: dict[int, _Batch] = {}
+    for end in range(first + 1, n + 1):
+        shared, room, longest, best[end] = 10**9, 10**9, 0, math.inf
+        for start in range(end - 1, max(first, end - batch_size) - 1, -1):
+            row = rows[start]
+            if start < end - 1:
+                shared = min(shared, common[start])
+            room, longest = min(room, len(row.ids) - row.keep), max(longest, len(row.ids))
+            size = end - start
+            prefix = min(shared, room) if share and size > 1 else 0
+            prefix = prefix if prefix >= MIN_SHARED_PREFIX else 0
+            cost = (2 * FORWARD_COST_TOKENS + prefix + size * (longest - prefix) if prefix
+                    else FORWARD_COST_TOKENS + size * longest)
+            if best[start] + cost < best[end]:
+                best[end], choice[end] = best[start] + cost, _Batch(start, end, prefix)
+    batches: list[_Batch] = []
+    end = n
+    while end > first:
+        batches.append(choice[end])
+        end = choice[end].start
+    return batches[::-1]
+
+
+def _batch_targets(chunk: Sequence[_Row], keep: int) -> tuple[list[list[int]], list[tuple[int, int, int, int]]]:
+    """The host table of a batch's scored tokens, `[rows, positions, tokens]`, positions counted in
+    the batch's last `keep` columns (the logits a forward keeps) and predicting the token (one
+    before it), and per (stimulus, option) its key, how many tokens it spans and its first token's
+    id, in order.
+
+    Rows are left-padded, so every row ends at the last column and where an option sits follows
+    from the tokens alone: nothing is read from the device to know it."""
     rows: list[int] = []
     positions: list[int] = []
     tokens: list[int] = []
     spans: list[tuple[int, int, int, int]] = []
-    for row, job in enumerate(chunk):
-        end = pad[row] + lengths[row]
-        for i, j, toks in job.wants:
-            start = end - len(toks) if job.joint else end
+    for row, r in enumerate(chunk):
+        for i, j, toks in r.job.wants:
+            start = keep - len(toks) - 1 if r.job.joint else keep - 1
             rows += [row] * len(toks)
-            positions += range(start - 1, start - 1 + len(toks))
+            positions += range(start, start + len(toks))
             tokens += toks
             spans.append((i, j, len(toks), toks[0]))
     return [rows, positions, tokens], spans
 
 
+def _forward_plain(model: Model, chunk: Sequence[_Row], keep: int, trim: bool) -> Float[Tensor, "batch keep vocab"]:
+    """The last `keep` positions' logits of one left-padded forward of the whole rows (with `trim`,
+    the model unembeds those positions only)."""
+    batch = encode(model, [r.job.text for r in chunk])
+    kwargs: dict[str, Any] = {**batch.forward_kwargs(), "use_cache": False}
+    if trim:
+        kwargs["logits_to_keep"] = keep
+    return model(batch.input_ids, **kwargs)[:, -keep:]
+
+
+def _suffix_batch(chunk: Sequence[_Row], prefix: int, pad_id: int
+                  ) -> tuple[Int[Tensor, "batch pos"], Int[Tensor, "batch all"], Int[Tensor, "batch pos"]]:
+    """The rows' tokens after their shared `prefix`, left-padded; the attention mask over prefix
+    and suffix (pads never attended); positions continuing from the prefix's, counted from each
+    row's first real token, so a row computes what it would alone."""
+    width = max(len(r.ids) for r in chunk) - prefix
+    ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(chunk), prefix + width), dtype=torch.long)
+    mask[:, :prefix] = 1
+    for row, r in enumerate(chunk):
+        tail = r.ids[prefix:]
+        ids[row, width - len(tail):] = torch.tensor(tail, dtype=torch.long)
+        mask[row, prefix + width - len(tail):] = 1
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, prefix:]
+    return ids, mask, positions
+
+
+def _forward_shared(model: Model, chunk: Sequence[_Row], prefix: int, keep: int, trim: bool
+                    ) -> Float[Tensor, "batch keep vocab"] | None:
+    """The last `keep` positions' logits of the rows, their shared first `prefix` tokens run once
+    (batch 1) and every row's rest against those keys and values, expanded to the batch (the same
+    numbers as one forward of the whole rows, within float rounding). None where the model's cache
+    is not a plain one of full-attention layers (`PrefixCache.from_output`): run it plainly."""
+    device = _model_device(model)
+    head = torch.tensor([chunk[0].ids[:prefix]], dtype=torch.long)
+    # An all-ones mask and plain positions, given: a model checking for unmasked padding and the
+    # bridge deriving positions from a mask would each read the device once per forward.
+    head_kwargs: dict[str, Any] = {"attention_mask": to_device(torch.ones_like(head), device), "use_cache": True,
+                                   "position_ids": to_device(torch.arange(prefix)[None], device)}
+    head = to_device(head, device)
+    if trim:
+        head_kwargs["logits_to_keep"] = 1
+    _, hf_cache = model(head, return_type="logits_and_cache", **head_kwargs)
+    cache = PrefixCache.from_output(hf_cache)
+    if cache is None:
+        return None
+    tok = model.tokenizer
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
+    ids, mask, positions = _suffix_batch(chunk, prefix, int(pad_id))
+    kwargs: dict[str, Any] = {"attention_mask": to_device(mask, device), "position_ids": to_device(positions, device),
+                              "past_key_values": cache.select(torch.zeros(len(chunk), dtype=torch.long), prefix)}
+    if trim:
+        kwargs["logits_to_keep"] = keep
+    return model(to_device(ids, device), **kwargs)[:, -keep:]
+
+
 def score_options(
-    model, stimuli: Sequence[Stimulus], *, batch_size: int = 8, progress: bool = True
+    model: Model, stimuli: Sequence[Stimulus], *, batch_size: int = 8, progress: bool = True
 ) -> list[tuple[OptionScore, OptionScore]]:
     """Score both options of every stimulus; returns `(score_a, score_b)` per stimulus, in order.
 
-    Rows are sorted by length so batches carry little padding; results come back in input order.
-    Out of GPU memory, the batch halves and the same rows run again (only a finished batch's
-    log-probs are kept, so a retried row is never counted twice). Every batch's log-probs stay on
-    the device and come to the host in one move at the end: the GPU never waits on a batch.
+    Less work for the same numbers: rows are sorted by their tokens and cut into batches whose
+    rows share as long a prefix as possible (the same story under several questions and both
+    options); a batch's shared prefix runs once and only the rest of each row runs against its
+    keys and values (`_forward_shared`), and only the positions whose logits are read are
+    unembedded (`logits_to_keep`). Models that cannot share (no position ids, a cache that is not
+    plain) run every batch whole. Results come back in input order.
+    Out of GPU memory, the batch size halves and the remaining rows are batched again (only a
+    finished batch's log-probs are kept, so a retried row is never counted twice). Every batch's
+    log-probs stay on the device and come to the host in one move at the end: the GPU never waits.
     """
-    jobs = sorted(_plan(model.tokenizer, stimuli), key=lambda j: len(j.text))
+    rows = _rows(model, _plan(model.tokenizer, stimuli))
+    common = _common_prefixes(rows)
+    trim, share = keeps_last_logits(model), _accepts_position_ids(model)
+    batch_size = max(1, int(batch_size))
+    batches = _plan_batches(rows, common, batch_size, share)
     logps: list[Tensor] = []  # per finished batch, its targets' log-probs, still on the device
     spans: list[tuple[int, int, int, int]] = []  # (stimulus, option, n tokens, first token), in the order of logps
-    batch_size = max(1, int(batch_size))
-    bar = tqdm(total=len(jobs), desc="scoring", unit="seq", disable=not progress)
-    done = 0
+    bar = tqdm(total=len(rows), desc="scoring", unit="seq", disable=not progress)
+    k = 0
     with torch.inference_mode():
-        while done < len(jobs):
-            chunk = jobs[done : done + batch_size]
-            batch = encode(model, [j.text for j in chunk])
-            table, chunk_spans = _batch_targets(chunk, batch.pad, batch.lengths)
+        while k < len(batches):
+            b = batches[k]
+            chunk = rows[b.start : b.end]
+            keep = max(r.keep for r in chunk)
+            table, chunk_spans = _batch_targets(chunk, keep)
             try:
-                logits = model(batch.input_ids, **batch.forward_kwargs())
+                logits = _forward_shared(model, chunk, b.prefix, keep, trim) if b.prefix else None
+                if logits is None and b.prefix:  # the cache cannot be shared: batch the rest plainly
+                    share = False
+                    batches[k:] = _plan_batches(rows, common, batch_size, share, first=b.start)
+                    continue
+                logits = logits if logits is not None else _forward_plain(model, chunk, keep, trim)
                 lp = _continuation_logprobs(logits, to_device(table, logits.device))
             except OOM_ERRORS:
                 if batch_size == 1:
@@ -183,10 +355,11 @@ def score_options(
                 logits = None  # let the failed batch's memory go before the retry
                 release_memory()
                 bar.write(f"out of memory: batch size now {batch_size}", file=sys.stderr)
+                batches[k:] = _plan_batches(rows, common, batch_size, share, first=b.start)
                 continue
             logps.append(lp)  # only a finished batch is kept, so a retried row is never counted twice
             spans += chunk_spans
-            done += len(chunk)
+            k += 1
             bar.update(len(chunk))
     bar.close()
     scores = _option_scores(torch.cat(logps).tolist() if logps else [], spans)
@@ -227,13 +400,13 @@ def option_mass(a: OptionScore, b: OptionScore) -> float:
 
 
 def score(
-    model, stimuli: Sequence[Stimulus], *, batch_size: int = 8, progress: bool = True
+    model: Model, stimuli: Sequence[Stimulus], *, batch_size: int = 8, progress: bool = True
 ) -> pd.DataFrame:
     """One row per stimulus: both options' log-probs, the two-way normalised probability of each
     option (whole word and first token), whether the model prefers the correct answer, and the
     option mass (`option_mass_first`, `option_mass`: module docstring)."""
     rows = []
-    for s, (a, b) in zip(stimuli, score_options(model, stimuli, batch_size=batch_size, progress=progress)):
+    for s, (a, b) in zip(stimuli, score_options(model, stimuli, batch_size=batch_size, progress=progress), strict=True):
         p_a = _p_first_of_two(a.logp_sum, b.logp_sum)
         p_a_first = _p_first_of_two(a.logp_first, b.logp_first)
         ans = s.answer_index

@@ -6,6 +6,7 @@ import argparse
 import importlib
 import sys
 
+from tomlens.cli.options import check_choices
 from tomlens.errors import TomlensError
 
 # Subcommands: each module defines `register(subparsers)` and sets `func` on its parser.
@@ -26,6 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        check_choices(args)
         result = args.func(args)
     except TomlensError as e:
         print(f"tomlens {args.command}: error: {e.problem}", file=sys.stderr)

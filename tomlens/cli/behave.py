@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from tomlens.cli.options import add_model_options, add_progress, model_spec
+from tomlens.cli.options import add_choice, add_model_options, add_progress, model_spec
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -15,7 +15,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--n-boot", type=int, default=1000,
                    help="bootstrap resamples of whole tasks for every interval (default 1000)")
-    p.add_argument("--scoring", choices=("logprob", "first-word"), default="logprob",
+    add_choice(p, "--scoring", choices=("logprob", "first-word"), default="logprob",
                    help="logprob: both options' log-probabilities (every family); first-word: also Kosinski's "
                         "scoring of unexpected-transfer and unexpected-contents, the first word of a greedy "
                         "completion, off-key answers wrong, and his strict rule over it")
@@ -39,4 +39,7 @@ def run(args: argparse.Namespace) -> int:
     out = result.save(args.out)
     print(result.describe())
     print(f"wrote {out}/prompts.parquet and {out}/summary.json")
+    from tomlens.report.experiment import write_stage_report
+
+    print(f"wrote {write_stage_report('behaviour', result, out)}")
     return 0

@@ -4,7 +4,7 @@ The demo is a packaged experiment file, `tomlens/runs/demo.toml` (= examples/dem
 way `tomlens run` runs any file: the shortcut audit of its stimulus sets; behaviour on false-belief and goal-encoding stimuli; activations
 cached and probed per layer and per head for protagonist belief vs world state; minimal pairs
 patched per head (exact and attribution) with the top heads validated; `report.html`. Sized to
-finish in under ten minutes on two CPU cores; `--n`, `--probe-tasks` and `--pairs` scale it up.
+finish in under ten minutes on two CPU cores; `--n`, `--probe-tasks` and `--n-pairs` scale it up.
 `python -m tomlens.cli.demo` is the same command.
 """
 
@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tomlens.cli.options import add_prepend_bos
+from tomlens.cli.options import add_prepend_bos, add_renamed
 from tomlens.errors import TomlensError
 
 HEADERS = {
@@ -56,10 +56,10 @@ def demo_config(args: argparse.Namespace) -> Any:
     data["probes"]["stimuli"] = {**data["probes"]["stimuli"], "n": args.probe_tasks, "seed": seed + 1}
     data["audit"]["min_tasks"] = args.audit_tasks
     data["probes"]["store"] = str(Path(args.out) / "activations")  # the demo's activations stay in its folder
-    if args.pairs < 1:
-        raise TomlensError(f"--pairs {args.pairs} must be at least 1", "pass --pairs 1 or more")
-    data["pairs"]["n"] = max(1, (args.pairs + 1) // 2)  # tasks; each gives two pairs
-    data["pairs"]["max_pairs"] = args.pairs  # exactly --pairs of them, an odd number too
+    if args.n_pairs < 1:
+        raise TomlensError(f"--n-pairs {args.n_pairs} must be at least 1", "pass --n-pairs 1 or more")
+    data["pairs"]["n"] = max(1, (args.n_pairs + 1) // 2)  # tasks; each gives two pairs
+    data["pairs"]["max_pairs"] = args.n_pairs  # exactly --n-pairs of them, an odd number too
     data["pairs"]["seed"] = seed + 2
     return ExperimentConfig.from_dict(data)
 
@@ -69,7 +69,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="demo-out")
     p.add_argument("--n", type=int, default=8, help="tasks per false-belief family (behaviour)")
     p.add_argument("--probe-tasks", type=int, default=48, help="order-only tasks for the probes (4 prompts each)")
-    p.add_argument("--pairs", type=int, default=4, help="minimal pairs for patching")
+    p.add_argument("--n-pairs", type=int, default=4, help="minimal pairs for patching")
+    add_renamed(p, "--pairs", "--n-pairs", type=int)  # `--pairs` is the pairs file on `tomlens patch`
     p.add_argument("--audit-tasks", type=int, default=64,
                    help="tasks of each generated family in the shortcut audit (at least 8)")
     p.add_argument("--seed", type=int, default=0)
@@ -85,11 +86,12 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tomlens.cli.run import run_file
+    from tomlens.cli.run import run_file, say_estimate
 
     t0 = time.time()
     config = demo_config(args)
     out = Path(args.out)
+    say_estimate(config, out)
     run_file(config, out, progress=not args.no_progress, headers=HEADERS)
     print(f"\ndone in {time.time() - t0:.0f} s; results under {out}/")
     return 0

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 
-from tomlens.cli.options import add_model_options, add_progress, model_spec, split_items
+from tomlens.cli.options import add_choice, add_model_options, add_progress, model_spec, split_items
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -14,7 +14,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     actions = p.add_subparsers(dest="action", required=True)
 
     a = actions.add_parser("answer", help="greedy answers + a coding sheet with the rubric for a human coder")
-    a.add_argument("--family", required=True, choices=["short-story", "strange-stories", "all"])
+    add_choice(a, "--family", required=True, choices=["short-story", "strange-stories", "all"], what="free-text family")
     a.add_argument("--out", required=True, help="output directory (answers.csv, coding.csv, config.json, manifest.json, "
                    "result.json)")
     a.add_argument("--max-new-tokens", type=int, default=48, help="longest answer in tokens (default 48)")
@@ -32,7 +32,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.set_defaults(func=score)
 
     i = actions.add_parser("items", help="list the items (position, id, question type, question)")
-    i.add_argument("--family", required=True, choices=["short-story", "strange-stories", "all"])
+    add_choice(i, "--family", required=True, choices=["short-story", "strange-stories", "all"], what="free-text family")
     i.set_defaults(func=items)
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 
+from tomlens.cli.options import add_choice
+
 CONVERTIBLE: tuple[str, ...] = ("smollm2-135m", "gemma3-270m", "all")
 
 
@@ -15,11 +17,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="List the built-in model names. Any Hugging Face id or local model directory "
         "also works wherever a model name is asked for.",
     )
-    parser.add_argument(
+    add_choice(
+        parser,
         "--convert",
         nargs="?",
         const="smollm2-135m",
         choices=CONVERTIBLE,
+        what="model to convert",
         help="convert a packaged GGUF into the local safetensors cache now, otherwise it happens on "
         "first use: smollm2-135m (the default; no value needed), gemma3-270m (needs tomlens[gemma]) or all",
     )

@@ -13,8 +13,10 @@ from collections.abc import Sequence
 
 from tomlens.runs.base import ModelSpec, split_items
 
-__all__ = ["add_model_options", "add_positions", "add_prepend_bos", "add_progress", "add_renamed", "add_sites",
-           "model_spec", "split_items"]
+__all__ = ["add_choice", "add_model_options", "add_positions", "add_prepend_bos", "add_progress", "add_renamed",
+           "add_sites", "check_choices", "model_spec", "split_items"]
+
+CLOSED_SETS = "closed_sets"  # the namespace entry add_choice fills: dest -> (what, allowed words)
 
 
 def add_prepend_bos(p: argparse.ArgumentParser) -> None:
@@ -71,3 +73,28 @@ def add_renamed(p: argparse.ArgumentParser, old: str, new: str, **kwargs: object
     """Accept `old`, a flag renamed to `new` (added before), for one release, hidden from --help."""
     dest = new.lstrip("-").replace("-", "_")
     p.add_argument(old, dest=dest, action=_Renamed, new=new, help=argparse.SUPPRESS, **kwargs)  # type: ignore[arg-type]
+
+
+def add_choice(p: argparse.ArgumentParser, *flags: str, choices: Sequence[str], what: str | None = None,
+               **kwargs: object) -> argparse.Action:
+    """An argument that takes one word of `choices`, shown as `{a,b}` as argparse's `choices=` shows
+    it, but checked by `check_choices` when the command runs: a misspelt word then gets one line
+    naming the nearest word and the set, not argparse's whole usage with no suggestion."""
+    action = p.add_argument(*flags, **kwargs)  # type: ignore[arg-type]
+    if action.metavar is None:
+        action.metavar = "{" + ",".join(choices) + "}"
+    closed = dict(p.get_default(CLOSED_SETS) or {})
+    closed[action.dest] = (what or flags[0].lstrip("-").replace("-", " "), tuple(choices))
+    p.set_defaults(**{CLOSED_SETS: closed})
+    return action
+
+
+def check_choices(args: argparse.Namespace) -> None:
+    """Refuse a word outside its closed set (see `add_choice`), naming the nearest: one TomlensError."""
+    from tomlens.vocabulary import one_of
+
+    for dest, (what, allowed) in (getattr(args, CLOSED_SETS, None) or {}).items():
+        value = getattr(args, dest, None)
+        for word in value if isinstance(value, list) else [value]:
+            if word is not None:
+                one_of(what, word, allowed)

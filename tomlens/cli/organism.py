@@ -19,7 +19,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--seed", type=int, default=None, help="seed of data, split, weights and batches")
     parser.add_argument("--steps", type=int, default=None, help="optimiser steps")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads while training")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="change one training setting (repeatable; VALUE in JSON), e.g. --set routes=0 "
                         "--set 'family_mix={\"order-only\": 1, \"unexpected-contents\": 1}'; the settings are "
                         "the fields of tomlens.organism.train.OrganismConfig, listed in a written training.json")
@@ -36,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
     from tomlens.organism.train import ACCURACY_TARGET, OrganismConfig, quick_config, train
 
     cfg = quick_config() if args.quick else OrganismConfig()
-    changes = {**settings(args.set), **{k: v for k, v in (("seed", args.seed), ("steps", args.steps),
+    changes = {**settings(args.overrides), **{k: v for k, v in (("seed", args.seed), ("steps", args.steps),
                                                          ("threads", args.threads)) if v is not None}}
     cfg = replace(cfg, **changes)
     print(f"train-organism: {cfg.n_layers} layers x {cfg.n_heads} heads, d_model {cfg.d_model}, {cfg.steps} steps "

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from tomlens.cli.options import add_model_options
+from tomlens.cli.options import add_choice, add_model_options
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -21,15 +21,15 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Write the clean/corrupted pairs whose texts have the same number of tokens "
         "and differ only inside the contrast span; report every pair left out and why.",
     )
-    p.add_argument("family", choices=PAIR_FAMILIES, help="stimulus family")
+    add_choice(p, "family", choices=PAIR_FAMILIES, what="pairs family", help="stimulus family")
     add_model_options(p, weights=False)  # only the tokenizer (and its BOS rule) decides alignment
     p.add_argument("--n", type=int, default=None,
                    help="tasks / items (default 20; kosoy and indirect-request 24, whole blocks of 8) "
                         "or the first N BigToM stories (default all)")
     p.add_argument("--path", default=None, help="bigtom.csv (family `bigtom` only)")
-    p.add_argument("--contrast", dest="contrasts", action="append", choices=contrasts,
-                   default=None, help="control condition to pair with (repeatable; default: the "
-                   "family's witnessed / informed controls)")
+    add_choice(p, "--contrast", dest="contrasts", action="append", choices=contrasts, what="contrast",
+               default=None, help="control condition to pair with (repeatable; default: the "
+               "family's witnessed / informed controls)")
     p.add_argument("--set", dest="options", action="append", default=[], metavar="KEY=VALUE",
                    help="generator option, VALUE as JSON when it parses (e.g. --set 'ks=[0,6]')")
     p.add_argument("--out", required=True, help="output pairs file (JSONL)")

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import argparse
 
-from tomlens.cli.options import add_model_options, add_positions, add_progress, add_sites, model_spec
+from tomlens.cli.options import add_choice, add_model_options, add_positions, add_progress, add_sites, model_spec
 from tomlens.runs.patching import (
     ATTRIBUTION_PATHS,
     DEFAULT_ATTRIBUTION_PATH,
@@ -41,8 +41,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     add_model_options(p)
     p.add_argument("--pairs", required=True, help="minimal pairs file written by `tomlens pairs`")
-    p.add_argument("--method", choices=METHODS, default="both")
-    add_sites(p, ("heads", "resid"), "patching sites: heads, resid, attn, mlp (also resid_mid, resid_post)")
+    add_choice(p, "--method", choices=METHODS, default="both")
+    add_sites(p, ("heads", "resid"),
+              "site kinds, named as on cache and probe: head_out (each head; z patches the same), resid_pre, "
+              "resid_mid, resid_post, attn_out, mlp_out, or the shorthands every command takes: heads = head_out, "
+              "resid = resid_pre, attn = attn_out, mlp = mlp_out (default: heads resid)")
     add_positions(p, ("roles",),
                   "an item is a position for every site or SITE=POSITION for one. "
                   "roles (default): the final token, the contrast sentence's end and the question's "
@@ -50,7 +53,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                   "(heads/attn/mlp all at once, resid one at a time; the sweep before roles); each: one "
                   "cell per position for every site; or a selector (final, contrast, query_protagonist, "
                   "object:first, ...). E.g. --positions all, --positions roles,heads=contrast")
-    p.add_argument("--direction", choices=DIRECTIONS, default="denoise",
+    add_choice(p, "--direction", choices=DIRECTIONS, default="denoise",
                    help="denoise: clean into corrupted; noise: corrupted into clean")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--top-k", type=int, default=10, help="K for top-k recovery and mean ablation (0: skip both)")
@@ -66,7 +69,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--force", action="store_true",
                    help="run the sweeps, ranking and validations even when the gate fails (or pairs are too few to "
                    "split); every output is flagged FORCED")
-    p.add_argument("--ablation", choices=("final", "all", "none"), default="final",
+    add_choice(p, "--ablation", choices=("final", "all", "none"), default="final",
                    help="mean-ablate at the final token, at every position, or skip")
     p.add_argument("--max-runs", type=int, default=DEFAULT_MAX_RUNS,
                    help=f"refuse a plan of more patched runs than this (default {DEFAULT_MAX_RUNS:,})")
@@ -77,7 +80,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--probe-table", default=None, help="probe sweep table (Parquet/CSV) for the per-head table")
     p.add_argument("--batch-pairs", type=int, default=8, help="pairs per cached group")
     p.add_argument("--memory-mb", type=float, default=1024.0, help="memory budget for one batched forward")
-    p.add_argument("--format", choices=("parquet", "csv"), default="parquet")
+    add_choice(p, "--format", choices=("parquet", "csv"), default="parquet")
     add_progress(p)
     p.add_argument("--search-budget", type=int, default=None,
                    help="--method search: at most this many cells patched by its rule (default 4 x top-k per site "
@@ -88,12 +91,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--search-samples", type=int, default=10,
                    help="--method search: random left-out cells patched per site and position for the "
                    "false-negative bound")
-    p.add_argument("--graddrop", choices=("auto", "on", "off"), default="auto",
+    add_choice(p, "--graddrop", choices=("auto", "on", "off"), default="auto",
                    help="--method search: GradDrop (auto: when there are at least 10 cells per layer)")
     p.add_argument("--attribution-steps", type=int, default=DEFAULT_ATTRIBUTION_STEPS,
                    help="attribution: points on the path between the two stories (integrated gradients; 1 = plain "
                    f"attribution patching; default {DEFAULT_ATTRIBUTION_STEPS})")
-    p.add_argument("--attribution-path", choices=ATTRIBUTION_PATHS, default=DEFAULT_ATTRIBUTION_PATH,
+    add_choice(p, "--attribution-path", choices=ATTRIBUTION_PATHS, default=DEFAULT_ATTRIBUTION_PATH,
                    help="what integrated gradients move: each patched hook point in turn (a layer's heads "
                    "together), the blocks after it recomputed as exact patching does (sites), or the token "
                    "embeddings, one run per step but a chain of heads' effect shared out among them "
@@ -124,4 +127,7 @@ def run(args: argparse.Namespace) -> int:
     figures = {} if result.withheld else write_patching_figures(result, out)
     print(result.describe())
     print(f"wrote {len(result.summary.files)} tables, {len(figures)} figures and summary.json under {args.out}")
+    from tomlens.report.experiment import write_stage_report
+
+    print(f"wrote {write_stage_report('patching', result, out, figures)}")
     return 0

@@ -23,6 +23,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="change one setting of the file, e.g. --set model.name=tiny-llama "
                    "--set probes.stimuli.n=5 (VALUE is a TOML value; repeatable)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print every stage's plan (prompts, forwards, patched runs, the gate's verdict) and a "
+                   "total time estimate from one timed forward, then stop: nothing else runs, nothing is written")
     add_progress(p)
     p.set_defaults(func=run)
 
@@ -35,14 +38,17 @@ def run_file(config: Any, out: Path, *, progress: bool = True, headers: dict[str
     """Run `config` into `out`, printing a header before and `describe()` after each stage, then
     write the figures and report.html. `headers` replaces the stage names in the headers."""
     from tomlens.report.experiment import write_experiment_figures, write_experiment_report
+    from tomlens.report.findings import variant_names
     from tomlens.runs.experiment import run_experiment
 
     several = len(config.models) > 1
+    labels = dict(zip(map(id, config.models), variant_names([m.name for m in config.models], config.models),
+                      strict=True))  # two entries of one model are told apart by their settings
 
     def before(stage: str, model: Any) -> None:
         if headers is None or stage in headers:
             title = (headers or {}).get(stage, stage)
-            _section(f"{title} ({model.name})" if several else title)
+            _section(f"{title} ({labels.get(id(model), model.name)})" if several else title)
 
     def after(stage: str, model: Any, result: Any) -> None:
         text = result.describe()
@@ -64,10 +70,34 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.time()
     config = ExperimentConfig.load(args.file, args.overrides)
     out = Path(args.out) if args.out else Path("runs") / config.name
-    print(f"experiment {config.name!r}: {', '.join(config.stages)} on {', '.join(m.name for m in config.models)} -> {out}/")
+    from tomlens.report.findings import variant_names
+
+    models = variant_names([m.name for m in config.models], config.models)
+    print(f"experiment {config.name!r}: {', '.join(config.stages)} on {', '.join(models)} -> {out}/")
+    if args.dry_run:
+        return dry_run(config, out)
+    say_estimate(config, out)
     result = run_file(config, out, progress=not args.no_progress)
     print(f"\ndone in {time.time() - t0:.0f} s; results under {out}/")
     return validation_exit_code(result)
+
+
+def dry_run(config: Any, out: Path) -> int:
+    """`tomlens run --dry-run`: every stage's plan and the total, then stop (nothing written)."""
+    from tomlens.runs.experiment_plan import plan_experiment
+
+    plan = plan_experiment(config, out)
+    print("\n".join(plan.lines()))
+    print("dry run: nothing else run, nothing written")
+    return 0
+
+
+def say_estimate(config: Any, out: Path) -> None:
+    """What a run says before it starts: each stage's counts and what is known of the time (the
+    timed estimate, which loads the model, is `--dry-run`'s)."""
+    from tomlens.runs.experiment_plan import estimate_experiment
+
+    print(estimate_experiment(config, out).counts_line(), flush=True)
 
 
 def validation_exit_code(result: Any) -> int:

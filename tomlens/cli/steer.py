@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from tomlens.cli.options import add_model_options, add_progress, model_spec, split_items
+from tomlens.cli.options import add_choice, add_model_options, add_progress, model_spec, split_items
 from tomlens.errors import TomlensError
 
 # argparse reads a word that starts with "-" as a flag unless it is one negative number, so a comma
@@ -51,9 +51,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--n", type=int, default=None, help="tasks of a generated family (default 20)")
     p.add_argument("--layers", nargs="+", default=None, help="layers to steer, e.g. 2,3 (default: every layer)")
     p.add_argument("--target", default="protagonist_belief", help="the label the direction separates")
-    p.add_argument("--method", default="mean_difference", choices=["mean_difference", "probe"])
-    p.add_argument("--mode", default="add", choices=["add", "project_out", "patch"])
-    p.add_argument("--positions", default="final", choices=["final", "all"])
+    add_choice(p, "--method", default="mean_difference", choices=["mean_difference", "probe"])
+    add_choice(p, "--mode", default="add", choices=["add", "project_out", "patch"])
+    add_choice(p, "--positions", default="final", choices=["final", "all"])
     p.add_argument("--alphas", nargs="+", default=None, help=ALPHAS_HELP)
     p.add_argument("--n-random", type=int, default=20, help="norm-matched random directions (default 20)")
     p.add_argument("--select-fraction", type=float, default=0.5, help="share of tasks for selection (default 0.5)")
@@ -65,7 +65,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "their maximum grows with --n-random, so a bound on it fails any direction given enough draws)")
     p.add_argument("--batch-size", type=int, default=16, help="prompts per forward (default 16)")
     p.add_argument("--store", default=None, help="activation store root (default: the tomlens cache dir)")
-    p.add_argument("--format", default="parquet", choices=["parquet", "csv"], help="table format")
+    add_choice(p, "--format", default="parquet", choices=["parquet", "csv"], help="table format")
     p.add_argument("--out", required=True, help="output directory")
     add_model_options(p)
     add_progress(p)
@@ -97,4 +97,7 @@ def run(args: argparse.Namespace) -> int:
     figures = write_steering_figures(result, out)
     print(result.describe())
     print("wrote " + ", ".join(str(f) for f in [*result.files(out), *figures]))
+    from tomlens.report.experiment import write_stage_report
+
+    print(f"wrote {write_stage_report('steering', result, out)}")
     return 0

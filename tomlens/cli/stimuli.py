@@ -8,6 +8,7 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
+from tomlens.cli.options import add_choice
 from tomlens.errors import TomlensError
 from tomlens.stimuli.records import Stimulus
 
@@ -27,7 +28,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Write stimuli as JSONL and print a one-line summary "
         "(count per condition x prompt type).",
     )
-    p.add_argument("family", choices=_families(), help="stimulus family")
+    add_choice(p, "family", choices=_families(), what="stimulus family", help="stimulus family")
     p.add_argument("--n", type=int, default=None,
                    help="tasks / items, each rendered in every condition (generated families; "
                    "default 20), the first N stories (bigtom) or rows (user); default all")

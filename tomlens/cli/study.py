@@ -30,7 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-from tomlens.cli.options import add_progress
+from tomlens.cli.options import add_choice, add_progress
 
 EXIT_TERMINATED = 128 + signal.SIGTERM  # 143: what a shell reports for a command SIGTERM stopped
 
@@ -42,7 +42,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", default=None, help="study folder (default: runs/<name>)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="change one setting of the file, e.g. --set models.0.seeds=[0,1] (repeatable)")
-    p.add_argument("--executor", choices=["local", "slurm"], default="local",
+    add_choice(p, "--executor", choices=["local", "slurm"], default="local",
                    help="submitit's LocalExecutor (subprocesses on this machine; default) or SlurmExecutor")
     p.add_argument("--parallel", type=int, default=None,
                    help="jobs at once (local: default 1; SLURM: the job array's parallelism, by default "

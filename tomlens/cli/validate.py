@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import fields
 
-from tomlens.cli.options import add_model_options, add_progress, model_spec
+from tomlens.cli.options import add_choice, add_model_options, add_progress, add_renamed, model_spec
 from tomlens.runs.patching import ATTRIBUTION_PATHS, DEFAULT_ATTRIBUTION_PATH, DEFAULT_ATTRIBUTION_STEPS
 
 # flag -> (Thresholds field, help)
@@ -63,19 +63,20 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", default=None, help="output directory (default: validate-<model>)")
     p.add_argument("--n-tasks", type=int, default=48, help="order-only tasks (default 48)")
     p.add_argument("--k", type=int, default=None, help="heads in the top set (default: 5%% of all heads, at least 1)")
-    p.add_argument("--permutations", type=int, default=1000, help="probe permutation null (default 1000)")
+    p.add_argument("--n-permutations", type=int, default=1000, help="probe permutation null (default 1000)")
+    add_renamed(p, "--permutations", "--n-permutations", type=int)
     p.add_argument("--n-random-heads", type=int, default=200, help="layer-matched random head sets (default 200)")
     p.add_argument("--n-random-directions", type=int, default=20, help="random steering directions (default 20)")
     p.add_argument("--attribution-steps", type=int, default=DEFAULT_ATTRIBUTION_STEPS,
                    help=f"integrated-gradient steps of attribution (1 = plain attribution; default "
                    f"{DEFAULT_ATTRIBUTION_STEPS})")
-    p.add_argument("--attribution-path", choices=ATTRIBUTION_PATHS, default=DEFAULT_ATTRIBUTION_PATH,
+    add_choice(p, "--attribution-path", choices=ATTRIBUTION_PATHS, default=DEFAULT_ATTRIBUTION_PATH,
                    help="what integrated gradients move: each layer's head outputs in turn, every block after them "
                    "recomputed, as exact patching of a head does (sites), "
                    f"or the token embeddings (embeddings); default {DEFAULT_ATTRIBUTION_PATH}")
     p.add_argument("--select-fraction", type=float, default=0.5, help="share of tasks that select (default 0.5)")
     p.add_argument("--head-position", default="final", help="where heads are patched and ranked (default final)")
-    p.add_argument("--ablation", choices=("final", "all"), default="final", help="mean ablation positions")
+    add_choice(p, "--ablation", choices=("final", "all"), default="final", help="mean ablation positions")
     p.add_argument("--layers", type=_ints, default=None, help="steering layers, e.g. 2,3 (default: the stage's)")
     p.add_argument("--depths", type=_floats, default=None,
                    help="steering layers as fractions of the depth, e.g. 0.25,0.5,0.75 (the same places in "
@@ -83,7 +84,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--alphas", type=_floats, default=None, help="steering alphas, written --alphas=-4,-2,0,2,4 (with \"=\": a leading minus would read as a flag)")
     p.add_argument("--store", default=None, help="activation store root (default: the tomlens cache dir)")
     p.add_argument("--batch-size", type=int, default=None, help="prompts per forward when caching")
-    p.add_argument("--format", choices=("csv", "parquet"), default="csv", help="table format (default csv)")
+    add_choice(p, "--format", choices=("csv", "parquet"), default="csv", help="table format (default csv)")
     for flag, (_, text) in THRESHOLD_FLAGS.items():
         p.add_argument(flag, type=float, default=None, help=text)
     add_progress(p)
@@ -99,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
     thresholds = Thresholds(**{**defaults, **{k: v for k, v in given.items() if v is not None}})
     config = ValidateConfig(
         model=model_spec(args), n_tasks=args.n_tasks, thresholds=thresholds, k=args.k, seed=args.seed,
-        select_fraction=args.select_fraction, n_permutations=args.permutations,
+        select_fraction=args.select_fraction, n_permutations=args.n_permutations,
         n_random_heads=args.n_random_heads, n_random_directions=args.n_random_directions,
         attribution_steps=args.attribution_steps, attribution_path=args.attribution_path,
         head_position=args.head_position, ablation=args.ablation, steering_layers=args.layers,

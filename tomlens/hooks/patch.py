@@ -19,15 +19,18 @@ This module and `tomlens.hooks` are the only places that know TransformerLens / 
 
 from __future__ import annotations
 
-import inspect
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 from transformers.cache_utils import DynamicLayer
+
+from tomlens.hooks.logits import keeps_last_logits
+from tomlens.models.protocol import Model
 
 Hook = tuple[str, Callable[..., Any]]
 
@@ -39,9 +42,9 @@ class PatchIndex:
     `heads` is None for activations without a head axis (resid, attn_out, mlp_out).
     """
 
-    rows: Int[Tensor, "n"]
-    cols: Int[Tensor, "n"]
-    heads: Int[Tensor, "n"] | None
+    rows: Int[Tensor, " n"]
+    cols: Int[Tensor, " n"]
+    heads: Int[Tensor, " n"] | None
     values: Float[Tensor, "n d"]
 
 
@@ -93,14 +96,6 @@ def record_hooks(
     return [(n, make(n)) for n in names]
 
 
-def _keeps_last_logits(model) -> bool:
-    hf = getattr(model, "original_model", None)
-    try:
-        return "logits_to_keep" in inspect.signature(hf.forward).parameters
-    except (TypeError, ValueError, AttributeError):
-        return False
-
-
 class PrefixCache:
     """The base runs' keys and values, from which a chunk takes its shared prefix.
 
@@ -121,11 +116,16 @@ class PrefixCache:
             return None
         if type(cache) is not DynamicCache or not cache.layers:
             return None
-        if any(type(layer) is not DynamicLayer or layer.keys is None for layer in cache.layers):
-            return None
-        return cls([layer.keys for layer in cache.layers], [layer.values for layer in cache.layers])
+        keys: list[Tensor] = []
+        values: list[Tensor] = []
+        for layer in cache.layers:
+            if type(layer) is not DynamicLayer or layer.keys is None or layer.values is None:
+                return None
+            keys.append(layer.keys)
+            values.append(layer.values)
+        return cls(keys, values)
 
-    def select(self, rows: Int[Tensor, "r"], length: int, from_layer: int = 0, *, in_place: bool = False) -> Any:
+    def select(self, rows: Int[Tensor, " r"], length: int, from_layer: int = 0, *, in_place: bool = False) -> Any:
         """A fresh HF cache holding columns `[0, length)` of the given base rows.
 
         Layers below `from_layer` are skipped by the forward (see `skip_blocks`) and never read
@@ -139,15 +139,15 @@ class PrefixCache:
         if in_place:
             cache = DynamicCache()
             layers: list[Any] = []
-            for i, (k, v) in enumerate(zip(self.keys, self.values)):
+            for i, (k, v) in enumerate(zip(self.keys, self.values, strict=True)):
                 if 0 < i < from_layer:
                     layers.append(layers[0])
                 else:
                     layers.append(_InPlaceLayer(k.index_select(0, rows), v.index_select(0, rows), length))
             cache.layers = layers
             return cache
-        data = []
-        for i, (k, v) in enumerate(zip(self.keys, self.values)):
+        data: list[tuple[Tensor, Tensor]] = []
+        for i, (k, v) in enumerate(zip(self.keys, self.values, strict=True)):
             if 0 < i < from_layer:
                 data.append(data[0])
             else:
@@ -182,7 +182,7 @@ class _InPlaceLayer(DynamicLayer):
 
 
 @contextmanager
-def skip_blocks(model, below: int, resid: Tensor | None) -> Iterator[None]:
+def skip_blocks(model: Model, below: int, resid: Tensor | None) -> Iterator[None]:
     """Run blocks `>= below` only: blocks below return at once, and block `below - 1` hands on
     `resid`, the residual stream entering block `below` (the base run's, for the recomputed
     columns). Exact because nothing a patch changes reaches those blocks.
@@ -214,7 +214,7 @@ def skip_blocks(model, below: int, resid: Tensor | None) -> Iterator[None]:
 
 
 @contextmanager
-def logits_of(model, vocab: Int[Tensor, "v"] | None) -> Iterator[None]:
+def logits_of(model: Model, vocab: Int[Tensor, " v"] | None) -> Iterator[None]:
     """Unembed to the logits of `vocab` only: a metric that reads a few tokens' logits need not
     pay for a vocabulary-wide matmul per row (at a 49k vocabulary, as much as a dozen blocks do for
     one token). The unembedding's own module is narrowed, so its bias and anything the model does
@@ -239,7 +239,7 @@ def logits_of(model, vocab: Int[Tensor, "v"] | None) -> Iterator[None]:
 
 
 def _slice_kwargs(
-    forward_kwargs: Mapping[str, Any], rows: Int[Tensor, "r"] | None, start: int, n_batch: int
+    forward_kwargs: Mapping[str, Any], rows: Int[Tensor, " r"] | None, start: int, n_batch: int
 ) -> dict[str, Any]:
     """Select batch rows of the forward kwargs and cut position-aligned ones to columns `>= start`.
 
@@ -257,18 +257,18 @@ def _slice_kwargs(
 
 
 def forward_last(
-    model,
+    model: Model,
     input_ids: Int[Tensor, "batch pos"],
     forward_kwargs: Mapping[str, Any],
     hooks: Sequence[Hook] = (),
     *,
-    rows: Int[Tensor, "r"] | None = None,
+    rows: Int[Tensor, " r"] | None = None,
     prefix: PrefixCache | None = None,
     start: int = 0,
     skip: tuple[int, Tensor] | None = None,
-    prefix_rows: Int[Tensor, "r"] | None = None,
+    prefix_rows: Int[Tensor, " r"] | None = None,
     keep_cache: bool = False,
-    vocab: Int[Tensor, "v"] | None = None,
+    vocab: Int[Tensor, " v"] | None = None,
 ) -> tuple[Float[Tensor, "r vocab"], PrefixCache | None]:
     """Run (rows of) a left-padded batch and return the last position's logits.
 
@@ -283,9 +283,9 @@ def forward_last(
     ids = input_ids if rows is None else input_ids.index_select(0, rows.to(input_ids.device))
     use_prefix = prefix is not None and start > 0
     kwargs = _slice_kwargs(forward_kwargs, rows, start if use_prefix else 0, input_ids.shape[0])
-    if _keeps_last_logits(model):
+    if keeps_last_logits(model):
         kwargs["logits_to_keep"] = 1
-    if use_prefix:
+    if use_prefix and prefix is not None:  # (use_prefix implies a prefix; the checker sees it here)
         if prefix_rows is None:
             prefix_rows = rows if rows is not None else torch.arange(ids.shape[0], device=ids.device)
         # A run that keeps its cache gets a plain one; otherwise the new columns go in place.

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from tomlens.errors import TomlensError
 from tomlens.models.protocol import Model
+from tomlens.vocabulary import unknown
 
 # kind -> what it is. Order is the order sites fire inside a block (used only for display).
 KINDS: dict[str, str] = {
@@ -28,6 +29,9 @@ KINDS: dict[str, str] = {
     "resid_post": "residual stream leaving the block",
 }
 PER_HEAD_KINDS: frozenset[str] = frozenset({"z", "head_out"})
+# `tomlens patch`'s shorthands, each the site kind it patches: a misspelt kind suggests the kind.
+SHORTHANDS: dict[str, str] = {"heads": "head_out", "head": "head_out", "resid": "resid_pre",
+                              "attn": "attn_out", "mlp": "mlp_out"}
 
 # kind -> TransformerLens alias, relative to `blocks.{layer}.`. head_out is computed from z.
 _TL_NAMES: dict[str, str] = {
@@ -54,9 +58,7 @@ class Site:
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
-            raise TomlensError(
-                f"unknown site kind {self.kind!r}", f"use one of {', '.join(KINDS)}"
-            )
+            raise unknown("site kind", self.kind, KINDS, SHORTHANDS)
         if not isinstance(self.layer, int) or self.layer < 0:
             raise TomlensError(f"site {self.kind!r}: layer {self.layer!r} is not a layer index",
                                "layers are integers from 0 to n_layers - 1")
@@ -134,7 +136,7 @@ def parse_sites(spec: str | Site | Sequence[str | Site], n_layers: int) -> list[
         for token in str(item).split():
             kind, _, layers = token.partition(":")
             if kind not in KINDS:
-                raise TomlensError(f"unknown site kind {kind!r} in {token!r}", f"use one of {', '.join(KINDS)}")
+                raise unknown("site kind", kind, KINDS, SHORTHANDS)
             chosen = _parse_layers(layers, n_layers, token) if layers else list(range(n_layers))
             out.extend(Site(kind, layer) for layer in chosen)
     if not out:

@@ -23,6 +23,7 @@ Selectors:
 
 from __future__ import annotations
 
+import difflib
 import re
 from collections.abc import Sequence
 from typing import Any, Literal
@@ -42,6 +43,13 @@ ALIASES: dict[str, str] = {"contrast_end": "contrast"}
 MENTION_ROLES: tuple[str, ...] = (
     "protagonist", "other_agent", "object", "location_1", "location_2", "container", "cue",
     "query_protagonist", "query_object",
+)
+# Every role a built-in family's stories name (spans or mentions); a user's file may add its own.
+KNOWN_ROLES: tuple[str, ...] = (
+    FINAL, "bystander", "container", "contrast", "contrast_label", "contrast_leave", "contrast_move",
+    "contrast_seen", "contrast_told", "cue", "lead_in", "location_1", "location_2", "object", "other_agent",
+    "protagonist", "query", "query_object", "query_protagonist", "question", "scene", "statement",
+    "statement_claim", "statement_place", "story", "third_agent", "fourth_agent", "fifth_agent", "utterance",
 )
 _SELECTOR = re.compile(r"^(?P<role>[^@:\s]+)(?:@(?P<k>[0-9]+|last))?(?::(?P<which>[^:]*))?$")
 
@@ -77,6 +85,21 @@ def parse_selectors(selectors: str | Sequence[str]) -> list[str]:
     return list(dict.fromkeys(items))
 
 
+def refuse_near_misses(selectors: Sequence[str]) -> None:
+    """Refuse, before any model loads, a position whose role is not one tomlens knows but is close to
+    one (`protagnist`, `fnal`), naming it; a role far from every known one may be a user's own span
+    and is left to the stimuli to confirm (`check_selectors`)."""
+    for selector in selectors:
+        role = split_selector(selector)[0]
+        if role in KNOWN_ROLES or re.search(r"_\d+$", role):
+            continue
+        near = difflib.get_close_matches(role, KNOWN_ROLES, n=1, cutoff=0.8)
+        if near:
+            raise TomlensError(f"unknown position {selector!r}: did you mean {near[0]!r}?",
+                               f"use final or a role the stories name ({', '.join(KNOWN_ROLES)}), "
+                               "each optionally with @<k> and :first")
+
+
 def _mentions_of(stimulus: Stimulus, role: str) -> tuple[Span, ...]:
     """A role's mentions in text order: `mentions[role]`, else its first-mention span alone."""
     if role in stimulus.mentions:
@@ -93,8 +116,10 @@ def selector_span(stimulus: Stimulus, selector: str) -> tuple[Span, bool]:
         if stimulus.mentions.get(role):
             return stimulus.mentions[role][0], first
         have = ", ".join(sorted(stimulus.spans)) or "none"
+        near = difflib.get_close_matches(role, [FINAL, *stimulus.spans, *stimulus.mentions], n=1, cutoff=0.5)
         raise TomlensError(
-            f"stimulus {stimulus.id!r} has no span {role!r} (position {selector!r}); its spans: {have}",
+            f"stimulus {stimulus.id!r} has no span {role!r} (position {selector!r}"
+            + (f"; did you mean {near[0]!r}?" if near else "") + f"); its spans: {have}",
             "choose a position from its spans, or use `final`",
         )
     found = _mentions_of(stimulus, role)

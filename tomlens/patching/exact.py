@@ -13,19 +13,26 @@ of one cell each) and the head sets of top-k recovery (`tomlens.patching.heads.H
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 import torch
 from jaxtyping import Float
 from torch import Tensor
 from tqdm.auto import tqdm
 
+from tomlens.errors import TomlensError
+from tomlens.messages import say
 from tomlens.models.protocol import Model
 from tomlens.patching.cells import Cell, cell_columns, cell_hooks, check_selectors, hook_for, plan_cells, selectors_in
 from tomlens.patching.engine import DEFAULT_CHUNK_RUNS, Run, Stage
 from tomlens.patching.metric import Normalise
 from tomlens.patching.pairs import Direction, PreparedPairs, as_prepared, roles
 from tomlens.patching.result import PatchingResult
+
+if TYPE_CHECKING:
+    from tomlens.patching.plan import Plan
+
+DEFAULT_MAX_RUNS = 100_000  # patched runs a sweep may plan before it is refused (CLI --max-runs, Python max_runs)
 
 
 class CellSetSweep:
@@ -143,6 +150,28 @@ class ExactSweep(CellSetSweep):
         )
 
 
+@overload
+def exact_patching(
+    model: Model, pairs: Sequence[Any] | PreparedPairs, *,
+    sites: Sequence[str] | Mapping[str, Sequence[str]] = ..., positions: Sequence[str] = ...,
+    direction: Direction = ..., layers: Sequence[int] | None = ..., normalise: Normalise = ...,
+    batch_pairs: int = ..., memory_mb: float = ..., reuse_prefix: bool = ..., progress: bool = ...,
+    cells: Sequence[Cell] | None = ..., checkpoints: Any = ..., chunk_runs: int = ...,
+    dry_run: Literal[True], max_runs: int | None = ...,
+) -> Plan: ...
+
+
+@overload
+def exact_patching(
+    model: Model, pairs: Sequence[Any] | PreparedPairs, *,
+    sites: Sequence[str] | Mapping[str, Sequence[str]] = ..., positions: Sequence[str] = ...,
+    direction: Direction = ..., layers: Sequence[int] | None = ..., normalise: Normalise = ...,
+    batch_pairs: int = ..., memory_mb: float = ..., reuse_prefix: bool = ..., progress: bool = ...,
+    cells: Sequence[Cell] | None = ..., checkpoints: Any = ..., chunk_runs: int = ...,
+    dry_run: Literal[False] = ..., max_runs: int | None = ...,
+) -> PatchingResult: ...
+
+
 def exact_patching(
     model: Model,
     pairs: Sequence[Any] | PreparedPairs,
@@ -159,7 +188,9 @@ def exact_patching(
     cells: Sequence[Cell] | None = None,
     checkpoints: Any = None,
     chunk_runs: int = DEFAULT_CHUNK_RUNS,
-) -> PatchingResult:
+    dry_run: bool = False,
+    max_runs: int | None = DEFAULT_MAX_RUNS,
+) -> PatchingResult | Plan:
     """Patch every cell of the requested sites, one batched forward per chunk of (cell, pair) runs.
 
     `sites`: kinds ("heads", "resid", "attn", "mlp", "resid_mid", ...) with their default positions
@@ -168,6 +199,10 @@ def exact_patching(
     `sites`, `positions` and `layers` are then ignored.
     `checkpoints` (a `tomlens.patching.checkpoints.Checkpoints`): finished chunks of
     `chunk_runs` runs are saved there and taken from there, so a stopped sweep resumes.
+    `dry_run`: lay the sweep out, say its plan and return it (a `tomlens.patching.plan.Plan`)
+    without running a patched forward. `max_runs`: a sweep of more patched runs than this (default,
+    as `tomlens patch --max-runs`: 100,000) says its plan and raises instead of running; None: no limit.
+    With `progress`, the plan is said before the sweep runs.
     """
     explicit = list(cells) if cells is not None else None
     extra = tuple(c.position for c in explicit or ())
@@ -177,5 +212,33 @@ def exact_patching(
     )
     sweep = ExactSweep(model, prepared, cells, direction, memory_mb=memory_mb, reuse_prefix=reuse_prefix,
                        chunk_runs=chunk_runs)
+    plan = sweep_plan(sweep, max_runs)
+    if dry_run:
+        say("\n".join([*plan.lines(), "dry run: nothing run"]))
+        return plan
+    check_python_budget(plan)
+    if progress:  # with its bar, the plan first: how many runs the bar is about to count
+        say("\n".join(plan.lines()))
     sweep.run(checkpoints=checkpoints, progress=progress)
     return sweep.result(normalise)
+
+
+def sweep_plan(sweep: ExactSweep, max_runs: int | None) -> Plan:
+    """The plan of one exact sweep (its patched runs, unpatched forwards and memory), untimed: a
+    timing would need a forward, and a dry run runs none."""
+    from tomlens.patching.plan import Plan, plan_stages
+
+    n_pairs = len(sweep.prepared.pairs)
+    return Plan(plan_stages({sweep.direction: sweep}, {}, None, None, n_pairs=n_pairs), n_pairs, max_runs)
+
+
+def check_python_budget(plan: Plan) -> None:
+    """Refuse, in the Python API's words, a plan of more patched runs than its `max_runs`: the plan
+    is said first, and the error names the argument that raises the limit (the CLI's names flags)."""
+    if plan.max_runs is None or plan.total_runs <= plan.max_runs:
+        return
+    say("\n".join(plan.lines()))
+    raise TomlensError(
+        f"the plan needs {plan.total_runs:,} patched runs ({plan.n_pairs} pairs), more than max_runs={plan.max_runs:,}",
+        "patch fewer cells (sites=['heads'], positions=['final'] or role positions, layers=[...]) or fewer pairs; "
+        f"or pass max_runs={plan.total_runs} (None: no limit); dry_run=True returns the plan without running")

@@ -582,7 +582,7 @@ def probe_accuracy_by_head(
     if df.empty:
         raise TomlensError(
             f"the probe table has no {kind} accuracy rows for target {target!r} trained on all stories",
-            f"run `tomlens probe --target {target}` with --sites including {kind}",
+            f"run `tomlens probe --targets {target}` with --sites including {kind}",
         )
     chosen_position = None
     if "position" in df.columns:

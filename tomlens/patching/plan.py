@@ -56,7 +56,7 @@ from tomlens.errors import TomlensError
 from tomlens.hooks import Site, hook_name
 from tomlens.hooks.attention import is_joint_qkv
 from tomlens.models.protocol import Model
-from tomlens.patching import engine
+from tomlens.patching import engine, exact
 from tomlens.patching.attribution import IG_PATHS, IGPath, attribution_patching, check_integrable, hook_blocks
 from tomlens.patching.cells import MENTIONS, Cell, canonical_kind, plan_cells
 from tomlens.patching.checkpoints import Checkpoints
@@ -66,7 +66,7 @@ from tomlens.patching.heads import AblationSweep, HeadSetSweep
 from tomlens.patching.pairs import Direction, Group, PreparedPairs
 from tomlens.patching.result import PatchingResult
 
-DEFAULT_MAX_RUNS = 100_000
+DEFAULT_MAX_RUNS = exact.DEFAULT_MAX_RUNS  # the CLI's --max-runs and the Python API's max_runs
 ROLE_POSITIONS: tuple[str, ...] = ("final", "contrast", "query_protagonist", "query_object")
 HEAD_ROLE_POSITIONS: tuple[str, ...] = ("final", "query_protagonist", "query_object")
 # Sites whose every-position patch is one cell (all positions at once); the residual stream at all

@@ -29,12 +29,13 @@ scores, and the sweep goes on.
 
 from __future__ import annotations
 
+import math
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, overload, runtime_checkable
 
 import numpy as np
 import pandas as pd
@@ -67,6 +68,7 @@ from tomlens.probes.logistic import (
 )
 from tomlens.probes.mass_mean import MassMeanProbe
 from tomlens.probes.newton import FIT_STATUS, NON_FINITE_INPUT, NOT_CONVERGED, OK, SOLVER_FAILED
+from tomlens.probes.plan import ProbePlan
 from tomlens.probes.resume import ChunkFit, FitCheckpoints, activations_identity, fit_settings, inputs_hash
 from tomlens.probes.splits import GROUPINGS, Split, group_codes, group_kfold, holdout, restrict
 from tomlens.probes.targets import (
@@ -80,6 +82,7 @@ from tomlens.provenance import versions
 from tomlens.stimuli.records import Stimulus, stimuli_hash
 
 PROBES = ("logistic", "mass_mean")
+DEFAULT_BUDGET_MINUTES = 60.0  # a Python call's default budget, as `tomlens probe --budget-minutes`
 COLUMNS = ["features", "kind", "layer", "head", "position", "target", "probe", "train_on", "eval_set", "test_set",
            "metric", "score", "ci_low", "ci_high", "control", "control_ci_low", "control_ci_high", "control_chance",
            "selectivity", "selectivity_ci_low", "selectivity_ci_high", "condition_split", "condition_split_ci_low",
@@ -645,11 +648,30 @@ def lay_out_sweep(
         _check_test_set(train_st, test_st)
         _check_same_model(acts, test_acts)
     notes = _grouping_notes(cfg, train_st, test_st)
+    if test_st is None:
+        cfg = _folds_that_fit(cfg, train_st, targets, notes)
     variation: dict[str, pd.DataFrame] = {}
     shapes = {kind: _unit_shape(acts, kind, position) for kind in kinds}
     laid = [_lay_out_target(tname, acts, test_acts, kinds, shapes, position, probe, seed, cfg, notes, variation)
             for tname in targets]
     return SweepLayout(acts, test_acts, laid, kinds, position, probe, seed, cfg, notes, variation, targets)
+
+
+def _folds_that_fit(cfg: SweepConfig, train_st: Sequence[Stimulus], targets: Sequence[str],
+                    notes: list[str]) -> SweepConfig:
+    """`cfg` with no more outer folds than the fewest groups (stories, or `group_by`'s groups) any
+    target's rows have, said in `notes`: a few tasks then run as many folds as they allow, as a
+    small study should, where a fixed 5 would stop with an error. Fewer than 2 groups are left to
+    the fold split's own error (it says what to do)."""
+    if cfg.evaluation == "holdout":  # one split of about 1 / folds of the groups: any count fills it
+        return cfg
+    fewest = min(int(torch.unique(group_codes([train_st[i] for i in make_target(train_st, t)[1].nonzero()
+                                                .squeeze(1).tolist()], cfg.group_by)).numel())
+                 for t in targets)
+    if not 2 <= fewest < cfg.folds:
+        return cfg
+    notes.append(f"{fewest} groups ({cfg.group_by}): {fewest} grouped folds instead of {cfg.folds}")
+    return replace(cfg, folds=fewest)
 
 
 def _check_request(target: str | Sequence[str], sites: Sequence[str], positions: Sequence[str], probe: str
@@ -757,6 +779,24 @@ def _unit_shape(acts: ActivationsLike, kind: str, position: str) -> tuple[int, i
                        "expected [n, layer, d] or [n, layer, head, d]")
 
 
+@overload
+def run_probe_sweep(
+    acts: ActivationsLike, target: str | Sequence[str], *,
+    sites: Sequence[str] = ..., positions: Sequence[str] = ..., test_acts: ActivationsLike | None = ...,
+    probe: str = ..., seed: int = ..., config: SweepConfig | None = ..., resume_in: str | Path | None = ...,
+    dry_run: Literal[True], **overrides: Any,
+) -> ProbePlan: ...
+
+
+@overload
+def run_probe_sweep(
+    acts: ActivationsLike, target: str | Sequence[str], *,
+    sites: Sequence[str] = ..., positions: Sequence[str] = ..., test_acts: ActivationsLike | None = ...,
+    probe: str = ..., seed: int = ..., config: SweepConfig | None = ..., resume_in: str | Path | None = ...,
+    dry_run: Literal[False] = ..., **overrides: Any,
+) -> ProbeSweepResult: ...
+
+
 def run_probe_sweep(
     acts: ActivationsLike,
     target: str | Sequence[str],
@@ -768,8 +808,9 @@ def run_probe_sweep(
     seed: int = 0,
     config: SweepConfig | None = None,
     resume_in: str | Path | None = None,
+    dry_run: bool = False,
     **overrides: Any,
-) -> ProbeSweepResult:
+) -> ProbeSweepResult | ProbePlan:
     """Probe every layer (and head) of the site kinds `sites` at the one position in `positions`
     (a one-element sequence, as in `tomlens.runs.probes.ProbesConfig`) for one or more targets.
 
@@ -779,23 +820,55 @@ def run_probe_sweep(
 
     Before fitting, with `progress` and `show_plan` on, it prints its plan (`sweep_plan`: the fits
     of each feature set and the estimated time, from one small timed fit per site kind); with
-    `budget_minutes` it refuses a plan whose estimate exceeds that, before any fit.
+    `budget_minutes` it refuses a plan whose estimate exceeds that, before any fit (with the plan
+    said, and the argument that raises the budget named). Called without `config`, the budget is
+    the CLI's (`DEFAULT_BUDGET_MINUTES`, as `tomlens probe --budget-minutes`); `budget_minutes=None`
+    lifts it. With fewer groups (stories) than `folds`, it runs as many folds as there are groups
+    (a note in the result). `dry_run`: lay out and time the plan, say it, and return it (a
+    `tomlens.probes.plan.ProbePlan`) without fitting the sweep.
 
     `resume_in`: a run folder that keeps each finished chunk of fits (`fit_layout`), so a killed
     sweep started again with the same settings fits only what it had left.
     """
+    if config is None:
+        overrides.setdefault("budget_minutes", DEFAULT_BUDGET_MINUTES)
     layout = lay_out_sweep(acts, target, sites=sites, positions=positions, test_acts=test_acts, probe=probe,
                            seed=seed, config=config, **overrides)
     cfg = layout.cfg
-    if (cfg.progress and cfg.show_plan) or cfg.budget_minutes is not None:
+    if (cfg.progress and cfg.show_plan) or cfg.budget_minutes is not None or dry_run:
         from tomlens.probes.sweep_plan import sweep_plan, time_fits
 
         plan = sweep_plan(layout)
         time_fits(plan, layout)
-        if cfg.progress and cfg.show_plan:
+        said = (cfg.progress and cfg.show_plan) or dry_run
+        if said:
             say("\n".join(plan.lines()))
+        if dry_run:
+            say("dry run: nothing fitted")
+            return plan
+        if config is None:  # a Python call: the error names the argument, not the CLI's flag
+            _check_python_budget(plan, said=said)
         plan.check_budget()
     return fit_layout(layout, resume_in)
+
+
+def _check_python_budget(plan: ProbePlan, *, said: bool) -> None:
+    """Refuse a plan estimated over its budget, in the Python API's words: the plan (said unless it
+    was already), its totals, and `budget_minutes=` (the CLI's `check_budget` names flags)."""
+    total = plan.seconds()
+    if plan.budget_seconds is None or total is None or total <= plan.budget_seconds:
+        return
+    if not said:
+        say("\n".join(plan.lines()))
+    from tomlens.timing import format_seconds
+
+    fits = sum(st.fits for st in plan.stages)
+    raise TomlensError(
+        f"the probe plan is {fits:,} fits estimated at {format_seconds(total)}, more than the budget of "
+        f"{format_seconds(plan.budget_seconds)} (budget_minutes={plan.budget_seconds / 60:g})",
+        "fit fewer units (sites=['resid_post']), fewer C values (c_grid=...), inner_folds=2, folds=3 or fewer "
+        f"stimuli; or pass budget_minutes={math.ceil(total / 60)} (None: no budget); dry_run=True returns the "
+        "plan without fitting")
 
 
 def fit_layout(layout: SweepLayout, resume_in: str | Path | None = None) -> ProbeSweepResult:

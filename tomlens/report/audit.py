@@ -59,5 +59,14 @@ def audit_sections(res: Any) -> list[Section]:
             "option's position, each family's own contrasts) was tried against text heuristics that track "
             "nobody's mind: bags of n-grams, length, option order and mentions, the last presence or absence "
             "cue, and each family's registered rules, with whole tasks held out. Verdict: "
-            f"{report.verdict()}. Rows not at chance are shown; a finding on a family listed here is withheld.")
-    return [Section("Shortcut audit", text, tables=[shown] if len(shown) else [])]
+            f"{_short_verdict(report.verdict())}. Rows not at chance are in the table below (click to open); a "
+            "finding on a family listed there is withheld.")
+    n = len(shown)
+    return [Section("Shortcut audit", text,
+                    collapsed=[(f"the {n} row{'s' if n != 1 else ''} not at chance", [shown])] if n else [])]
+
+
+def _short_verdict(verdict: str, limit: int = 240) -> str:
+    """The verdict without its list of every shortcut where that list is long: the rows are in the
+    table, and a paragraph naming dozens of them pushes the rest of the page down."""
+    return verdict if len(verdict) <= limit else verdict.split(" (", 1)[0] + " (each named in the table)"

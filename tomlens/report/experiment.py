@@ -51,6 +51,22 @@ _GUIDES: list[tuple[str, str]] = [
 _PROBE_HEADS = ("Each cell is one head's held-out probe accuracy (layer down, head across), brighter is higher; "
                 "the star marks the head chosen on selection stories. The brightest cell is a maximum over many "
                 "heads: read the findings for the held-out verdict.")
+# The clause of a guide that promises the star of the chosen unit, and what replaces it where the
+# figure draws none (the unit chosen is of another kind, or no selection ran).
+_STAR_CLAUSE = re.compile(r"(; )?the star (is|marks) the (unit|head) chosen on selection stories(, at its held-out score)?")
+_NO_STAR = "no star: the unit chosen on selection stories is not on this figure"
+
+
+def has_star(fig: Any) -> bool:
+    """Whether a figure marks a unit with a star (the probe figures' chosen unit)."""
+    return any(getattr(getattr(t, "marker", None), "symbol", None) == "star" for t in fig.data)
+
+
+def true_guide(guide: str, fig: Any) -> str:
+    """`guide` as true to `fig`: its promise of a star dropped (and the absence said) where none is drawn."""
+    if not _STAR_CLAUSE.search(guide) or has_star(fig):
+        return guide
+    return _STAR_CLAUSE.sub(lambda m: ("; " if m.group(1) else "") + _NO_STAR, guide)
 
 
 def guide_for(stem: str, stage: str) -> str:
@@ -99,7 +115,9 @@ def _behaviour_sections(res: Any) -> list[Section]:
                         "options' first tokens, mean_option_mass that of the whole options; low_option_mass marks "
                         f"a cell under {_min_mass(res):g}, where the model would more likely say neither option "
                         "and a two-way score describes a choice it mostly would not make.",
-                        tables=[res.accuracy] + ([res.strict] if len(res.strict) else []))]
+                        collapsed=[_fold("accuracy per family, condition and prompt type", [res.accuracy])]
+                        + ([_fold("the strict rule per family", [res.strict])] if len(res.strict) else []),
+                        fold_text=True)]
     first_words = getattr(res, "first_word", None)
     if first_words is not None and len(first_words):
         sections.append(Section("Behaviour: the first word of a greedy completion (Kosinski)",
@@ -107,12 +125,14 @@ def _behaviour_sections(res: Any) -> list[Section]:
                                 "model writes, and its answer is right only when its first word is the keyed "
                                 "option's; an answer that names neither option (off_key) is wrong. His strict rule "
                                 "over these answers is the strict table's 'first word (greedy)' rows.",
-                                tables=[first_words]))
+                                collapsed=[_fold("first words per family and condition", [first_words])],
+                                fold_text=True))
     gated = getattr(res, "reality_gated", None)
     if gated is not None and len(gated):
         sections.append(Section("Behaviour: belief accuracy gated on the reality prompt",
                                 "Belief prompts counted only where the model answers the same story's reality "
-                                "prompt right (kept and dropped counts per cell).", tables=[gated]))
+                                "prompt right (kept and dropped counts per cell).",
+                                collapsed=[_fold("reality-gated accuracy per cell", [gated])], fold_text=True))
     effect = getattr(res, "knowledge_state", None)
     if effect is not None and len(effect):
         sections.append(Section("Behaviour: the knowledge-state effect (Jones et al.)",
@@ -122,7 +142,8 @@ def _behaviour_sections(res: Any) -> list[Section]:
                                 "knowledge contrasts (contrast_kind); label contrasts change what the label says, "
                                 "not what the protagonist saw. Cells from too few tasks (few_tasks) have no "
                                 "interval and are no evidence either way.",
-                                tables=[effect]))
+                                collapsed=[_fold("the knowledge-state effect per contrast", [effect])],
+                                fold_text=True))
     if len(res.object_bias):
         k0 = getattr(res, "k0_check", None)
         sections.append(Section("Behaviour: object bias per cell (Ruis et al.)",
@@ -133,21 +154,36 @@ def _behaviour_sections(res: Any) -> list[Section]:
                                 "it (animate distinct from inanimate and from control, inanimate equal to control by "
                                 "a TOST equivalence test), with the direction the animate case differs in "
                                 "(passes_object_bias: toward the goal object).",
-                                tables=[res.object_bias] + ([k0] if k0 is not None and len(k0) else [])
-                                + ([res.selective] if len(res.selective) else [])))
+                                collapsed=[_fold("object bias, the k = 0 check and the selective-encoding criterion",
+                                                 [res.object_bias] + ([k0] if k0 is not None and len(k0) else [])
+                                                 + ([res.selective] if len(res.selective) else []))],
+                                fold_text=True))
     batteries = getattr(res, "batteries", None) or {}
     if batteries:
-        overview = pd.DataFrame([{"family": family, "source": BATTERY_SOURCES.get(family, ""), "rows": len(df)}
-                                 for family, df in batteries.items()])
         sections.append(Section("Behaviour: the seed papers' batteries",
                                 "Each battery summarised the way its paper reports it: one row per reported cell, "
                                 "with intervals from resampling whole tasks. A paper's number appears only in a "
                                 "column named for what it is (e.g. paper_other_items_gpt4, paper_lrs: LaMDA's 0-10 "
                                 "rating of other items, not a pass rate): it comes from other items, other models "
                                 "and, for some tasks, another scoring rule or scale, so it is context, never a "
-                                "target or a comparison.",
-                                tables=[overview, *batteries.values()]))
+                                "target or a comparison. One line per battery: click it for its table.",
+                                collapsed=[_battery_fold(family, df) for family, df in batteries.items()]))
     return sections
+
+
+def _fold(what: str, tables: list[pd.DataFrame]) -> tuple[str, list[pd.DataFrame]]:
+    """A collapsed entry: what the tables hold, with their row count, as the line a reader clicks."""
+    n = sum(len(t) for t in tables)
+    return f"{what} ({n} row{'s' if n != 1 else ''})", tables
+
+
+def _battery_fold(family: str, table: pd.DataFrame) -> tuple[str, list[pd.DataFrame]]:
+    """One battery as one summary line (its name, source, row count and how many rows are flagged)
+    over its table: the flags are what a reader must not miss with the table closed."""
+    source = BATTERY_SOURCES.get(family, "")
+    flags = table["flag"].replace("", pd.NA).notna().sum() if "flag" in table.columns else 0
+    what, tables = _fold(f"{family}" + (f" ({source})" if source else ""), [table])
+    return what + (f", {flags} flagged" if flags else ""), tables
 
 
 def _min_mass(res: Any) -> float:
@@ -193,6 +229,21 @@ def _selection_table(selection: dict[str, Any]) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def _set_name(spec: Any) -> str:
+    """A stimulus set in words: its file's name, or its family."""
+    if spec is None:
+        return "the stimuli"
+    if getattr(spec, "path", None):
+        return Path(spec.path).name
+    return str(getattr(spec, "family", None) or "the stimuli")
+
+
+def _test_set(res: Any) -> str:
+    """The name of a probe run's separate test set (`--test-stimuli`), or "" where it had none."""
+    spec = getattr(getattr(res, "config", None), "test_stimuli", None)
+    return _set_name(spec) if spec is not None else ""
+
+
 def _probe_sections(res: Any, figures: Figures) -> list[Section]:
     table = res.table
     keys = [c for c in ("target", "train_on", "eval_set", "kind") if c in table.columns]
@@ -207,24 +258,30 @@ def _probe_sections(res: Any, figures: Figures) -> list[Section]:
     selection = getattr(res, "selection", None) or {}
     lead = ("The unit was chosen on half of the stories and is scored here on the other half, beside the "
             "baselines and the control task fitted the same way; 'found' needs an interval above chance and "
-            "above the best baseline and a max-statistic permutation p below 0.05, else the result is withheld. "
-            + " ".join(r.line() for r in selection.values())) if selection else \
+            "above the best baseline and a max-statistic permutation p below 0.05, else the result is withheld "
+            "(each target's verdict and reason are in the table).") if selection else \
         "No held-out selection was run (selection = false): the maxima below are biased upwards by the choice."
+    test_set = _test_set(res)
+    if test_set:
+        title += f" (tested on {test_set})"
+        lead = (f"Probes trained on {_set_name(res.config.stimuli)} and scored on the test set {test_set}. "
+                + lead)
     return [Section(f"Probes: {title}", lead, tables=[_selection_table(selection)] if selection else []),
             Section("Probes: every layer and head (selection-biased maxima)",
                     "Logistic probes per layer and per head (each head's own write to the residual stream), "
                     "scored on held-out stories; bands are bootstrap 95% intervals over test stories. The best "
                     "layer or head per target, training set, evaluation set and site is a maximum over many units "
                     "and is not a finding by itself; read it against its best baseline and control:",
-                    tables=[best], figures=[figures[f] for f in order],
-                    guides=[guide_for(f, "probes") for f in order])]
+                    collapsed=[_fold("the best unit per target, set and site", [best])], fold_text=True,
+                    figures=[figures[f] for f in order],
+                    guides=[true_guide(guide_for(f, "probes"), figures[f]) for f in order])]
 
 
 def _pairs_sections(res: Any) -> list[Section]:
     s: PairsSummary = res.summary
     row = {"family": s.family, "pairs aligned": s.aligned, "of": s.total,
            "contrasts": ", ".join(map(str, s.contrasts)) or "the family's own", "dropped": len(s.dropped_pairs)}
-    return [Section("Minimal pairs", res.describe(), tables=[pd.DataFrame([row])])]
+    return [Section("Minimal pairs", res.describe(), collapsed=[_fold("pairs aligned and dropped", [pd.DataFrame([row])])])]
 
 
 def _patching_sections(res: Any, figures: Figures) -> list[Section]:
@@ -245,7 +302,8 @@ def _patching_sections(res: Any, figures: Figures) -> list[Section]:
     b = baselines.get(key)
     note = gap_note(b.gap, num(b.gap_se), b.gap_unstable) if b is not None else None
     heads, topk, ablation = (res.tables.get(name) for name in ("heads", "topk", "ablation"))
-    tables = [t for t in (heads.head(15) if heads is not None else None, topk) if t is not None and len(t)]
+    tables = [t for t in (topk,) if t is not None and len(t)]
+    folds = [_fold("the 15 heads of largest effect", [heads.head(15)])] if heads is not None and len(heads) else []
     picked = [f for f in figures if re.fullmatch(r"heads_[a-z]+_[a-z]+", f)]
     picked += [f for f in figures if f.startswith("attribution_vs_exact")]
     picked += [f for f in figures if f == "topk_recovery"]
@@ -261,13 +319,13 @@ def _patching_sections(res: Any, figures: Figures) -> list[Section]:
         text += " (Reused from an earlier run: the per-head figures are the files under patching/figures/.)"
     picked = list(dict.fromkeys(picked))
     sections = [Section(heading, text, tables=tables, figures=[figures[f] for f in picked],
-                        guides=[flag + guide_for(f, "patching") for f in picked])]
+                        guides=[flag + guide_for(f, "patching") for f in picked], collapsed=folds)]
     if ablation is not None and len(ablation):
         sections.append(Section(
             "Mean ablation of the top heads",
             f"Each of the top-k heads' outputs replaced by its mean over all stories {_ablation_where(summary)}: "
             "false-belief accuracy and its drop, against the same number of random heads.",
-            tables=[ablation]))
+            collapsed=[_fold("mean ablation against random heads, per k", [ablation])], fold_text=True))
     comparisons = summary.head_comparisons()
     row: dict[str, Any] = {"pairs": summary.pairs.n_aligned, "top heads": ", ".join((summary.top_heads or ())[:5])}
     if comparisons:
@@ -361,6 +419,88 @@ def _validation_sections(res: Any) -> list[Section]:
     return [Section("Validation of the methods", text, tables=[validation_table(res.table)])]
 
 
+# The order a report shows the stages in (the order an experiment runs them).
+STAGE_ORDER = ("audit", "behaviour", "cache", "probes", "pairs", "patching", "steering", "validate")
+
+
+def stage_sections_of(stage: str, res: Any, figures: Figures, n_layers: int | None = None) -> list[Section]:
+    """The sections of one stage's result: the same for an experiment's page and for the page a
+    single command (`tomlens behave`, `probe`, `patch`, `steer`) writes beside its tables."""
+    if stage == "audit":
+        return audit_sections(res)
+    if stage == "behaviour":
+        return _behaviour_sections(res)
+    if stage == "cache":
+        return _cache_sections(res)
+    if stage == "probes":
+        return _probe_sections(res, figures)
+    if stage == "pairs":
+        return _pairs_sections(res)
+    if stage == "patching":
+        return _patching_sections(res, figures)
+    if stage == "steering":
+        return _steering_sections(res, figures, n_layers)
+    if stage == "validate":
+        return _validation_sections(res)
+    raise ValueError(f"no report sections for stage {stage!r}")
+
+
+def stage_findings(stage: str, res: Any, model: str, n_layers: int | None = None) -> list[Finding]:
+    """The claims of one stage's result on its own (`experiment_findings` adds what needs two stages:
+    the audit's withholding and a probe's line beside the behaviour verdict)."""
+    from tomlens.report import findings as f
+
+    if stage == "behaviour":
+        return f.behaviour_findings(res, model)
+    if stage == "probes":
+        return [f.with_behaviour_context(x, [], ran=False) for x in f.probe_findings(res, model, n_layers)]
+    if stage == "patching":
+        return f.patching_findings(res, model)
+    if stage == "steering":
+        return f.steering_findings(res, model, n_layers)
+    return []
+
+
+def stage_model_name(result: Any) -> str:
+    """The model of a single command's result as its manifest records it, with the settings its
+    entry changes ("smollm2-135m (no bos)"), so two runs of one model read apart."""
+    from tomlens.report.findings import model_settings
+
+    spec = getattr(getattr(result, "config", None), "model", None)
+    record = (getattr(result, "manifest", None) or {}).get("model") or {}
+    name = str(record.get("model") or getattr(spec, "name", "") or "the model")
+    words = model_settings(spec) if spec is not None else []
+    return f"{name} ({', '.join(words)})" if words else name
+
+
+def _stage_figures(stage: str, result: Any) -> Figures:
+    """The figures of a single command's page, drawn from its result where that is cheap and needs
+    no sweep objects (a patching run passes the figures it wrote instead)."""
+    if stage == "probes":
+        from tomlens.report.layers import probe_figures
+
+        return dict(probe_figures(result.table, result.selection))
+    if stage == "steering" and len(result.dose):
+        from tomlens.report.steering import dose_figure, flip_figure
+
+        return {"steering_dose": dose_figure(result), "steering_flips": flip_figure(result)}
+    return {}
+
+
+def write_stage_report(stage: str, result: Any, out: str | Path, figures: Figures | None = None) -> Path:
+    """`<out>/report.html` for a single command's result (the typed result an experiment holds for
+    `stage`): its findings, its figures (`figures`, or drawn from the result), its sections and
+    its manifest, built by the same functions as an experiment's page."""
+    model = stage_model_name(result)
+    n_layers = ((getattr(result, "manifest", None) or {}).get("model") or {}).get("n_layers")
+    shown = _stage_figures(stage, result) if figures is None else figures
+    findings = stage_findings(stage, result, model, n_layers)
+    sections = stage_sections_of(stage, result, shown, n_layers)
+    command = {"behaviour": "behave", "probes": "probe", "patching": "patch", "steering": "steer"}.get(stage, stage)
+    return write_report(Path(out) / "report.html", f"tomlens {command}: {model}", sections,
+                        getattr(result, "manifest", None) or None, findings=findings)
+
+
 def write_experiment_report(result: Any, out: str | Path,
                             figures: dict[tuple[int, str], Figures] | None = None) -> Path:
     """`<out>/report.html` over the stages that ran (`result`: a `tomlens.runs.experiment.
@@ -374,27 +514,11 @@ def write_experiment_report(result: Any, out: str | Path,
     overview = pd.DataFrame([{"model": name, "stage": stage, "folder": str(run.folders[stage]),
                               "reused": run.reused.get(stage, False)}
                              for name, run in zip(names, result.runs, strict=True) for stage in run.results])
-    sections = [Section("Experiment", config.description, tables=[overview])]
+    sections = [Section("Experiment", config.description, collapsed=[_fold("the stages and their folders", [overview])])]
     for i, (name, run) in enumerate(zip(names, result.runs, strict=True)):
-        stage_sections: list[Section] = []
-        r = run.results
-        if "audit" in r:
-            stage_sections += audit_sections(r["audit"])
-        if "behaviour" in r:
-            stage_sections += _behaviour_sections(r["behaviour"])
-        if "cache" in r:
-            stage_sections += _cache_sections(r["cache"])
-        if "probes" in r:
-            stage_sections += _probe_sections(r["probes"], figures.get((i, "probes"), {}))
-        if "pairs" in r:
-            stage_sections += _pairs_sections(r["pairs"])
-        if "patching" in r:
-            stage_sections += _patching_sections(r["patching"], figures.get((i, "patching"), {}))
-        if "steering" in r:
-            stage_sections += _steering_sections(r["steering"], figures.get((i, "steering"), {}),
-                                                 (run.provenance or {}).get("n_layers"))
-        if "validate" in r:
-            stage_sections += _validation_sections(r["validate"])
+        n_layers = (run.provenance or {}).get("n_layers")
+        stage_sections = [s for stage in STAGE_ORDER if stage in run.results
+                          for s in stage_sections_of(stage, run.results[stage], figures.get((i, stage), {}), n_layers)]
         if several:
             for s in stage_sections:
                 s.heading = f"{name}: {s.heading}"

@@ -14,8 +14,9 @@ from __future__ import annotations
 import html
 import math
 import re
+from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal
 
 import pandas as pd
@@ -41,6 +42,9 @@ class Finding:
                    # or why it is withheld ("the random-init twin scores 0.88: the gate failed")
     model: str = ""  # which model (or "" for a claim about the comparison)
     stage: str = ""  # which stage made it (behaviour, probes, patching, steering, validate)
+    # what the claim does or does not imply, said beside it: a probe that decodes belief next to
+    # whether the model's answers show it ("but the model's answers are at chance: not shown to be used")
+    context: str = ""
 
 
 _HEAD = re.compile(r"\bL\d+H\d+\b")
@@ -54,15 +58,42 @@ def findings_html(findings: Sequence[Finding]) -> str:
         return "<p><em>No stage of this run makes a claim.</em></p>"
     order = {"found": 0, "withheld": 1, "not run": 2}
     several = len({f.model for f in findings}) > 1
-    items = []
-    for f in sorted(findings, key=lambda f: order[f.status]):
-        who = f"<strong>{html.escape(f.model)}</strong>: " if f.model and several else ""
-        stage = f"<span class='stage'>{html.escape(f.stage)}</span> " if f.stage else ""
-        items.append(f"<li class='finding {f.status.replace(' ', '-')}'><span class='tag'>{_TAGS[f.status]}</span> "
-                     f"{stage}{who}{html.escape(f.claim)} <span class='test'>({html.escape(f.test)})</span></li>")
+    ordered = sorted(findings, key=lambda f: order[f.status])
+    many = {key for key, n in Counter((f.model, f.stage) for f in ordered if f.status == "withheld").items()
+            if n > MAX_OPEN_WITHHELD}
+    items: list[str] = []
+    folded: dict[tuple[str, str], list[str]] = {}
+    for f in ordered:
+        line = _finding_li(f, several)
+        if f.status == "withheld" and (f.model, f.stage) in many:
+            if (f.model, f.stage) not in folded:
+                folded[(f.model, f.stage)] = []
+                items.append(f"<!--fold {len(folded) - 1}-->")
+            folded[(f.model, f.stage)].append(line)
+        else:
+            items.append(line)
+    for i, ((model, stage), lines) in enumerate(folded.items()):
+        who = f"{model}: " if model and several else ""
+        summary = f"{who}{len(lines)} {stage or 'other'} claims withheld (click for each, with why)"
+        items[items.index(f"<!--fold {i}-->")] = (
+            f"<li class='finding withheld fold'><details><summary>{html.escape(summary)}</summary>"
+            f"<ul class='findings'>{''.join(lines)}</ul></details></li>")
     note = f"<p class='note'>{html.escape(HEAD_NOTE)}</p>" if any(_HEAD.search(f.claim + f.test) for f in findings) \
         else ""
     return "<ul class='findings'>" + "".join(items) + "</ul>" + note
+
+
+# A stage with more withheld claims than this shows them behind one line that says how many (its
+# found claims always show): a page opens with what was found, not with a screen of non-results.
+MAX_OPEN_WITHHELD = 3
+
+
+def _finding_li(f: Finding, several: bool) -> str:
+    who = f"<strong>{html.escape(f.model)}</strong>: " if f.model and several else ""
+    stage = f"<span class='stage'>{html.escape(f.stage)}</span> " if f.stage else ""
+    return (f"<li class='finding {f.status.replace(' ', '-')}'><span class='tag'>{_TAGS[f.status]}</span> "
+            f"{stage}{who}{html.escape(f.claim)} <span class='test'>({html.escape(f.test)})</span>"
+            + (f"<br><span class='context'>{html.escape(f.context)}</span>" if f.context else "") + "</li>")
 
 
 # --------------------------------------------------------------------------------------------
@@ -95,8 +126,44 @@ def _strip_withheld(text: str) -> str:
 
 def model_names(result: Any) -> list[str]:
     """The models of an experiment as their provenance records them (what was loaded, not what the
-    file asked for)."""
-    return [str((run.provenance or {}).get("model") or run.model.name) for run in result.runs]
+    file asked for), two entries of one model named apart by the settings they change
+    (`variant_names`): "smollm2-135m (bos)" and "smollm2-135m (no bos)", never one name twice."""
+    names = [str((run.provenance or {}).get("model") or run.model.name) for run in result.runs]
+    return variant_names(names, [run.model for run in result.runs])
+
+
+def model_settings(spec: Any) -> list[str]:
+    """The settings a model entry (`tomlens.runs.base.ModelSpec`) changes from the defaults, in
+    words: a revision, a dtype, the BOS rule, a weight seed (the same ones `model_slug` names
+    folders by)."""
+    words = []
+    if getattr(spec, "revision", None):
+        words.append(f"revision {spec.revision}")
+    if getattr(spec, "dtype", None):
+        words.append(str(spec.dtype))
+    bos = getattr(spec, "prepend_bos", None)
+    if bos is not None:
+        words.append("bos" if bos else "no bos")
+    if getattr(spec, "seed", 0):
+        words.append(f"seed {spec.seed}")
+    return words
+
+
+def variant_names(names: Sequence[str], specs: Sequence[Any]) -> list[str]:
+    """`names` with each one that occurs more than once followed by its entry's settings in
+    brackets ("smollm2-135m (no bos)"), or by its place ("#2") where the entries do not differ
+    in any setting: a title, a finding or a terminal line must tell the two apart."""
+    counts = {n: list(names).count(n) for n in names}
+    out = []
+    for name, spec in zip(names, specs, strict=True):
+        if counts[name] < 2:
+            out.append(name)
+            continue
+        words = model_settings(spec)
+        out.append(f"{name} ({', '.join(words) if words else 'default settings'})")
+    if len(set(out)) < len(out):  # two entries alike in every setting: their place tells them apart
+        out = [f"{n} #{i + 1}" if out.count(n) > 1 else n for i, n in enumerate(out)]
+    return out
 
 
 def holm(ps: Sequence[float]) -> list[float]:
@@ -264,6 +331,8 @@ def _stories(config: Any) -> str:
         return "held-out stories"
     name = spec.family if spec.family and spec.family != "bigtom" else \
         (spec.path.rsplit("/", 1)[-1] if spec.path else "the")
+    if config.test_stimuli is not None:  # --test-stimuli: the claim names the set it was tested on
+        return f"held-out stories of the test set {name}"
     return f"held-out {name} stories"
 
 
@@ -478,6 +547,31 @@ def _probe_families(res: Any) -> list[str]:
         return []
 
 
+def _answers_found(f: Finding) -> bool:
+    """Whether a behaviour finding says the model's answers track belief (above chance, or a
+    positive knowledge-state effect), as opposed to being at or below chance or withheld."""
+    return f.status == "found" and (" above chance" in f.claim or f.claim.startswith("false belief raises"))
+
+
+def with_behaviour_context(probe: Finding, behaviour: Sequence[Finding], ran: bool) -> Finding:
+    """A found probe line with the behaviour verdict it does or does not imply beside it: a probe
+    that decodes belief says only that the information is there; whether the model uses it is
+    the behaviour stage's question, and a reader must see both lines together."""
+    if probe.status != "found":
+        return probe
+    decodable = probe.claim.split(" at ", 1)[0]
+    if not ran:
+        note = f"{decodable}; no behaviour stage ran, so whether the model's answers use it is not tested"
+    elif any(_answers_found(f) for f in behaviour):
+        shown = next(f for f in behaviour if _answers_found(f))
+        note = f"{decodable}, and the model's answers track belief too (behaviour: {shown.claim})"
+    else:
+        n = len(behaviour)
+        note = (f"{decodable}, but the model's answers are not above chance (behaviour: {n} cell"
+                f"{'s' if n != 1 else ''} withheld or at chance): decodable, not shown to be used")
+    return replace(probe, context=note)
+
+
 def experiment_findings(result: Any) -> list[Finding]:
     """Every claim of an experiment run (`tomlens.runs.experiment.ExperimentResult`), model by model
     and stage by stage; stages that make no claim (cache, pairs) add none. With an audit stage, a
@@ -492,7 +586,7 @@ def experiment_findings(result: Any) -> list[Finding]:
         if "audit" in r:
             found = withhold_explained(found, r["audit"].report)
             probed = withhold_explained(probed, r["audit"].report, _probe_families(r["probes"]))
-        out += found + probed
+        out += found + [with_behaviour_context(f, found, "behaviour" in r) for f in probed]
         if "patching" in r:
             out += patching_findings(r["patching"], name)
         if "steering" in r:

@@ -22,7 +22,7 @@ from plotly.colors import qualitative
 
 from tomlens.errors import TomlensError
 from tomlens.probes.selection import FOUND, SelectionResult
-from tomlens.report.html import write_figure
+from tomlens.report.html import subtitle, write_figure
 
 _PALETTE = qualitative.Plotly
 
@@ -49,10 +49,9 @@ def _verdicts(selection: Mapping[str, SelectionResult] | None, targets: Sequence
             continue
         if r.verdict == FOUND and r.evaluation is not None:
             parts.append(f"{t}: {r.site} held out {r.evaluation.score:.2f} (found)")
-        else:
-            reason = r.reason if len(r.reason) <= 160 else r.reason[:157] + "..."
-            parts.append(f"{t}: withheld: {reason}")
-    return "<br><sup>" + "<br>".join(parts) + "</sup>" if parts else ""
+        else:  # the whole reason, wrapped: a subtitle cut at the figure's edge hides why
+            parts.append(f"{t}: withheld: {r.reason}")
+    return "".join(subtitle(part) for part in parts)
 
 
 def _selected(selection: Mapping[str, SelectionResult] | None, target: str, kind: str, per_head: bool

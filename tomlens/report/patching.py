@@ -16,7 +16,7 @@ from tomlens.messages import say
 from tomlens.patching import PatchingResult
 from tomlens.patching.cells import canonical_kind
 from tomlens.patching.gate import FORCED_PREFIX
-from tomlens.report.html import write_figure
+from tomlens.report.html import subtitle, write_figure
 
 if TYPE_CHECKING:
     from tomlens.runs.patching import PatchingRunResult
@@ -112,12 +112,12 @@ def resid_heatmap(result: PatchingResult, kind: str = "resid_pre", *, pairs: Any
     )
     title = _title(result, f"{kind} by layer and position")
     if mixed:
-        title += ("<br><sup>columns are right-aligned tokens (0 = final); the pairs differ in length, so a column "
-                  "mixes roles across pairs: see the role-aligned figure (<kind>_roles_...), or patch "
-                  "--positions mentions, for columns by role</sup>")
+        title += (subtitle("columns are right-aligned tokens (0 = final); the pairs differ in length,")
+                  + subtitle("so a column mixes roles across pairs: see the role-aligned figure (<kind>_roles_...),")
+                  + subtitle("or patch --positions mentions, for columns by role"))
     if unread is not None:  # said on the figure: which columns are roles was not checked
-        title += (f"<br><sup>columns are right-aligned tokens: the role tokens could not be read ({unread}), "
-                  "so no column is labelled with a role</sup>")
+        title += subtitle(f"columns are right-aligned tokens: the role tokens could not be read ({unread}), "
+                          "so no column is labelled with a role")
     fig.update_layout(
         title=title, xaxis_title="tokens before the final one" if mixed else "token",
         yaxis_title="layer", yaxis={"autorange": "reversed"}, xaxis={"tickangle": -60, "type": "category"},

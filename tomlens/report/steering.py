@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
-from tomlens.report.html import write_figure
+from tomlens.report.html import subtitle, write_figure
 
 if TYPE_CHECKING:
     from tomlens.runs.steering import SteeringResult
@@ -58,8 +58,8 @@ def _figure(result: SteeringResult, column: str, title: str, y_title: str) -> An
         if layer in chosen:
             fig.add_vline(x=chosen[layer].alpha, line={"color": "green", "dash": "dot"}, row=1, col=col)
     n = result.summary.n_evaluation_prompts
-    fig.update_layout(title=f"{title}<br><sup>evaluation half ({n} prompts); green dotted line: alpha chosen on "
-                      "the selection half</sup>", height=460, width=max(600, 380 * len(layers)))
+    fig.update_layout(title=title + subtitle(f"evaluation half ({n} prompts); green dotted line: alpha chosen on "
+                                             "the selection half"), height=460, width=max(600, 380 * len(layers)))
     fig.update_xaxes(title_text="alpha (multiples of the belief direction's norm)")
     fig.update_yaxes(title_text=y_title, row=1, col=1)
     return fig

@@ -17,6 +17,7 @@ from typing import Any
 
 from tomlens.errors import TomlensError
 from tomlens.messages import say
+from tomlens.models.protocol import Model
 from tomlens.runs.base import ModelSpec, StimuliSpec, config_from_dict
 
 __all__ = ["AuditConfig", "AuditResult", "run"]
@@ -115,7 +116,7 @@ def changed_since(folder: Path, config: AuditConfig) -> str | None:
     return None
 
 
-def run(config: AuditConfig, *, model: Any = None, progress: bool = True) -> AuditResult:
+def run(config: AuditConfig, *, model: Model | None = None, progress: bool = True) -> AuditResult:
     """Audit every set of `config` (one report over all of them; rows are per family)."""
     from tomlens.audit import audit_stimuli
 

@@ -18,10 +18,12 @@ from tomlens.behaviour.batteries import battery_summaries, enrich_table, headlin
 from tomlens.behaviour.scoring import score
 from tomlens.errors import TomlensError
 from tomlens.io import jsonable, read_table, write_json, write_table
+from tomlens.models.protocol import Model
 from tomlens.provenance import run_manifest
 from tomlens.runs.base import ModelSpec, StimuliSpec, config_from_dict
 from tomlens.runs.files import begin_save, finish_save, read_finished, summary_from_dict, summary_to_dict
 from tomlens.stimuli.records import Stimulus, stimuli_hash
+from tomlens.vocabulary import nearest
 
 # Optional tables: written only when non-empty (an empty one is absent, and loads back empty).
 _OPTIONAL = ("strict", "object_bias", "selective", "prefix_curves", "reality_gated", "knowledge_state",
@@ -83,7 +85,7 @@ class BehaviourConfig:
 
 def check_scoring(scoring: str) -> str:
     if scoring not in SCORINGS:
-        raise TomlensError(f"scoring = {scoring!r} is not one of {', '.join(SCORINGS)}",
+        raise TomlensError(f"unknown scoring {scoring!r}" + (f": did you mean {near!r}?" if (near := nearest(scoring, SCORINGS)) else ""),
                            'use scoring = "logprob" (both options\' log-probs) or "first-word" (Kosinski\'s)')
     return scoring
 
@@ -352,7 +354,7 @@ def load_stimuli(specs: Sequence[StimuliSpec]) -> list[Stimulus]:
     return [s for spec in specs for s in spec.load()]
 
 
-def run(config: BehaviourConfig, *, model: Any = None, progress: bool = True) -> BehaviourResult:
+def run(config: BehaviourConfig, *, model: Model | None = None, progress: bool = True) -> BehaviourResult:
     """Score `config.stimuli` with `config.model` (or the loaded `model`)."""
     stimuli = load_stimuli(config.stimuli)  # a bad file fails before the model loads
     if config.scoring == "first-word":  # a set first words cannot score fails before the model loads
@@ -392,7 +394,7 @@ def _option_mass_words(min_mass: float) -> str:
             f"{min_mass:g}")
 
 
-def run_behaviour(model: Any, stimuli: Sequence[Stimulus], *, batch_size: int = 8,
+def run_behaviour(model: Model, stimuli: Sequence[Stimulus], *, batch_size: int = 8,
                   progress: bool = True, seed: int = 0, n_boot: int = 1000, scoring: str = "logprob",
                   min_option_mass: float = MIN_OPTION_MASS) -> BehaviourResult:
     """The engine of `run`: score loaded stimuli with a loaded model."""

@@ -12,8 +12,9 @@ from typing import Any
 
 from tomlens.activations import ActivationSet, cache_activations
 from tomlens.errors import TomlensError
-from tomlens.hooks.sites import KINDS
-from tomlens.models.positions import parse_selectors
+from tomlens.hooks.sites import KINDS, SHORTHANDS
+from tomlens.models.positions import parse_selectors, refuse_near_misses
+from tomlens.models.protocol import Model
 from tomlens.provenance import run_manifest
 from tomlens.runs.base import ModelSpec, StimuliSpec, split_items
 from tomlens.runs.files import (
@@ -25,6 +26,7 @@ from tomlens.runs.files import (
     summary_to_dict,
 )
 from tomlens.stimuli.records import stimuli_hash
+from tomlens.vocabulary import unknown
 
 
 def check_sites(sites: tuple[str, ...]) -> None:
@@ -34,7 +36,14 @@ def check_sites(sites: tuple[str, ...]) -> None:
     for item in sites:
         kind = item.partition(":")[0]
         if kind not in KINDS:
-            raise TomlensError(f"unknown site kind {kind!r} in {item!r}", f"use one of {', '.join(KINDS)}")
+            raise unknown("site kind", kind, KINDS, SHORTHANDS)
+
+
+def _site_kind_name(item: str) -> str:
+    """`item` (`kind[:layers]`) with a shorthand kind of `tomlens patch` (heads, resid, attn, mlp)
+    written as the site kind it stands for, so every command takes the same site names."""
+    kind, sep, layers = item.partition(":")
+    return SHORTHANDS.get(kind, kind) + sep + layers
 
 
 @dataclass(frozen=True)
@@ -52,8 +61,9 @@ class CacheConfig:
     def __post_init__(self) -> None:
         if self.stimuli is None:
             raise TomlensError("a cache run needs stimuli", "add stimuli = {path = \"...\"} or --stimuli FILE")
-        object.__setattr__(self, "sites", tuple(split_items(self.sites)))
+        object.__setattr__(self, "sites", tuple(_site_kind_name(s) for s in split_items(self.sites)))
         object.__setattr__(self, "positions", tuple(parse_selectors(split_items(self.positions))))
+        refuse_near_misses(self.positions)
         check_sites(self.sites)
         if self.flush_seconds is not None:
             object.__setattr__(self, "flush_seconds", float(self.flush_seconds))
@@ -117,7 +127,7 @@ def summarise_activations(acts: ActivationSet) -> CacheSummary:
                         layers={k: list(v) for k, v in m.get("layers", {}).items()}, dtype=m.get("dtype"))
 
 
-def run(config: CacheConfig, *, model: Any = None, progress: bool = True) -> CacheResult:
+def run(config: CacheConfig, *, model: Model | None = None, progress: bool = True) -> CacheResult:
     """Cache (or find cached) the activations `config` asks for."""
     assert config.stimuli is not None  # checked in CacheConfig
     stimuli = config.stimuli.load()  # a bad file fails before the model loads

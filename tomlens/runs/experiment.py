@@ -338,10 +338,14 @@ class ExperimentResult:
         return self.runs[model].results.get(stage)
 
     def describe(self) -> str:
+        """One line per model entry; two entries of one model are told apart by their folder name
+        (`model_slug`: the settings they change)."""
+        names = [run.model.name for run in self.runs]
         lines = []
         for run in self.runs:
             done = ", ".join(f"{s}{' (reused)' if run.reused[s] else ''}" for s in run.results)
-            lines.append(f"{run.model.name}: {done} -> {run.folder}")
+            label = model_slug(run.model) if names.count(run.model.name) > 1 else run.model.name
+            lines.append(f"{label}: {done} -> {run.folder}")
         return "\n".join(lines)
 
 
@@ -511,6 +515,18 @@ def _stimuli_hashes(folders: Mapping[str, Path]) -> dict[str, Any]:
             for s, f in folders.items()}
 
 
+def check_every_stage(config: ExperimentConfig, out: Path) -> None:
+    """Build every stage's config for every model (each checks its own words and values) and check
+    each activation store is writable, so that a bad setting refuses before `config.json` is written
+    or a model loads; `ExperimentConfig` itself checks the first model's stages only."""
+    several = len(config.models) > 1
+    for spec in config.models:
+        folder = out / model_slug(spec) if several else out
+        folders = {s: folder / s for s in STAGES if s in config.stages}
+        for stage in folders:
+            check_store_writable(config.stage_config(stage, spec, folders))
+
+
 def run_experiment(config: ExperimentConfig, out: str | Path, *, progress: bool = True,
                    before: Callable[[str, ModelSpec], None] | None = None,
                    after: Callable[[str, ModelSpec, Any], None] | None = None) -> ExperimentResult:
@@ -523,6 +539,7 @@ def run_experiment(config: ExperimentConfig, out: str | Path, *, progress: bool 
     from tomlens.provenance import run_manifest
 
     out = Path(out)
+    check_every_stage(config, out)  # a refused run writes nothing and loads no model
     out.mkdir(parents=True, exist_ok=True)
     resolved = config.to_dict()
     write_json(resolved, out / "config.json")
@@ -533,8 +550,6 @@ def run_experiment(config: ExperimentConfig, out: str | Path, *, progress: bool 
         folder = out / model_slug(spec) if several else out
         run = ModelRun(spec, folder)
         run.folders = {s: folder / s for s in STAGES if s in config.stages}
-        for stage in run.folders:  # a read-only activation store: refused before the model loads
-            check_store_writable(config.stage_config(stage, spec, run.folders))
         loaded: Any = None
         rerun: set[str] = set()
         for stage in STAGES:

@@ -25,6 +25,7 @@ from tomlens.behaviour.epitome import export_for_coding, free_text_summary, impo
 from tomlens.behaviour.generate import generate_answers
 from tomlens.errors import TomlensError
 from tomlens.io import file_sha256, read_json, read_table, records_hash, write_json, write_table
+from tomlens.models.protocol import Model
 from tomlens.provenance import run_manifest, versions
 from tomlens.runs.base import ModelSpec, config_from_dict
 from tomlens.runs.files import (
@@ -43,6 +44,7 @@ from tomlens.stimuli.epitome import (
     FreeTextItem,
     free_text_items,
 )
+from tomlens.vocabulary import one_of
 
 FAMILIES: tuple[str, ...] = (SHORT_STORY_FAMILY, STRANGE_STORIES_FAMILY, "all")
 ANSWERS = "answers.csv"
@@ -100,8 +102,7 @@ class FreeTextConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.family not in FAMILIES:
-            raise TomlensError(f"no free-text family {self.family!r}", f"use one of {', '.join(FAMILIES)}")
+        one_of("free-text family", self.family, FAMILIES)
         if self.max_new_tokens < 1:
             raise TomlensError(f"max_new_tokens = {self.max_new_tokens} must be at least 1", "use e.g. 48")
         object.__setattr__(self, "items", tuple(str(x) for x in self.items))
@@ -161,7 +162,7 @@ class FreeTextResult:
                 f"`tomlens freetext score {sheet} --out DIR`")
 
 
-def run(config: FreeTextConfig, *, model: Any = None, progress: bool = True) -> FreeTextResult:
+def run(config: FreeTextConfig, *, model: Model | None = None, progress: bool = True) -> FreeTextResult:
     """Greedy answers of `config.model` (or the loaded `model`) to the selected items."""
     items = select_items(config.family, config.items)
     if model is None:

@@ -17,8 +17,10 @@ from typing import Any
 
 from tomlens.errors import TomlensError
 from tomlens.messages import say
+from tomlens.models.protocol import Model
 from tomlens.runs.base import ModelSpec
 from tomlens.runs.files import summary_from_dict, summary_to_dict
+from tomlens.vocabulary import one_of
 
 __all__ = ["BosRule", "PairsConfig", "PairsResult", "PairsSummary", "report_path", "run"]
 
@@ -40,10 +42,9 @@ class PairsConfig:
     max_pairs: int | None = None
 
     def __post_init__(self) -> None:
-        from tomlens.stimuli.pairs import PAIR_FAMILIES
+        from tomlens.stimuli.pairs import CONTRASTS, PAIR_FAMILIES
 
-        if self.family not in PAIR_FAMILIES:
-            raise TomlensError(f"no minimal pairs for family {self.family!r}", f"use one of {list(PAIR_FAMILIES)}")
+        one_of("pairs family", self.family, PAIR_FAMILIES)
         if self.family == "bigtom" and not self.path:
             raise TomlensError("`tomlens pairs bigtom` needs --path", "give the BigToM csv with --path (path = ...)")
         if self.family != "bigtom" and self.path:
@@ -56,6 +57,9 @@ class PairsConfig:
             object.__setattr__(self, "contrasts", (self.contrasts,))
         elif self.contrasts is not None:
             object.__setattr__(self, "contrasts", tuple(self.contrasts))
+        for contrast in self.contrasts or ():
+            if self.family in CONTRASTS:
+                one_of(f"{self.family} contrast", contrast, CONTRASTS[self.family])
 
     @property
     def n_resolved(self) -> int | None:
@@ -197,7 +201,7 @@ class PairsResult:
         return cls(config, read_pairs(pairs_file), summary.pair_report(), summary)
 
 
-def run(config: PairsConfig, *, model: Any = None, progress: bool = True) -> PairsResult:
+def run(config: PairsConfig, *, model: Model | None = None, progress: bool = True) -> PairsResult:
     """Build and check the candidate pairs, then align them for the tokenizer of `model` (a loaded
     model) or of `config.model` (tokenizer only). No aligned pair is an error, after the report
     (with the reasons) is printed."""

@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from tomlens.errors import TomlensError
 from tomlens.messages import say
+from tomlens.models.protocol import Model
 from tomlens.runs.base import ModelSpec, split_items
 from tomlens.runs.pairs import PairsConfig
 from tomlens.runs.patching_summary import (
@@ -72,9 +73,11 @@ from tomlens.runs.patching_summary import (
     records,
     summary_dict,
 )
+from tomlens.vocabulary import one_of, unknown
 
 if TYPE_CHECKING:
     import pandas as pd
+
 
 __all__ = ["DEFAULT_CHUNK_RUNS", "DEFAULT_KS", "DEFAULT_MAX_RUNS", "DIRECTIONS", "METHODS",
            "PatchingConfig", "PatchingRunResult", "pairs_hash", "parse_ks", "run"]
@@ -166,13 +169,13 @@ class PatchingConfig:
                                      ("ablation", self.ablation, ABLATIONS), ("graddrop", self.graddrop, tuple(GRADDROP)),
                                      ("format", self.format, FORMATS),
                                      ("attribution_path", self.attribution_path, ATTRIBUTION_PATHS)):
-            if value not in allowed:
-                raise TomlensError(f"unknown {name} {value!r}", f"use one of {list(allowed)}")
+            one_of(name, value, allowed)
         if self.pairs is not None and self.pairs_path is not None:
             raise TomlensError("patching has both `pairs` (a table) and `pairs_path` (a file)",
                                "keep one: the pairs to build, or the file written by `tomlens pairs`")
         if not self.sites:
             raise TomlensError("no patching sites given", "pass e.g. --sites heads,resid")
+        check_patching_words(self.sites, self.positions)
         if self.top_k < 0:
             raise TomlensError(f"--top-k {self.top_k} is negative", "pass 0 to skip top-k experiments, or a positive K")
         if self.n_random < 0:
@@ -208,6 +211,25 @@ class PatchingConfig:
         """Keyword arguments of `tomlens.patching.search` beyond the sweep's own."""
         return {"budget": self.search_budget, "threshold": self.search_threshold,
                 "fn_samples": self.search_samples, "graddrop": GRADDROP[self.graddrop]}
+
+
+POSITION_KEYWORDS = ("roles", "all", "each", "mentions")
+
+
+def check_patching_words(sites: Sequence[str], positions: Sequence[str]) -> None:
+    """Refuse a misspelt site or position before any model loads, naming the nearest word: sites are
+    the site kinds of `tomlens cache` and `tomlens probe` (resid_pre, resid_post, head_out, ...) or
+    their shorthands (heads, resid, attn, mlp); a position is a keyword, a selector or SITE=POSITION."""
+    from tomlens.models.positions import parse_selectors, refuse_near_misses
+    from tomlens.patching.cells import KIND_ALIASES
+
+    for site in (*sites, *(p.rpartition("=")[0] for p in positions if "=" in p)):
+        if site.strip() not in KIND_ALIASES:
+            raise unknown("patching site", site, KIND_ALIASES)
+    selectors = [p.rpartition("=")[2] for p in positions]
+    selectors = [p for p in selectors if p and p not in POSITION_KEYWORDS]
+    if selectors:
+        refuse_near_misses(parse_selectors(selectors))
 
 
 def parse_ks(value: str | int | Sequence[int | str]) -> tuple[int, ...]:
@@ -373,7 +395,7 @@ def _with_seed(result: Any, seed: int) -> Any:
     so the sweep's object is left as it was made."""
     return result if result.seed == seed else replace(result, seed=seed, _summaries={})
 
-def _load_pairs(config: PatchingConfig, pairs: Sequence[Any] | None, model: Any) -> list[Any]:
+def _load_pairs(config: PatchingConfig, pairs: Sequence[Any] | None, model: Model | None) -> list[Any]:
     from tomlens.stimuli.pairs import read_pairs
 
     if pairs is not None:
@@ -397,7 +419,7 @@ def _load_pairs(config: PatchingConfig, pairs: Sequence[Any] | None, model: Any)
 
 
 
-def run(config: PatchingConfig, *, model: Any = None, pairs: Sequence[Any] | None = None,
+def run(config: PatchingConfig, *, model: Model | None = None, pairs: Sequence[Any] | None = None,
         out: str | Path | None = None, progress: bool = True) -> PatchingRunResult:
     """Run the whole patching experiment (module docstring): prints the plan first, refuses a plan
     of more than `config.max_runs` patched runs, and with `config.dry_run` returns after the plan.
@@ -418,11 +440,13 @@ def run(config: PatchingConfig, *, model: Any = None, pairs: Sequence[Any] | Non
             return result
 
 
-def _run(config: PatchingConfig, *, model: Any, pairs: Sequence[Any] | None, out: str | Path,
+def _run(config: PatchingConfig, *, model: Model | None, pairs: Sequence[Any] | None, out: str | Path,
          progress: bool, resumable: bool) -> PatchingRunResult:
     """prepare -> gate -> plan -> sweep -> validate -> summarise (each step below)."""
     ready = _prepare(config, model, pairs)
     gates, decision = _gate(config, ready)
+    if decision.withheld and config.dry_run:
+        return _withheld_dry_run(config, ready, gates, decision, out)
     if decision.withheld:
         return _withheld_result(config, ready, gates, decision)
     layout = _plan(config, ready, decision, out)
@@ -459,7 +483,7 @@ class _Ready:
     report), the sites and positions, the probe table, every aligned pair prepared once, and their
     unpatched clean and corrupted metric (what the gate reads)."""
 
-    model: Any
+    model: Model
     n_given: int
     aligned: list[Any]
     report: Any  # tomlens.stimuli.pairs.PairsReport
@@ -472,7 +496,7 @@ class _Ready:
     started: float
 
 
-def _prepare(config: PatchingConfig, model: Any, pairs: Sequence[Any] | None) -> _Ready:
+def _prepare(config: PatchingConfig, model: Model | None, pairs: Sequence[Any] | None) -> _Ready:
     """Settings first (no model needed), then the pairs (a file is read before any weights load),
     the model, the token-aligned pairs, the positions they share, and one plain forward per story."""
     import torch
@@ -537,14 +561,30 @@ def _withheld_result(config: PatchingConfig, ready: _Ready, gates: dict[str, Any
     """A withheld run: the gate table, the per-pair logit differences and why nothing was swept."""
     from tomlens.patching.gate import gate_table
 
-    if config.dry_run:
-        say("dry run: nothing else run, nothing written")
-        return PatchingRunResult(config, _summarise(config, ready, gates, decision, None, None, files=(),
-                                                    dry_run=True), dry_run=True)
     tables = {"gate": gate_table(gates), "base": _base_table(ready.aligned, ready.clean, ready.corrupted,
                                                             set(decision.kept))}
     summary = _summarise(config, ready, gates, decision, None, None, files=_files(config, tables))
     return PatchingRunResult(config, summary, tables, manifest=_manifest(config, ready, None))
+
+
+def _withheld_dry_run(config: PatchingConfig, ready: _Ready, gates: dict[str, Any], decision: Any,
+                      out: str | Path) -> PatchingRunResult:
+    """A dry run the gate withholds: the gate's lines and its verdict with the reason, then the plan
+    `--force` would run (the same pairs, gated anyway), so the person sees both before choosing; the
+    result's `plan` is that plan (None where even `--force` has nothing to patch)."""
+    from tomlens.patching.gate import decide
+
+    say("\n".join([*(g.message for g in gates.values()), *decision.notes, f"gate: {decision.reason}"]))
+    forced = decide(gates, ready.clean, ready.corrupted, ready.aligned, force=True, solved_only=config.solved_only,
+                    select_fraction=config.select_fraction, seed=config.seed)
+    layout = None
+    if not forced.withheld and forced.split is not None:
+        say("the plan with --force (the gate overridden, every result flagged):")
+        layout = _plan(replace(config, force=True), ready, forced, out)  # ends "dry run: nothing else run, ..."
+    else:
+        say("dry run: nothing else run, nothing written")
+    summary = _summarise(config, ready, gates, decision, layout, None, files=(), dry_run=True)
+    return PatchingRunResult(config, summary, dry_run=True)
 
 
 @dataclass

@@ -32,10 +32,11 @@ from torch import Tensor
 from tomlens.activations import cache_activations
 from tomlens.devices import default_device
 from tomlens.errors import TomlensError
-from tomlens.hooks.sites import KINDS
+from tomlens.hooks.sites import KINDS, SHORTHANDS
 from tomlens.messages import say
 from tomlens.models import provenance
-from tomlens.models.positions import parse_selectors
+from tomlens.models.positions import parse_selectors, refuse_near_misses
+from tomlens.models.protocol import Model
 from tomlens.probes.baselines import TWIN_KEYS, merge_twin  # noqa: F401 - TWIN_KEYS: re-exported
 from tomlens.probes.logistic import C_GRID
 from tomlens.probes.plan import PlanStage, ProbePlan
@@ -62,13 +63,14 @@ from tomlens.probes.sweep import (
     write_probe_sweep,
 )
 from tomlens.probes.sweep_plan import sweep_stages, time_fits
-from tomlens.probes.targets import get_target
+from tomlens.probes.targets import TARGETS
 from tomlens.provenance import run_manifest
 from tomlens.runs.base import ModelSpec, StimuliSpec, split_items
 from tomlens.runs.files import begin_save, check_store_writable, finish_save, read_finished, summary_to_dict
 from tomlens.runs.probes_summary import PlannedStage, ProbePlanSummary, ProbesSummary, SelectedUnit
 from tomlens.stimuli.records import stimuli_hash
 from tomlens.timing import format_seconds
+from tomlens.vocabulary import one_of, unknown
 
 EVALUATIONS = ("crossfit", "holdout")
 GROUPINGS = tuple(SPLIT_GROUPINGS)  # task, template (and cue phrasing where the splits know it)
@@ -78,8 +80,7 @@ TWIN, TWIN_CACHE = "random twin", "twin caching"  # the plan's stage names for t
 
 
 def _one_of(name: str, value: str, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise TomlensError(f"{name} = {value!r} is not one of {', '.join(allowed)}", f"use one of {', '.join(allowed)}")
+    one_of(name, value, allowed)
 
 
 @dataclass(frozen=True)
@@ -125,15 +126,18 @@ class ProbesConfig:
         if not targets:
             raise TomlensError("no probe targets were given", "name at least one, e.g. protagonist_belief")
         for t in targets:
-            get_target(t)
-        sites = tuple(split_items(self.sites))
+            one_of("probe target", t, TARGETS)
+        sites = tuple(SHORTHANDS.get(k, k) for k in split_items(self.sites))  # patch's shorthands: heads = head_out
         object.__setattr__(self, "sites", sites)
         bad = [k for k in sites if k not in KINDS]
+        if bad and ":" not in bad[0]:
+            raise unknown("site kind", bad[0], KINDS, SHORTHANDS)
         if bad or not sites:
             raise TomlensError(f"sites {' '.join(bad) or '(none)'}: not a site kind "
                                "(layers are not chosen here: every layer is probed)",
                                f"use bare kinds from {', '.join(KINDS)}")
         positions = tuple(parse_selectors(split_items(self.positions)))
+        refuse_near_misses(positions)
         object.__setattr__(self, "positions", positions)
         if len(positions) != 1:
             raise TomlensError(f"positions {', '.join(positions)}: the probe sweep uses one position",
@@ -282,7 +286,7 @@ def twin_spec(config: ProbesConfig) -> ModelSpec:
     return replace(spec, name=name if name.startswith("random:") else f"random:{name}")
 
 
-def run(config: ProbesConfig, *, model: Any = None, progress: bool = True,
+def run(config: ProbesConfig, *, model: Model | None = None, progress: bool = True,
         out: str | Path | None = None) -> ProbesResult:
     """Cache the activations that are missing, print the plan (every fit of the sweep, its
     baselines, the random-init twin and the selection, with the estimated time; refused before any

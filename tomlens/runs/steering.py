@@ -43,8 +43,9 @@ import torch
 from tomlens.errors import TomlensError
 from tomlens.io import read_table, write_table
 from tomlens.messages import say
+from tomlens.models.protocol import Model
 from tomlens.probes.splits import fraction_split, group_codes
-from tomlens.probes.targets import get_target
+from tomlens.probes.targets import TARGETS
 from tomlens.provenance import run_manifest
 from tomlens.runs.base import DEFAULT_N, ModelSpec, StimuliSpec
 from tomlens.runs.files import (
@@ -68,6 +69,7 @@ from tomlens.steering import (
     random_directions,
 )
 from tomlens.stimuli.records import stimuli_hash
+from tomlens.vocabulary import one_of
 
 FORMATS = ("parquet", "csv")
 DEFAULT_ALPHAS: tuple[float, ...] = (-4.0, -2.0, -1.0, 0.0, 1.0, 2.0, 4.0)
@@ -110,8 +112,7 @@ def random_quantile(rates: Rates) -> float:
 
 
 def _one_of(name: str, value: str, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise TomlensError(f"{name} = {value!r} is not one of {', '.join(allowed)}", f"use one of {', '.join(allowed)}")
+    one_of(name, value, allowed)
 
 
 @dataclass(frozen=True)
@@ -138,7 +139,7 @@ class SteeringConfig:
     format: str = "parquet"
 
     def __post_init__(self) -> None:
-        get_target(self.target)
+        _one_of("probe target", self.target, tuple(TARGETS))
         _one_of("method", self.method, METHODS)
         _one_of("mode", self.mode, MODES)
         _one_of("positions", self.positions, POSITIONS)
@@ -343,7 +344,7 @@ class SteeringResult:
         return "\n".join(lines)
 
 
-def run(config: SteeringConfig, *, model: Any = None, progress: bool = True) -> SteeringResult:
+def run(config: SteeringConfig, *, model: Model | None = None, progress: bool = True) -> SteeringResult:
     """Split the tasks, fit the directions and choose the dose on the selection half, then run
     every direction at every alpha on the evaluation half and judge each layer."""
     stimuli = config.stimuli.load()

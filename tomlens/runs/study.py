@@ -34,6 +34,7 @@ from tomlens.messages import say, warn
 from tomlens.models.registry import local_weights_revision
 from tomlens.runs.base import ModelSpec, config_hash
 from tomlens.runs.experiment import PROBES_TABLE, ExperimentConfig, input_files, model_slug, run_experiment
+from tomlens.vocabulary import one_of
 
 DONE = "study-done.json"  # in a job's model folder: it finished (config hash, time, provenance)
 FAILED = "study-failed.json"  # in a job's model folder: it failed (error, traceback tail)
@@ -73,8 +74,7 @@ class ExecutorOptions:
     slurm_args: Mapping[str, str | bool] = field(default_factory=dict)  # sbatch options, e.g. {"constraint": "a100"}
 
     def __post_init__(self) -> None:
-        if self.executor not in EXECUTORS:
-            raise TomlensError(f"executor {self.executor!r} is not known", f"use one of {', '.join(EXECUTORS)}")
+        one_of("executor", self.executor, EXECUTORS)
         for name, value, least in (("parallel", self.parallel, 1), ("gpus_per_job", self.gpus_per_job, 0),
                                    ("time_min", self.time_min, 1), ("cpus_per_job", self.cpus_per_job, 1)):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < least):

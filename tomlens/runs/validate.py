@@ -49,9 +49,16 @@ import pandas as pd
 
 from tomlens.errors import TomlensError
 from tomlens.messages import say
+from tomlens.models.protocol import Model
 from tomlens.runs.base import ModelSpec, StimuliSpec
 from tomlens.runs.files import check_store_writable, summary_from_dict, summary_to_dict
-from tomlens.runs.patching import ATTRIBUTION_PATHS, DEFAULT_ATTRIBUTION_PATH, DEFAULT_ATTRIBUTION_STEPS
+from tomlens.runs.patching import (
+    ATTRIBUTION_PATHS,
+    DEFAULT_ATTRIBUTION_PATH,
+    DEFAULT_ATTRIBUTION_STEPS,
+    check_patching_words,
+)
+from tomlens.vocabulary import one_of
 
 if TYPE_CHECKING:
     from tomlens.runs.patching_summary import Comparison, PatchingSummary
@@ -138,16 +145,14 @@ class ValidateConfig:
         if int(self.attribution_steps) < 1:
             raise TomlensError(f"attribution_steps = {self.attribution_steps}",
                                "use 1 (plain attribution patching) or more (integrated gradients, e.g. 8)")
-        if self.attribution_path not in ATTRIBUTION_PATHS:
-            raise TomlensError(f"attribution_path = {self.attribution_path!r}", f"use one of {list(ATTRIBUTION_PATHS)}")
+        one_of("attribution_path", self.attribution_path, ATTRIBUTION_PATHS)
+        check_patching_words(("heads",), (self.head_position,))
         for name in ("n_permutations", "n_random_heads", "n_random_directions"):
             if getattr(self, name) < 1:
                 raise TomlensError(f"{name} = {getattr(self, name)}: a check without its null cannot fail",
                                    f"use {name} of 1 or more")
-        if self.ablation not in ("final", "all"):
-            raise TomlensError(f"ablation = {self.ablation!r}", "use 'final' or 'all'")
-        if self.format not in ("csv", "parquet"):
-            raise TomlensError(f"format = {self.format!r}", "use 'csv' or 'parquet'")
+        one_of("ablation", self.ablation, ("final", "all"))
+        one_of("format", self.format, ("csv", "parquet"))
         if self.steering_layers is not None and self.steering_depths is not None:
             raise TomlensError("both steering_layers and steering_depths are given (--layers and --depths)",
                                "give layers (absolute) or depths (fractions of the model's depth), not both")
@@ -507,11 +512,11 @@ class ValidationResult:
 # The run
 
 
-def _heads_total(model: Any) -> int:
+def _heads_total(model: Model) -> int:
     return int(model.cfg.n_layers) * int(model.cfg.n_heads)
 
 
-def _plan(config: ValidateConfig, model: Any, k: int, n_stories: int, seconds_per_prompt: float) -> list[str]:
+def _plan(config: ValidateConfig, model: Model, k: int, n_stories: int, seconds_per_prompt: float) -> list[str]:
     """Rough forward-pass counts per stage and the time they take at the measured speed."""
     n_pairs = config.n_tasks  # one order-only pair per task
     sel = max(1, round(n_pairs * config.select_fraction))
@@ -549,7 +554,7 @@ def _default_alphas() -> int:
     return len(steering.SteeringConfig().alphas)
 
 
-def _time_forward(model: Any, stimuli: Sequence[Any]) -> float:
+def _time_forward(model: Model, stimuli: Sequence[Any]) -> float:
     """Seconds per prompt of one plain batched forward (a rough speed for the plan)."""
     from tomlens.timing import time_call
 
@@ -595,7 +600,7 @@ def _steering_config(config: ValidateConfig, n_layers: int) -> Any:
     return steering.SteeringConfig(**wanted)
 
 
-def run(config: ValidateConfig, *, model: Any = None, progress: bool = True) -> ValidationResult:
+def run(config: ValidateConfig, *, model: Model | None = None, progress: bool = True) -> ValidationResult:
     """Run the probe, patching and steering stages on `config.model` and judge the five checks."""
     from tomlens.models import provenance
     from tomlens.provenance import run_manifest
