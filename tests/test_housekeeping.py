@@ -176,3 +176,19 @@ def test_an_index_that_cannot_be_written_never_fails_a_run(tmp_path: Path, monke
     monkeypatch.setenv("TOMLENS_RUN_INDEX", str(blocker / "runs.jsonl"))  # a folder that is a file
     _stage(tmp_path / "run", {})
     assert (tmp_path / "run" / "result.json").is_file()
+
+
+def test_a_writer_whose_lock_file_was_pruned_under_it_locks_the_folder_again(tmp_path: Path,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    folder = tmp_path / _key(9)
+    answers = iter([False, True])  # the first lock file taken is a pruned folder's, the second is current
+    monkeypatch.setattr(st, "_still_the_folders", lambda handle, f: next(answers))
+    entered = 0
+    with st.writer_lock(folder):
+        entered += 1
+    assert entered == 1 and next(answers, "used up") == "used up"
+
+
+def test_pruning_leaves_no_half_removed_folder(store: Path) -> None:
+    hk.remove_entries(hk.select_for_pruning(hk.list_entries(store), everything=True))
+    assert sorted(p.name for p in store.iterdir()) == ["notes.txt"]

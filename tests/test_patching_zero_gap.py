@@ -14,9 +14,11 @@ pytestmark = pytest.mark.unit
 
 
 def test_a_gap_left_by_rounding_counts_as_zero_and_a_small_real_one_does_not():
-    big = torch.tensor([10.0, 10.0, 1e-5, 2.0], dtype=torch.float64)
-    gaps = torch.tensor([1e-6, 0.0, 1e-6, 1.0], dtype=torch.float64)  # 1e-6 of 10 is rounding; of 1e-5 it is not
-    assert zero_gaps(big + gaps, big).tolist() == [True, True, False, False]
+    big = torch.tensor([10.0, 10.0, 1e-5, 1e-2, 2.0], dtype=torch.float64)
+    gaps = torch.tensor([1e-6, 0.0, 1e-6, 1e-3, 1.0], dtype=torch.float64)
+    # 1e-6 of 10 is rounding; so is 1e-6 between differences of 1e-5 (the logits they come from are
+    # larger and rounded to their own size); 1e-3 between differences of 1e-2 is a real gap
+    assert zero_gaps(big + gaps, big).tolist() == [True, True, True, False, False]
     assert zero_gaps(torch.zeros(1), torch.zeros(1)).tolist() == [True]
 
 
@@ -30,5 +32,5 @@ def test_per_pair_effects_leave_a_near_zero_gap_out_and_warn():
         out = summarise(values, clean, corrupted, normalise="per_pair", n_boot=20)
     assert out.mean[0] == pytest.approx(0.5) and out.n[0] == 2
     with warnings.catch_warnings():
-        warnings.simplefilter("error", UnstableGapWarning)  # a real gap of 1e-6 between tiny numbers: no warning
-        summarise(values * 1e-6, clean * 1e-6, corrupted * 1e-6 - 1e-6, normalise="per_pair", n_boot=20)
+        warnings.simplefilter("error", UnstableGapWarning)  # a real gap of 1e-3 between small numbers: no warning
+        summarise(values * 1e-3, clean * 1e-3, corrupted * 1e-3 - 1e-3, normalise="per_pair", n_boot=20)

@@ -31,6 +31,8 @@ class Summary:
     chosen: Row | None = None
     gap: float = 0.0
     maybe: float | None = None
+    norms: dict[str, float] = field(default_factory=dict)
+    alphas: tuple[float, ...] = ()
 
 
 def _through_json(summary: Summary) -> dict:
@@ -38,8 +40,11 @@ def _through_json(summary: Summary) -> dict:
 
 
 def test_a_summary_tree_round_trips_with_nan_where_a_number_was_not_measured() -> None:
-    s = Summary((Row(1, math.nan, heads=("L0H1",)),), {"denoise": Row(2, 0.5)}, Row(3, math.nan), math.nan, None)
+    s = Summary((Row(1, math.nan, heads=("L0H1",)),), {"denoise": Row(2, 0.5)}, Row(3, math.nan), math.nan, None,
+                {"0": math.nan, "1": 2.0}, (math.nan, 1.0))
     back = summary_from_dict(Summary, _through_json(s), folder="run", stage="patching")
+    assert math.isnan(back.norms["0"]) and back.norms["1"] == 2.0
+    assert math.isnan(back.alphas[0]) and back.alphas[1] == 1.0
     assert back.rows[0].heads == ("L0H1",) and math.isnan(back.rows[0].score)
     assert back.by_direction == {"denoise": Row(2, 0.5)}
     assert math.isnan(back.chosen.score) and math.isnan(back.gap) and back.maybe is None

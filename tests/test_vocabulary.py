@@ -296,3 +296,12 @@ def test_run_experiment_checks_every_model_before_writing(tmp_path, monkeypatch)
     with pytest.raises(TomlensError, match="store not writable"):
         experiment.run_experiment(config, tmp_path / "run", progress=False)
     assert seen == ["tiny-llama", "tiny-gpt2"] and not (tmp_path / "run").exists()
+
+
+def test_a_users_own_span_near_a_known_role_is_left_to_the_stories_to_confirm() -> None:
+    """A user's file may name a span `cues` or `location`: only the stories can say it is missing."""
+    for position in ("cues", "location", "objects"):
+        assert ProbesConfig(stimuli=StimuliSpec(path="mine.jsonl"), positions=(position,)).positions == (position,)
+        assert CacheConfig(stimuli=StimuliSpec(path="mine.jsonl"), positions=(position,)).positions == (position,)
+    with pytest.raises(TomlensError, match="did you mean"):  # a generated family's roles are known
+        ProbesConfig(stimuli=StimuliSpec(family="order-only"), positions=("cues",))

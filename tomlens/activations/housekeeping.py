@@ -14,6 +14,7 @@ again is recomputed (same key, same numbers). It is not safe while a process wri
 from __future__ import annotations
 
 import fcntl
+import os
 import re
 import shutil
 from collections.abc import Iterable, Iterator
@@ -182,8 +183,10 @@ def remove_entries(entries: Iterable[StoreEntry]) -> tuple[list[StoreEntry], lis
         if handle is None:
             busy.append(e)
             continue
-        try:
-            shutil.rmtree(e.path)
+        try:  # out of the store's namespace first: a writer that opens the key next makes a new folder
+            doomed = e.path.with_name(f".removing-{e.key}-{os.getpid()}")
+            e.path.rename(doomed)
+            shutil.rmtree(doomed)
             removed.append(e)
         finally:
             handle.close()

@@ -146,22 +146,40 @@ def _not_writable(folder: Path, blocked: Path) -> TomlensError:
 def writer_lock(folder: Path) -> Iterator[None]:
     """Hold the folder's lock while a request is resumed and written: two processes caching the
     same request (two probe runs on one stimulus file, jobs sharing a store) take turns instead of
-    deleting or overwriting each other's shards. The second one then finds the store finished."""
+    deleting or overwriting each other's shards. The second one then finds the store finished.
+    A lock taken on a folder that `tomlens store prune` removed meanwhile (the lock file it waited
+    on is no longer the folder's) is let go and taken again on the folder as it is now."""
+    while True:
+        handle = _open_lock(folder)
+        with handle:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                warn(f"tomlens: another process is caching {folder.name}; waiting for it")
+                fcntl.flock(handle, fcntl.LOCK_EX)
+            try:
+                if not _still_the_folders(handle, folder):
+                    continue
+                yield
+                return
+            finally:
+                fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _open_lock(folder: Path) -> Any:
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        handle = open(folder / LOCK, "a+")  # closed by the `with` below
+        return open(folder / LOCK, "a+")  # closed by the caller's `with`
     except PermissionError:
         raise _not_writable(folder, folder if folder.exists() else folder.parent) from None
-    with handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            warn(f"tomlens: another process is caching {folder.name}; waiting for it")
-            fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _still_the_folders(handle: Any, folder: Path) -> bool:
+    """Whether the locked file is still `folder`'s lock file (a pruned folder's is gone)."""
+    try:
+        return os.fstat(handle.fileno()).st_ino == os.stat(folder / LOCK).st_ino
+    except FileNotFoundError:
+        return False
 
 
 def is_complete(folder: Path) -> bool:

@@ -85,10 +85,15 @@ def parse_selectors(selectors: str | Sequence[str]) -> list[str]:
     return list(dict.fromkeys(items))
 
 
-def refuse_near_misses(selectors: Sequence[str]) -> None:
+def refuse_near_misses(selectors: Sequence[str], *, user_spans: bool = False) -> None:
     """Refuse, before any model loads, a position whose role is not one tomlens knows but is close to
     one (`protagnist`, `fnal`), naming it; a role far from every known one may be a user's own span
-    and is left to the stimuli to confirm (`check_selectors`)."""
+    and is left to the stimuli to confirm (`check_selectors`). With `user_spans` (some stories come
+    from a user's file, whose spans may be named anything, `cues` or `location` too) nothing is
+    refused here: the stimuli say which spans exist, and a missing one is refused with a suggestion
+    from them."""
+    if user_spans:
+        return
     for selector in selectors:
         role = split_selector(selector)[0]
         if role in KNOWN_ROLES or re.search(r"_\d+$", role):

@@ -70,15 +70,22 @@ def normalised_effects(
 ZERO_GAP_RTOL = 4 * float(torch.finfo(torch.float32).eps)
 
 
+# A logit difference is itself the difference of two float32 logits, which are often 10 to 100 in
+# size: it is known only to about |logit| * eps (1e-5 at 100), however small the difference is, and
+# batch shapes and kernels move it by as much again. Below this, a gap is rounding whatever its scale.
+ZERO_GAP_ATOL = 1e-4
+
+
 def zero_gaps(clean: Float[Tensor, " pair"], corrupted: Float[Tensor, " pair"]) -> Tensor:
-    """Pairs whose clean - corrupted gap is zero up to rounding: |gap| <= ZERO_GAP_RTOL * the larger
-    of |clean| and |corrupted|. Relative to the logit differences' own scale, not an exact `== 0`:
-    two float32 logit differences of size s are only known to about s * eps, so a gap of 1e-6
-    between numbers of size 10 is rounding (dividing by it gives effects of 1e6 or more), while the
-    same gap between numbers of size 1e-5 is a real one."""
+    """Pairs whose clean - corrupted gap is zero up to rounding: |gap| <= ZERO_GAP_ATOL, or <=
+    ZERO_GAP_RTOL * the larger of |clean| and |corrupted|. Not an exact `== 0`: two float32 logit
+    differences of size s are only known to about s * eps, and each is a difference of logits of
+    their own size, so a gap of 1e-6 between numbers of size 10 (or between two differences of 1e-5
+    of logits near 20) is rounding; dividing by it gives effects of 1e5 or more."""
     clean, corrupted = clean.double(), corrupted.double()
     scale = torch.maximum(clean.abs(), corrupted.abs())
-    return (clean - corrupted).abs() <= ZERO_GAP_RTOL * scale
+    gap = (clean - corrupted).abs()
+    return (gap <= ZERO_GAP_ATOL) | (gap <= ZERO_GAP_RTOL * scale)
 
 
 class UnstableGapWarning(UserWarning):

@@ -175,7 +175,7 @@ def _convert(value: Any, tp: Any, where: str) -> Any:
 def _renamed_keys(cls: type, data: Mapping[str, Any], where: str) -> Mapping[str, Any]:
     """`data` with each key a config class has renamed (its `RENAMED`: old -> new) under its new
     name, saying so once per key: an old settings file or run folder still reads, for one release."""
-    renamed: Mapping[str, str] = getattr(cls, "RENAMED", {})
+    renamed: Mapping[str, str] = {**RENAMED_SETTINGS, **getattr(cls, "RENAMED", {})}
     if not any(k in renamed for k in data):
         return data
     from tomlens.messages import warn
@@ -279,6 +279,10 @@ def config_to_dict(config: Any) -> dict[str, Any]:
     return plain_values(config)
 
 
+# Settings renamed for one word per idea (old key -> new), read under their new name by every config
+# (with a line saying so) and hashed under it, so a run folder written before the rename is reused.
+RENAMED_SETTINGS: Mapping[str, str] = {"selection_fraction": "select_fraction"}
+
 UNSET_NOT_HASHED = frozenset({"device_map"})  # fields that enter a config's hash only when not None
 
 
@@ -286,7 +290,7 @@ def config_hash(config: Any, *, ignore: frozenset[str] = PRESENTATION_FIELDS) ->
     """Content hash of the settings that change a run's numbers (16 hex digits)."""
     def strip(v: Any) -> Any:
         if isinstance(v, dict):  # a field added later hashes only when set, so earlier runs stay reused
-            return {k: strip(x) for k, x in v.items()
+            return {RENAMED_SETTINGS.get(k, k): strip(x) for k, x in v.items()
                     if k not in ignore and not (k in UNSET_NOT_HASHED and x is None)}
         if isinstance(v, list):
             return [strip(x) for x in v]

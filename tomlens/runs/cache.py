@@ -63,7 +63,7 @@ class CacheConfig:
             raise TomlensError("a cache run needs stimuli", "add stimuli = {path = \"...\"} or --stimuli FILE")
         object.__setattr__(self, "sites", tuple(_site_kind_name(s) for s in split_items(self.sites)))
         object.__setattr__(self, "positions", tuple(parse_selectors(split_items(self.positions))))
-        refuse_near_misses(self.positions)
+        refuse_near_misses(self.positions, user_spans=self.stimuli.path is not None)
         check_sites(self.sites)
         if self.flush_seconds is not None:
             object.__setattr__(self, "flush_seconds", float(self.flush_seconds))

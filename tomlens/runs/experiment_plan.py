@@ -14,7 +14,6 @@ reuse are counted as if they ran: the estimate is an upper bound on a rerun.
 from __future__ import annotations
 
 import tempfile
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -182,11 +181,10 @@ def _seconds_per_prompt(model: Model, configs: dict[str, Any]) -> float | None:
         return None
     batch = encode(model, texts)
     kwargs = {"use_cache": False, **batch.forward_kwargs()}
-    with torch.inference_mode():
-        model(batch.input_ids, **kwargs)
-        t0 = time.perf_counter()
-        model(batch.input_ids, **kwargs)
-        return (time.perf_counter() - t0) / len(texts)
+    from tomlens.timing import time_call
+
+    with torch.inference_mode():  # time_call syncs the GPU around the call: its kernels, not their launch
+        return time_call(lambda: model(batch.input_ids, **kwargs)) / len(texts)
 
 
 def _patching_estimate(cfg: Any, model: Model, pairs_cfg: Any, est: StageEstimate) -> StageEstimate:

@@ -100,6 +100,10 @@ def _nulls_as_nan(cls: Any, data: Any) -> Any:
         if tp is float and value is None:
             out[key] = math.nan
             continue
+        if _holds_floats(tp):  # dict[str, float], tuple[float, ...]: their nulls too
+            out[key] = ({k: math.nan if v is None else v for k, v in value.items()} if isinstance(value, Mapping)
+                        else [math.nan if v is None else v for v in value] if isinstance(value, list) else value)
+            continue
         for inner in _summary_classes(tp):
             if isinstance(value, Mapping) and not dataclasses.is_dataclass(value):
                 out[key] = (_nulls_as_nan(inner, value) if _is_class_table(tp)
@@ -107,6 +111,18 @@ def _nulls_as_nan(cls: Any, data: Any) -> Any:
             elif isinstance(value, list):
                 out[key] = [_nulls_as_nan(inner, v) for v in value]
     return out
+
+
+def _holds_floats(tp: Any) -> bool:
+    """`dict[str, float]` or `tuple[float, ...]` (alone or `| None`): containers of plain floats."""
+    options = typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) else (tp,)
+    for option in options:
+        args = typing.get_args(option)
+        if typing.get_origin(option) is dict and args[1:] == (float,):
+            return True
+        if typing.get_origin(option) is tuple and args == (float, Ellipsis):
+            return True
+    return False
 
 
 def _summary_classes(tp: Any) -> list[type]:

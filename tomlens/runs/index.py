@@ -75,12 +75,9 @@ def record_run(folder: Path) -> None:
         pass
 
 
-def _indexed_folders() -> list[Path]:
-    path = index_path()
-    if not path.is_file():
-        return []
+def _folders_in(text: str) -> list[Path]:
     folders = []
-    for line in path.read_text(encoding="utf-8").splitlines():
+    for line in text.splitlines():
         try:
             folders.append(Path(json.loads(line)["folder"]))
         except (json.JSONDecodeError, KeyError, TypeError):
@@ -88,16 +85,29 @@ def _indexed_folders() -> list[Path]:
     return folders
 
 
-def compact_index(keep: Iterable[Path]) -> None:
-    """Rewrite the index with the run roots still on disk, once each."""
-    lines = [json.dumps({"folder": str(f)}) for f in dict.fromkeys(keep)]
+def _roots(folders: Iterable[Path]) -> list[Path]:
+    """The run root of each folder still on disk, once each, in order."""
+    return list(dict.fromkeys(run_root(f.resolve()) for f in folders if f.is_dir()))
+
+
+def indexed_roots(extra: Iterable[Path] = ()) -> list[Path]:
+    """The run roots the index names, plus `extra` folders; the index is rewritten to exactly those
+    (folders deleted since dropped, stages folded into their experiment) in one locked read and
+    write, so a run recorded meanwhile waits for the lock instead of being lost. An index this
+    process cannot write is read as it is."""
+    path = index_path()
+    extra = list(extra)
     try:
-        with _locked(index_path(), "a+") as handle:
+        with _locked(path, "a+") as handle:
+            handle.seek(0)
+            roots = _roots([*_folders_in(handle.read()), *extra])
             handle.seek(0)
             handle.truncate()
-            handle.write("".join(line + "\n" for line in lines))
+            handle.write("".join(json.dumps({"folder": str(f)}) + "\n" for f in roots))
+            return roots
     except OSError:
-        pass
+        text = path.read_text(encoding="utf-8") if path.is_file() else ""
+        return _roots([*_folders_in(text), *extra])
 
 
 def _read(path: Path) -> dict[str, Any]:
@@ -191,15 +201,12 @@ def describe_single(folder: Path) -> RunEntry:
                     _stage_verdict(folder) or "finished", _folder_bytes(folder), _times([folder]))
 
 
-def list_runs(extra: Iterable[Path] = (), *, compact: bool = True) -> list[RunEntry]:
+def list_runs(extra: Iterable[Path] = ()) -> list[RunEntry]:
     """Every indexed run still on disk, plus finished runs under the `extra` folders, newest first."""
-    candidates = [*_indexed_folders(), *(f for root in extra for f in found_under(Path(root)))]
-    roots = list(dict.fromkeys(run_root(f.resolve()) for f in candidates if f.is_dir()))
-    if compact:
-        compact_index(roots)
+    roots = indexed_roots(f for root in extra for f in found_under(Path(root)))
     entries = [describe_experiment(r) if _is_experiment(r) else describe_single(r) for r in roots]
     return sorted(entries, key=lambda e: e.time, reverse=True)
 
 
-__all__ = ["RunEntry", "compact_index", "describe_experiment", "describe_single", "found_under",
-           "index_path", "list_runs", "record_run", "run_root"]
+__all__ = ["RunEntry", "describe_experiment", "describe_single", "found_under", "index_path", "indexed_roots",
+           "list_runs", "record_run", "run_root"]

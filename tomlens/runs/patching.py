@@ -175,7 +175,7 @@ class PatchingConfig:
                                "keep one: the pairs to build, or the file written by `tomlens pairs`")
         if not self.sites:
             raise TomlensError("no patching sites given", "pass e.g. --sites heads,resid")
-        check_patching_words(self.sites, self.positions)
+        check_patching_words(self.sites, self.positions)  # pairs come from the families (known roles)
         if self.top_k < 0:
             raise TomlensError(f"--top-k {self.top_k} is negative", "pass 0 to skip top-k experiments, or a positive K")
         if self.n_random < 0:
@@ -216,7 +216,7 @@ class PatchingConfig:
 POSITION_KEYWORDS = ("roles", "all", "each", "mentions")
 
 
-def check_patching_words(sites: Sequence[str], positions: Sequence[str]) -> None:
+def check_patching_words(sites: Sequence[str], positions: Sequence[str], *, user_spans: bool = False) -> None:
     """Refuse a misspelt site or position before any model loads, naming the nearest word: sites are
     the site kinds of `tomlens cache` and `tomlens probe` (resid_pre, resid_post, head_out, ...) or
     their shorthands (heads, resid, attn, mlp); a position is a keyword, a selector or SITE=POSITION."""
@@ -229,7 +229,7 @@ def check_patching_words(sites: Sequence[str], positions: Sequence[str]) -> None
     selectors = [p.rpartition("=")[2] for p in positions]
     selectors = [p for p in selectors if p and p not in POSITION_KEYWORDS]
     if selectors:
-        refuse_near_misses(parse_selectors(selectors))
+        refuse_near_misses(parse_selectors(selectors), user_spans=user_spans)
 
 
 def parse_ks(value: str | int | Sequence[int | str]) -> tuple[int, ...]:

@@ -21,10 +21,9 @@ estimate; `result.json` keeps both under "plan".
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import pandas as pd
 from torch import Tensor
@@ -110,7 +109,6 @@ class ProbesConfig:
     format: str = "parquet"
     selection: bool = True  # choose the unit on selection stories, report it on evaluation stories
     select_fraction: float = 0.5  # of the story groups, for selection
-    RENAMED: ClassVar[Mapping[str, str]] = {"selection_fraction": "select_fraction"}  # old key -> new (one release)
     n_permutations: int = DEFAULT_PERMUTATIONS  # max-statistic permutation null of the best unit
     # sweep random:<model> too (baseline_random_init): the issue lists the random-init model among
     # every table's baselines, so it is on by default (a tiny model's twin is itself: said in a note)
@@ -137,7 +135,8 @@ class ProbesConfig:
                                "(layers are not chosen here: every layer is probed)",
                                f"use bare kinds from {', '.join(KINDS)}")
         positions = tuple(parse_selectors(split_items(self.positions)))
-        refuse_near_misses(positions)
+        refuse_near_misses(positions, user_spans=any(s is not None and s.path is not None
+                                                     for s in (self.stimuli, self.test_stimuli)))
         object.__setattr__(self, "positions", positions)
         if len(positions) != 1:
             raise TomlensError(f"positions {', '.join(positions)}: the probe sweep uses one position",
@@ -201,7 +200,9 @@ class ProbesResult:
         (out / "selection.json").unlink(missing_ok=True)
         if self.selection:
             write_json({t: r.to_dict() for t, r in self.selection.items()}, out / "selection.json")
-        return finish_save(out, self.config, self.manifest, summary_to_dict(self.summary))
+        finish_save(out, self.config, self.manifest, summary_to_dict(self.summary))
+        remove_fit_checkpoints(out)  # only now: a run killed before result.json keeps its finished fits
+        return out
 
     @classmethod
     def load(cls, out: str | Path) -> ProbesResult:
@@ -296,7 +297,7 @@ def run(config: ProbesConfig, *, model: Model | None = None, progress: bool = Tr
 
     `out`: the run folder; the sweeps keep their finished fits under `out/.partial/` while the run
     goes on (`tomlens.probes.resume`), so a killed run started again fits only what it had left
-    (None: nothing is kept). They are removed once every fit is in the result."""
+    (None: nothing is kept). They are removed once the result is saved into `out` (`save`)."""
     assert config.stimuli is not None  # checked in ProbesConfig
     stimuli = config.stimuli.load()  # bad files fail before the model loads
     test = config.test_stimuli.load() if config.test_stimuli is not None else None
@@ -350,8 +351,6 @@ def run(config: ProbesConfig, *, model: Model | None = None, progress: bool = Tr
                 config=replace(scfg, progress=False), probe=config.probe, test_acts=test_acts,
                 twin_acts=twin_acts, twin_test_acts=twin_test)
             clock.done(f"selection ({target})")
-    if out is not None:  # every fit is in the result now: the sweeps' checkpoints are done with
-        remove_fit_checkpoints(out)
     summary = probes_summary(config, sweep, selection, plan, clock.measured, acts=str(acts.path),
                              test_acts=None if test_acts is None else str(test_acts.path))
     extra = None if test is None else {"test_stimuli_hash": stimuli_hash(test)}

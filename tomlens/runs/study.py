@@ -276,6 +276,15 @@ def plan_jobs(config: ExperimentConfig, out: str | Path) -> list[StudyJob]:
     return jobs
 
 
+def _logs_of(out: Path, before: Mapping[str, Any]) -> Path:
+    """The submitit folder a job submitted earlier wrote to: its recorded log's folder, else this
+    command's (`study-logs`), or `sweep-logs` where only the old name's folder exists."""
+    if before.get("log"):
+        return Path(str(before["log"])).parent
+    legacy = out / "sweep-logs"
+    return legacy if legacy.is_dir() and not (out / LOGS).is_dir() else out / LOGS
+
+
 def finished_record(folder: Path, hash_: str) -> dict[str, Any] | None:
     """The folder's `study-done.json` if it records a finished run of config `hash_`."""
     path = marker(folder, DONE)
@@ -462,7 +471,7 @@ class _Study:
             return True
         if _submitted_with(before) != "slurm":
             return False
-        handle = _slurm_job(self.logs, job_id)
+        handle = _slurm_job(_logs_of(self.out, before), job_id)
         if current:
             self.running[job.slug] = handle
             self.records[job.slug] = JobRecord(job.slug, "submitted", str(job.folder), job_id,
@@ -470,8 +479,8 @@ class _Study:
                                                hash=job.hash, executor=_executor_of(before))
             return True
         handle.cancel(check=False)  # its settings or inputs changed: its result would be stale
-        say(f"{job.slug}: cancelled SLURM job {job_id} (its settings or input files changed since "
-            "it was submitted); submitting it again")
+        say(f"{job.slug}: cancelled SLURM job {job_id} (its settings or input files changed since it was "
+            "submitted, or a setting it names was renamed since); submitting it again")
         return False
 
     def announce(self, todo: list[StudyJob]) -> None:
