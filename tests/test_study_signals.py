@@ -65,6 +65,16 @@ class FakeExecutor:
 
 
 @pytest.fixture
+def python_ctrl_c() -> Iterator[None]:
+    """Python's own Ctrl-C handler for the test, whatever this process inherited: a shell that
+    starts a command in the background (no job control) has it ignore SIGINT, and a test that
+    sends itself SIGINT would then wait forever."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+@pytest.fixture
 def study_file(tmp_path: Path) -> Path:
     path = tmp_path / "signals.toml"
     path.write_text(STUDY_TOML, encoding="utf-8")
@@ -85,7 +95,7 @@ def _kill_self(signum: int) -> Callable[[], bool]:
 
 @pytest.mark.parametrize("signum, status", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
 def test_sigterm_exits_143_and_ctrl_c_130_after_recording_every_job(study_file, tmp_path, capsys, monkeypatch,
-                                                                    signum, status):
+                                                                    python_ctrl_c, signum, status):
     executor = FakeExecutor(lambda n, job: None, done=_kill_self(signum))
     monkeypatch.setattr(study_module, "make_executor", lambda *a: executor)
     out = tmp_path / "study"
