@@ -554,8 +554,9 @@ def _default_alphas() -> int:
     return len(steering.SteeringConfig().alphas)
 
 
-def _time_forward(model: Model, stimuli: Sequence[Any]) -> float:
-    """Seconds per prompt of one plain batched forward (a rough speed for the plan)."""
+def _time_forward(model: Any, stimuli: Sequence[Any]) -> float:
+    """Seconds per prompt of one plain batched forward (a rough speed for the plan). `model` is any
+    callable forward (typed `Any`: the timing test passes a stand-in that only runs)."""
     from tomlens.timing import time_call
 
     texts = [s.text for s in stimuli[:64]]  # a large batch: per-call overhead would dominate a small one
