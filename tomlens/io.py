@@ -109,6 +109,11 @@ def write_jsonl(rows: Iterable[Mapping[str, Any]], path: str | Path) -> Path:
 # --- content hashes -------------------------------------------------------------------------
 
 
+def tree_bytes(folder: str | Path) -> int:
+    """Bytes of every file under `folder` (a run folder, a store entry), for listings of sizes."""
+    return sum(p.stat().st_size for p in Path(folder).rglob("*") if p.is_file())
+
+
 def sha256_hex(data: bytes | str, length: int | None = None) -> str:
     """sha256 of bytes (or UTF-8 text) as hex, cut to `length` digits when given."""
     digest = hashlib.sha256(data.encode() if isinstance(data, str) else data).hexdigest()

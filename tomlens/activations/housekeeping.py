@@ -25,6 +25,7 @@ from typing import Any
 
 from tomlens.activations import store as st
 from tomlens.errors import TomlensError
+from tomlens.io import tree_bytes
 
 KEY_LENGTH = 24  # `store.request_key` names folders with 24 hex digits
 
@@ -78,10 +79,6 @@ def _sites_text(manifest: dict[str, Any]) -> str:
     return ", ".join(f"{kind} x {len(ls)} layers" for kind, ls in layers.items())
 
 
-def _all_bytes(folder: Path) -> int:
-    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
-
-
 def read_entry(folder: Path) -> StoreEntry:
     """The entry in `folder`, read from its manifest (an unfinished folder has none)."""
     manifest = st.read_manifest(folder) or {}
@@ -90,7 +87,7 @@ def read_entry(folder: Path) -> StoreEntry:
     created = _parse_time(manifest.get("created")) or datetime.fromtimestamp(folder.stat().st_mtime, UTC)
     return StoreEntry(key=folder.name, path=folder, model=model, rows=int(manifest.get("n", 0) or 0),
                       sites=_sites_text(manifest), positions=", ".join(map(str, manifest.get("positions", []))) or "?",
-                      created=created, complete=st.is_complete(folder), bytes=_all_bytes(folder))
+                      created=created, complete=st.is_complete(folder), bytes=tree_bytes(folder))
 
 
 def list_entries(root: Path | None = None) -> list[StoreEntry]:

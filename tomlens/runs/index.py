@@ -19,6 +19,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import IO, Any
 
+from tomlens.io import tree_bytes
+
 INDEX = "runs.jsonl"
 # A single command's folder written from Python (no `tomlens` argv in its manifest) says which
 # command it is by a file only that command writes.
@@ -140,10 +142,6 @@ def found_under(root: Path, depth: int = 4) -> list[Path]:
     return found
 
 
-def _folder_bytes(folder: Path) -> int:
-    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
-
-
 def _model_name(manifest: dict[str, Any]) -> str | None:
     model = manifest.get("model")
     return str(model.get("model")) if isinstance(model, dict) and model.get("model") else None
@@ -190,7 +188,7 @@ def describe_experiment(root: Path) -> RunEntry:
     verdicts = sorted({f"{f.name} {v}" for f in folders if (v := _stage_verdict(f))})
     verdict = "; ".join(verdicts) or ("finished" if not unfinished else "unfinished")
     return RunEntry(root, str(config.get("name") or root.name), "experiment", names, done, unfinished,
-                    verdict, _folder_bytes(root), _times(folders))
+                    verdict, tree_bytes(root), _times(folders))
 
 
 def describe_single(folder: Path) -> RunEntry:
@@ -198,7 +196,7 @@ def describe_single(folder: Path) -> RunEntry:
     command = _command(folder)
     name = _model_name(manifest)
     return RunEntry(folder, folder.name, command, (name,) if name else (), (command,), (),
-                    _stage_verdict(folder) or "finished", _folder_bytes(folder), _times([folder]))
+                    _stage_verdict(folder) or "finished", tree_bytes(folder), _times([folder]))
 
 
 def list_runs(extra: Iterable[Path] = ()) -> list[RunEntry]:
