@@ -1,16 +1,17 @@
-"""Sentence-by-sentence belief tracking: prefixes, lead-in sentence, per-prefix labels."""
+"""Sentence-by-sentence belief tracking: prefixes, lead-in sentences, per-prefix labels."""
 
 from __future__ import annotations
 
 import re
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 
 from tomlens.errors import TomlensError
 from tomlens.stimuli import generate
-from tomlens.stimuli.false_belief import unexpected_contents, unexpected_transfer
-from tomlens.stimuli.tracking import UNKNOWN, belief_tracking
+from tomlens.stimuli.false_belief import make_tasks, task_stimuli, unexpected_contents, unexpected_transfer
+from tomlens.stimuli.tracking import UNKNOWN, belief_tracking, put_first
 
 # Sentences around the episode (which has 2 or 4 sentences, by the task's layout) and the two
 # telling sentences of a false-belief story with decoys.
@@ -32,13 +33,31 @@ def _n_sentences(ref) -> int:
     return len(FIXED[ref.family]) + len(ref.meta["episode"]) + 2
 
 
+def _tracked(sentences: list[str], swapped: bool) -> list[str]:
+    """A transfer story as belief tracking tells it: the put (4th sentence) before "The <other> is
+    empty" (3rd) where `put_first` says so."""
+    return sentences[:2] + sentences[3:1:-1] + sentences[4:] if swapped else sentences
+
+
+def _references(family, gen, n, seed):
+    """The full false-belief items belief tracking tells: the family's own, except that a transfer
+    task's reversed version is that of the task with its listing and closing orders flipped."""
+    full = gen(n, seed=seed, conditions=("false_belief",))
+    if family != "unexpected-transfer":
+        return full
+    flipped = [replace(t, first_ref=not t.first_ref, last_ref=not t.last_ref) for t in make_tasks(family, n, seed)]
+    reversed_ = [s for t in flipped for s in task_stimuli(t, ("false_belief",)) if s.reversed]
+    return [s for s in full if not s.reversed] + reversed_
+
+
 @pytest.mark.parametrize("family,gen", [
     ("unexpected-transfer", unexpected_transfer),
     ("unexpected-contents", unexpected_contents),
 ])
 def test_every_prefix_with_both_prompts(family, gen):
     track = belief_tracking(4, seed=4, family=family)
-    full = gen(4, seed=4, conditions=("false_belief",))
+    full = _references(family, gen, 4, 4)
+    tasks = {t.task_id: t for t in make_tasks(family, 4, 4)}
     lengths = {s.task_id: _n_sentences(s) for s in full}
     assert len(set(lengths.values())) > 1 or family == "unexpected-contents"  # layouts differ in length
     assert len(track) == sum(2 * (n + 1) * 2 for n in lengths.values())
@@ -50,7 +69,9 @@ def test_every_prefix_with_both_prompts(family, gen):
         assert s.condition == "false_belief"
         ref = _full_fb(full, s.task_id, s.reversed, s.prompt_type)
         assert s.options == ref.options and s.template_id == ref.template_id
-        story = _sentences(ref.text[: ref.spans["query"].start].rstrip())
+        transfer = family == "unexpected-transfer"
+        swapped = transfer and put_first(tasks[s.task_id], s.reversed)
+        story = _tracked(_sentences(ref.text[: ref.spans["query"].start].rstrip()), swapped)
         n_sent = lengths[s.task_id]
         assert len(story) == n_sent == s.meta["n_sentences"]
         k = s.meta["prefix_index"]
@@ -58,15 +79,21 @@ def test_every_prefix_with_both_prompts(family, gen):
         assert s.text.endswith(query) and query == ref.span_text("query")
         body = s.text[: s.spans["query"].start].rstrip()
         got = _sentences(body) if body else []
-        lead_in = family == "unexpected-transfer" and s.prompt_type == "belief" and k < n_sent
+        lead_in = transfer and s.prompt_type == "belief" and k < n_sent
         assert s.meta["lead_in"] == lead_in
-        if lead_in:  # K24: the story's last sentence comes before the belief prompt
-            assert got == story[:k] + [story[-1]]
-            assert s.span_text("lead_in") == story[-1]
+        if lead_in:  # K24: the story's last sentence before the belief prompt, and the closing
+            closing = n_sent - 3  # (closing, leave, return) end every transfer story
+            tail = story[closing:closing + 1] * (k <= closing) + story[-1:]
+            assert got == story[:k] + tail
+            assert s.span_text("lead_in") == " ".join(tail)
         else:
             assert got == story[:k]
-        if k == n_sent:  # the whole story: same text and labels as the full false-belief item
-            assert s.text == ref.text
+        if k == n_sent:  # the whole story: the full false-belief item's text (the put and the
+            # empty sentence swapped in one version of a transfer task) and its labels
+            if transfer and s.reversed:  # the place-naming orders flipped: not the family's item
+                family_item = _full_fb(gen(4, seed=4, conditions=("false_belief",)), s.task_id, True, s.prompt_type)
+                assert family_item.text != ref.text and sorted(family_item.text) == sorted(ref.text)
+            assert s.text == " ".join(story + [query]) and (s.text == ref.text) != swapped
             assert (s.world_state, s.protagonist_belief) == (ref.world_state,
                                                              ref.protagonist_belief)
             assert s.answer == ref.answer
@@ -87,7 +114,8 @@ def test_transfer_labels_follow_the_story():
         full = unexpected_transfer(2, seed=0, conditions=("false_belief",))
         ref = next(s for s in full if s.task_id == rows[0].task_id and s.reversed == rev)  # mirror layout
         tellings = ["tell", "untold"] if roles.index("tell") < roles.index("untold") else ["untold", "tell"]
-        assert roles[0] is None and roles[1:] == ["setting", "listing", "empty", "put", *ref.meta["episode"],
+        opening = ["put", "empty"] if put_first(make_tasks("unexpected-transfer", 2, 0)[0], rev) else ["empty", "put"]
+        assert roles[0] is None and roles[1:] == ["setting", "listing", *opening, *ref.meta["episode"],
                                                   *tellings, "closing", "leave", "return"]
         start = rows[-1].reference_state
         other = next(o for o in rows[-1].options if o != start)
