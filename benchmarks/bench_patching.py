@@ -92,7 +92,7 @@ def side_by_side(model, pairs, budget_s: float):
     from transformer_lens import patching
 
     from tomlens.patching.cells import Cell, cell_columns, hook_for
-    from tomlens.patching.engine import Run, base_pass, run_patched
+    from tomlens.patching.engine import Patch, Run, base_pass, run_patched
     from tomlens.patching.metric import logit_diff
     from tomlens.patching.pairs import prepare_pairs
 
@@ -119,7 +119,7 @@ def side_by_side(model, pairs, budget_s: float):
     def _time_layer(layer: int) -> float:
         nonlocal t_ours, t_tl
         runs = [
-            Run(g + j, [(hook_for("head", layer), layer, h, cell_columns(Cell("head", layer, h, "all", -1), group, j, prep.n_aligned), j)])
+            Run(g + j, [Patch(hook_for("head", layer), layer, h, cell_columns(Cell("head", layer, h, "all", -1), group, j, prep.n_aligned), j)])
             for h in range(H) for j in range(g)
         ]
         t0 = clock()
@@ -190,8 +190,8 @@ def main() -> int:
           f"torch threads {torch.get_num_threads()}; loaded in {t_load:.0f} s", flush=True)
 
     # warm-up: library initialisation and the engine's one-off shortcut check, not timed
-    exact_patching(model, pairs[:1], sites=["heads"], layers=[L - 1], progress=False)
-    attribution_patching(model, pairs[:1], sites=["heads"], progress=False)
+    exact_patching(model, pairs[:1], sites=["heads"], positions=("all",), layers=[L - 1], progress=False)
+    attribution_patching(model, pairs[:1], sites=["heads"], positions=("all",), progress=False)
 
     # ---- side by side with TransformerLens on one group of equal-length pairs
     prep = prepare_pairs(model, pairs, batch_pairs=1)
@@ -213,11 +213,12 @@ def main() -> int:
         if done and t_exact / len(done) * (len(done) + len(grp)) > args.budget_s:
             break
         t0 = clock()
-        exact_parts.append(exact_patching(model, grp, sites=["heads"], batch_pairs=args.group,
+        exact_parts.append(exact_patching(model, grp, sites=["heads"], positions=("all",), batch_pairs=args.group,
                                           memory_mb=args.memory_mb, progress=False))
         t_exact += clock() - t0
         t0 = clock()
-        attr_parts.append(attribution_patching(model, grp, sites=["heads"], batch_pairs=args.group, progress=False))
+        attr_parts.append(attribution_patching(model, grp, sites=["heads"], positions=("all",), batch_pairs=args.group,
+                                               progress=False))
         t_attr += clock() - t0
         done.extend(grp)
         print(f"exact sweep: {len(done)}/{n} pairs, {t_exact:.0f} s; attribution {t_attr:.1f} s", flush=True)
@@ -225,7 +226,7 @@ def main() -> int:
     t_attr_rest = 0.0
     if rest:  # attribution is cheap: run it on every pair anyway
         t0 = clock()
-        attribution_patching(model, rest, sites=["heads"], batch_pairs=args.group, progress=False)
+        attribution_patching(model, rest, sites=["heads"], positions=("all",), batch_pairs=args.group, progress=False)
         t_attr_rest = clock() - t0
     exact, attr = merge(exact_parts), merge(attr_parts)
     exact_per_pair = t_exact / len(done)

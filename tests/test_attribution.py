@@ -149,7 +149,7 @@ def test_attribution_matches_a_finite_difference(load_tiny):
     """The score is the derivative of the metric along (clean - corrupted) at the corrupted run."""
     model = load_tiny("tiny-llama")
     pair = short_pairs(model.tokenizer, 1)[0]
-    res = attribution_patching(model, [pair], sites=["heads"], progress=False)
+    res = attribution_patching(model, [pair], sites=["heads"], positions=("all",), progress=False)
     b = encode(model, [pair.clean.text, pair.corrupted.text])
     metric = tl_metric(model, pair)
     layer, head = 0, 1
@@ -199,8 +199,8 @@ def test_attribution_beside_exact(load_tiny):
     # on a two-layer model the linear estimate ranks single heads well
     assert c["spearman"] > 0.5
     # noising attribution: estimates of the clean run with corrupted activations
-    noise = attribution_patching(model, pairs, sites=["heads"], direction="noise", progress=False)
-    exact_noise = exact_patching(model, pairs, sites=["heads"], direction="noise", progress=False)
+    noise = attribution_patching(model, pairs, sites=["heads"], positions=("all",), direction="noise", progress=False)
+    exact_noise = exact_patching(model, pairs, sites=["heads"], positions=("all",), direction="noise", progress=False)
     torch.testing.assert_close(noise.clean, ex.clean, atol=1e-5, rtol=1e-5)  # two engines' forwards, as above
     assert compare(exact_noise, noise, k=3)["spearman"] > 0.5
 

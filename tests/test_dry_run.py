@@ -184,3 +184,82 @@ def test_run_dry_run_prints_every_stage_and_a_total_and_writes_nothing(tmp_path,
     assert "estimated total: ~" in plan_part
     assert "not estimated: probe fits (tiny-llama), steering (tiny-llama)" in plan_part  # counted, not timed
     assert printed.rstrip().endswith("dry run: nothing else run, nothing written")
+
+
+PAIRS_ONLY = """
+name = "pairs-only"
+[model]
+name = "tiny-llama"
+[pairs]
+n = 3
+contrasts = ["present"]
+[patching]
+sites = ["heads"]
+top_k = 1
+n_random = 1
+"""
+
+
+def test_run_dry_run_with_a_patching_stage_says_its_closing_line_once(tmp_path, capsys):
+    """The patching stage's own dry run is part of the experiment's plan, which goes on after it."""
+    from tomlens.runs.experiment_plan import DRY_RUN_END
+
+    path = tmp_path / "pairs.toml"
+    path.write_text(PAIRS_ONLY)
+    assert main(["run", str(path), "--out", str(tmp_path / "out"), "--dry-run", "--no-progress"]) == 0
+    printed = capsys.readouterr().out
+    assert "its own dry run" in printed and "gate: " in printed  # the stage's own dry run was said
+    assert printed.count(DRY_RUN_END) == 1 and printed.rstrip().endswith(DRY_RUN_END)
+
+
+BEHAVIOUR_ONLY = """
+name = "behaviour-only"
+[model]
+name = "tiny-llama"
+[[behaviour.stimuli]]
+family = "unexpected-transfer"
+n = 1
+[pairs]
+n = 2
+contrasts = ["present"]
+"""
+
+
+def test_run_says_the_time_left_once_the_model_loads_before_the_first_stage(tmp_path, monkeypatch, capsys):
+    """One timed forward of the model the first weighted stage loads anyway: no second load."""
+    import re
+
+    from tomlens.runs.base import ModelSpec
+
+    loads: list[str] = []
+    real = ModelSpec.load
+    monkeypatch.setattr(ModelSpec, "load", lambda self, *a, **k: loads.append(self.name) or real(self, *a, **k))
+    path = tmp_path / "small.toml"
+    path.write_text(BEHAVIOUR_ONLY)
+    assert main(["run", str(path), "--out", str(tmp_path / "out"), "--no-progress"]) == 0
+    printed = capsys.readouterr().out
+    assert loads == ["tiny-llama"]
+    line = re.search(r"timed: one forward of 4 prompts on tiny-llama: \d+ ms per prompt; "
+                     r"estimated time left: ~\d+(\.\d)? (s|min|h)\b", printed)
+    assert line is not None, printed[:2000]
+    assert printed.index("plan: behaviour 16 prompts") < printed.index("loading tiny-llama") < line.start()
+    assert line.start() < printed.index("Kosinski's strict rule")  # before the behaviour stage's output
+    assert printed.count("estimated time left") == 1  # pairs needs no weights: nothing timed again
+
+
+def test_the_time_left_prices_the_loaded_model_and_names_those_still_to_load():
+    from tomlens.runs.experiment_plan import ExperimentPlan, StageEstimate
+
+    plan = ExperimentPlan((
+        StageEstimate("behaviour", "a", "scored", 10, 10, entry=0),
+        StageEstimate("probes", "a", "cached", 20, 20, untimed_part="probe fits", entry=0),
+        StageEstimate("steering", "a", "counted", 5, entry=0),
+        StageEstimate("behaviour", "b", "scored", 10, 10, entry=1)), {})
+    priced = plan.priced(0, "a", rate=2.0)
+    assert [s.seconds for s in priced.stages] == [20.0, 40.0, None, None] and priced.seconds_per_prompt == {"a": 2.0}
+    assert priced.time_left_line(0, "behaviour") == (
+        "estimated time left: ~60 s plus what is not estimated: probe fits (a), steering (a), "
+        "the stages of b (timed when it loads)")
+    assert priced.time_left_line(0, "probes").startswith("estimated time left: ~40 s")  # behaviour was reused
+    last = priced.priced(1, "b", rate=6.0)
+    assert last.time_left_line(1, "behaviour") == "estimated time left: ~60 s"

@@ -326,7 +326,7 @@ def test_tiny_gemma3_per_head_patching_matches_a_direct_hook(tg):
     from tomlens.patching.pairs import prepare_pairs
 
     pairs = short_pairs(tg.tokenizer, 2)
-    result = exact_patching(tg, prepare_pairs(tg, pairs), sites=["heads"], progress=False)
+    result = exact_patching(tg, prepare_pairs(tg, pairs), sites=["heads"], positions=("all",), progress=False)
     heads = result.select("head", "all")
     assert len(heads) == tg.cfg.n_layers * tg.cfg.n_heads
     assert sorted(zip(heads.layer, heads["head"], strict=True)) == [(l, h) for l in range(3) for h in range(4)]

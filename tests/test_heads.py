@@ -24,7 +24,7 @@ def setup(load_tiny):
     model = load_tiny("tiny-llama")
     pairs = short_pairs(model.tokenizer, 3)
     prepared = prepare_pairs(model, pairs, batch_pairs=2)  # two groups: exercises the group loop
-    exact = exact_patching(model, prepared, sites=["heads"], progress=False)
+    exact = exact_patching(model, prepared, sites=["heads"], positions=("all",), progress=False)
     return model, pairs, prepared, exact
 
 
@@ -36,7 +36,7 @@ def test_rank_heads(setup):
     assert r.effect.is_monotonic_decreasing
     a = rank_heads(exact, by="abs")
     assert a.importance.is_monotonic_decreasing and (a.importance >= 0).all()
-    noise = exact_patching(model, prepared, sites=["heads"], direction="noise", progress=False)
+    noise = exact_patching(model, prepared, sites=["heads"], positions=("all",), direction="noise", progress=False)
     rn = rank_heads(noise)
     np.testing.assert_allclose(rn.importance, 1 - rn.effect)
     assert rn.importance.is_monotonic_decreasing
@@ -173,7 +173,7 @@ def test_mean_ablation(setup, mode):
 
 def test_head_table(setup):
     model, pairs, prepared, exact = setup
-    attr = attribution_patching(model, prepared, sites=["heads"], progress=False)
+    attr = attribution_patching(model, prepared, sites=["heads"], positions=("all",), progress=False)
     table = head_table(exact, attr, probe_table())
     assert len(table) == model.cfg.n_layers * model.cfg.n_heads
     assert table.patch_rank.tolist() == list(range(1, len(table) + 1))

@@ -104,7 +104,7 @@ def status(key):
 arch, dtype, filler, budgets = sys.argv[1], sys.argv[2], int(sys.argv[3]), [float(x) for x in sys.argv[4:]]
 model = wide_model(arch, Path(tempfile.mkdtemp()), dtype, "cpu")
 pairs = long_pairs(model.tokenizer, filler)
-exact_patching(model, pairs[:1], sites=["heads"], layers=[1], progress=False)  # warm-up; checks the shortcuts once
+exact_patching(model, pairs[:1], sites=["heads"], positions=("all",), layers=[1], progress=False)  # warm-up; checks the shortcuts once
 results = []
 for memory_mb, sweep, estimate in sweeps(model, pairs, budgets):
     gc.collect()
@@ -157,7 +157,7 @@ def test_estimate_bounds_the_cuda_peak(arch, dtype, tmp_path):
 
     model = wide_model(arch, tmp_path, dtype, "cuda")
     pairs = long_pairs(model.tokenizer, 24)
-    exact_patching(model, pairs[:1], sites=["heads"], layers=[1], progress=False)  # warm-up: kernels, workspaces
+    exact_patching(model, pairs[:1], sites=["heads"], positions=("all",), layers=[1], progress=False)  # warm-up: kernels, workspaces
     for memory_mb, sweep, estimate in sweeps(model, pairs, (16.0, 1024.0)):
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()

@@ -14,7 +14,7 @@ from jaxtyping import TypeCheckError
 from tomlens.errors import TomlensError
 from tomlens.models import encode
 from tomlens.patching.cells import hook_for
-from tomlens.patching.engine import Run, base_pass, run_patched
+from tomlens.patching.engine import Patch, Run, base_pass, run_patched
 from tomlens.patching.exact import exact_patching
 from tomlens.patching.metric import summarise
 from tomlens.patching.pairs import prepare_pairs
@@ -116,7 +116,8 @@ def test_shortcuts_and_padding_are_exact(load_tiny, name):
         torch.testing.assert_close(fast.values, other.values, atol=1e-5, rtol=1e-5, equal_nan=True)
         torch.testing.assert_close(fast.clean, other.clean, atol=1e-5, rtol=1e-5)
     # a tiny memory budget: one run per forward, the same numbers to fp32 rounding
-    chunked = exact_patching(model, pairs, sites=["heads"], batch_pairs=3, memory_mb=1e-3, progress=False)
+    chunked = exact_patching(model, pairs, sites=["heads"], positions=("all",), batch_pairs=3, memory_mb=1e-3,
+                             progress=False)
     heads = torch.tensor([(c.kind, c.position) == ("head", "all") for c in fast.cells])
     torch.testing.assert_close(fast.values[heads], chunked.values, atol=1e-5, rtol=1e-5)
 
@@ -135,8 +136,8 @@ def test_identity_patch_changes_nothing(load_tiny):
         pad = group.pad(story % group.g)
         every = list(range(pad, group.width))
         for cols, first in ((every, 0), ([group.width - 1], 0), (every[-3:], L - 1)):
-            patches = [(hook_for("head", l), l, h, cols, story) for l in range(first, L) for h in range(H)]
-            patches += [(hook_for("resid_pre", l), l, -1, cols, story) for l in range(max(first, 1), L)]
+            patches = [Patch(hook_for("head", l), l, h, cols, story) for l in range(first, L) for h in range(H)]
+            patches += [Patch(hook_for("resid_pre", l), l, -1, cols, story) for l in range(max(first, 1), L)]
             runs.append(Run(story, patches))
     out = run_patched(model, group, runs, bp.sources, bp)
     want = bp.metric.cpu().repeat_interleave(3)
@@ -153,7 +154,7 @@ def test_clean_into_clean_is_one_and_corrupted_into_corrupted_is_zero(load_tiny)
     runs = []
     for story in range(2 * g):  # every head of a story's own run, at every position
         cols = list(range(group.pad(story % g), group.width))
-        runs.append(Run(story, [(hook_for("head", l), l, h, cols, story) for l in range(L) for h in range(H)]))
+        runs.append(Run(story, [Patch(hook_for("head", l), l, h, cols, story) for l in range(L) for h in range(H)]))
     out = run_patched(model, group, runs, bp.sources, bp).double()
     clean, corrupted = bp.metric[:g].double().cpu(), bp.metric[g:].double().cpu()
     # raw logit differences (~0.1): patched forwards vs the base run, fp32 rounding
@@ -201,7 +202,7 @@ def test_selector_positions(load_tiny):
 def test_gqa_heads_are_query_heads(load_tiny):
     model = load_tiny("tiny-llama")
     assert model.cfg.n_key_value_heads < model.cfg.n_heads
-    res = exact_patching(model, short_pairs(model.tokenizer, 2), sites=["heads"], progress=False)
+    res = exact_patching(model, short_pairs(model.tokenizer, 2), sites=["heads"], positions=("all",), progress=False)
     grid = res.grid("head", "all")
     assert grid.shape == (model.cfg.n_layers, model.cfg.n_heads) and np.isfinite(grid).all()
     # two query heads sharing a KV head still have their own effects: their raw logit differences

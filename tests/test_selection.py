@@ -77,7 +77,7 @@ def test_max_statistic_p_is_small_when_one_unit_carries_the_label_and_uniformish
     n_perm = 19
     X, y = _planted(st, carrier=2)
     observed, perm_max, how = max_statistic_null([X.transpose(0, 1).contiguous()], y, groups, folds=3,
-                                                  n_perm=n_perm, seed=0)
+                                                  n_permutations=n_perm, seed=0)
     assert how == "within tasks"  # order-only tasks hold both conditions
     p = (1 + int((perm_max >= observed).sum())) / (1 + n_perm)
     assert observed > 0.9 and p == 1 / (1 + n_perm)
@@ -85,11 +85,11 @@ def test_max_statistic_p_is_small_when_one_unit_carries_the_label_and_uniformish
     for seed in range(6):  # no unit carries the label: p spreads over (0, 1]
         X, y = _planted(st, carrier=None, seed=seed)
         observed, perm_max, _ = max_statistic_null([X.transpose(0, 1).contiguous()], y, groups, folds=3,
-                                                   n_perm=n_perm, seed=seed)
+                                                   n_permutations=n_perm, seed=seed)
         ps.append((1 + int((perm_max >= observed).sum())) / (1 + n_perm))
     assert min(ps) > 1 / (1 + n_perm) and 0.2 < sum(ps) / len(ps) < 0.8, ps
     _, _, across = max_statistic_null([X.transpose(0, 1).contiguous()], y, torch.arange(len(st)),
-                                      folds=3, n_perm=2, seed=0)
+                                      folds=3, n_permutations=2, seed=0)
     assert across == "across rows"  # one row per group: no pairing to keep
 
 

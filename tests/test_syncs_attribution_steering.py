@@ -81,7 +81,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Any]:
     out = {}
     for n_layers in (2, 6):
         model = tiny_with_layers("tiny-llama", n_layers, tmp_path_factory.mktemp(f"llama{n_layers}"))
-        exact_patching(model, short_pairs(model.tokenizer, 1), layers=[n_layers - 1], progress=False)
+        exact_patching(model, short_pairs(model.tokenizer, 1), positions=("all",), layers=[n_layers - 1], progress=False)
         out[n_layers] = model
     return out
 

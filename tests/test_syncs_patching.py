@@ -41,15 +41,16 @@ def _models(load_tiny: Any, tmp_path: Any) -> list[Any]:
     (one scalar read, never again), which a count per call must not see."""
     models = [load_tiny("tiny-llama"), tiny_with_layers("tiny-llama", 6, tmp_path / "deep")]
     for model in models:
-        exact_patching(model, short_pairs(model.tokenizer, 1), layers=[model.cfg.n_layers - 1], progress=False)
+        exact_patching(model, short_pairs(model.tokenizer, 1), positions=("all",), layers=[model.cfg.n_layers - 1],
+                       progress=False)
     return models
 
 
 SWEEPS: dict[str, dict[str, Any]] = {
-    "heads": {"sites": ("heads",)},  # every head at all positions
-    "resid": {"sites": ("resid",)},  # the residual stream at every token ("each")
+    "heads": {"sites": ("heads",), "positions": ("all",)},  # every head at all positions
+    "resid": {"sites": ("resid",), "positions": ("all",)},  # the residual stream at every token ("each")
     "heads at roles": {"sites": {"heads": ("final", "protagonist")}},
-    "mlp and heads noising": {"sites": ("mlp", "heads"), "positions": ("final",), "direction": "noise"},
+    "mlp and heads noising": {"sites": ("mlp", "heads"), "positions": ("all", "final"), "direction": "noise"},
 }
 
 
@@ -69,7 +70,7 @@ def test_nothing_waits_between_groups_forwards_or_chunks(load_tiny: Any) -> None
     """One group of 3 pairs or 3 groups of one; every chunk of runs in one forward or a forward of
     a few rows each (a tiny memory budget); one stage chunk or a chunk per two runs: the same count."""
     model = load_tiny("tiny-llama")
-    exact_patching(model, short_pairs(model.tokenizer, 1), layers=[1], progress=False)
+    exact_patching(model, short_pairs(model.tokenizer, 1), positions=("all",), layers=[1], progress=False)
     pairs = short_pairs(model.tokenizer, 3)
     settings = {
         "one group": {"batch_pairs": 3},
@@ -77,7 +78,8 @@ def test_nothing_waits_between_groups_forwards_or_chunks(load_tiny: Any) -> None
         "a few rows per forward": {"memory_mb": 1.0},
         "a stage chunk per two runs": {"chunk_runs": 2},
     }
-    counts = {name: count_of(lambda: exact_patching(model, pairs, sites=("heads", "resid"), progress=False, **kw))
+    counts = {name: count_of(lambda: exact_patching(model, pairs, sites=("heads", "resid"), positions=("all",),
+                                                         progress=False, **kw))
               for name, kw in settings.items()}
     assert_same_and_small(counts, EXACT_BOUND)
 

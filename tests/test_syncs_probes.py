@@ -101,7 +101,7 @@ def test_the_permutation_null_reads_back_once():
                  acts.get("head_out", "final").flatten(1, 2).transpose(0, 1).contiguous()]
         y, _ = make_target(acts.stimuli, "protagonist_belief")
         groups = group_codes(acts.stimuli)
-        counts[(tasks, layers)] = _counted(lambda: max_statistic_null(units, y, groups, folds=3, n_perm=50,
+        counts[(tasks, layers)] = _counted(lambda: max_statistic_null(units, y, groups, folds=3, n_permutations=50,
                                                                       device="cpu"))
     totals = {k: v[0] for k, v in counts.items()}
     assert len(set(totals.values())) == 1, counts

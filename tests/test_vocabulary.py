@@ -305,3 +305,112 @@ def test_a_users_own_span_near_a_known_role_is_left_to_the_stories_to_confirm() 
         assert CacheConfig(stimuli=StimuliSpec(path="mine.jsonl"), positions=(position,)).positions == (position,)
     with pytest.raises(TomlensError, match="did you mean"):  # a generated family's roles are known
         ProbesConfig(stimuli=StimuliSpec(family="order-only"), positions=("cues",))
+
+
+# -- the Python API: a keyword is the setting of the same name ------------------------------------------
+# Public modules a researcher calls; each public function's keywords are read from its signature.
+PYTHON_API_PACKAGES = ("tomlens.probes", "tomlens.patching", "tomlens.steering", "tomlens.activations",
+                       "tomlens.behaviour", "tomlens.audit")
+# Old spellings of a setting's name (old -> new); `target` is retired only where it takes several names.
+RETIRED_KEYWORDS = {"n_perm": "n_permutations", "selection_fraction": "select_fraction", "target": "targets"}
+# Functions still spelling an idea the old way, each with the reason (an entry that is no longer true fails).
+KEYWORD_EXCEPTIONS: dict[tuple[str, str, str], str] = {}  # (module, function, keyword) -> why it keeps an old name
+# Keywords of the probe API and the config setting (of ProbesConfig) they must be spelt as.
+PROBE_API_KEYWORDS = {
+    "tomlens.probes.sweep.run_probe_sweep": ("targets", "sites", "positions", "probe", "seed"),
+    "tomlens.probes.sweep.lay_out_sweep": ("targets", "sites", "positions", "probe", "seed"),
+    "tomlens.probes.selection.select_and_evaluate": ("sites", "seed", "select_fraction", "n_permutations", "probe"),
+    "tomlens.probes.selection.selection_stage": ("sites", "seed", "select_fraction", "n_permutations", "probe"),
+    "tomlens.probes.selection.max_statistic_null": ("n_permutations", "seed"),
+    "tomlens.probes.selection.permute_labels": ("n_permutations", "seed"),
+}
+
+
+def _public_functions() -> list[tuple[str, str, typing.Callable[..., object]]]:
+    import importlib
+    import inspect
+    import pkgutil
+
+    out = []
+    for package in PYTHON_API_PACKAGES:
+        root = importlib.import_module(package)
+        names = [package, *(m.name for m in pkgutil.walk_packages(root.__path__, package + "."))]
+        for name in names:
+            module = importlib.import_module(name)
+            out += [(name, f, fn) for f, fn in vars(module).items()
+                    if not f.startswith("_") and inspect.isfunction(fn) and fn.__module__ == name]
+    return out
+
+
+def _takes_several(annotation: object) -> bool:
+    """Whether a parameter's annotation admits a sequence of names (`str | Sequence[str]`)."""
+    text = annotation if isinstance(annotation, str) else repr(annotation)
+    return any(word in text for word in ("Sequence", "list[", "tuple[", "Iterable"))
+
+
+def test_no_public_python_function_spells_a_setting_the_old_way() -> None:
+    import inspect
+
+    found = set()
+    for module, name, fn in _public_functions():
+        for p in inspect.signature(fn).parameters.values():
+            if p.name in RETIRED_KEYWORDS and (p.name != "target" or _takes_several(p.annotation)):
+                found.add((module, name, p.name))
+    assert found == set(KEYWORD_EXCEPTIONS), found ^ set(KEYWORD_EXCEPTIONS)
+
+
+@pytest.mark.parametrize("path, keywords", PROBE_API_KEYWORDS.items())
+def test_the_probe_api_keywords_are_the_probe_settings_names(path: str, keywords: tuple[str, ...]) -> None:
+    import importlib
+    import inspect
+
+    module, name = path.rsplit(".", 1)
+    params = inspect.signature(getattr(importlib.import_module(module), name)).parameters
+    settings = _setting_names(ProbesConfig)
+    for keyword in keywords:
+        assert keyword in params and keyword in settings, (path, keyword)
+
+
+def _planted_acts() -> object:
+    import torch
+    from helpers import TensorActivations
+
+    from tomlens.stimuli import generate
+
+    stimuli = generate("unexpected-transfer", n=3, seed=0)
+    resid = torch.randn(len(stimuli), 2, 4, generator=torch.Generator().manual_seed(0))
+    return TensorActivations(list(stimuli), {("resid_post", "final"): resid}, {"model": {"model": "planted"}})
+
+
+def test_the_old_target_keyword_still_works_for_one_release_with_a_line(capsys, monkeypatch) -> None:
+    import tomlens.probes.sweep as sweep
+
+    acts = _planted_acts()
+    new = sweep.lay_out_sweep(acts, targets=["protagonist_belief", "world_state"], sites=("resid_post",))
+    assert capsys.readouterr().err == ""
+    old = sweep.lay_out_sweep(acts, target=["protagonist_belief", "world_state"], sites=("resid_post",))
+    assert old.names == new.names == ["protagonist_belief", "world_state"]
+    assert "lay_out_sweep: argument target= is now targets= (one name per idea)" in capsys.readouterr().err
+    with pytest.raises(TomlensError, match="both target= and targets="):
+        sweep.lay_out_sweep(acts, target="world_state", targets="world_state", sites=("resid_post",))
+    seen: list[object] = []  # run_probe_sweep reads the old keyword too, before laying anything out
+    monkeypatch.setattr(sweep, "lay_out_sweep", lambda acts, targets, **_: seen.append(targets) or _stop())
+    with pytest.raises(_Stop):
+        sweep.run_probe_sweep(acts, target="world_state", sites=("resid_post",))
+    assert seen == ["world_state"] and "run_probe_sweep: argument target= is now targets=" in capsys.readouterr().err
+
+
+def test_the_old_n_perm_keyword_gives_the_same_null_with_a_line(capsys) -> None:
+    import torch
+
+    from tomlens.probes.selection import max_statistic_null, permute_labels
+
+    y, groups = torch.tensor([0, 1] * 6), torch.arange(12) // 2
+    units = [torch.randn(3, 12, 4, generator=torch.Generator().manual_seed(1))]
+    new = max_statistic_null(units, y, groups, folds=3, n_permutations=5, seed=0, device="cpu")
+    assert capsys.readouterr().err == ""
+    old = max_statistic_null(units, y, groups, folds=3, n_perm=5, seed=0, device="cpu")
+    assert old[0] == new[0] and torch.equal(old[1], new[1]) and old[1].numel() == 5
+    assert "max_statistic_null: argument n_perm= is now n_permutations=" in capsys.readouterr().err
+    assert torch.equal(permute_labels(y, groups, n_perm=4, seed=0, within=True),
+                       permute_labels(y, groups, 4, 0, True))

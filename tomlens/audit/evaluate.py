@@ -181,7 +181,7 @@ def shuffled_labels(labels: Sequence[Hashable], tasks: Sequence[str], rng: np.ra
 
 def permutation_null(features: list[Hashable | None] | Any, labels: Sequence[Hashable], tasks: Sequence[str],
                      folds: np.ndarray, *, balanced: bool, seed: int,
-                     n_perm: int = NULL_PERMUTATIONS) -> tuple[float, float]:
+                     n_permutations: int = NULL_PERMUTATIONS) -> tuple[float, float]:
     """Mean and spread of the held-out accuracy with the labels shuffled (`shuffled_labels`).
 
     Why: a cross-validated accuracy is not a mean of independent task scores. Each fold's classifier
@@ -191,7 +191,7 @@ def permutation_null(features: list[Hashable | None] | Any, labels: Sequence[Has
     carry both sources of spread."""
     rng = np.random.default_rng([seed, 7919])
     accs = []
-    for _ in range(n_perm):
+    for _ in range(n_permutations):
         y = shuffled_labels(labels, tasks, rng)
         w = class_weights(y, balanced)
         accs.append(float((w * held_out_correct(features, y, folds, balanced=balanced)).sum() / w.sum()))

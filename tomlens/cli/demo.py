@@ -91,8 +91,8 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.time()
     config = demo_config(args)
     out = Path(args.out)
-    say_estimate(config, out)
-    run_file(config, out, progress=not args.no_progress, headers=HEADERS)
+    plan = say_estimate(config, out)
+    run_file(config, out, progress=not args.no_progress, headers=HEADERS, plan=plan)
     print(f"\ndone in {time.time() - t0:.0f} s; results under {out}/")
     return 0
 

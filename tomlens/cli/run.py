@@ -34,9 +34,11 @@ def _section(title: str) -> None:
     print(f"\n== {title} ==", flush=True)
 
 
-def run_file(config: Any, out: Path, *, progress: bool = True, headers: dict[str, str] | None = None) -> Any:
+def run_file(config: Any, out: Path, *, progress: bool = True, headers: dict[str, str] | None = None,
+             plan: Any = None) -> Any:
     """Run `config` into `out`, printing a header before and `describe()` after each stage, then
-    write the figures and report.html. `headers` replaces the stage names in the headers."""
+    write the figures and report.html. `headers` replaces the stage names in the headers; `plan`
+    (`say_estimate`'s counts) is priced once the first model loads (`run_experiment`)."""
     from tomlens.report.experiment import write_experiment_figures, write_experiment_report
     from tomlens.report.findings import variant_names
     from tomlens.runs.experiment import run_experiment
@@ -55,7 +57,7 @@ def run_file(config: Any, out: Path, *, progress: bool = True, headers: dict[str
         if text:
             print(text, flush=True)
 
-    result = run_experiment(config, out, progress=progress, before=before, after=after)
+    result = run_experiment(config, out, progress=progress, before=before, after=after, plan=plan)
     if headers is None or "report" in headers:
         _section((headers or {}).get("report", "report"))
     figures = write_experiment_figures(result)
@@ -76,28 +78,31 @@ def run(args: argparse.Namespace) -> int:
     print(f"experiment {config.name!r}: {', '.join(config.stages)} on {', '.join(models)} -> {out}/")
     if args.dry_run:
         return dry_run(config, out)
-    say_estimate(config, out)
-    result = run_file(config, out, progress=not args.no_progress)
+    plan = say_estimate(config, out)
+    result = run_file(config, out, progress=not args.no_progress, plan=plan)
     print(f"\ndone in {time.time() - t0:.0f} s; results under {out}/")
     return validation_exit_code(result)
 
 
 def dry_run(config: Any, out: Path) -> int:
     """`tomlens run --dry-run`: every stage's plan and the total, then stop (nothing written)."""
-    from tomlens.runs.experiment_plan import plan_experiment
+    from tomlens.runs.experiment_plan import DRY_RUN_END, plan_experiment
 
     plan = plan_experiment(config, out)
     print("\n".join(plan.lines()))
-    print("dry run: nothing else run, nothing written")
+    print(DRY_RUN_END)  # once: the patching stage's own dry run leaves its closing line to this one
     return 0
 
 
-def say_estimate(config: Any, out: Path) -> None:
-    """What a run says before it starts: each stage's counts and what is known of the time (the
-    timed estimate, which loads the model, is `--dry-run`'s)."""
+def say_estimate(config: Any, out: Path) -> Any:
+    """What a run says before it starts: each stage's counts (no model is loaded for them). The
+    time comes once the run has loaded the first model it needs (`run_experiment`); returns the
+    counted plan (an `ExperimentPlan`) for it to price."""
     from tomlens.runs.experiment_plan import estimate_experiment
 
-    print(estimate_experiment(config, out).counts_line(), flush=True)
+    plan = estimate_experiment(config, out)
+    print(plan.counts_line(), flush=True)
+    return plan
 
 
 def validation_exit_code(result: Any) -> int:

@@ -45,11 +45,13 @@ from tomlens.devices import to_device
 from tomlens.errors import TomlensError
 from tomlens.hooks import Site, hook_name
 from tomlens.hooks.patch import Hook, PrefixCache, forward_last, record_hooks
+from tomlens.messages import say
 from tomlens.models.protocol import Model
-from tomlens.patching.cells import Cell, canonical_kind, check_selectors, hook_for, plan_cells, selectors_in
+from tomlens.patching.cells import Cell, canonical_kind, check_selectors, hook_for, plan_cells
 from tomlens.patching.engine import shortcuts_verdict
+from tomlens.patching.exact import ROLE_DEFAULT, prepared_with, sweep_positions
 from tomlens.patching.metric import Normalise, logit_diff
-from tomlens.patching.pairs import Direction, PreparedPairs, as_prepared, roles
+from tomlens.patching.pairs import Direction, PreparedPairs, roles
 from tomlens.patching.result import PatchingResult
 
 
@@ -92,7 +94,17 @@ class GroupRows:
 
 
 def group_rows(group, direction: Direction) -> GroupRows:
-    """The group's `GroupRows` for `direction`, from its host lists (nothing read off a device)."""
+    """The group's `GroupRows` for `direction`, from its host lists (nothing read off a device).
+
+    Refused for role-aligned pairs (stories worded differently): attribution multiplies a gradient
+    by clean minus corrupted activations column by column, which means nothing where a column
+    holds different words in the two stories; exact patching maps their roles instead."""
+    if group.corrupted_cols is not None or (group.unequal and any(group.unequal)):
+        raise TomlensError(
+            "attribution patching (and search, which builds on it) needs token-aligned pairs; these are "
+            "role-aligned (their stories differ in wording or length, so a column is not one token in both)",
+            "patch them with exact patching (tomlens patch --method exact; exact_patching in Python)",
+        )
     g, width = group.g, group.width
     device = group.batch.input_ids.device
     base = [roles(direction, g, j)[0] for j in range(g)]
@@ -365,7 +377,7 @@ def attribution_patching(
     pairs: Sequence[Any] | PreparedPairs,
     *,
     sites: Sequence[str] | Mapping[str, Sequence[str]] = ("heads",),
-    positions: Sequence[str] = (),
+    positions: str | Sequence[str] = ROLE_DEFAULT,
     direction: Direction = "denoise",
     layers: Sequence[int] | None = None,
     normalise: Normalise = "pooled",
@@ -383,11 +395,18 @@ def attribution_patching(
     (integrated gradients), along their token embeddings (`path="embeddings"`: `steps` forwards and
     backwards instead of one) or along each site's own activation (`path="sites"`: about
     `steps` x the number of hook points, each run from its site's block).
+    `sites` and `positions` read as in `exact_patching` (`tomlens patch --sites` / `--positions`):
+    by default the role positions, `positions=("all",)` the every-position sweep, or `sites` as a
+    mapping of kinds to their own cell positions. With `progress`, positions left out (a role span
+    the stories lack) are said.
     """
     if int(steps) < 1:
         raise TomlensError(f"attribution steps = {steps}", "use 1 (plain attribution) or more (integrated gradients)")
-    prepared = as_prepared(model, pairs, selectors_in(sites, positions), batch_pairs)
-    cells = plan_cells(model, sites, positions, n_aligned=prepared.n_aligned, layers=layers)
+    where = sweep_positions(model, pairs, sites, positions)
+    if progress and where.notes:
+        say("\n".join(f"note: {n}" for n in where.notes))
+    prepared = prepared_with(model, pairs, where.selectors, batch_pairs)
+    cells = plan_cells(model, where.spec, n_aligned=prepared.n_aligned, layers=layers)
     check_selectors(cells, prepared)
     n_pair = len(prepared.pairs)
     hooks = hook_blocks(cells)
@@ -418,7 +437,7 @@ def compare(
     attribution: PatchingResult,
     *,
     kind: str = "head",
-    position: str = "all",
+    position: str | None = None,
     k: int = 10,
     by: str = "abs",
     active: float = ACTIVE_EFFECT,
@@ -437,6 +456,9 @@ def compare(
     it first, scored 0.68-0.88 there from reshuffled noise (0.95-0.98 over the active heads)."""
     from scipy.stats import pearsonr, spearmanr
 
+    if position is None:  # heads: where a ranking reads them; other kinds: their first position
+        position = exact.head_position() if kind == "head" else next(
+            c.position for c in exact.cells if c.kind == canonical_kind(kind))
     a = exact.select(kind, position).set_index(["layer", "head", "pos"])["effect"]
     b = attribution.select(kind, position).set_index(["layer", "head", "pos"])["effect"]
     joined = a.to_frame("exact").join(b.to_frame("attribution"), how="inner").dropna()

@@ -33,7 +33,10 @@ KIND_ALIASES: dict[str, str] = {
     "attn": "attn_out", "attn_out": "attn_out", "mlp": "mlp_out", "mlp_out": "mlp_out",
 }
 # Patching the whole residual stream at every position restores the clean run outright, so the
-# residual stream is swept per position; heads, attention and MLP outputs at all positions.
+# residual stream is swept per position; heads, attention and MLP outputs at all positions. This is
+# what `plan_cells` gives a kind listed without positions, and what the position `all` means per kind
+# (`tomlens.patching.plan.parse_positions`); `tomlens patch` and the Python sweeps (`exact_patching`,
+# `attribution_patching`) default to the role positions instead.
 MENTIONS = "mentions"  # keyword expanded per pair set (tomlens.patching.roles)
 DEFAULT_POSITIONS: dict[str, tuple[str, ...]] = {
     "head": ("all",), "resid_pre": ("each",), "resid_mid": ("each",), "resid_post": ("each",),
@@ -124,12 +127,14 @@ def plan_cells(
 
 
 def cell_columns(cell: Cell, group: Group, j: int, n_aligned: int) -> list[int] | None:
-    """Padded columns the cell patches in pair `j` of a group, dropping columns before the first
-    differing token (identical in both runs). None when the pair has no token at that position.
-
-    Read off the group's host lists only: a sweep calls this for every cell and pair before it
-    runs, and a read of a device value there would make the host wait for the GPU each time."""
+    """Padded columns the cell patches in pair `j` of a group of token-aligned pairs (the same
+    columns in its two rows), dropping columns before the first differing token (identical in
+    both runs). None when the pair has no token at that position. `cell_patch` is the general form,
+    for pairs whose stories hold a role at different tokens."""
     assert group.first_diff_cols is not None and group.position_cols is not None
+    if group.corrupted_cols is not None or group.unequal and any(group.unequal):
+        raise TomlensError("these pairs hold roles at different tokens in their two stories (role-aligned pairs)",
+                           "patch them with exact patching (cell_patch); this path needs token-aligned pairs")
     width, fd = group.width, group.first_diff_cols[j]
     if cell.position == "all":
         return list(range(fd, width))
@@ -140,6 +145,42 @@ def cell_columns(cell: Cell, group: Group, j: int, n_aligned: int) -> list[int] 
         return [col] if col >= fd else []
     col = group.position_cols[cell.position][j]
     return [col] if col >= fd else []
+
+
+def cell_patch(cell: Cell, group: Group, j: int, n_aligned: int, *, base: int, source: int
+               ) -> tuple[list[int], list[int]] | None:
+    """(columns written in row `base`, columns read in row `source`) of the cell in pair `j`, padded;
+    ([], []) when the patch changes nothing (the cell lies before the pair's first differing token,
+    at the same token in both stories) and None when the pair has no token at that position.
+
+    A selector is resolved in each row: a role-aligned pair (stories of different wording) carries
+    the clean story's value at its own role token to the corrupted story's role token. "all" and
+    "each" index columns, which only mean the same token in both stories when their token counts
+    are equal, so a pair whose lengths differ is refused there.
+
+    Read off the group's host lists only: a sweep calls this for every cell and pair before it
+    runs, and a read of a device value there would make the host wait for the GPU each time."""
+    assert group.first_diff_cols is not None and group.position_cols is not None
+    width, fd = group.width, group.first_diff_cols[j]
+    if cell.position in ("all", "each") and group.lengths_differ(j):
+        raise TomlensError(
+            f"pair {group.index[j]} (of the prepared pairs) has stories of different token counts, so position "
+            f"{cell.position!r} would patch one token of one story into another token of the other",
+            "patch role-aligned pairs at role positions (roles, mentions, final, query_protagonist, ...)",
+        )
+    if cell.position == "all":
+        cols = list(range(fd, width))
+        return cols, cols
+    if cell.position == "each":
+        col = width - n_aligned + cell.pos
+        if col < group.pad(j):
+            return None
+        return ([col], [col]) if col >= fd else ([], [])
+    into, take = group.column(cell.position, base), group.column(cell.position, source)
+    token = into - group.pad(base)
+    if token == take - group.pad(source) and token < group.first_diff_token(j):
+        return [], []
+    return [into], [take]
 
 
 def cell_hooks(cells: Sequence[Cell]) -> list[str]:

@@ -9,7 +9,8 @@ Why it is fast and still exact:
 - Patched runs are rows; rows are chunked to a memory budget and run together (`run_patched`).
 - Clean and corrupted stories are token-identical up to the contrast span, so nothing can change
   before the first differing token; positions before it are never recomputed (their keys and values
-  come from the base run).
+  come from the base run). A role-aligned pair (stories worded differently) is patched from its
+  clean story's role token into its corrupted story's role token (`Patch.source_cols`).
 - Blocks below the first patched block are not run either: the base run's residual stream enters
   the patched block directly. A one-off check per model confirms both shortcuts reproduce a plain
   run; if they do not (an architecture they do not fit), every run is a plain full forward.
@@ -31,7 +32,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from jaxtyping import Float
@@ -49,24 +50,43 @@ from tomlens.patching.pairs import Group, PreparedPairs
 # The engine: base runs cached once, then chunks of patched rows
 
 
+class Patch(NamedTuple):
+    """One site overwritten in a patched run: the hook, its layer and head (-1: no head axis), the
+    padded columns written in the base row, the source row (it indexes the `sources` tensors given
+    to `run_patched`) and the columns read there (None: the same columns, as in token-aligned pairs;
+    a role-aligned pair reads its clean story's role token, wherever that story has it)."""
+
+    hook: str
+    layer: int
+    head: int
+    cols: list[int]
+    source: int
+    source_cols: list[int] | None = None
+
+    @property
+    def read_cols(self) -> list[int]:
+        return self.cols if self.source_cols is None else self.source_cols
+
+    def key(self) -> tuple:
+        """What a checkpoint's tag hashes: the plain 5-tuple when the columns are shared, so the
+        chunks of runs made before role-aligned pairs existed keep their tags."""
+        return tuple(self) if self.source_cols is not None else tuple(self)[:5]
+
+
 @dataclass
 class Run:
-    """One patched forward: a base story and the cells overwritten in it.
-
-    `patches` holds (hook name, layer, head or -1, padded columns, source row) tuples; the source
-    row indexes the `sources` tensors given to `run_patched`.
-    """
+    """One patched forward: a base story (row) and the sites overwritten in it (`Patch`)."""
 
     base: int
-    patches: list[tuple[str, int, int, list[int], int]]
+    patches: list[Patch]
 
     @property
     def start(self) -> int:
-        return min(min(p[3]) for p in self.patches)
+        return min(min(p.cols) for p in self.patches)
 
     @property
     def layer(self) -> int:
-        return min(p[1] for p in self.patches)
+        return min(p.layer for p in self.patches)
 
 
 @dataclass
@@ -124,33 +144,34 @@ def _entries(chunk: Sequence[Run], sources: Mapping[str, Tensor]) -> dict[str, P
     """Every hook's cells of a chunk as index tensors on the sources' device, with the values they
     take gathered there. The index table is built on the host from the runs and moved in one
     non-blocking copy: no host sync, whatever the number of runs, hooks, heads or columns."""
-    acc: dict[str, tuple[list[int], list[int], list[int], list[int]]] = {}
+    acc: dict[str, tuple[list[int], list[int], list[int], list[int], list[int]]] = {}
     for r, run in enumerate(chunk):
-        for hook, _, head, cols, src in run.patches:
-            rows, cs, hs, ss = acc.setdefault(hook, ([], [], [], []))
-            n = len(cols)
+        for p in run.patches:
+            rows, cs, hs, ss, reads = acc.setdefault(p.hook, ([], [], [], [], []))
+            n = len(p.cols)
             rows.extend([r] * n)
-            cs.extend(cols)
-            hs.extend([head] * n)
-            ss.extend([src] * n)
+            cs.extend(p.cols)
+            hs.extend([p.head] * n)
+            ss.extend([p.source] * n)
+            reads.extend(p.read_cols)
     if not acc:
         return {}
     device = next(iter(sources.values())).device if sources else torch.device("cpu")
-    flat: list[list[int]] = [[], [], [], []]
+    flat: list[list[int]] = [[], [], [], [], []]
     spans: dict[str, tuple[int, int]] = {}
     for hook, lists in acc.items():
         spans[hook] = (len(flat[0]), len(flat[0]) + len(lists[0]))
-        for k in range(4):
+        for k in range(5):
             flat[k].extend(lists[k])
-    table = to_device(torch.tensor(flat, dtype=torch.long), device)  # [rows, cols, heads, sources]
+    table = to_device(torch.tensor(flat, dtype=torch.long), device)  # [rows, cols, heads, sources, read cols]
     out: dict[str, PatchIndex] = {}
     for hook, (a, b) in spans.items():
         acts = sources[hook]
         t = table[:, a:b] if acts.device == device else to_device(table[:, a:b], acts.device)
         if acc[hook][2][0] >= 0:
-            out[hook] = PatchIndex(t[0], t[1], t[2], acts[t[3], t[1], t[2]])
+            out[hook] = PatchIndex(t[0], t[1], t[2], acts[t[3], t[4], t[2]])
         else:
-            out[hook] = PatchIndex(t[0], t[1], None, acts[t[3], t[1]])
+            out[hook] = PatchIndex(t[0], t[1], None, acts[t[3], t[4]])
     return out
 
 
@@ -460,7 +481,7 @@ class Stage:
 
     def _tag(self, chunk: Chunk) -> str:
         runs = self.runs[chunk.group][chunk.lo : chunk.hi]
-        blob = repr([(r.base, r.patches) for r in runs]).encode()
+        blob = repr([(r.base, [p.key() for p in r.patches]) for r in runs]).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
     def load(self, checkpoints: Any) -> int:

@@ -13,6 +13,7 @@ of one cell each) and the head sets of top-k recovery (`tomlens.patching.heads.H
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, overload
 
 import torch
@@ -23,14 +24,23 @@ from tqdm.auto import tqdm
 from tomlens.errors import TomlensError
 from tomlens.messages import say
 from tomlens.models.protocol import Model
-from tomlens.patching.cells import Cell, cell_columns, cell_hooks, check_selectors, hook_for, plan_cells, selectors_in
-from tomlens.patching.engine import DEFAULT_CHUNK_RUNS, Run, Stage
+from tomlens.patching.cells import (
+    Cell,
+    canonical_kind,
+    cell_hooks,
+    cell_patch,
+    check_selectors,
+    hook_for,
+    plan_cells,
+    selectors_in,
+)
+from tomlens.patching.engine import DEFAULT_CHUNK_RUNS, Patch, Run, Stage
 from tomlens.patching.metric import Normalise
-from tomlens.patching.pairs import Direction, PreparedPairs, as_prepared, roles
+from tomlens.patching.pairs import Direction, PreparedPairs, prepare_pairs, roles
 from tomlens.patching.result import PatchingResult
 
 if TYPE_CHECKING:
-    from tomlens.patching.plan import Plan
+    from tomlens.patching.plan import Plan, Positions
 
 DEFAULT_MAX_RUNS = 100_000  # patched runs a sweep may plan before it is refused (CLI --max-runs, Python max_runs)
 
@@ -70,10 +80,11 @@ class CellSetSweep:
             for s_i, cells in enumerate(sets):
                 for j, p_i in enumerate(group.index):
                     base, src = roles(direction, g, j)
-                    cols = [cell_columns(c, group, j, prepared.n_aligned) for c in cells]
-                    if cols and all(c is None for c in cols):
+                    where = [cell_patch(c, group, j, prepared.n_aligned, base=base, source=src) for c in cells]
+                    if where and all(w is None for w in where):
                         continue
-                    patches = [(hooks[c], c.layer, c.head, cs, src) for c, cs in zip(cells, cols, strict=True) if cs]
+                    patches = [Patch(hooks[c], c.layer, c.head, w[0], src, None if w[1] == w[0] else w[1])
+                               for c, w in zip(cells, where, strict=True) if w and w[0]]
                     if not patches:
                         fs.append((s_i, p_i, base))
                         continue
@@ -150,10 +161,111 @@ class ExactSweep(CellSetSweep):
         )
 
 
+ROLE_DEFAULT: tuple[str, ...] = ("roles",)  # the Python API's positions, as `tomlens patch --positions roles`
+
+
+@dataclass(frozen=True)
+class SweepPositions:
+    """Where a Python sweep patches, resolved against its pairs: each kind's cell positions (what
+    `plan_cells` takes as a mapping) and the notes of positions left out (a role span some stories
+    lack, a mention not every pair has), which the sweep says."""
+
+    spec: dict[str, tuple[str, ...]]
+    notes: tuple[str, ...] = ()
+
+    @property
+    def selectors(self) -> tuple[str, ...]:
+        """The positions `prepare_pairs` must resolve (not "all" or "each")."""
+        return selectors_in(self.spec, ())
+
+
+def _mapped_positions(sites: Mapping[str, Sequence[str]], positions: str | Sequence[str]) -> Positions:
+    """A kind -> positions mapping as it always read (a kind's own cell positions: "all" is every
+    token at once, for the residual stream too), with `roles` and `mentions` understood as in
+    `--positions`; `positions` other than the default are added to every kind in it."""
+    from tomlens.patching.plan import Positions, parse_positions
+    from tomlens.syntax import split_items
+
+    spec: dict[str, list[str]] = {}
+    from_roles: dict[str, set[str]] = {}
+
+    def add(kind: str, chosen: Sequence[str], roles: Sequence[str] = ()) -> None:
+        from_roles[kind].update(p for p in roles if p not in spec[kind])
+        spec[kind].extend(p for p in chosen if p not in spec[kind])
+
+    for name, values in sites.items():
+        kind = canonical_kind(name)
+        spec[kind], from_roles[kind] = [], set()
+        for value in split_items(values):
+            if value == "roles":
+                role = parse_positions(value, [kind])
+                add(kind, role.spec[kind], tuple(role.from_roles[kind]))
+            else:
+                add(kind, [value])
+    items = split_items(positions)
+    if items == list(ROLE_DEFAULT):
+        items = []
+    for item in items:
+        site = item.rpartition("=")[0]
+        if site and canonical_kind(site) not in spec:
+            raise TomlensError(f"positions item {item!r} names site {site!r}, which sites does not map",
+                               f"add it to sites or drop the item (sites: {', '.join(spec)})")
+    for kind in spec:
+        mine = [i for i in items if "=" not in i or canonical_kind(i.rpartition("=")[0]) == kind]
+        if mine:
+            added = parse_positions(mine, [kind])
+            add(kind, added.spec[kind], tuple(added.from_roles[kind]))
+    return Positions({k: tuple(v) for k, v in spec.items()}, from_roles)
+
+
+def sweep_positions(
+    model: Model, pairs: Sequence[Any] | PreparedPairs, sites: str | Sequence[str] | Mapping[str, Sequence[str]],
+    positions: str | Sequence[str] = ROLE_DEFAULT,
+) -> SweepPositions:
+    """The positions a Python sweep patches, as `tomlens patch` resolves `--sites` and `--positions`
+    (`tomlens.patching.plan`): a misspelt site or position refused with the nearest word, `roles`
+    (the default) the role positions per kind, `all` / `each` / `mentions` / selectors /
+    `SITE=POSITION` as there; `mentions` expanded for these pairs and role positions some stories
+    have no span for left out with a note. So a Python call and the command plan the same cells.
+
+    `sites` as a mapping keeps its own meaning (kind -> cell positions, e.g. {"heads": ["all"]}):
+    the default positions add nothing to it, other positions are added to every kind in it."""
+    from tomlens.patching.plan import drop_missing_roles, expand_mentions, parse_positions
+    from tomlens.runs.patching import check_patching_words
+    from tomlens.syntax import split_items
+
+    if isinstance(sites, Mapping):
+        words = split_items(positions)
+        check_patching_words(list(sites), [] if words == list(ROLE_DEFAULT) else words)
+        pos = _mapped_positions(sites, positions)
+    else:
+        names = split_items(sites)
+        check_patching_words(names, split_items(positions))
+        pos = parse_positions(positions, list(dict.fromkeys(canonical_kind(s) for s in names)))
+    given = list(pairs.pairs if isinstance(pairs, PreparedPairs) else pairs)
+    pos = drop_missing_roles(expand_mentions(pos, given, model.tokenizer),
+                             [s for p in given for s in (p.clean, p.corrupted)])
+    return SweepPositions(dict(pos.spec), tuple(pos.notes))
+
+
+def prepared_with(model: Model, pairs: Sequence[Any] | PreparedPairs, selectors: Sequence[str],
+                  batch_pairs: int) -> PreparedPairs:
+    """`pairs` prepared with `selectors` resolved: pairs already prepared with them as they are,
+    pairs prepared without some (e.g. before the default became the role positions) prepared again
+    in the same groups (as many pairs a group as their largest) with the missing ones added."""
+    if not isinstance(pairs, PreparedPairs):
+        return prepare_pairs(model, pairs, selectors=selectors, batch_pairs=batch_pairs)
+    missing = [s for s in selectors if s not in pairs.selectors]
+    if not missing:
+        return pairs
+    same_groups = max(g.g for g in pairs.groups)
+    return prepare_pairs(model, pairs.pairs, selectors=(*pairs.selectors, *missing), batch_pairs=same_groups)
+
+
 @overload
 def exact_patching(
     model: Model, pairs: Sequence[Any] | PreparedPairs, *,
-    sites: Sequence[str] | Mapping[str, Sequence[str]] = ..., positions: Sequence[str] = ...,
+    sites: Sequence[str] | Mapping[str, Sequence[str]] = ..., positions: str | Sequence[str] = ...,
     direction: Direction = ..., layers: Sequence[int] | None = ..., normalise: Normalise = ...,
     batch_pairs: int = ..., memory_mb: float = ..., reuse_prefix: bool = ..., progress: bool = ...,
     cells: Sequence[Cell] | None = ..., checkpoints: Any = ..., chunk_runs: int = ...,
@@ -164,7 +276,7 @@ def exact_patching(
 @overload
 def exact_patching(
     model: Model, pairs: Sequence[Any] | PreparedPairs, *,
-    sites: Sequence[str] | Mapping[str, Sequence[str]] = ..., positions: Sequence[str] = ...,
+    sites: Sequence[str] | Mapping[str, Sequence[str]] = ..., positions: str | Sequence[str] = ...,
     direction: Direction = ..., layers: Sequence[int] | None = ..., normalise: Normalise = ...,
     batch_pairs: int = ..., memory_mb: float = ..., reuse_prefix: bool = ..., progress: bool = ...,
     cells: Sequence[Cell] | None = ..., checkpoints: Any = ..., chunk_runs: int = ...,
@@ -177,7 +289,7 @@ def exact_patching(
     pairs: Sequence[Any] | PreparedPairs,
     *,
     sites: Sequence[str] | Mapping[str, Sequence[str]] = ("heads",),
-    positions: Sequence[str] = (),
+    positions: str | Sequence[str] = ROLE_DEFAULT,
     direction: Direction = "denoise",
     layers: Sequence[int] | None = None,
     normalise: Normalise = "pooled",
@@ -193,26 +305,41 @@ def exact_patching(
 ) -> PatchingResult | Plan:
     """Patch every cell of the requested sites, one batched forward per chunk of (cell, pair) runs.
 
-    `sites`: kinds ("heads", "resid", "attn", "mlp", "resid_mid", ...) with their default positions
-    (heads/attn/mlp at "all", resid at "each") plus `positions`, or a mapping kind -> positions.
+    `sites` and `positions` read as `tomlens patch --sites` and `--positions` (`sweep_positions`),
+    so a call plans the cells the command plans: sites are kinds ("heads", "resid", "attn", "mlp",
+    "resid_mid", ...); `positions` defaults to the role positions (`roles`: the final token, the
+    contrast's end and the question's mentions of protagonist and object; heads without the
+    contrast), role positions the pairs' stories lack left out with a note. `positions=("all",)` is
+    the every-position sweep (heads, attention and MLP outputs at all positions at once, the
+    residual stream one position at a time); `each`, `mentions`, selectors ("final",
+    "query_protagonist", "protagonist@2", ...) and `SITE=POSITION` items ("heads=final") as on the
+    command line. A misspelt site or position is refused with the nearest word before any forward.
+    `sites` may instead map kinds to their own cell positions ({"heads": ["all"], "resid":
+    ["final"]}: "all" there is every token at once for any kind); positions other than the default
+    are then added to every kind.
     `cells`: an explicit list of cells to patch instead (e.g. the candidates a search verifies);
-    `sites`, `positions` and `layers` are then ignored.
+    `sites`, `positions` and `layers` are then ignored. Pairs already prepared without a position
+    the sweep needs are prepared again, in the same groups, with it resolved.
     `checkpoints` (a `tomlens.patching.checkpoints.Checkpoints`): finished chunks of
     `chunk_runs` runs are saved there and taken from there, so a stopped sweep resumes.
     `dry_run`: lay the sweep out, say its plan and return it (a `tomlens.patching.plan.Plan`)
     without running a patched forward. `max_runs`: a sweep of more patched runs than this (default,
     as `tomlens patch --max-runs`: 100,000) says its plan and raises instead of running; None: no limit.
-    With `progress`, the plan is said before the sweep runs.
+    With `progress`, the plan (with its notes: positions left out) is said before the sweep runs.
     """
-    explicit = list(cells) if cells is not None else None
-    extra = tuple(c.position for c in explicit or ())
-    prepared = as_prepared(model, pairs, selectors_in(sites, (*positions, *extra)), batch_pairs)
-    cells = explicit if explicit is not None else plan_cells(
-        model, sites, positions, n_aligned=prepared.n_aligned, layers=layers
-    )
+    if cells is not None:
+        cells = list(cells)
+        notes: tuple[str, ...] = ()
+        prepared = prepared_with(model, pairs, selectors_in({}, [c.position for c in cells]), batch_pairs)
+    else:
+        where = sweep_positions(model, pairs, sites, positions)
+        notes = where.notes
+        prepared = prepared_with(model, pairs, where.selectors, batch_pairs)
+        cells = plan_cells(model, where.spec, n_aligned=prepared.n_aligned, layers=layers)
     sweep = ExactSweep(model, prepared, cells, direction, memory_mb=memory_mb, reuse_prefix=reuse_prefix,
                        chunk_runs=chunk_runs)
     plan = sweep_plan(sweep, max_runs)
+    plan.notes.extend(notes)
     if dry_run:
         say("\n".join([*plan.lines(), "dry run: nothing run"]))
         return plan

@@ -35,7 +35,7 @@ from tomlens.devices import to_device
 from tomlens.errors import TomlensError
 from tomlens.models.protocol import Model
 from tomlens.patching.cells import Cell, hook_for
-from tomlens.patching.engine import DEFAULT_CHUNK_RUNS, Run, Stage, base_pass, forward_cost
+from tomlens.patching.engine import DEFAULT_CHUNK_RUNS, Patch, Run, Stage, base_pass, forward_cost
 from tomlens.patching.exact import CellSetSweep
 from tomlens.patching.metric import Normalise, summarise
 from tomlens.patching.pairs import Direction, PreparedPairs, as_prepared
@@ -44,13 +44,16 @@ from tomlens.patching.result import PatchingResult
 Head = tuple[int, int]
 
 
-def rank_heads(result: PatchingResult, *, position: str = "all", by: Literal["signed", "abs"] = "signed") -> pd.DataFrame:
-    """Heads sorted by importance, most important first, with a 1-based `rank`.
+def rank_heads(result: PatchingResult, *, position: str | None = None, by: Literal["signed", "abs"] = "signed"
+               ) -> pd.DataFrame:
+    """Heads sorted by importance, most important first, with a 1-based `rank`, at `position`
+    (None: `PatchingResult.head_position`, "all" where the sweep has it, else "final").
 
     Importance is the denoising effect (how much of the clean behaviour the head restores), or
     `1 - effect` for noising (how much patching the corrupted head destroys); `by="abs"` ranks
     by magnitude, so heads that push against the belief answer rank high too.
     """
+    position = position or result.head_position()
     df = result.select("head", position)
     if df.empty:
         raise TomlensError(
@@ -392,9 +395,9 @@ class AblationSweep:
             ts: list[tuple[int, int, int]] = []
             for s_i, heads in enumerate(head_sets):
                 for story in range(2 * g):
-                    pad = group.pad(story % g)  # a pair's two stories share their padding
+                    pad = group.pad(story)  # its own: a role-aligned pair's stories differ in length
                     cols = [width - 1] if mode == "final" else list(range(pad, width))
-                    rs.append(Run(story, [(hook_for("head", l), l, h, cols, 0) for l, h in heads]))
+                    rs.append(Run(story, [Patch(hook_for("head", l), l, h, cols, 0) for l, h in heads]))
                     ts.append((s_i, 0 if story < g else 1, group.index[story % g]))
             runs.append(rs)
             self.targets.append(ts)
@@ -612,12 +615,16 @@ def head_table(
     attribution: PatchingResult | None = None,
     probe: pd.DataFrame | None = None,
     *,
-    position: str = "all",
+    position: str | None = None,
     probe_target: str = "protagonist_belief",
     probe_position: str | None = None,
 ) -> pd.DataFrame:
     """One row per head: exact patching effect (with interval and rank), attribution estimate
-    (with rank) and belief-probe accuracy, whichever are given."""
+    (with rank) and belief-probe accuracy, whichever are given; heads at `position` (None: the
+    exact result's `head_position`, else the attribution result's)."""
+    base = exact if exact is not None else attribution
+    if position is None and base is not None:
+        position = base.head_position()
     frames = []
     for name, res in (("patch", exact), ("attribution", attribution)):
         if res is None:

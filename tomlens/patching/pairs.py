@@ -39,11 +39,16 @@ class Group:
     index: list[int]
     batch: Any  # tomlens.models.tokens.EncodedBatch
     tokens: Int[Tensor, "story 2"]  # answer token ids of every story, on the model's device
-    first_diff: Int[Tensor, " g"]  # padded column of the first token where clean != corrupted (host)
-    positions: dict[str, Int[Tensor, " g"]]  # selector -> padded column (same in clean and corrupted; host)
+    first_diff: Int[Tensor, " g"]  # padded column, in the clean row, of the first token where clean != corrupted (host)
+    positions: dict[str, Int[Tensor, " g"]]  # selector -> padded column in the clean row (host)
     first_diff_cols: list[int] | None = None  # `first_diff` as Python ints
     position_cols: dict[str, list[int]] | None = None  # `positions` as Python ints
     answer_ids: list[list[int]] | None = None  # `tokens` as Python ints
+    # selector -> padded column in the corrupted row, where some pair puts a role at another token there
+    # than in its clean story (role-aligned pairs); None: every selector is at the clean row's token
+    corrupted_cols: dict[str, list[int]] | None = None
+    # pairs whose two stories have different token counts (role-aligned): only selectors patch them
+    unequal: list[bool] | None = None
     _vocab: tuple[Tensor, Tensor] | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -62,6 +67,25 @@ class Group:
 
     def pad(self, j: int) -> int:
         return int(self.batch.pad[j])
+
+    def column(self, selector: str, row: int) -> int:
+        """Padded column of `selector` in a row of the group's batch (clean rows `0..g-1`, corrupted
+        `g..2g-1`): a role-aligned pair's two stories may hold the role at different tokens."""
+        assert self.position_cols is not None
+        g = self.g
+        if row >= g and self.corrupted_cols is not None:
+            return self.corrupted_cols[selector][row - g]
+        return self.position_cols[selector][row % g]
+
+    def first_diff_token(self, j: int) -> int:
+        """Unpadded index of the first token where pair `j`'s two stories differ (before it, both
+        stories are the same tokens at the same indexes)."""
+        assert self.first_diff_cols is not None
+        return self.first_diff_cols[j] - self.pad(j)
+
+    def lengths_differ(self, j: int) -> bool:
+        """Whether pair `j`'s two stories have different token counts (a role-aligned pair)."""
+        return bool(self.unequal and self.unequal[j])
 
     def metric_vocab(self) -> tuple[Int[Tensor, " v"], Int[Tensor, "story 2"]]:
         """(vocab, answer) on the model's device: the metric's token ids, once each and sorted, and
@@ -136,15 +160,18 @@ def prepare_pairs(
             raise TomlensError("the model's tokenizer gave different tokens for the same texts on a second call",
                                "use a deterministic (fast) tokenizer; patching plans columns from its output")
         first: list[int] = []
+        unequal: list[bool] = []
         for j, i in enumerate(idx):
-            if batch.lengths[j] != batch.lengths[g + j]:
+            unequal.append(batch.lengths[j] != batch.lengths[g + j])
+            if unequal[-1] and getattr(pairs[i], "alignment", "tokens") != "roles":
                 raise TomlensError(
                     f"pair {pairs[i].id!r} is not aligned: the clean story has {batch.lengths[j]} "
                     f"tokens, the corrupted one {batch.lengths[g + j]}",
-                    "align pairs for this model's tokenizer with tomlens.stimuli.pairs.align_pairs",
+                    "align pairs for this model's tokenizer with tomlens.stimuli.pairs.align_pairs, or mark "
+                    "pairs of differently worded stories alignment='roles' (tomlens pairs user does)",
                 )
             first.append(_first_difference(rows[j], rows[g + j], batch.pad[j], batch.input_ids.shape[1]))
-        cols = _selector_columns(pairs, idx, batch, selectors)
+        cols, corrupted_cols = _selector_columns(pairs, idx, batch, selectors)
         answers = [tokens[i] for i in idx]
         answers = answers + answers
         if labels is None:  # the first group holds the longest pairs
@@ -152,7 +179,7 @@ def prepare_pairs(
         groups.append(Group(
             idx, batch, to_device(torch.tensor(answers, dtype=torch.long).view(-1, 2), batch.input_ids.device),
             torch.tensor(first, dtype=torch.long), {k: torch.tensor(v, dtype=torch.long) for k, v in cols.items()},
-            first, cols, answers,
+            first, cols, answers, corrupted_cols, unequal,
         ))
     n_aligned = max(lengths)
     assert labels is not None
@@ -167,35 +194,44 @@ def _host_ids(model: Model, texts: Sequence[str]) -> list[list[int]]:
 
 
 def _first_difference(clean: Sequence[int], corrupted: Sequence[int], pad: int, width: int) -> int:
-    """Padded column of the first token where two aligned stories differ (`width` if none)."""
-    return next((pad + t for t, (a, b) in enumerate(zip(clean, corrupted, strict=True)) if a != b), width)
+    """Padded column, in the clean row, of the first token where two stories differ: the first
+    unequal token, or where the shorter one ends (`width` if they are the same)."""
+    t = next((t for t, (a, b) in enumerate(zip(clean, corrupted, strict=False)) if a != b), None)
+    if t is None:
+        return width if len(clean) == len(corrupted) else pad + min(len(clean), len(corrupted))
+    return pad + t
 
 
 def _selector_columns(pairs: Sequence[Any], idx: Sequence[int], batch: Any, selectors: Sequence[str]
-                      ) -> dict[str, list[int]]:
-    """Padded column of each selector in each pair of a group (from the tokenizer's offsets),
-    refused where a pair's two stories put it at different tokens."""
+                      ) -> tuple[dict[str, list[int]], dict[str, list[int]] | None]:
+    """(clean columns, corrupted columns or None) of each selector in each pair of a group, padded,
+    from the tokenizer's offsets. A token-aligned pair must hold the selector at the same token in
+    both stories (refused otherwise); a role-aligned pair holds it wherever its own story does, and
+    a patch then carries the clean story's value at its token to the corrupted story's token."""
     if not selectors:
-        return {}
+        return {}, None
     from tomlens.models.positions import host_positions, parse_selectors
 
     g = len(idx)
     stories = [pairs[i].clean for i in idx] + [pairs[i].corrupted for i in idx]
     parse_selectors(list(selectors))  # refuses a malformed one
     pos = host_positions(stories, batch, [sel.strip() for sel in selectors])
-    out: dict[str, list[int]] = {}
+    clean: dict[str, list[int]] = {}
+    corrupted: dict[str, list[int]] = {}
     for s_i, sel in enumerate(selectors):
         c, r = [row[s_i] for row in pos[:g]], [row[s_i] for row in pos[g:]]
-        bad = [j for j in range(g) if c[j] != r[j]]
-        if bad:
-            j = bad[0]
+        moved = [j for j in range(g) if c[j] - batch.pad[j] != r[j] - batch.pad[g + j]]
+        token_aligned = [j for j in moved if getattr(pairs[idx[j]], "alignment", "tokens") != "roles"]
+        if token_aligned:
+            j = token_aligned[0]
             raise TomlensError(
-                f"pair {pairs[idx[j]].id!r}: position {sel!r} is token {c[j]} in the "
-                f"clean story and {r[j]} in the corrupted one",
+                f"pair {pairs[idx[j]].id!r}: position {sel!r} is token {c[j] - batch.pad[j]} in the "
+                f"clean story and {r[j] - batch.pad[g + j]} in the corrupted one",
                 "patch at selectors outside the contrast span, or re-align the pairs",
             )
-        out[sel] = c
-    return out
+        clean[sel], corrupted[sel] = c, r
+    same = all(clean[sel][j] == corrupted[sel][j] for sel in selectors for j in range(g))
+    return clean, None if same else corrupted
 
 
 def _token_labels(model: Model, clean: Sequence[int], corrupted: Sequence[int], pad: int, n_aligned: int) -> list[str]:
@@ -209,7 +245,8 @@ def _token_labels(model: Model, clean: Sequence[int], corrupted: Sequence[int], 
             out.append(f"{k}")
             continue
         a = model.tokenizer.decode([clean[t]])
-        b = model.tokenizer.decode([corrupted[t]])
+        tk = t - len(clean) + len(corrupted)  # right-aligned in the corrupted story too
+        b = model.tokenizer.decode([corrupted[tk]]) if tk >= 0 else ""
         out.append(f"{k}:{a}" if a == b else f"{k}:{a}|{b}")
     return out
 
@@ -245,6 +282,8 @@ def tokens_hash(prepared: PreparedPairs) -> str:
     for group in prepared.groups:
         plain = [[int(i) for i in group.index], list(group.batch.pad), group.tokens.tolist(),
                  group.first_diff_cols, group.position_cols]
+        if group.corrupted_cols is not None:  # role-aligned pairs only, so older keys stay as they were
+            plain.append(group.corrupted_cols)
         h.update(json.dumps(plain, sort_keys=True).encode())
         h.update(group.batch.input_ids.detach().cpu().numpy().astype("int64").tobytes())
     return h.hexdigest()[:16]

@@ -168,10 +168,25 @@ def drop_missing_roles(positions: Positions, stimuli: Sequence[Any]) -> Position
     for kind, ps in positions.spec.items():
         kept = tuple(p for p in ps if not (p in missing and p in positions.from_roles.get(kind, ())))
         spec[kind] = kept or ("final",)
-    notes = [f"position {sel!r} left out: {n} of {len(stimuli)} stories have no {sel!r} span (pairs "
-             "written by an older tomlens, or a family without it; rewrite them with `tomlens pairs` "
-             "to patch there)" for sel, n in missing.items()]
+    notes = [_missing_note(sel, n, stimuli) for sel, n in missing.items()]
     return Positions(spec, positions.from_roles, positions.notes + notes)
+
+
+def _missing_note(selector: str, n: int, stimuli: Sequence[Any]) -> str:
+    """Why a role position is left out: a user's own story says why its span is missing (recorded
+    when its pairs were built, `tomlens.stimuli.user_pairs`), with the stories and how to add it;
+    a generated family's pairs were written before the span existed."""
+    from tomlens.stimuli.user_pairs import MISSING
+
+    span = selector.partition("@")[0].partition(":")[0]
+    why = [(s.id, s.meta[MISSING][span]) for s in stimuli
+           if isinstance(s.meta, dict) and span in s.meta.get(MISSING, {})]
+    if why:
+        ids = ", ".join(i for i, _ in why[:3]) + (f" and {len(why) - 3} more" if len(why) > 3 else "")
+        return f"position {selector!r} left out: {n} of {len(stimuli)} stories have no {span!r} span ({ids}): {why[0][1]}"
+    return (f"position {selector!r} left out: {n} of {len(stimuli)} stories have no {selector!r} span (pairs "
+            "written by an older tomlens, or a family without it; rewrite them with `tomlens pairs` "
+            "to patch there)")
 
 
 def _describe_cells(cells: Sequence[Cell]) -> str:
@@ -635,7 +650,7 @@ def _patch_bytes(shape: Shape, runs: Sequence[Any]) -> int:
     """The values a forward's hooks write, gathered before it: per patched column one head's or
     the stream's vector, with its four indices."""
     return sum(len(cols) * ((shape.d_head if head >= 0 else shape.d_model) * shape.elt + 32)
-               for run in runs for _, _, head, cols, _ in run.patches)
+               for run in runs for _, _, head, cols, *_ in run.patches)
 
 
 def _group_forwards(stage: engine.Stage, gi: int, shape: Shape, shortcuts: bool,

@@ -94,6 +94,16 @@ class PatchingResult:
             "n_pairs": n,
         }
 
+    def head_position(self) -> str:
+        """Where a head ranking reads this result by default: every position at once when the
+        sweep patched heads there, else the final token, else the first head position (a role-
+        position sweep, the default of `exact_patching` and `tomlens patch`, has no "all")."""
+        found = list(dict.fromkeys(c.position for c in self.cells if c.kind == "head"))
+        if not found:
+            raise TomlensError(f"the {self.method} result has no head cells",
+                               "run the sweep with sites including 'heads'")
+        return next((p for p in ("all", "final") if p in found), found[0])
+
     def select(self, kind: str, position: str) -> pd.DataFrame:
         df = self.summary()
         return df[(df.kind == canonical_kind(kind)) & (df.position == position)]

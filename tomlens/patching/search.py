@@ -87,7 +87,7 @@ from tomlens.patching.cells import (
     plan_cells,
     selectors_in,
 )
-from tomlens.patching.engine import BasePass, Run, run_patched
+from tomlens.patching.engine import BasePass, Patch, Run, run_patched
 from tomlens.patching.metric import Normalise, logit_diff, normalised_effects
 from tomlens.patching.pairs import Direction, Group, PreparedPairs, as_prepared, roles
 from tomlens.patching.result import PatchingResult
@@ -573,7 +573,7 @@ def _verify(
                 if not cols:
                     values[c_i, p_i] = base[p_i]
                     continue
-                runs.append(Run(j, [(hook, cell.layer, cell.head, cols, j)]))
+                runs.append(Run(j, [Patch(hook, cell.layer, cell.head, cols, j)]))
                 targets.append((c_i, p_i))
         bar.update(len(idx) * group.g - len(runs))
         outs.append(run_patched(model, group, runs, bp.sources, bp, memory_mb=memory_mb, bar=bar, on_device=True))

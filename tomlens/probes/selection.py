@@ -60,6 +60,7 @@ from tomlens.probes.splits import Split, fraction_split, group_codes, group_kfol
 from tomlens.probes.sweep import PROBES, ActivationsLike, SweepConfig, run_probe_sweep
 from tomlens.probes.targets import make_target
 from tomlens.stimuli.records import Stimulus
+from tomlens.vocabulary import renamed_arguments
 
 FOUND, WITHHELD = "found", "withheld"
 DEFAULT_PERMUTATIONS = 1000
@@ -222,11 +223,13 @@ def _fit_and_score(probe: str, Xs: Tensor, ys: Tensor, gs: Tensor, Xe: Tensor, y
     return Estimate(float(iv.estimate[0]), float(iv.low[0]), float(iv.high[0]), _chance(ys, ye))
 
 
-def permute_labels(y: Int[Tensor, " n"], groups: Int[Tensor, " n"], n_perm: int, seed: int,
+@renamed_arguments(n_perm="n_permutations")
+def permute_labels(y: Int[Tensor, " n"], groups: Int[Tensor, " n"], n_permutations: int, seed: int,
                    within: bool) -> Int[Tensor, "perm n"]:
-    """`n_perm` permutations of `y`: within each group (design pairs conditions in a task) or across rows."""
+    """`n_permutations` permutations of `y`: within each group (design pairs conditions in a task) or
+    across rows."""
     gen = torch.Generator().manual_seed(seed + 104729)
-    out = y.unsqueeze(0).repeat(n_perm, 1)
+    out = y.unsqueeze(0).repeat(n_permutations, 1)
     if within:  # each group's rows, in the order of the sorted group values (found on the host)
         codes = groups.tolist()
         rows_of: dict[int, list[int]] = {}
@@ -235,7 +238,7 @@ def permute_labels(y: Int[Tensor, " n"], groups: Int[Tensor, " n"], n_perm: int,
         blocks = [torch.tensor(rows_of[c], dtype=torch.long) for c in sorted(rows_of)]
     else:
         blocks = [torch.arange(y.numel())]
-    for p in range(n_perm):
+    for p in range(n_permutations):
         for rows in blocks:
             out[p, rows] = y[rows[torch.randperm(rows.numel(), generator=gen)]]
     return out
@@ -281,13 +284,15 @@ def _ridge_fold_correct(X: Float[Tensor, "u n d"], Y: Int[Tensor, "l n"], train:
     return (pred == Y[:, test].unsqueeze(1)).to(torch.float64).sum(2)
 
 
+@renamed_arguments(n_perm="n_permutations")
 def max_statistic_null(units: Sequence[Float[Tensor, "_unit n d"]], y: Int[Tensor, " n"], groups: Int[Tensor, " n"],
-                       *, folds: int, n_perm: int, seed: int = 0, within: bool | None = None, ridge: float = 1.0,
+                       *, folds: int, n_permutations: int, seed: int = 0, within: bool | None = None, ridge: float = 1.0,
                        unit_budget_bytes: float = 2.0**29, device: str | torch.device | None = None
                        ) -> tuple[float, Float[Tensor, " perm"], str]:
     """(observed max, permuted maxima, how labels were permuted): the best cross-fitted accuracy over
-    all units (every row tested once on grouped folds) for the true labels and for each of `n_perm`
-    permutations. p = (1 + #{perm max >= observed}) / (1 + n_perm).
+    all units (every row tested once on grouped folds) for the true labels and for each of
+    `n_permutations` permutations. p = (1 + #{perm max >= observed}) / (1 + n_permutations). (`n_perm=`,
+    the old keyword, still works for one release.)
 
     The statistic is a ridge classifier's accuracy (penalty `ridge` x the mean squared norm of the
     centred training rows), not the logistic probe's: its closed form fits every permutation with
@@ -298,7 +303,7 @@ def max_statistic_null(units: Sequence[Float[Tensor, "_unit n d"]], y: Int[Tenso
     come back to the host once, at the end."""
     dev = resolve_device(device)
     within = pairs_conditions_within_groups(y, groups) if within is None else within
-    Y = torch.cat([y.unsqueeze(0), permute_labels(y, groups, n_perm, seed, within)])  # [1 + P, n]
+    Y = torch.cat([y.unsqueeze(0), permute_labels(y, groups, n_permutations, seed, within)])  # [1 + P, n]
     classes = torch.unique(y)
     labels = y.tolist()
     splits = [sp for sp in group_kfold(groups, folds, seed)
@@ -624,8 +629,8 @@ def _run_null(result: SelectionResult, h: _Halves, sites: Sequence[str], positio
     """The max-statistic permutation null over every unit, on the selection half: sets p_max."""
     t1 = time.time()
     units = [_unit_matrix(h.sel, kind, position)[0][h.rs].transpose(0, 1).float().contiguous() for kind in sites]
-    observed, perm_max, how = max_statistic_null(units, h.ys, h.gs, folds=h.folds, n_perm=n_permutations, seed=seed,
-                                                 unit_budget_bytes=cfg.unit_budget_bytes, device=cfg.device)
+    observed, perm_max, how = max_statistic_null(units, h.ys, h.gs, folds=h.folds, n_permutations=n_permutations,
+                                                 seed=seed, unit_budget_bytes=cfg.unit_budget_bytes, device=cfg.device)
     result.observed_max, result.permutation, result.n_perm = observed, how, n_permutations
     result.p_max = float((1 + int((perm_max >= observed - 1e-12).sum())) / (1 + n_permutations))
     notes.append(f"permutation null: {n_permutations} permutations ({how}) of {result.n_units} units, ridge "

@@ -80,6 +80,7 @@ from tomlens.probes.targets import (
 )
 from tomlens.provenance import versions
 from tomlens.stimuli.records import Stimulus, stimuli_hash
+from tomlens.vocabulary import renamed_arguments
 
 PROBES = ("logistic", "mass_mean")
 DEFAULT_BUDGET_MINUTES = 60.0  # a Python call's default budget, as `tomlens probe --budget-minutes`
@@ -90,8 +91,6 @@ COLUMNS = ["features", "kind", "layer", "head", "position", "target", "probe", "
            "baseline_bow", "baseline_length", "baseline_position", "baseline_embeddings", "best_baseline",
            "best_baseline_name", "above_baseline"]
 BASELINE_FEATURES = ("bag_of_words", "length", "position", "embeddings")
-
-
 @runtime_checkable
 class ActivationsLike(Protocol):
     """What the sweep needs from `tomlens.activations.ActivationSet`."""
@@ -625,9 +624,10 @@ class SweepLayout:
         return len(self.acts.stimuli)
 
 
+@renamed_arguments(target="targets")
 def lay_out_sweep(
     acts: ActivationsLike,
-    target: str | Sequence[str],
+    targets: str | Sequence[str],
     *,
     sites: Sequence[str] = ("resid_post", "head_out"),
     positions: Sequence[str] = ("final",),
@@ -641,7 +641,7 @@ def lay_out_sweep(
     (`run_probe_sweep`'s arguments); nothing is fitted, and activations are read only for their
     shapes. `tomlens.probes.sweep_plan` counts and times a layout."""
     cfg = replace(config or SweepConfig(), **overrides)
-    kinds, position, targets = _check_request(target, sites, positions, probe)
+    kinds, position, names = _check_request(targets, sites, positions, probe)
     train_st = list(acts.stimuli)
     test_st = list(test_acts.stimuli) if test_acts is not None else None
     if test_acts is not None and test_st is not None:
@@ -649,12 +649,12 @@ def lay_out_sweep(
         _check_same_model(acts, test_acts)
     notes = _grouping_notes(cfg, train_st, test_st)
     if test_st is None:
-        cfg = _folds_that_fit(cfg, train_st, targets, notes)
+        cfg = _folds_that_fit(cfg, train_st, names, notes)
     variation: dict[str, pd.DataFrame] = {}
     shapes = {kind: _unit_shape(acts, kind, position) for kind in kinds}
     laid = [_lay_out_target(tname, acts, test_acts, kinds, shapes, position, probe, seed, cfg, notes, variation)
-            for tname in targets]
-    return SweepLayout(acts, test_acts, laid, kinds, position, probe, seed, cfg, notes, variation, targets)
+            for tname in names]
+    return SweepLayout(acts, test_acts, laid, kinds, position, probe, seed, cfg, notes, variation, names)
 
 
 def _folds_that_fit(cfg: SweepConfig, train_st: Sequence[Stimulus], targets: Sequence[str],
@@ -674,7 +674,7 @@ def _folds_that_fit(cfg: SweepConfig, train_st: Sequence[Stimulus], targets: Seq
     return replace(cfg, folds=fewest)
 
 
-def _check_request(target: str | Sequence[str], sites: Sequence[str], positions: Sequence[str], probe: str
+def _check_request(targets: str | Sequence[str], sites: Sequence[str], positions: Sequence[str], probe: str
                    ) -> tuple[list[str], str, list[str]]:
     """(site kinds, the one position, target names) of a sweep request, or a clear error."""
     if isinstance(sites, str) or isinstance(positions, str):
@@ -685,10 +685,10 @@ def _check_request(target: str | Sequence[str], sites: Sequence[str], positions:
                            "give one position (e.g. final), and run the sweep once per position")
     if probe not in PROBES:
         raise TomlensError(f"unknown probe {probe!r}", f"use one of {', '.join(PROBES)}")
-    targets = [target] if isinstance(target, str) else list(target)
-    for t in targets:
+    names = [targets] if isinstance(targets, str) else list(targets)
+    for t in names:
         get_target(t)
-    return list(sites), positions[0], targets
+    return list(sites), positions[0], names
 
 
 def _grouping_notes(cfg: SweepConfig, train_st: Sequence[Stimulus], test_st: Sequence[Stimulus] | None) -> list[str]:
@@ -781,7 +781,7 @@ def _unit_shape(acts: ActivationsLike, kind: str, position: str) -> tuple[int, i
 
 @overload
 def run_probe_sweep(
-    acts: ActivationsLike, target: str | Sequence[str], *,
+    acts: ActivationsLike, targets: str | Sequence[str], *,
     sites: Sequence[str] = ..., positions: Sequence[str] = ..., test_acts: ActivationsLike | None = ...,
     probe: str = ..., seed: int = ..., config: SweepConfig | None = ..., resume_in: str | Path | None = ...,
     dry_run: Literal[True], **overrides: Any,
@@ -790,16 +790,17 @@ def run_probe_sweep(
 
 @overload
 def run_probe_sweep(
-    acts: ActivationsLike, target: str | Sequence[str], *,
+    acts: ActivationsLike, targets: str | Sequence[str], *,
     sites: Sequence[str] = ..., positions: Sequence[str] = ..., test_acts: ActivationsLike | None = ...,
     probe: str = ..., seed: int = ..., config: SweepConfig | None = ..., resume_in: str | Path | None = ...,
     dry_run: Literal[False] = ..., **overrides: Any,
 ) -> ProbeSweepResult: ...
 
 
+@renamed_arguments(target="targets")
 def run_probe_sweep(
     acts: ActivationsLike,
-    target: str | Sequence[str],
+    targets: str | Sequence[str],
     *,
     sites: Sequence[str] = ("resid_post", "head_out"),
     positions: Sequence[str] = ("final",),
@@ -812,7 +813,9 @@ def run_probe_sweep(
     **overrides: Any,
 ) -> ProbeSweepResult | ProbePlan:
     """Probe every layer (and head) of the site kinds `sites` at the one position in `positions`
-    (a one-element sequence, as in `tomlens.runs.probes.ProbesConfig`) for one or more targets.
+    (a one-element sequence, as in `tomlens.runs.probes.ProbesConfig`) for one or more `targets`
+    (a name or a sequence of names; `ProbesConfig.targets`, `tomlens probe --targets`). The old
+    keyword `target=` still works for one release, with a line saying the new one.
 
     `config` (or keyword overrides of its fields, e.g. `folds=3`) sets the CV, controls and
     intervals. Returns the tidy table, the directions of probes fitted on all rows (for patching
@@ -832,7 +835,7 @@ def run_probe_sweep(
     """
     if config is None:
         overrides.setdefault("budget_minutes", DEFAULT_BUDGET_MINUTES)
-    layout = lay_out_sweep(acts, target, sites=sites, positions=positions, test_acts=test_acts, probe=probe,
+    layout = lay_out_sweep(acts, targets, sites=sites, positions=positions, test_acts=test_acts, probe=probe,
                            seed=seed, config=config, **overrides)
     cfg = layout.cfg
     if (cfg.progress and cfg.show_plan) or cfg.budget_minutes is not None or dry_run:

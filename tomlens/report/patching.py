@@ -47,9 +47,11 @@ def _title(result: PatchingResult, what: str) -> str:
     )
 
 
-def head_heatmap(result: PatchingResult, position: str = "all") -> Any:
-    """Layer x head grid of the normalised patching effect (hover: interval and pairs)."""
+def head_heatmap(result: PatchingResult, position: str | None = None) -> Any:
+    """Layer x head grid of the normalised patching effect (hover: interval and pairs), at
+    `position` (None: `PatchingResult.head_position`)."""
     go = _go()
+    position = position or result.head_position()
     df = result.select("head", position)
     grid = result.grid("head", position)
     lo = result.grid("head", position, "ci_low")
@@ -175,10 +177,11 @@ def _layer_by_position(df: Any, result: PatchingResult, what: str, xaxis_title: 
 
 
 def attribution_scatter(exact: PatchingResult, attribution: PatchingResult, stats: Mapping[str, Any],
-                        position: str = "all") -> Any:
+                        position: str | None = None) -> Any:
     """One point per head: attribution estimate against exact effect, with the y = x line; `stats`
     is `tomlens.patching.compare` of the two (Spearman and top-k overlap, in the title)."""
     go = _go()
+    position = position or exact.head_position()
     a = exact.select("head", position).set_index(["layer", "head"]).effect
     b = attribution.select("head", position).set_index(["layer", "head"]).effect
     j = a.to_frame("exact").join(b.to_frame("attribution"), how="inner").dropna()

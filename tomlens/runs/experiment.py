@@ -207,6 +207,8 @@ class ExperimentConfig:
     def load(cls, path: str | Path, overrides: list[str] | None = None) -> ExperimentConfig:
         """Read an experiment file (TOML; a run's `config.json` works too), with `apply_overrides`."""
         data = read_experiment_file(path)
+        if Path(path).suffix != ".json":  # a TOML's relative input files are its own folder's
+            data = files_from(data, Path(path).parent)
         return cls.from_dict(apply_overrides(data, overrides) if overrides else data)
 
     # -- resolving ----------------------------------------------------------------------------------
@@ -264,6 +266,18 @@ def probe_table_file(folder: Path, probes: Any) -> Path:
         if fmt in ("parquet", "csv") and (folder / f"probes.{fmt}").is_file():
             return folder / f"probes.{fmt}"
     return folder / f"probes.{'csv' if getattr(probes, 'format', 'parquet') == 'csv' else 'parquet'}"
+
+
+def files_from(value: Any, folder: Path) -> Any:
+    """`value` with every relative input file it names (`PATH_KEYS`) read from `folder`: an experiment
+    file names its stories beside itself, whatever folder `tomlens run` is started in (a `--set`
+    given on the command line stays relative to that folder). `probe_table = "probes"` is a keyword."""
+    if isinstance(value, Mapping):
+        return {k: str(folder / x) if k in PATH_KEYS and isinstance(x, str) and x != PROBES_TABLE
+                and not Path(x).is_absolute() else files_from(x, folder) for k, x in value.items()}
+    if isinstance(value, list):
+        return [files_from(x, folder) for x in value]
+    return value
 
 
 def read_experiment_file(path: str | Path) -> dict[str, Any]:
@@ -529,14 +543,18 @@ def check_every_stage(config: ExperimentConfig, out: Path) -> None:
 
 def run_experiment(config: ExperimentConfig, out: str | Path, *, progress: bool = True,
                    before: Callable[[str, ModelSpec], None] | None = None,
-                   after: Callable[[str, ModelSpec, Any], None] | None = None) -> ExperimentResult:
+                   after: Callable[[str, ModelSpec, Any], None] | None = None,
+                   plan: Any = None) -> ExperimentResult:
     """Run every stage of `config` for each model into `out` (`<out>/<stage>/` for one model,
     `<out>/<model>/<stage>/` for several), loading each model once and only if a stage must run.
+    Once a model loads, one timed forward of it says the time left (`experiment_plan.say_time_left`,
+    pricing `plan`, the counts a caller already made, or new ones).
 
     `before(stage, model)` and `after(stage, model, result)` let a caller print around each stage.
     Writes `config.json` (resolved) first and `manifest.json` (provenance per model) last.
     """
     from tomlens.provenance import run_manifest
+    from tomlens.runs.experiment_plan import say_time_left
 
     out = Path(out)
     check_every_stage(config, out)  # a refused run writes nothing and loads no model
@@ -546,7 +564,7 @@ def run_experiment(config: ExperimentConfig, out: str | Path, *, progress: bool 
     several = len(config.models) > 1
     runs: list[ModelRun] = []
     manifests: list[dict[str, Any]] = []
-    for spec in config.models:
+    for entry, spec in enumerate(config.models):
         folder = out / model_slug(spec) if several else out
         run = ModelRun(spec, folder)
         run.folders = {s: folder / s for s in STAGES if s in config.stages}
@@ -575,6 +593,7 @@ def run_experiment(config: ExperimentConfig, out: str | Path, *, progress: bool 
                 if loaded is None and stage not in TOKENIZER_ONLY:
                     say(f"loading {spec.name}")
                     loaded = spec.load()
+                    plan = say_time_left(plan, config, out, entry, stage, loaded)
                 kwargs: dict[str, Any] = {}
                 accepts = inspect.signature(module.run).parameters
                 if stage == "patching" and "pairs" in run.results and "pairs" in accepts:

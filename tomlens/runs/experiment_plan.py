@@ -1,10 +1,13 @@
 """What an experiment file will do and about how long it takes, said before it starts.
 
-`tomlens run --dry-run` prints `plan_experiment`'s plan and stops, writing nothing; `tomlens run`
-and `tomlens demo` print its total first (`estimate_experiment`, counts and a timed forward only).
-Per model and stage it counts the prompts and the plain forwards they need, and prices forwards
-with one small timed forward of that model's own prompts (the weights are loaded once for it; no
-stage runs). Where the work is not a count of forwards it says what it can: the probes stage's fits
+`tomlens run --dry-run` prints `plan_experiment`'s plan and stops, writing nothing. `tomlens run`
+and `tomlens demo` print its counts first (`estimate_experiment`: no model is loaded for them),
+then, once the run has loaded a model for its first stage that needs weights, time one forward
+of it and say the time left (`say_time_left`): that model's stages priced as the dry run prices
+them, and the models not loaded yet named, to be timed when each loads (timing them up front
+would load every model once more). Per model and stage it counts the prompts and the plain
+forwards they need, and prices forwards with one small timed forward of that model's own prompts
+(the weights are loaded once for it; no stage runs). Where the work is not a count of forwards it says what it can: the probes stage's fits
 are counted by its own plan once activations exist (`tomlens probe` prints it), the patching
 stage's patched runs come from its own dry run (`tomlens.runs.patching`, with the gate's verdict),
 and steering and validation are counted, not timed, which the plan says. Stages a rerun would
@@ -13,18 +16,21 @@ reuse are counted as if they ran: the estimate is an upper bound on a rerun.
 
 from __future__ import annotations
 
+import logging
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from tomlens.messages import say
+from tomlens.messages import logger, say
 from tomlens.models.protocol import Model
 from tomlens.runs.base import ModelSpec
 from tomlens.timing import format_seconds
 
 TIMED_PROMPTS = 4  # prompts in the timed forward (after one untimed warm-up)
+DRY_RUN_END = "dry run: nothing else run, nothing written"  # the last line of a dry run, said once
 
 
 @dataclass(frozen=True)
@@ -40,6 +46,7 @@ class StageEstimate:
     seconds: float | None = None
     note: str = ""
     untimed_part: str = ""  # work of the stage the seconds leave out (e.g. "probe fits")
+    entry: int = 0  # the model's place in the experiment's `models` (two entries may share a name)
 
 
 @dataclass(frozen=True)
@@ -65,6 +72,25 @@ class ExperimentPlan:
         extra = f" plus what is not estimated: {', '.join(left)}" if left else ""
         return f"estimated total: ~{format_seconds(self.total_seconds)}{extra}"
 
+    def priced(self, entry: int, model: str, rate: float) -> ExperimentPlan:
+        """This plan with model `entry`'s stages that are a count of forwards priced at `rate`
+        seconds per prompt, as `plan_experiment` prices them."""
+        stages = tuple(replace(s, seconds=s.forwards * rate) if s.entry == entry and s.forwards is not None
+                       and s.seconds is None else s for s in self.stages)
+        return ExperimentPlan(stages, {**self.seconds_per_prompt, model: rate})
+
+    def time_left_line(self, entry: int, stage: str) -> str:
+        """What a run has left once model `entry` is loaded for `stage`: the seconds of that stage
+        and the later ones of this model, what of them is not estimated, and the later models
+        (their forwards are timed when each loads). An upper bound where later stages are reused."""
+        mine = [s for s in self.stages if s.entry == entry]
+        names = [s.stage for s in mine]
+        left = ExperimentPlan(tuple(mine[names.index(stage):] if stage in names else mine), {})
+        later = list(dict.fromkeys(s.model for s in self.stages if s.entry > entry))
+        untimed = [*left.not_estimated, *(f"the stages of {m} (timed when it loads)" for m in later)]
+        extra = f" plus what is not estimated: {', '.join(untimed)}" if untimed else ""
+        return f"estimated time left: ~{format_seconds(left.total_seconds)}{extra}"
+
     def counts_line(self) -> str:
         """One line of what each stage will do, untimed (what a run says before it starts)."""
         parts = []
@@ -72,7 +98,7 @@ class ExperimentPlan:
             counts = ", ".join(x for x in (f"{s.prompts:,} prompts" if s.prompts is not None else "",
                                            f"{s.forwards:,} forwards" if s.forwards else "") if x)
             parts.append(f"{s.stage} {counts or s.what}")
-        return "plan: " + "; ".join(parts) + " (timed estimate first: add --dry-run)"
+        return "plan: " + "; ".join(parts) + " (timed once the model loads; every stage's plan first: --dry-run)"
 
     def lines(self) -> list[str]:
         several = len({s.model for s in self.stages}) > 1
@@ -96,23 +122,20 @@ def plan_experiment(config: Any, out: str | Path, *, time_forwards: bool = True,
     """Every stage of `config` (an `ExperimentConfig`) for every model, counted and, with
     `time_forwards`, priced from one small timed forward per model; `patching_plans` also runs the
     patching stage's own dry run (its plan and the gate's verdict, said as it goes). Writes nothing."""
-    from tomlens.runs.experiment import STAGES, check_every_stage, model_slug
+    from tomlens.runs.experiment import check_every_stage
 
     out = Path(out)
     check_every_stage(config, out)  # a bad setting refuses here as it would in the run
-    several = len(config.models) > 1
     stages: list[StageEstimate] = []
     rates: dict[str, float] = {}
-    for spec in config.models:
-        folder = out / model_slug(spec) if several else out
-        folders = {s: folder / s for s in STAGES if s in config.stages}
-        configs = {s: config.stage_config(s, spec, folders) for s in folders}
+    for entry, spec in enumerate(config.models):
+        configs = _stage_configs(config, out, spec)
         model = spec.load() if time_forwards and _needs_weights(configs) else None
         rate = _seconds_per_prompt(model, configs) if model is not None else None
         if rate is not None:
             rates[spec.name] = rate
         for stage, cfg in configs.items():
-            est = _estimate(stage, cfg, spec)
+            est = replace(_estimate(stage, cfg, spec), entry=entry)
             if stage == "patching" and patching_plans and model is not None:
                 est = _patching_estimate(cfg, model, configs.get("pairs"), est)
             elif rate is not None and est.forwards is not None and est.seconds is None:
@@ -123,9 +146,40 @@ def plan_experiment(config: Any, out: str | Path, *, time_forwards: bool = True,
 
 def estimate_experiment(config: Any, out: str | Path) -> ExperimentPlan:
     """What `tomlens run` and `tomlens demo` say before they start: the counts only. Pricing them
-    would load the model once more (and a rerun whose stages are all reused loads none), so the
-    timed estimate is `tomlens run --dry-run`'s."""
+    here would load the model once more (and a rerun whose stages are all reused loads none): the
+    run prices them once it has loaded the model anyway (`say_time_left`)."""
     return plan_experiment(config, out, time_forwards=False, patching_plans=False)
+
+
+def say_time_left(plan: ExperimentPlan | None, config: Any, out: str | Path, entry: int, stage: str,
+                  model: Model) -> ExperimentPlan | None:
+    """Time one forward of `model` (model `entry` of `config`, just loaded by the run for `stage`),
+    price that model's stages with it as the dry run does, and say the time the run has left;
+    returns the priced plan (`plan`, or the counts when None) for the next model, or `plan` when
+    no stage of this model has prompts to time. A few prompts' forward after the load, once per
+    model: no extra load and nothing inside a stage's loop."""
+    from tomlens.runs.experiment import STAGES
+
+    configs = _stage_configs(config, Path(out), config.models[entry])
+    order = [s for s in STAGES if s in configs]
+    first = order.index(stage) if stage in order else 0
+    rate = _seconds_per_prompt(model, {s: configs[s] for s in [*order[first:], *order[:first]]})
+    if rate is None:
+        return plan
+    name = config.models[entry].name
+    priced = (plan or estimate_experiment(config, out)).priced(entry, name, rate)
+    say(f"timed: one forward of {TIMED_PROMPTS} prompts on {name}: {rate * 1e3:.0f} ms per prompt; "
+        + priced.time_left_line(entry, stage))
+    return priced
+
+
+def _stage_configs(config: Any, out: Path, spec: ModelSpec) -> dict[str, Any]:
+    """Each stage's config for model `spec`, in run order, with its folders as the run lays them out."""
+    from tomlens.runs.experiment import STAGES, model_slug
+
+    folder = out / model_slug(spec) if len(config.models) > 1 else out
+    folders = {s: folder / s for s in STAGES if s in config.stages}
+    return {s: config.stage_config(s, spec, folders) for s in folders}
 
 
 def _needs_weights(configs: dict[str, Any]) -> bool:
@@ -189,13 +243,14 @@ def _seconds_per_prompt(model: Model, configs: dict[str, Any]) -> float | None:
 
 def _patching_estimate(cfg: Any, model: Model, pairs_cfg: Any, est: StageEstimate) -> StageEstimate:
     """The patching stage's own dry run (its plan with a timed chunk, and the gate's verdict), on
-    pairs built in memory as the pairs stage would; a scratch folder, removed after."""
+    pairs built in memory as the pairs stage would; a scratch folder, removed after. Its closing
+    `DRY_RUN_END` is left unsaid: the experiment's plan goes on, and ends with that line itself."""
     from tomlens.runs import pairs as pairs_stage
     from tomlens.runs import patching
 
     say(f"-- patching ({est.model}): its own dry run --")
     pairs = pairs_stage.run(pairs_cfg, model=model).pairs if pairs_cfg is not None else None
-    with tempfile.TemporaryDirectory(prefix="tomlens-plan-") as scratch:
+    with tempfile.TemporaryDirectory(prefix="tomlens-plan-") as scratch, _unsaid(DRY_RUN_END):
         # the probe table an earlier stage writes does not exist yet: it only annotates the heads
         result = patching.run(replace(cfg, dry_run=True, probe_table=None), model=model, pairs=pairs, out=scratch,
                               progress=False)
@@ -205,3 +260,16 @@ def _patching_estimate(cfg: Any, model: Model, pairs_cfg: Any, est: StageEstimat
     seconds = plan.estimated_seconds
     note = "withheld by the gate: the plan is what --force would run" if result.withheld else ""
     return replace(est, what=f"{plan.total_runs:,} patched runs", seconds=seconds, note=note)
+
+
+@contextmanager
+def _unsaid(line: str) -> Iterator[None]:
+    """Drop `line` (exactly) from what tomlens says inside the block; everything else is said."""
+    def keep(record: logging.LogRecord) -> bool:
+        return record.getMessage() != line
+
+    logger.addFilter(keep)
+    try:
+        yield
+    finally:
+        logger.removeFilter(keep)

@@ -20,17 +20,22 @@ from tomlens.messages import say
 from tomlens.models.protocol import Model
 from tomlens.runs.base import ModelSpec
 from tomlens.runs.files import summary_from_dict, summary_to_dict
+from tomlens.stimuli.pairs import USER  # pairs of a user's own stories (tomlens.stimuli.user_pairs), role-aligned
 from tomlens.vocabulary import one_of
 
 __all__ = ["BosRule", "PairsConfig", "PairsResult", "PairsSummary", "report_path", "run"]
+
+FILE_FAMILIES: tuple[str, ...] = ("bigtom", USER)  # families read from `path`
 
 
 @dataclass(frozen=True)
 class PairsConfig:
     """Which pairs: a family (`n` tasks or items, default 20; BigToM: the first `n` stories of
-    `path`, default all), the controls to pair with (`contrasts`, default the family's own) and
-    generator `options`; `model` decides alignment through its tokenizer and BOS rule.
-    `max_pairs` keeps the first that many aligned pairs (a task gives several, one per contrast)."""
+    `path`, default all; `user`: the first `n` tasks of the user's stimulus file `path`, default
+    all), the controls to pair with (`contrasts`, default the family's own; for `user` the file's
+    conditions, default true_belief) and generator `options`; `model` decides alignment through its
+    tokenizer and BOS rule. `max_pairs` keeps the first that many aligned pairs (a task gives
+    several, one per contrast)."""
 
     model: ModelSpec = field(default_factory=ModelSpec)
     family: str = "unexpected-transfer"
@@ -47,8 +52,15 @@ class PairsConfig:
         one_of("pairs family", self.family, PAIR_FAMILIES)
         if self.family == "bigtom" and not self.path:
             raise TomlensError("`tomlens pairs bigtom` needs --path", "give the BigToM csv with --path (path = ...)")
-        if self.family != "bigtom" and self.path:
-            raise TomlensError(f"--path is for `bigtom`, not {self.family!r}", "drop --path (path = ...)")
+        if self.family == USER and not self.path:
+            raise TomlensError("`tomlens pairs user` needs --path: the stimulus file with your stories",
+                               "give your JSONL or CSV file with --path (TOML: path = \"my.jsonl\" in [pairs]); "
+                               "see docs/stimulus-format.md, 'Your own stories as minimal pairs'")
+        if self.family not in FILE_FAMILIES and self.path:
+            raise TomlensError(f"--path is for `bigtom` and `user`, not {self.family!r}", "drop --path (path = ...)")
+        if self.family == USER and self.options:
+            raise TomlensError(f"user pairs take no generator options (got {sorted(self.options)})",
+                               "drop --set (options = ...): the stories come from your file as written")
         if self.n is not None and self.n < 1:
             raise TomlensError(f"--n {self.n} must be at least 1", "pass --n 1 or more")
         if self.max_pairs is not None and self.max_pairs < 1:
@@ -58,13 +70,14 @@ class PairsConfig:
         elif self.contrasts is not None:
             object.__setattr__(self, "contrasts", tuple(self.contrasts))
         for contrast in self.contrasts or ():
-            if self.family in CONTRASTS:
-                one_of(f"{self.family} contrast", contrast, CONTRASTS[self.family])
+            # a user's contrasts are the conditions of their file, checked when it is read
+            if self.family != USER and self.family in CONTRASTS:
+                one_of("contrast", contrast, CONTRASTS[self.family])
 
     @property
     def n_resolved(self) -> int | None:
-        """Tasks or items asked for (20 unless given); BigToM: stories (None = all)."""
-        if self.family == "bigtom":
+        """Tasks or items asked for (20 unless given); BigToM: stories, user: tasks (None = all)."""
+        if self.family in FILE_FAMILIES:
             return self.n
         return 20 if self.n is None else self.n
 
@@ -153,8 +166,11 @@ class PairsResult:
     summary: PairsSummary
 
     def describe(self) -> str:
-        """How many pairs aligned, and why each other pair was dropped."""
-        return self.report.summary()
+        """How many pairs aligned, and why each other pair was dropped; for role-aligned pairs (a
+        user's own stories) also how they are patched and which role spans they carry."""
+        text = self.report.summary()
+        roles = [p for p in self.pairs if getattr(p, "alignment", "tokens") == "roles"]
+        return text + "\n" + "\n".join(role_aligned_lines(roles)) if roles else text
 
     def write_file(self, path: str | Path) -> Path:
         """The pairs as JSON lines at `path` and the report beside them (`report_path`), as
@@ -201,6 +217,42 @@ class PairsResult:
         return cls(config, read_pairs(pairs_file), summary.pair_report(), summary)
 
 
+def role_aligned_lines(pairs: list[Any]) -> list[str]:
+    """What a person needs to know about role-aligned pairs before patching them: how many, that
+    they are patched at role positions (not token by token), and which role spans were given,
+    filled by tomlens or are missing (`tomlens.stimuli.user_pairs.role_span_report`)."""
+    from tomlens.patching.plan import ROLE_POSITIONS
+    from tomlens.stimuli.user_pairs import role_span_report
+
+    head = (f"{len(pairs)} pair{'s' if len(pairs) != 1 else ''} role-aligned: the two stories of a pair may differ "
+            f"in length and wording, so `tomlens patch` patches them at role positions ({', '.join(ROLE_POSITIONS)}), "
+            "each resolved in its own story; not at --positions all or each, and with exact patching only "
+            "(attribution patching needs token-aligned pairs)")
+    return [head, *role_span_report(pairs).lines()]
+
+
+# The fix for the commonest reason no pair was kept (PairReport reason categories).
+REASON_FIXES: dict[str, str] = {
+    "missing_span": "add the span the reason names to those rows (docs/stimulus-format.md)",
+    "options": "give both versions of a story the same two options",
+    "options_share_first_token": "choose options whose first tokens differ (e.g. drop a word both start with)",
+    "identical": "make the control story differ from the false-belief story",
+    "token_count": "try another --contrast or family, or pairs that differ by words of equal token length",
+    "outside_contrast": "try another --contrast or family",
+}
+
+
+def _no_pairs_error(config: PairsConfig, report: Any, name: str) -> TomlensError:
+    """The error for a run that kept no pair: the commonest reason, and the fix for that reason."""
+    counts = report.reason_counts().most_common()
+    top = counts[0][0] if counts else ""
+    what = "usable" if config.family == USER else "token-aligned"
+    source = f" from {config.path}" if config.path else ""
+    reasons = "; ".join(f"{n} x {category}" for category, n in counts) or "no candidate pairs"
+    return TomlensError(f"no {config.family} pair{source} is {what} for {name}'s tokenizer ({reasons})",
+                        "see the reasons above; " + REASON_FIXES.get(top, "try another --contrast or family"))
+
+
 def run(config: PairsConfig, *, model: Model | None = None, progress: bool = True) -> PairsResult:
     """Build and check the candidate pairs, then align them for the tokenizer of `model` (a loaded
     model) or of `config.model` (tokenizer only). No aligned pair is an error, after the report
@@ -223,10 +275,7 @@ def run(config: PairsConfig, *, model: Model | None = None, progress: bool = Tru
         pairs = pairs[: config.max_pairs]
     if not pairs:
         say(report.summary())
-        raise TomlensError(
-            f"no {config.family} pair is token-aligned for {name}'s tokenizer",
-            "see the reasons above; try another --contrast or family",
-        )
+        raise _no_pairs_error(config, report, name)
     summary = PairsSummary(
         family=report.family, total=report.total, aligned=report.aligned, dropped=report.dropped,
         checked_with=report.checked_with, dropped_pairs=tuple(list(x) for x in report.dropped_pairs), model=name, seed=config.seed,

@@ -287,7 +287,8 @@ class PatchingRunResult:
         """The per-head table (patch and attribution effects, probe accuracy), if heads were ranked."""
         return self.tables.get("heads")
 
-    def compare(self, direction: str, *, kind: str = "head", position: str = "all", k: int = 10) -> dict[str, Any]:
+    def compare(self, direction: str, *, kind: str = "head", position: str | None = None, k: int = 10
+                ) -> dict[str, Any]:
         """Attribution against exact patching in `direction` (`tomlens.patching.compare`)."""
         from tomlens.patching import compare
 
@@ -444,6 +445,7 @@ def _run(config: PatchingConfig, *, model: Model | None, pairs: Sequence[Any] | 
          progress: bool, resumable: bool) -> PatchingRunResult:
     """prepare -> gate -> plan -> sweep -> validate -> summarise (each step below)."""
     ready = _prepare(config, model, pairs)
+    config = _methods_for_pairs(config, ready)
     gates, decision = _gate(config, ready)
     if decision.withheld and config.dry_run:
         return _withheld_dry_run(config, ready, gates, decision, out)
@@ -469,6 +471,41 @@ def _run(config: PatchingConfig, *, model: Model | None, pairs: Sequence[Any] | 
     return PatchingRunResult(config, summary, tables, dict(results), validated.recovery, validated.ablation,
                              manifest, checkpoints=layout.checkpoints, pairs=list(layout.selection),
                              tokenizer=ready.model.tokenizer)
+
+
+def _role_aligned(pairs: Sequence[Any]) -> int:
+    """How many pairs are role-aligned (a user's own stories, worded differently in the two versions)."""
+    return sum(getattr(p, "alignment", "tokens") == "roles" for p in pairs)
+
+
+def _methods_for_pairs(config: PatchingConfig, ready: _Ready) -> PatchingConfig:
+    """The config to run with role-aligned pairs among the pairs: exact patching only (attribution,
+    and search built on it, multiply gradients by clean minus corrupted column by column, which
+    needs the same token in both stories), at role positions only (`all`, `each` index columns).
+    `method = "both"` runs its exact half with a note; asking for attribution or search alone is refused."""
+    n_roles = _role_aligned(ready.aligned)
+    if not n_roles:
+        return config
+    columns = sorted({p for ps in ready.pos.spec.values() for p in ps if p in ("all", "each")})
+    if columns:
+        raise TomlensError(
+            f"{n_roles} of the pairs are role-aligned (their stories are worded differently), and position(s) "
+            f"{columns} patch by column, which is not the same token in both stories",
+            "patch them at role positions: --positions roles (the default), mentions, or selectors such as final",
+        )
+    if config.method in ("attribution", "search"):
+        raise TomlensError(
+            f"--method {config.method} needs token-aligned pairs; {n_roles} of these pairs are role-aligned "
+            "(their stories are worded differently)",
+            "use --method exact (or both, which then runs exact patching alone), or pairs token-aligned for this model",
+        )
+    if config.method == "both":
+        ready.pos.notes.append(f"{n_roles} of {len(ready.aligned)} pairs are role-aligned (stories worded differently): "
+                               "exact patching only, at role positions resolved in each story; attribution "
+                               "patching needs token-aligned pairs and was not run")
+        say(ready.pos.notes[-1])
+        return replace(config, method="exact")
+    return config
 
 
 def _to_stderr(text: str) -> None:
@@ -533,13 +570,32 @@ def _prepare(config: PatchingConfig, model: Model | None, pairs: Sequence[Any] |
     if report.dropped:
         say(report.summary())
     if not aligned:
-        raise TomlensError("no minimal pair is token-aligned for this model's tokenizer",
-                           "write the pairs with `tomlens pairs --model` set to this model")
+        raise _no_pairs_error(report)
     pos = drop_missing_roles(expand_mentions(pos, aligned, model.tokenizer),
                              [s for p in aligned for s in (p.clean, p.corrupted)])
     everything = prepare_pairs(model, aligned, selectors=pos.selectors, batch_pairs=config.batch_pairs)
     clean, corrupted = base_logit_diffs(model, everything)
     return _Ready(model, len(pairs), aligned, report, kinds, pos, probe, everything, clean, corrupted, started)
+
+
+def _no_pairs_error(report: Any) -> TomlensError:
+    """Why no pair can be patched, by its commonest reasons (a missing span is not a tokenizer
+    problem, and its fix is not re-aligning), with the fix for the commonest."""
+    counts = report.reason_counts().most_common()
+    first = counts[0][0] if counts else ""
+    example = next((f"{pid}: {why}" for pid, why in report.dropped_pairs if why.startswith(first)), "")
+    problem = (f"none of the {report.total} pairs can be patched with this model's tokenizer ("
+               + ", ".join(f"{n} x {category}" for category, n in counts) + f"; e.g. {example})")
+    fixes = {
+        "missing_span": "give each row the span named (docs/stimulus-format.md), or build pairs of your own stories "
+                        "with `tomlens pairs user --path FILE`, which finds the question and the role mentions itself",
+        "token_count": "write the pairs with `tomlens pairs --model` set to this model; stories worded differently "
+                       "are role-aligned pairs (`tomlens pairs user --path FILE`)",
+        "outside_contrast": "widen the contrast span to every word the two stories differ in, or build role-aligned "
+                            "pairs with `tomlens pairs user --path FILE`",
+    }
+    return TomlensError(problem, fixes.get(first, "write the pairs with `tomlens pairs --model` set to this model "
+                                                  "(the report above lists every pair left out and why)"))
 
 
 def _gate(config: PatchingConfig, ready: _Ready) -> tuple[dict[str, Any], Any]:

@@ -41,7 +41,8 @@ from tomlens.errors import TomlensError
 from tomlens.stimuli.records import Span, Stimulus
 
 PAIR_FAMILIES: tuple[str, ...] = ("unexpected-transfer", "unexpected-contents", "order-only",
-                                  "goal-encoding", "bigtom", "motomqa", "kosoy", "indirect-request")
+                                  "goal-encoding", "bigtom", "motomqa", "kosoy", "indirect-request", "user")
+USER = "user"  # a user's own stories (`tomlens.stimuli.user_pairs`): contrasts are the file's conditions
 # family -> contrast name -> the span role the pair's `contrast` is narrowed to (None: keep).
 CONTRASTS: dict[str, dict[str, str | None]] = {
     "unexpected-transfer": {"present": "contrast_seen", "informed": "contrast_told",
@@ -54,7 +55,10 @@ CONTRASTS: dict[str, dict[str, str | None]] = {
     "motomqa": {"one_believer": None},  # true vs false ToM statement, one embedded believer swapped
     "kosoy": {"witnessed": None, "looked": None},  # Sally-Anne / Smarties vs the witnessed twin
     "indirect-request": {"aware": None},  # unaware vs aware speaker, equal-length explicit cue
+    USER: {"true_belief": None},  # the default; a user's file may name any condition
 }
+# How a pair's two texts must correspond (MinimalPair.alignment).
+ALIGNMENTS: tuple[str, ...] = ("tokens", "roles")
 # What "differs only in what the protagonist witnessed or was told" means per family.
 DEFAULT_CONTRASTS: dict[str, tuple[str, ...]] = {
     "unexpected-transfer": ("present", "informed"),
@@ -65,6 +69,7 @@ DEFAULT_CONTRASTS: dict[str, tuple[str, ...]] = {
     "motomqa": ("one_believer",),
     "kosoy": ("witnessed", "looked"),
     "indirect-request": ("aware",),
+    USER: ("true_belief",),
 }
 
 
@@ -77,6 +82,15 @@ class MinimalPair:
     corrupted: Stimulus
     family: str
     contrast: str  # the control condition the clean prompt is paired with
+    # "tokens": the two texts must tokenise to the same length and differ only inside the contrast span
+    # (every generated family); "roles": they may differ in length and wording (a user's own false- and
+    # true-belief versions), and are patched at role positions resolved in each story (ALIGNMENTS)
+    alignment: str = "tokens"
+
+    def __post_init__(self) -> None:
+        if self.alignment not in ALIGNMENTS:
+            raise TomlensError(f"pair {self.id!r}: alignment {self.alignment!r} is not one of {list(ALIGNMENTS)}",
+                               "use 'tokens' (token-identical outside the contrast) or 'roles' (any wording)")
 
     @property
     def other_answer(self) -> str:
@@ -85,14 +99,17 @@ class MinimalPair:
         return b if self.clean.answer == a else a
 
     def to_dict(self) -> dict[str, Any]:
-        return {"id": self.id, "family": self.family, "contrast": self.contrast,
-                "clean": self.clean.to_dict(), "corrupted": self.corrupted.to_dict()}
+        out = {"id": self.id, "family": self.family, "contrast": self.contrast,
+               "clean": self.clean.to_dict(), "corrupted": self.corrupted.to_dict()}
+        if self.alignment != "tokens":  # files of token-aligned pairs keep their shape
+            out["alignment"] = self.alignment
+        return out
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> MinimalPair:
         return cls(id=d["id"], clean=Stimulus.from_dict(d["clean"]),
                    corrupted=Stimulus.from_dict(d["corrupted"]), family=d["family"],
-                   contrast=d["contrast"])
+                   contrast=d["contrast"], alignment=d.get("alignment", "tokens"))
 
 
 @dataclass
@@ -126,7 +143,7 @@ class PairReport:
 
     def summary(self, examples: int = 3) -> str:
         lines = [
-            f"{self.family}: {self.aligned} of {self.total} pairs aligned "
+            f"{self.family}: {self.aligned} of {self.total} pairs {'usable' if self.family == USER else 'aligned'} "
             f"({100 * self.aligned_fraction:.1f}%, checked with {self.checked_with}); "
             f"{self.dropped} dropped"
         ]
@@ -182,6 +199,8 @@ def make_pairs(
         contrasts = DEFAULT_CONTRASTS[family]
     if isinstance(contrasts, str):
         contrasts = (contrasts,)
+    if family == USER:  # the file's own conditions, checked against the file
+        return check_pairs(_user_pairs(path, n, contrasts, options), tokenizer, family=family)
     bad = [c for c in contrasts if c not in CONTRASTS[family]]
     if bad or not contrasts:
         raise TomlensError(f"contrasts={list(contrasts)!r} is not a non-empty subset of "
@@ -207,6 +226,19 @@ def make_pairs(
     else:
         candidates = _bigtom_pairs(path, n, options)
     return check_pairs(candidates, tokenizer, family=family)
+
+
+def _user_pairs(path: str | Path | None, n: int | None, contrasts: Sequence[str],
+                options: dict[str, Any]) -> list[MinimalPair]:
+    from tomlens.stimuli.user_pairs import user_pairs
+
+    if path is None:
+        raise TomlensError("pairs of your own stories need your stimulus file",
+                           "pass path=... (CLI: tomlens pairs user --path my.jsonl); docs/stimulus-format.md")
+    if options:
+        raise TomlensError(f"unknown option(s) {sorted(options)} for user pairs",
+                           "pass only family, n, path, tokenizer and contrasts")
+    return user_pairs(path, contrasts=contrasts, n=n)
 
 
 def _narrow(s: Stimulus, role: str | None) -> Stimulus:
@@ -339,6 +371,8 @@ def structural_problem(pair: MinimalPair) -> str | None:
         return f"options: clean {list(c.options)} vs corrupted {list(k.options)}"
     if c.answer not in c.options:
         return f"options: clean answer {c.answer!r} is not an option"
+    if pair.alignment == "roles":
+        return _role_pair_problem(c, k)
     for s, name in ((c, "clean"), (k, "corrupted")):
         for role in ("contrast", "query"):
             if role not in s.spans:
@@ -359,6 +393,18 @@ def structural_problem(pair: MinimalPair) -> str | None:
                 f"contrast span ({_preview(a[i:i + 30])} vs {_preview(b[i:i + 30])})")
     if c.text == k.text:
         return "identical: the clean and corrupted texts are the same"
+    return None
+
+
+def _role_pair_problem(c: Stimulus, k: Stimulus) -> str | None:
+    """Why a role-aligned pair (texts free to differ in length and wording) cannot be patched: its
+    question must be the same words in both stories, where both record it, since the metric reads
+    the final token and a question asked differently is not the same measurement."""
+    if c.text == k.text:
+        return "identical: the clean and corrupted texts are the same"
+    if "query" in c.spans and "query" in k.spans and c.span_text("query") != k.span_text("query"):
+        return (f"query: the two stories ask different questions ({_preview(c.span_text('query'))} vs "
+                f"{_preview(k.span_text('query'))}); ask the same question in both versions")
     return None
 
 
@@ -416,7 +462,8 @@ def tokenizer_name(tokenizer: Any) -> str:
 
 def align_pairs(pairs: Sequence[MinimalPair],
                 tokenizer: Any) -> tuple[list[MinimalPair], PairReport]:
-    """Keep pairs whose two texts have equal token counts and differ only inside the contrast span.
+    """Keep pairs whose two texts have equal token counts and differ only inside the contrast span
+    (role-aligned pairs, `alignment="roles"`, need only options whose first tokens differ).
 
     Tokenizes with the tokenizer's default special tokens (as the model sees the text). Returns
     (aligned pairs, report); every other pair is in the report with its reason.
@@ -431,9 +478,8 @@ def align_pairs(pairs: Sequence[MinimalPair],
     with_options = _encode(tokenizer, [f"{p.clean.text} {o}" for p in pairs for o in p.clean.options[:2]])
     aligned = []
     for j, p in enumerate(pairs):
-        reason = _token_problem(p, encoded[2 * j], encoded[2 * j + 1], tokenizer) or _option_clash(
-            p, with_options[2 * j : 2 * j + 2], tokenizer
-        )
+        tokens = None if p.alignment == "roles" else _token_problem(p, encoded[2 * j], encoded[2 * j + 1], tokenizer)
+        reason = tokens or _option_clash(p, with_options[2 * j : 2 * j + 2], tokenizer)
         if reason:
             report.dropped_pairs.append((p.id, reason))
         else:
@@ -526,7 +572,7 @@ def read_pairs(path: str | Path) -> list[MinimalPair]:
 
 
 __all__ = [
-    "CONTRASTS", "DEFAULT_CONTRASTS", "MinimalPair", "PAIR_FAMILIES", "PairReport", "align_pairs",
+    "ALIGNMENTS", "CONTRASTS", "DEFAULT_CONTRASTS", "MinimalPair", "PAIR_FAMILIES", "PairReport", "align_pairs",
     "check_pairs", "diff_positions", "make_pairs", "read_pairs", "structural_problem",
-    "write_pairs",
+    "USER", "write_pairs",
 ]
