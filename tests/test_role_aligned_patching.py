@@ -120,7 +120,7 @@ def test_role_aligned_pairs_refuse_column_positions_and_attribution(load_tiny):
 
     model = load_tiny("tiny-llama")
     pairs = role_pairs(2)
-    with pytest.raises(TomlensError, match="different token counts"):
+    with pytest.raises(TomlensError, match="role-aligned"):
         exact_patching(model, pairs, sites={"heads": ["all"]}, progress=False)
     with pytest.raises(TomlensError, match="token-aligned pairs"):
         attribution_patching(model, pairs, sites=["heads"], positions=["final"], progress=False)
@@ -144,3 +144,42 @@ def test_a_role_aligned_pair_round_trips_through_a_pairs_file(tmp_path):
     assert [p.alignment for p in back] == ["roles", "roles"] and back == pairs
     with pytest.raises(TomlensError, match="alignment"):
         MinimalPair("x", pairs[0].clean, pairs[0].corrupted, "user", "true_belief", alignment="words")
+
+
+def test_mean_ablation_runs_on_pairs_whose_corrupted_story_is_the_longer(load_tiny):
+    """Right-aligned positions span the longest story of either kind: the true-belief versions here
+    are longer than their false-belief ones, and ablating every position takes each head's mean at
+    each right-aligned position of every story."""
+    from tomlens.patching.heads import mean_ablation
+
+    model = load_tiny("tiny-llama")
+    pairs = []
+    for i, p in enumerate(role_pairs(2)):
+        longer = _story(i, "true_belief", "{name} watched, from across the whole big room, as Tom moved the {obj} "
+                                          "to the bag.", "box")
+        pairs.append(MinimalPair(p.id, p.clean, longer, "user", "true_belief", alignment="roles"))
+    prepared = prepare_pairs(model, pairs, selectors=("final",), batch_pairs=2)
+    assert prepared.n_aligned == max(prepared.groups[0].batch.lengths)
+    for mode in ("final", "all"):
+        ablation = mean_ablation(model, prepared, [(0, 0), (1, 1)], ks=[1, 2], n_random=2, mode=mode, progress=False)
+        assert len(ablation.table) == 2 and ablation.table.fb_accuracy.notna().all()
+
+
+def test_declared_role_pairs_of_equal_token_counts_are_patched_by_role_only(load_tiny):
+    """Stories with the same number of tokens but words in another order: column k is not one token
+    in both, so "all" and "each" and attribution are refused on the pair's declaration, not its length."""
+    from tomlens.patching.attribution import attribution_patching
+    from tomlens.patching.roles import mention_selectors
+
+    model = load_tiny("tiny-llama")
+    pairs = []
+    for i, p in enumerate(role_pairs(2)):
+        moved = _story(i, "true_belief", "Tom moved the {obj} to the bag while {name} was out of the room.", "box")
+        pairs.append(MinimalPair(p.id, p.clean, moved, "user", "true_belief", alignment="roles"))
+    with pytest.raises(TomlensError, match="role-aligned"):
+        exact_patching(model, pairs, sites={"resid": ["each"]}, layers=[0], progress=False)
+    with pytest.raises(TomlensError, match="token-aligned pairs"):
+        attribution_patching(model, pairs, sites=["heads"], positions=["final"], progress=False)
+    # mentions: each story's own token, so a mention after the stories part ways is kept
+    kept, notes = mention_selectors(pairs, model.tokenizer)
+    assert "query_protagonist" in kept and not any("left out" in n for n in notes)

@@ -381,3 +381,20 @@ def test_an_experiments_relative_path_is_read_from_the_experiments_folder(tmp_pa
     config = ExperimentConfig.load(toml)
     path = config.stage_config("pairs", config.models[0]).path
     assert Path(path).resolve() == (study / "my.jsonl").resolve()
+    assert Path(path).is_absolute()  # the same run, whatever folder it is started from
+
+
+def test_an_experiment_written_for_the_working_folder_rule_still_finds_its_file(tmp_path, monkeypatch, caplog):
+    """A relative path that is not beside the experiment file but is in the folder tomlens runs in
+    (the rule before) is read from there, with a line saying to write it relative to the file."""
+    from tomlens.runs.experiment import ExperimentConfig
+
+    (tmp_path / "examples").mkdir()
+    _write(tmp_path / "examples", _stories(), name="my.jsonl")
+    toml = _experiment(tmp_path / "examples", "examples/my.jsonl")
+    monkeypatch.chdir(tmp_path)
+    with caplog.at_level("WARNING", logger="tomlens"):
+        config = ExperimentConfig.load(toml)
+    path = config.stage_config("pairs", config.models[0]).path
+    assert Path(path) == (tmp_path / "examples" / "my.jsonl").resolve()
+    assert "read from the file's own folder" in caplog.text

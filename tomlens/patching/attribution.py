@@ -99,7 +99,7 @@ def group_rows(group, direction: Direction) -> GroupRows:
     Refused for role-aligned pairs (stories worded differently): attribution multiplies a gradient
     by clean minus corrupted activations column by column, which means nothing where a column
     holds different words in the two stories; exact patching maps their roles instead."""
-    if group.corrupted_cols is not None or (group.unequal and any(group.unequal)):
+    if group.any_role_aligned:
         raise TomlensError(
             "attribution patching (and search, which builds on it) needs token-aligned pairs; these are "
             "role-aligned (their stories differ in wording or length, so a column is not one token in both)",
@@ -457,8 +457,10 @@ def compare(
     from scipy.stats import pearsonr, spearmanr
 
     if position is None:  # heads: where a ranking reads them; other kinds: their first position
-        position = exact.head_position() if kind == "head" else next(
-            c.position for c in exact.cells if c.kind == canonical_kind(kind))
+        found = [c.position for c in exact.cells if c.kind == canonical_kind(kind)]
+        if not found:
+            raise TomlensError(f"the exact result has no {kind} cells", "compare a kind both sweeps patched")
+        position = exact.head_position() if canonical_kind(kind) == "head" else found[0]
     a = exact.select(kind, position).set_index(["layer", "head", "pos"])["effect"]
     b = attribution.select(kind, position).set_index(["layer", "head", "pos"])["effect"]
     joined = a.to_frame("exact").join(b.to_frame("attribution"), how="inner").dropna()

@@ -132,7 +132,7 @@ def cell_columns(cell: Cell, group: Group, j: int, n_aligned: int) -> list[int] 
     both runs). None when the pair has no token at that position. `cell_patch` is the general form,
     for pairs whose stories hold a role at different tokens."""
     assert group.first_diff_cols is not None and group.position_cols is not None
-    if group.corrupted_cols is not None or group.unequal and any(group.unequal):
+    if group.any_role_aligned:
         raise TomlensError("these pairs hold roles at different tokens in their two stories (role-aligned pairs)",
                            "patch them with exact patching (cell_patch); this path needs token-aligned pairs")
     width, fd = group.width, group.first_diff_cols[j]
@@ -155,17 +155,17 @@ def cell_patch(cell: Cell, group: Group, j: int, n_aligned: int, *, base: int, s
 
     A selector is resolved in each row: a role-aligned pair (stories of different wording) carries
     the clean story's value at its own role token to the corrupted story's role token. "all" and
-    "each" index columns, which only mean the same token in both stories when their token counts
-    are equal, so a pair whose lengths differ is refused there.
+    "each" index columns, which mean the same token in both stories only for token-aligned pairs,
+    so a role-aligned pair (declared so, or of different token counts) is refused there.
 
     Read off the group's host lists only: a sweep calls this for every cell and pair before it
     runs, and a read of a device value there would make the host wait for the GPU each time."""
     assert group.first_diff_cols is not None and group.position_cols is not None
     width, fd = group.width, group.first_diff_cols[j]
-    if cell.position in ("all", "each") and group.lengths_differ(j):
+    if cell.position in ("all", "each") and group.role_aligned(j):
         raise TomlensError(
-            f"pair {group.index[j]} (of the prepared pairs) has stories of different token counts, so position "
-            f"{cell.position!r} would patch one token of one story into another token of the other",
+            f"pair {group.index[j]} (of the prepared pairs) is role-aligned (its stories are worded differently), "
+            f"so position {cell.position!r} would patch one word of one story into another word of the other",
             "patch role-aligned pairs at role positions (roles, mentions, final, query_protagonist, ...)",
         )
     if cell.position == "all":

@@ -250,7 +250,9 @@ def topk_recovery(
     k_max dropped), and k layer-matched random heads, at `position`. `random_reach` is the share of
     random draws whose effect reaches the top set's (for noising, whose effect falls as low), `p_random`
     the empirical p (1 + reaching) / (1 + draws): exact when every distinct layer-matched set was
-    patched (`n_random` = `n_distinct`), and per k, uncorrected across the ks. `checkpoints`: finished
+    patched (`n_random` = `n_distinct`), and per k, uncorrected across the ks. Pass the `position`
+    the ranking was read at (`PatchingResult.head_position()`: "final" for a role-position sweep,
+    the default of `exact_patching`); "all" needs token-aligned pairs. `checkpoints`: finished
     chunks are saved there and
     reused (see `exact_patching`)."""
     ranking = _as_heads(ranking)

@@ -49,6 +49,9 @@ class Group:
     corrupted_cols: dict[str, list[int]] | None = None
     # pairs whose two stories have different token counts (role-aligned): only selectors patch them
     unequal: list[bool] | None = None
+    # pairs declared role-aligned (`MinimalPair.alignment == "roles"`): worded differently, so a column
+    # is not one token in both stories even where their token counts are equal
+    roles: list[bool] | None = None
     _vocab: tuple[Tensor, Tensor] | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -83,9 +86,14 @@ class Group:
         assert self.first_diff_cols is not None
         return self.first_diff_cols[j] - self.pad(j)
 
-    def lengths_differ(self, j: int) -> bool:
-        """Whether pair `j`'s two stories have different token counts (a role-aligned pair)."""
-        return bool(self.unequal and self.unequal[j])
+    def role_aligned(self, j: int) -> bool:
+        """Whether pair `j` is patched by role only: declared role-aligned, or its two stories have
+        different token counts (so column k is not the same token in both)."""
+        return bool((self.unequal and self.unequal[j]) or (self.roles and self.roles[j]))
+
+    @property
+    def any_role_aligned(self) -> bool:
+        return any(self.role_aligned(j) for j in range(self.g)) or self.corrupted_cols is not None
 
     def metric_vocab(self) -> tuple[Int[Tensor, " v"], Int[Tensor, "story 2"]]:
         """(vocab, answer) on the model's device: the metric's token ids, once each and sorted, and
@@ -180,8 +188,11 @@ def prepare_pairs(
             idx, batch, to_device(torch.tensor(answers, dtype=torch.long).view(-1, 2), batch.input_ids.device),
             torch.tensor(first, dtype=torch.long), {k: torch.tensor(v, dtype=torch.long) for k, v in cols.items()},
             first, cols, answers, corrupted_cols, unequal,
+            [getattr(pairs[i], "alignment", "tokens") == "roles" for i in idx],
         ))
-    n_aligned = max(lengths)
+    # right-aligned positions span the longest story, clean or corrupted (a role-aligned pair's
+    # corrupted story may be the longer)
+    n_aligned = max(max(lengths), max(len(x) for x in corrupted_ids))
     assert labels is not None
     return PreparedPairs(pairs, groups, lengths, n_aligned, labels, selectors)
 

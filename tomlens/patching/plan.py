@@ -364,7 +364,8 @@ class AttributionSweep:
     def run_group(self, gi: int, checkpoints: Checkpoints | None = None) -> None:
         p, grp = self.prepared, self.prepared.groups[gi]
         one = PreparedPairs([p.pairs[i] for i in grp.index],
-                            [Group(list(range(grp.g)), grp.batch, grp.tokens, grp.first_diff, grp.positions)],
+                            [Group(list(range(grp.g)), grp.batch, grp.tokens, grp.first_diff, grp.positions,
+                                   corrupted_cols=grp.corrupted_cols, unequal=grp.unequal, roles=grp.roles)],
                             [p.lengths[i] for i in grp.index], p.n_aligned, p.token_labels, p.selectors)
         res = attribution_patching(self.model, one, sites=self.spec, direction=self.direction, steps=self.steps,
                                    path=self.path, progress=False)

@@ -10,9 +10,10 @@ by role instead:
 - re-read an existing "each" result by role (`role_aligned`): each pair's per-token effects are
   looked up at that pair's own token for every role mention, then averaged over pairs.
 
-A patch swaps one column in both runs, so a mention is only patchable where it sits at the same
-token in the pair's two stories; mentions inside sentences whose order differs between the stories
-(order-only pairs) are left out with a note.
+For a token-aligned pair a patch swaps one column in both runs, so a mention is only patchable where
+it sits at the same token in the pair's two stories; mentions inside sentences whose order differs
+between the stories (order-only pairs) are left out with a note. A role-aligned pair (a user's
+stories worded differently) is patched from each story's own mention token, so none is left out.
 """
 
 from __future__ import annotations
@@ -92,11 +93,14 @@ def mention_selectors(pairs: Sequence[Any], tokenizer: Any = None) -> tuple[list
         notes.append("the stories record no `mentions`: only first mentions (their spans) are used; "
                      "regenerate them with a tomlens that fills mentions for every mention")
     keep = []
+    # a role-aligned pair (stories worded differently) is patched from each story's own token; a
+    # token-aligned pair swaps one column in both runs, so its mentions must sit at the same token
+    fixed = [p for p in pairs if getattr(p, "alignment", "tokens") != "roles"]
     for sel in _candidates(stories):
-        moved = sum(not _same_token(p.clean, p.corrupted, sel, tokenizer) for p in pairs)
+        moved = sum(not _same_token(p.clean, p.corrupted, sel, tokenizer) for p in fixed)
         if moved:
             notes.append(f"position {sel!r} left out: it is at different tokens in the two stories of {moved} "
-                         f"of {len(pairs)} pairs (a patch swaps one column in both runs)")
+                         f"of {len(pairs)} token-aligned pairs (such a patch swaps one column in both runs)")
         else:
             keep.append(sel)
     # two names for one token in every story (object@4 and query_object): patch it once, by its

@@ -273,11 +273,25 @@ def files_from(value: Any, folder: Path) -> Any:
     file names its stories beside itself, whatever folder `tomlens run` is started in (a `--set`
     given on the command line stays relative to that folder). `probe_table = "probes"` is a keyword."""
     if isinstance(value, Mapping):
-        return {k: str(folder / x) if k in PATH_KEYS and isinstance(x, str) and x != PROBES_TABLE
+        return {k: _input_file(x, folder) if k in PATH_KEYS and isinstance(x, str) and x != PROBES_TABLE
                 and not Path(x).is_absolute() else files_from(x, folder) for k, x in value.items()}
     if isinstance(value, list):
         return [files_from(x, folder) for x in value]
     return value
+
+
+def _input_file(value: str, folder: Path) -> str:
+    """A relative input file of an experiment file, absolute: beside the file; or, for a file written
+    when paths were read from the folder tomlens runs in, there, with a line saying so."""
+    beside = folder / value
+    if not beside.exists() and Path(value).exists():
+        from tomlens.messages import warn
+
+        warn(f"{value!r} is not beside the experiment file ({beside}) but is in the folder tomlens runs in, "
+             "so it is read from there; relative paths in an experiment file are read from the file's own folder: "
+             "write this one relative to it")
+        return str(Path(value).resolve())
+    return str(beside.resolve())
 
 
 def read_experiment_file(path: str | Path) -> dict[str, Any]:

@@ -239,6 +239,7 @@ REASON_FIXES: dict[str, str] = {
     "identical": "make the control story differ from the false-belief story",
     "token_count": "try another --contrast or family, or pairs that differ by words of equal token length",
     "outside_contrast": "try another --contrast or family",
+    "query": "ask the same question, in the same words, at the end of both versions of the story",
 }
 
 

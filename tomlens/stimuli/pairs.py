@@ -174,7 +174,7 @@ class PairReport:
 
 def make_pairs(
     family: str,
-    n: int | None = 20,
+    n: int | None = None,
     seed: int = 0,
     tokenizer: Any = None,
     path: str | Path | None = None,
@@ -184,8 +184,8 @@ def make_pairs(
 ) -> tuple[list[MinimalPair], PairReport]:
     """Clean/corrupted pairs of a family, checked; returns (usable pairs, report).
 
-    `n` tasks (transfer, contents), items (goal encoding) or the first `n` stories (bigtom;
-    None = all); `path` is the BigToM csv; `contrasts` picks the controls to pair with (default:
+    `n` tasks (transfer, contents; None: 20), items (goal encoding) or the first `n` stories or tasks
+    (bigtom, user; None = all); `path` is the BigToM csv; `contrasts` picks the controls to pair with (default:
     what the protagonist witnessed or was told, see DEFAULT_CONTRASTS); other `options` go to the
     family's generator (goal encoding defaults to k = 6 habituations and `manner_scope="test"`,
     so the animate and accidental prompts differ only in the test reach). With a `tokenizer`
