@@ -366,6 +366,7 @@ def test_an_experiment_builds_pairs_from_the_users_file(tmp_path, capsys):
     assert typo.stage_config("pairs", config.models[0]).contrasts == ("informd",)
     assert main(["run", str(toml), "--out", str(tmp_path / "o2"), "--set", 'pairs.contrasts=["informd"]']) == 2
     assert "did you mean 'informed'?" in capsys.readouterr().err
+    assert not (tmp_path / "o2").exists()  # refused before anything is written
 
 
 def test_an_experiments_relative_path_is_read_from_the_experiments_folder(tmp_path, monkeypatch):

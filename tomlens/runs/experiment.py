@@ -545,14 +545,30 @@ def _stimuli_hashes(folders: Mapping[str, Path]) -> dict[str, Any]:
 
 def check_every_stage(config: ExperimentConfig, out: Path) -> None:
     """Build every stage's config for every model (each checks its own words and values) and check
-    each activation store is writable, so that a bad setting refuses before `config.json` is written
-    or a model loads; `ExperimentConfig` itself checks the first model's stages only."""
+    each activation store is writable and a user's pairs file gives pairs (`check_user_pairs`), so
+    that a bad setting refuses before `config.json` is written or a model loads; `ExperimentConfig` itself checks the first model's stages only."""
     several = len(config.models) > 1
     for spec in config.models:
         folder = out / model_slug(spec) if several else out
         folders = {s: folder / s for s in STAGES if s in config.stages}
         for stage in folders:
-            check_store_writable(config.stage_config(stage, spec, folders))
+            stage_config = config.stage_config(stage, spec, folders)
+            check_store_writable(stage_config)
+            check_user_pairs(stage_config)
+
+
+def check_user_pairs(stage_config: Any) -> None:
+    """A pairs stage of a user's own stories reads its file now (it is small, and needs no
+    tokenizer): a missing file, a row without task_id, or a contrast the file does not have
+    refuses the run before anything is written, not when the stage is reached."""
+    from tomlens.runs.pairs import PairsConfig
+    from tomlens.stimuli.pairs import USER
+
+    stage_config = getattr(stage_config, "pairs", None) or stage_config  # patching builds its own pairs
+    if isinstance(stage_config, PairsConfig) and stage_config.family == USER and stage_config.path:
+        from tomlens.stimuli.user_pairs import read_user_pairs
+
+        read_user_pairs(stage_config.path, contrasts=stage_config.contrasts, n=stage_config.n)
 
 
 def run_experiment(config: ExperimentConfig, out: str | Path, *, progress: bool = True,
