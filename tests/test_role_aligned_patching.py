@@ -183,3 +183,18 @@ def test_declared_role_pairs_of_equal_token_counts_are_patched_by_role_only(load
     # mentions: each story's own token, so a mention after the stories part ways is kept
     kept, notes = mention_selectors(pairs, model.tokenizer)
     assert "query_protagonist" in kept and not any("left out" in n for n in notes)
+
+
+def test_role_pairs_that_ask_different_questions_are_dropped_with_the_reason():
+    """The metric reads the final token: two versions asking different questions (even ending in the
+    same words, and with no query span given) are not one measurement."""
+    clean = Stimulus(id="a-fb", text="Anna hid the key. Where will Anna look? In the", options=("box", "bag"),
+                     answer="box", condition="false_belief", task_id="a")
+    other = Stimulus(id="a-tb", text="Anna saw the move. Where will Ben look? In the", options=("box", "bag"),
+                     answer="bag", condition="true_belief", task_id="a")
+    pair = MinimalPair("a-true_belief", clean, other, "user", "true_belief", alignment="roles")
+    kept, report = check_pairs([pair])
+    assert not kept and report.dropped_pairs[0][1].startswith("query: the two stories ask different questions")
+    same = MinimalPair("a-true_belief", clean, other.with_(text="Anna saw the move. Where will Anna look? In the"),
+                       "user", "true_belief", alignment="roles")
+    assert check_pairs([same])[0] == [same]

@@ -187,6 +187,7 @@ def test_contrasts_pick_the_conditions_and_n_the_tasks(stories, capsys):
     ("Li hid it.\nNote: Li will look in the", "Note: Li will look in the"),  # no question before the label
     ('She said "Go." Li will look in the', "Li will look in the"),
     ("Li will look in the", "Li will look in the"),
+    ("Li hid it. Where will Anna look? In the", "Where will Anna look? In the"),  # the question, not "In the"
 ])
 def test_the_query_is_the_final_sentence(text, query):
     span = query_span(text)

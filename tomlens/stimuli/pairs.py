@@ -398,13 +398,20 @@ def structural_problem(pair: MinimalPair) -> str | None:
 
 def _role_pair_problem(c: Stimulus, k: Stimulus) -> str | None:
     """Why a role-aligned pair (texts free to differ in length and wording) cannot be patched: its
-    question must be the same words in both stories, where both record it, since the metric reads
-    the final token and a question asked differently is not the same measurement."""
+    question must be the same words in both stories, since the metric reads the final token and a
+    question asked differently is not the same measurement. A story without a `query` span is read
+    by `tomlens.stimuli.user_pairs.query_span` (its final sentence, from the question on)."""
+    from tomlens.stimuli.user_pairs import query_span
+
     if c.text == k.text:
         return "identical: the clean and corrupted texts are the same"
-    if "query" in c.spans and "query" in k.spans and c.span_text("query") != k.span_text("query"):
-        return (f"query: the two stories ask different questions ({_preview(c.span_text('query'))} vs "
-                f"{_preview(k.span_text('query'))}); ask the same question in both versions")
+    asked = []
+    for s in (c, k):
+        span = s.spans.get("query") or query_span(s.text)
+        asked.append(span.of(s.text) if span is not None else "")
+    if asked[0] != asked[1]:
+        return (f"query: the two stories ask different questions ({_preview(asked[0])} vs "
+                f"{_preview(asked[1])}); ask the same question in both versions")
     return None
 
 

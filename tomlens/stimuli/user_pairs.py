@@ -230,9 +230,10 @@ def _same_options(clean: Stimulus, other: Stimulus, task_id: str, path: Path, no
 def query_span(text: str) -> Span | None:
     """The question the story ends with: its final sentence, found as the text after the last
     sentence end (`.`, `!` or `?` before whitespace, not after a title such as "Mr.") or line break,
-    trailing whitespace left out. When that final sentence opens with a one-word label (`Answer:`,
-    `A:`) and is only the label, or the sentence before it is a question (ends with `?`), the query
-    starts at that sentence instead: BigToM's "Question: ...?\\nAnswer: Noor believes ...".
+    trailing whitespace left out. When the sentence before it is a question (ends with `?`), or the
+    final sentence is only a one-word label (`Answer:`, `A:`), the query starts at that sentence
+    instead: BigToM's "Question: ...?\\nAnswer: Noor believes ...", or "Where will Anna look? In
+    the", whose question is what makes two stories' prompts the same measurement.
     None for a blank text."""
     body = text.rstrip()
     if not body:
@@ -240,10 +241,10 @@ def query_span(text: str) -> Span | None:
     starts = [0] + [m.end() for m in _SENTENCE_END.finditer(body) if m.end() < len(body)]
     start = starts[-1]
     final = body[start:]
-    label = _LABEL.match(final)
-    if label and len(starts) > 1:
+    if len(starts) > 1:
+        label = _LABEL.match(final)
         question = body[starts[-2]:start].rstrip()
-        if final[label.end():].strip() == "" or question.endswith("?"):
+        if question.endswith("?") or (label and final[label.end():].strip() == ""):
             start = starts[-2]
     return Span(start, len(body))
 
