@@ -85,6 +85,18 @@ def load_tiny() -> Callable[..., Any]:
     return _load
 
 
+@pytest.fixture
+def gpt2_pairs(load_tiny: Callable[..., Any]) -> tuple[Any, list[Any]]:
+    """(tiny-gpt2, 4 unexpected-transfer pairs aligned for it) with every role span (contrast, the
+    question's protagonist and object): the pairs the patching plan and position tests share."""
+    from tomlens.stimuli.pairs import make_pairs
+
+    model = load_tiny("tiny-gpt2")
+    pairs, report = make_pairs("unexpected-transfer", n=2, seed=0, tokenizer=model.tokenizer, contrasts=("present",))
+    assert len(pairs) == 4, report.summary()
+    return model, pairs
+
+
 @pytest.fixture(params=TINY_NAMES)
 def tiny_model(request: pytest.FixtureRequest, load_tiny: Callable[..., Any]) -> Any:
     """Each tiny model in turn; narrow with `@pytest.mark.parametrize("tiny_model", [...], indirect=True)`."""

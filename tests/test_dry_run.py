@@ -27,13 +27,6 @@ pytestmark = pytest.mark.integration  # tiny models
 FAST = dict(inner_folds=2, c_grid=(0.1, 1.0), n_boot=50, device="cpu", progress=False)
 
 
-@pytest.fixture
-def gpt2_pairs(load_tiny):
-    model = load_tiny("tiny-gpt2")
-    pairs, report = make_pairs("unexpected-transfer", n=2, seed=0, tokenizer=model.tokenizer, contrasts=("present",))
-    assert len(pairs) == 4, report.summary()
-    return model, pairs
-
 
 @pytest.fixture
 def no_patched_runs(monkeypatch):

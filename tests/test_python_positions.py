@@ -15,18 +15,9 @@ from tomlens.patching.cells import plan_cells
 from tomlens.patching.exact import ExactSweep
 from tomlens.runs.patching import PatchingConfig
 from tomlens.runs.patching import run as run_patching
-from tomlens.stimuli.pairs import make_pairs
 
 pytestmark = pytest.mark.integration  # tiny models
 
-
-@pytest.fixture
-def gpt2_pairs(load_tiny):
-    """Pairs with every role span (contrast, the question's protagonist and object)."""
-    model = load_tiny("tiny-gpt2")
-    pairs, report = make_pairs("unexpected-transfer", n=2, seed=0, tokenizer=model.tokenizer, contrasts=("present",))
-    assert len(pairs) == 4, report.summary()
-    return model, pairs
 
 
 @pytest.fixture
@@ -143,7 +134,7 @@ def test_pairs_prepared_without_the_role_positions_are_prepared_with_them(load_t
     assert from_prepared.values.equal(from_pairs.values)  # the same groups, the same forwards
 
 
-def test_the_readers_of_a_head_ranking_default_to_where_a_role_sweep_put_the_heads(load_tiny, gpt2_pairs):
+def test_the_readers_of_a_head_ranking_default_to_where_a_role_sweep_put_the_heads(gpt2_pairs):
     """The README's Python flow on default (role) sweeps: rank_heads, compare and head_table read the
     heads at "final" (a role sweep has no "all"), and at "all" where the sweep patched them there."""
     from tomlens.patching import compare, head_table, rank_heads

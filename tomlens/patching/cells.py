@@ -130,21 +130,13 @@ def cell_columns(cell: Cell, group: Group, j: int, n_aligned: int) -> list[int] 
     """Padded columns the cell patches in pair `j` of a group of token-aligned pairs (the same
     columns in its two rows), dropping columns before the first differing token (identical in
     both runs). None when the pair has no token at that position. `cell_patch` is the general form,
-    for pairs whose stories hold a role at different tokens."""
-    assert group.first_diff_cols is not None and group.position_cols is not None
+    for pairs whose stories hold a role at different tokens; this one reads row `j` only, so it also
+    serves a group remade with one row per pair (search's base runs)."""
     if group.any_role_aligned:
         raise TomlensError("these pairs hold roles at different tokens in their two stories (role-aligned pairs)",
                            "patch them with exact patching (cell_patch); this path needs token-aligned pairs")
-    width, fd = group.width, group.first_diff_cols[j]
-    if cell.position == "all":
-        return list(range(fd, width))
-    if cell.position == "each":
-        col = width - n_aligned + cell.pos
-        if col < group.pad(j):
-            return None
-        return [col] if col >= fd else []
-    col = group.position_cols[cell.position][j]
-    return [col] if col >= fd else []
+    found = cell_patch(cell, group, j, n_aligned, base=j, source=j)
+    return None if found is None else found[0]
 
 
 def cell_patch(cell: Cell, group: Group, j: int, n_aligned: int, *, base: int, source: int

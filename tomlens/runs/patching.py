@@ -50,7 +50,7 @@ from tomlens.errors import TomlensError
 from tomlens.messages import say
 from tomlens.models.protocol import Model
 from tomlens.runs.base import ModelSpec, split_items
-from tomlens.runs.pairs import PairsConfig
+from tomlens.runs.pairs import REASON_FIXES, PairsConfig
 from tomlens.runs.patching_summary import (
     CORRUPTION,
     NORMALISATION,
@@ -593,7 +593,7 @@ def _no_pairs_error(report: Any) -> TomlensError:
                        "are role-aligned pairs (`tomlens pairs user --path FILE`)",
         "outside_contrast": "widen the contrast span to every word the two stories differ in, or build role-aligned "
                             "pairs with `tomlens pairs user --path FILE`",
-        "query": "ask the same question, in the same words, at the end of both versions of the story",
+        "query": REASON_FIXES["query"],
     }
     return TomlensError(problem, fixes.get(first, "write the pairs with `tomlens pairs --model` set to this model "
                                                   "(the report above lists every pair left out and why)"))
