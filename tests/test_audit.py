@@ -96,6 +96,19 @@ def test_labels_are_shuffled_within_tasks_or_across_them_as_the_design_allows():
     assert per_task.count("a") == 20 and per_task != ["a", "a", "b", "b"] * 10
 
 
+def test_a_task_keeps_which_rows_share_a_label_when_its_classes_are_renamed():
+    # the prefixes of one story version all key the same option: the null redraws which option
+    # that is, per task, and never splits a version's rows between the two
+    labels = ([0] * 5 + [1] * 5) * 30
+    tasks = [f"t{i // 10}" for i in range(300)]
+    out = shuffled_labels(labels, tasks, np.random.default_rng(2))
+    for t in range(30):
+        rows = out[10 * t:10 * t + 10]
+        assert len(set(rows[:5])) == 1 and len(set(rows[5:])) == 1 and rows[0] != rows[5]
+    flipped = sum(out[10 * t] == 1 for t in range(30))
+    assert 5 < flipped < 25  # about half the tasks renamed
+
+
 def test_single_class_tasks_are_shuffled_among_themselves_when_others_hold_both_classes():
     # 63 tasks of one class each and one task of both: a within-task shuffle alone would keep the
     # 63 tasks' true labels, and a real cue would meet a null equal to itself (the reviewer's case)
@@ -261,9 +274,16 @@ def test_unexpected_contents_frames_word_false_belief_and_open_container_apart()
     assert bags.get("2-gram bag (story)", 0) >= 0.95, report.table()
 
 
-def test_unexpected_transfer_bigrams_tell_false_belief_from_present():
+def test_unexpected_transfer_bigrams_over_the_ceiling_are_shown_but_not_confirmed():
+    # "watching afterwards" reads 0.62: over the bags' ceiling and named in the verdict line, but not
+    # confirmed as a shortcut against a null that renames each task's classes (the design's own
+    # randomisation; on this set its spread is 0.04, so 0.62 is some 2.8 spreads out, not the
+    # battery's 3.2)
     report = audit_stimuli(as_user(before("unexpected-transfer"), ("false_belief", "present")))
-    assert any(r.heuristic.startswith(("2-gram", "3-gram")) for r in report.explaining("user", "condition")), report.table()
+    bags = [r for r in report.rows if r.contrast == "condition" and r.heuristic.startswith(("2-gram", "3-gram"))]
+    assert bags and all(r.verdict == OVER_CEILING and r.accuracy > 0.6 for r in bags), report.table()
+    assert all(r.null_sd > 0.02 for r in bags)  # the row-shuffled null was 0.02: too narrow for shared words
+    assert "2-gram bag (story)" in report.verdict()
 
 
 def test_cli_audits_a_user_file_and_check_exits_1_on_a_shortcut(tmp_path, capsys):

@@ -64,10 +64,14 @@ def test_cue_ids_name_the_phrasing_in_the_cue_span(family, transfer, contents):
         cue = s.span_text("cue")
         assert s.mentions["cue"] == (s.spans["cue"],)
         assert s.spans["contrast"].start <= s.spans["cue"].start < s.spans["cue"].end <= s.spans["contrast"].end
-        # the span is the pool's phrasing with its slots filled
+        # the span is the pool's phrasing with its slots filled (a label names its word last in the
+        # odd cue groups, in both versions)
         pools = EPISODE_POOLS if pool in EPISODE_POOLS else lexicon.CUE_POOLS
-        pattern = re.escape(pools[pool][s.meta["cue_group"]].rstrip("."))
-        pattern = re.sub(r"\\\{\w+\\\}", r".+", pattern)
+        g = s.meta["cue_group"]
+        if pool == "label":
+            assert s.meta["label_last"] == (g % 2 == 1)
+        phrasing = lexicon.label_sentence(g, s.meta["label_last"]) if pool == "label" else pools[pool][g]
+        pattern = re.sub(r"\\\{\w+\\\}", r".+", re.escape(phrasing.rstrip(".")))
         assert re.fullmatch(pattern, cue), (s.id, cue)
         used[kind].add(s.meta["cue_group"])
     # 32 tasks = 4 blocks, each using every cue group once: every phrasing appears

@@ -26,7 +26,7 @@ from tomlens.stimuli.false_belief import (
     unexpected_contents,
     unexpected_transfer,
 )
-from tomlens.stimuli.lexicon import CUE_POOLS
+from tomlens.stimuli.lexicon import CUE_POOLS, label_sentence
 from tomlens.stimuli.records import Stimulus
 
 GENERATORS = {"unexpected-transfer": unexpected_transfer, "unexpected-contents": unexpected_contents}
@@ -75,12 +75,13 @@ def _transfer_roles(s: Stimulus) -> tuple[str, str]:
 
 def _contents_roles(s: Stimulus) -> tuple[str, str, str]:
     """(true contents X, other word Y, label word) read from the text: the story says 'no Y'
-    before anything else, and the label sentence reads 'LABEL, not OTHER.'"""
+    before anything else, and the label sentence reads 'LABEL, not OTHER.' or 'not OTHER but LABEL.'"""
     story = _story(s)
     y = re.search(r"\bno (\w+)\b", story).group(1)
     x = next(o for o in s.options if o != y)
-    label_sentence = s.span_text("contrast_label")
-    label = re.search(r"(\w+), not \w+\.$", label_sentence).group(1)
+    sentence = s.span_text("contrast_label")
+    said = re.search(r"(\w+), not \w+\.$|not \w+ but (\w+)\.$", sentence)  # either word order
+    label = said.group(1) or said.group(2)
     return x, y, label
 
 
@@ -293,8 +294,9 @@ def test_contents_spans_point_at_the_right_words():
         d = s.meta["second_container"]
         _check_sentence(s.text, s.spans["contrast"].start, s.spans["contrast"].end)
         look = CUE_POOLS["look"][g].format(tgt="it")
-        assert CUE_POOLS["label"][g].format(C=c, LA=s.reference_state, LB=x if s.reference_state == y
-                                            else y) == label
+        assert s.meta["label_last"] == (g % 2 == 1)  # the same in both versions and every condition
+        assert label_sentence(g, g % 2 == 1).format(C=c, LA=s.reference_state, LB=x if s.reference_state == y
+                                                    else y) == label
         # one container looked into, the other left shut, each in the same frame, in the task's order
         first, second = _sentences(seen)
         assert (look in first) == (s.meta["layout"] == "look_first") and (look in second) != (look in first)

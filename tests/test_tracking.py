@@ -40,12 +40,13 @@ def _tracked(sentences: list[str], swapped: bool) -> list[str]:
 
 
 def _references(family, gen, n, seed):
-    """The full false-belief items belief tracking tells: the family's own, except that a transfer
-    task's reversed version is that of the task with its listing and closing orders flipped."""
+    """The full false-belief items belief tracking tells: the family's own, except that a reversed
+    version is that of the task with a transfer story's listing and closing orders, or a contents
+    story's label order, flipped."""
     full = gen(n, seed=seed, conditions=("false_belief",))
-    if family != "unexpected-transfer":
-        return full
-    flipped = [replace(t, first_ref=not t.first_ref, last_ref=not t.last_ref) for t in make_tasks(family, n, seed)]
+    tasks = make_tasks(family, n, seed)
+    flipped = [replace(t, first_ref=not t.first_ref, last_ref=not t.last_ref) if family == "unexpected-transfer"
+               else replace(t, label_order_flipped=True) for t in tasks]
     reversed_ = [s for t in flipped for s in task_stimuli(t, ("false_belief",)) if s.reversed]
     return [s for s in full if not s.reversed] + reversed_
 

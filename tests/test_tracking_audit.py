@@ -21,7 +21,7 @@ import pytest
 from tomlens.audit import audit_stimuli, sample_per_task
 from tomlens.audit.evaluate import BAG_CEILING, SHORTCUT
 from tomlens.audit.heuristics import first_mentioned, last_mentioned, most_mentioned
-from tomlens.stimuli.false_belief import TRANSFER, make_tasks
+from tomlens.stimuli.false_belief import CONTENTS, TRANSFER, make_tasks
 from tomlens.stimuli.records import Stimulus
 from tomlens.stimuli.tracking import FAMILY, belief_tracking, put_first
 
@@ -102,3 +102,26 @@ def test_every_row_of_a_fresh_seed_passes_the_audit_and_no_place_is_named_more_o
     mine = {r.heuristic: r for r in report.rows if r.family == FAMILY and r.contrast == CONTRAST}
     assert not [r for r in mine.values() if r.verdict == SHORTCUT], report.table()
     assert abs(mine["most-mentioned option"].accuracy - 0.5) < 0.01, report.table()
+
+
+def test_a_contents_story_cut_after_its_label_names_the_keyed_word_last_in_half_the_tasks():
+    """The label names its own word first ("says pins, not sweets") in one version of each task
+    and last ("says not sweets but pins") in the other: before, every phrasing named the other word
+    last, and "the last-mentioned option" read the answer off every contents prefix that stops
+    between the label and the tellings (0.79-0.82 on seeds 101, 202 and 4242)."""
+    rows = [s for s in belief_tracking(16, seed=11, family=CONTENTS) if s.prompt_type == "belief"
+            and s.meta["sentence_role"] == "label"]
+    assert len(rows) == 32  # 16 tasks x 2 versions, the prefix that ends with the label sentence
+    keyed_last = Counter(s.task_id for s in rows if last_mentioned(s) == s.answer_index)
+    assert keyed_last == {s.task_id: 1 for s in rows}, [s.text for s in rows[:2]]
+
+
+def test_the_contents_variant_of_a_fresh_seed_passes_the_audit_whole():
+    """Every prefix of 64 contents tasks. Seed 202 is the one whose 2-gram bag reads 0.63 by which
+    option a content word happens to be listed as (0.69, 0.40 and 0.43 on seeds 101, 4242 and 7): the
+    null that renames each task's classes carries that spread; the row-shuffled one confirmed it."""
+    report = audit_stimuli(belief_tracking(64, seed=202, family=CONTENTS), seed=0)
+    mine = {r.heuristic: r for r in report.rows if r.family == FAMILY and r.contrast == CONTRAST}
+    assert len(mine) >= 12 and not [r for r in mine.values() if r.verdict == SHORTCUT], report.table()
+    last = mine["last-mentioned option"]
+    assert last.ci_low <= 0.5 <= last.ci_high, report.table()

@@ -150,6 +150,13 @@ def verdict(score: Score, chance: float, *, ngram_bag: bool) -> str:
         return SHORTCUT
     if score.ci_high < chance - _EPS:
         return BELOW
+    return not_significant(score, chance, ngram_bag=ngram_bag)
+
+
+def not_significant(score: Score, chance: float, *, ngram_bag: bool) -> str:
+    """The verdict of a row that is no shortcut: OVER_CEILING for an n-gram bag over the ceiling
+    from enough tasks (also where the interval cleared chance but the permutation null did not
+    confirm it), else AT_CHANCE."""
     if ngram_bag and score.n_tasks >= CEILING_TASKS and score.accuracy > max(BAG_CEILING, chance + 0.10):
         return OVER_CEILING
     return AT_CHANCE
@@ -159,19 +166,31 @@ NULL_PERMUTATIONS = 30  # enough for the null's mean and spread; the verdict rea
 
 
 def shuffled_labels(labels: Sequence[Hashable], tasks: Sequence[str], rng: np.random.Generator) -> list[Hashable]:
-    """Labels shuffled the way the design allows: within each task that holds several classes (the
-    paired stories of one frame), and, among the tasks that hold one class, whole tasks' labels
-    across those tasks. Shuffling only within tasks would leave single-class tasks with their true
-    labels, and a null near the observed accuracy (a real cue then looks like chance)."""
+    """Labels shuffled the way the design allows: within each task that holds several classes, its
+    classes are renamed among themselves (a random permutation of the task's classes), and among the
+    tasks that hold one class, whole tasks' labels move across those tasks.
+
+    Why renaming rather than shuffling rows: a generator draws which class goes where once per
+    task or version (which option is listed first, which story is the false-belief one), and the
+    rows that share a label share it by design (the prefixes of one story all key the same option).
+    Renaming keeps that structure and redraws only what the generator drew, so the null carries the
+    spread a fresh seed would; shuffled rows break it, and the null came out narrower than the
+    spread between seeds (belief-tracking's contents stories: a 2-gram bag reading which option a
+    word tends to be listed as scored 0.63, 0.69, 0.40 and 0.43 on four seeds, and the row-shuffled
+    null confirmed 0.63 as a shortcut). For a task of one story per class the two are the same.
+    Shuffling only within tasks would leave single-class tasks with their true labels, and a null
+    near the observed accuracy (a real cue then looks like chance)."""
     by_task: dict[str, list[int]] = {}
     for i, t in enumerate(tasks):
         by_task.setdefault(t, []).append(i)
     out = list(labels)
     single = [idx for idx in by_task.values() if len({labels[i] for i in idx}) == 1]
     for idx in by_task.values():
-        if len({labels[i] for i in idx}) > 1:
-            for i, j in zip(idx, rng.permutation(idx), strict=True):
-                out[i] = labels[j]
+        classes = list(dict.fromkeys(labels[i] for i in idx))
+        if len(classes) > 1:
+            renamed = dict(zip(classes, (classes[j] for j in rng.permutation(len(classes))), strict=True))
+            for i in idx:
+                out[i] = renamed[labels[i]]
     donors = rng.permutation(len(single))
     for idx, j in zip(single, donors, strict=True):
         for i in idx:
@@ -200,7 +219,7 @@ def permutation_null(features: list[Hashable | None] | Any, labels: Sequence[Has
 
 def confirmed(score: Score, null_mean: float, null_sd: float, level: float) -> str:
     """SHORTCUT when the accuracy also clears the permutation null at the battery's level, else
-    AT_CHANCE. The spread is the larger of the
+    AT_CHANCE (`not_significant` says how such a row is shown). The spread is the larger of the
     null's and the task-level standard error: the first carries the folds' shared classifiers, the
     second the sampling of tasks (fresh sets of one generator vary more than shuffles of one set). A
     null with no spread and no task spread confirms whatever lies above its mean."""

@@ -23,6 +23,7 @@ from tomlens.audit.evaluate import (
     cluster_interval,
     confirmed,
     held_out_correct,
+    not_significant,
     permutation_null,
     task_folds,
     verdict,
@@ -131,7 +132,8 @@ def _run_job(job: _Job, features: _Features, level: float, seed: int) -> AuditRo
         # a stated chance is the design's (answers balanced over positions): the imbalance itself is the
         # shortcut, which shuffling labels keeps, so the null is centred there and only lends its spread
         centre = job.contrast.chance if job.contrast.chance is not None else null_mean
-        said = confirmed(score, centre, null_sd, level)
+        if confirmed(score, centre, null_sd, level) != SHORTCUT:
+            said = not_significant(score, chance, ngram_bag=ngram)
     return AuditRow(job.family, job.contrast.name, job.heuristic.name, source, score.accuracy, score.ci_low,
                     score.ci_high, chance, score.n_rows, score.n_tasks, said, null_mean, null_sd)
 

@@ -358,6 +358,7 @@ class Task:
     decoy: bool = False  # the task's stories carry decoy cues (all its conditions alike)
     layout: str = SINGLE
     told_first: bool = True  # with a decoy: the told person's sentence comes first
+    label_order_flipped: bool = False  # a contents label names its word in the other order (see label_last)
 
     @property
     def options(self) -> tuple[str, str]:
@@ -365,6 +366,14 @@ class Task:
         the answer words in the story, not in the options), so every task keys each option in half
         of its prompts."""
         return self.words if self.options_ref_first else (self.words[1], self.words[0])
+
+    @property
+    def label_last(self) -> bool:
+        """Whether a contents story's label names its own word last ("says not sweets but pins"):
+        in the odd cue groups, unless `label_order_flipped`. The same in both versions and every
+        condition, so conditions share their words and word pairs; belief tracking flips it in the
+        reversed version (`tracking.tracked_task`)."""
+        return (self.cue_group % 2 == 1) != self.label_order_flipped
 
     def layout_for(self, reversed: bool) -> str:
         """The layout of one version: the task's, or its mirror (MIRROR) in the reversed one."""
@@ -810,7 +819,7 @@ def _contents_story(task: Task, condition: str, rev: bool, label: str, contents:
     else:
         fill = (StorySentence("fill", t["fill_x1"], world="X"),
                 StorySentence("missing", t["fill_x2"]))
-    label_sentence = _cue("label", task)
+    label_sentence = lexicon.label_sentence(task.cue_group, task.label_last)
     sentences = (
         *fill,
         StorySentence("label", label_sentence, cue=label_sentence[:-1], cue_pool="label"),
@@ -967,7 +976,7 @@ def story_stimulus(story: Story, prompt_type: str) -> Stimulus:
     else:
         meta.update(container=task.extra["C"], contents=story.slots["X"],
                     label=story.slots["LA"], other_word=story.slots["Y"],
-                    second_container=task.extra["D"])
+                    second_container=task.extra["D"], label_last=task.label_last)
     return Stimulus(
         id=f"{task.task_id}-{code}{'-rev' if story.reversed else ''}-{prompt_type}",
         text=r.text,

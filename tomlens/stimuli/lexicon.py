@@ -147,10 +147,20 @@ CUE_POOLS: dict[str, tuple[str, ...]] = {
     "look": ("peeks inside {tgt}", "looks into {tgt}", "checks inside {tgt}", "glances into {tgt}",
              "peers into {tgt}", "takes a look inside {tgt}", "lifts the lid of {tgt}",
              "looks at what is in {tgt}"),
-    # the label sentence of a contents story ({C} container, {LA} what it says, {LB} what not)
+    # the label sentence of a contents story ({C} container, {LA} what it says, {LB} what not),
+    # written naming the label's word first; `label_sentence` names it last in half the stories
     "label": ("The label on the {C} says {LA}, not {LB}.", "The {C} has a label that reads {LA}, not {LB}.",
               "The {C} is labelled {LA}, not {LB}.", "The {C} carries a label saying {LA}, not {LB}.",
-              "Written on the {C} is the word {LA}, not {LB}.", "A sticker on the {C} says {LA}, not {LB}.",
+              "Written on the {C} is {LA}, not {LB}.", "A sticker on the {C} says {LA}, not {LB}.",
               "The {C} is marked {LA}, not {LB}.", "The tag on the {C} reads {LA}, not {LB}."),
 }
 CUE_GROUPS = 8  # every pool has exactly this many phrasings
+LABEL_FIRST, LABEL_LAST = "{LA}, not {LB}", "not {LB} but {LA}"
+
+
+def label_sentence(group: int, label_last: bool) -> str:
+    """The label phrasing of cue group `group`, naming the label's word last ("says not sweets but
+    pins") when `label_last`: in a story cut after the label, the word named last is then the
+    label's in half the stories and the other word in the others, so neither answers."""
+    phrasing = CUE_POOLS["label"][group]
+    return phrasing.replace(LABEL_FIRST, LABEL_LAST) if label_last else phrasing

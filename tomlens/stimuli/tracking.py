@@ -26,6 +26,11 @@ other place after it: "the last-mentioned option" (or its opposite) read the key
   version each. Balanced across tasks alone, a cue that is the same in all of a task's prompts
   reads *below* chance on held-out tasks (the held-out fold holds the majority the training folds
   lack): "last-mentioned" at about 0.41, under chance's interval on one fresh seed in ten.
+A contents story's label sentence was its last naming of the two words before the tellings, and
+every phrasing named the other word last ("says pins, not sweets"): "the last-mentioned option" read
+the answer off every prefix between the label and the tellings (0.79-0.82). Half the phrasings now
+name the label's word last ("says not sweets but pins"), and the reversed version words the label
+in the other order (`tracked_task`), so each task keys the last-named word in one version.
 The original version of a transfer task is therefore the `unexpected_transfer` story of its task
 (put and empty sentence swapped in half the tasks), the reversed one that of its task with the
 listing and closing orders flipped (swapped in the others).
@@ -116,9 +121,13 @@ def put_first(task: Task, reversed: bool) -> bool:
 
 def tracked_task(task: Task, reversed: bool) -> Task:
     """The task a version is told from: a transfer task's reversed version names the two places in
-    the listing and in the closing in the other order (`Task.first_ref` / `last_ref` flipped)."""
-    if task.family != TRANSFER or not reversed:
+    the listing and in the closing in the other order (`Task.first_ref` / `last_ref` flipped); a
+    contents task's reversed version words its label in the other order (`Task.label_last`), so the
+    label's word, the belief answer, is named last in one version of each task."""
+    if not reversed:
         return task
+    if task.family == CONTENTS:
+        return replace(task, label_order_flipped=not task.label_order_flipped)
     return replace(task, first_ref=not task.first_ref, last_ref=not task.last_ref)
 
 
