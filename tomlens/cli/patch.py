@@ -97,8 +97,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="attribution: points on the path between the two stories (integrated gradients; 1 = plain "
                    f"attribution patching; default {DEFAULT_ATTRIBUTION_STEPS})")
     add_choice(p, "--attribution-path", choices=ATTRIBUTION_PATHS, default=DEFAULT_ATTRIBUTION_PATH,
-                   help="what integrated gradients move: each patched hook point in turn (a layer's heads "
-                   "together), the blocks after it recomputed as exact patching does (sites), or the token "
+                   help="what integrated gradients move: each patched hook point in turn at one patched position "
+                   "(a layer's heads together), the blocks after it recomputed as exact patching does (sites), or the token "
                    "embeddings, one run per step but a chain of heads' effect shared out among them "
                    f"(embeddings); default {DEFAULT_ATTRIBUTION_PATH}")
     p.set_defaults(func=run)

@@ -71,7 +71,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help=f"integrated-gradient steps of attribution (1 = plain attribution; default "
                    f"{DEFAULT_ATTRIBUTION_STEPS})")
     add_choice(p, "--attribution-path", choices=ATTRIBUTION_PATHS, default=DEFAULT_ATTRIBUTION_PATH,
-                   help="what integrated gradients move: each layer's head outputs in turn, every block after them "
+                   help="what integrated gradients move: each layer's head outputs in turn at the patched token, every block after them "
                    "recomputed, as exact patching of a head does (sites), "
                    f"or the token embeddings (embeddings); default {DEFAULT_ATTRIBUTION_PATH}")
     p.add_argument("--select-fraction", type=float, default=0.5, help="share of tasks that select (default 0.5)")

@@ -12,17 +12,24 @@ It fails where the metric saturates at the base run: a head whose patch moves th
 can have almost no gradient there (the organism's planted head: exact effect 0.98, plain estimate
 0.02, ranked fourth; ninth on the previous organism). `steps > 1` is integrated gradients: the
 gradient is averaged over runs part of the way to the source story, which cross the slope. `path`
-says what moves. "sites" (the default) moves each hook point's activation (all its cells together:
-every head of a layer, every differing token) and recomputes every block after it, as exact patching
-of a cell there does, so nothing downstream is moved for it; a cell that is its hook's whole
-activation (the residual stream at "all") converges to its patching effect, and heads of one layer
-still share what they do only together. "embeddings" moves the stories' token embeddings (EAP-IG,
+says what moves. "sites" (the default) moves each hook point's activation at the cell's position
+(every head of a layer together; every differing token at once for cells at "all" and "each", so an
+"each" cell still carries what the other tokens do with it: use a selector, "final" or a role, for
+an estimate of patching that one position) and
+recomputes every block after it, as exact patching of a cell there does, so nothing downstream is
+moved for it; a cell that is its hook's whole activation there (the residual stream at a position,
+or at "all") converges to its patching effect, and heads of one layer still share what they do only
+together. Moving every differing token for a cell at one position credited it with what the hook
+does at all of them together: the organism's layer-0 heads at the final token got 0.15 and 0.24 of
+the gap (exact patching 0.01 each; layer 0's heads patched together there 0.06), which broke the
+attribution check of `tomlens validate --seed 5`. "embeddings" moves the token embeddings (EAP-IG,
 Hanna et al. 2024), one run per step for every site at once, but then every head moves together, and
 where one head reads another the chain's effect is shared out among them while exact patching
 credits each with all that passes through it (the organism's planted head, read by two heads of the
-next layer: 0.98 patched, 0.16 along the embeddings and ranked third, 1.06 along the sites). The
-sites cost `steps` runs per hook point (each from its block on) instead of `steps` in all: still
-independent of positions and heads.
+next layer: 0.98 patched, 0.16 along the embeddings and ranked third, 1.08 along the sites). The
+sites cost `steps` runs per hook point and position swept (each from its block on) instead of
+`steps` in all: independent of heads, but each selector position swept costs as much again (the
+role positions of `tomlens patch`: 3 for heads, 4 for the residual stream).
 
 Results have the same shape as exact patching (`PatchingResult`, values = base metric + estimate),
 so the same summaries, tables and figures apply, and `compare` puts the two side by side.
@@ -127,14 +134,18 @@ ACTIVE_EFFECT = 0.01  # `compare`: a cell "moves the metric" at 1% of the gap in
 EMBED_HOOK = "hook_embed"  # the token embeddings, which integrated gradients interpolate
 
 
-def _mix_towards(target: Tensor, alpha: float, name: str = EMBED_HOOK, store: dict[str, Tensor] | None = None
-                 ) -> Hook:
-    """A hook that moves activation `name` `alpha` of the way to `target` (`[r, pos, ...]`). With
-    `store`, the moved tensor is kept there as a grad leaf, so the gradient is taken at that point
-    of its path while everything downstream is recomputed from it."""
+def _mix_towards(target: Tensor, alpha: float, name: str = EMBED_HOOK, store: dict[str, Tensor] | None = None,
+                 cols: Bool[Tensor, "r pos"] | None = None) -> Hook:
+    """A hook that moves activation `name` `alpha` of the way to `target` (`[r, pos, ...]`), only at
+    the columns `cols` where given. With `store`, the moved tensor is kept there as a grad leaf, so
+    the gradient is taken at that point of its path while everything downstream is recomputed
+    from it."""
 
     def fn(act: Tensor, hook: Any = None) -> Tensor:
-        moved = act + alpha * (target.to(act.dtype) - act)
+        step = alpha * (target.to(act.dtype) - act)
+        if cols is not None:
+            step = step * cols.reshape(cols.shape + (1,) * (act.ndim - 2)).to(act.dtype)
+        moved = act + step
         if store is not None:
             moved = store[name] = moved.detach().requires_grad_(True)
         return moved
@@ -146,6 +157,41 @@ def hook_blocks(cells: Sequence[Cell]) -> dict[str, int]:
     """Each hook point the cells patch, with the block it sits in (a run that moves only it can
     start there)."""
     return {h: c.layer for c in cells for h in [hook_for(c.kind, c.layer)]}
+
+
+@dataclass(frozen=True)
+class PathMove:
+    """What one integrated-gradients path along the sites moves: hook point `hook`, at the columns
+    of selector `position` alone (None: every column, for cells at "all" or "each")."""
+
+    hook: str
+    position: str | None
+
+
+def moved_position(cell: Cell, *, steps: int, path: IGPath) -> str | None:
+    """The position a cell's integrated-gradients path moves alone: along the sites (steps > 1) a
+    selector cell's own, since a path that moved the other columns too would credit the cell with
+    what they do together (the organism's layer-0 heads at the final token: 0.15 and 0.24 of the
+    gap with every differing token moved, 0.01 each patched alone, layer 0's heads together 0.06);
+    None (every column) for "all" and "each" cells, plain attribution and the embeddings path."""
+    if steps == 1 or path != "sites" or cell.position in ("all", "each"):
+        return None
+    return cell.position
+
+
+def path_key(cell: Cell, *, steps: int, path: IGPath) -> str:
+    """The score tensor a cell reads: its hook's, or its hook's at its moved position."""
+    hook, position = hook_for(cell.kind, cell.layer), moved_position(cell, steps=steps, path=path)
+    return hook if position is None else f"{hook}@{position}"
+
+
+def path_moves(cells: Sequence[Cell], *, steps: int, path: IGPath) -> dict[str, PathMove]:
+    """Each score tensor's path (`path_key`), in the cells' order."""
+    moves: dict[str, PathMove] = {}
+    for c in cells:
+        moves.setdefault(path_key(c, steps=steps, path=path),
+                         PathMove(hook_for(c.kind, c.layer), moved_position(c, steps=steps, path=path)))
+    return moves
 
 
 def source_run(
@@ -211,54 +257,134 @@ def _moving_embeddings(target: Tensor, alpha: float, names: list[str]) -> Callab
     return lambda got: [_mix_towards(target, alpha), *record_hooks(names, got, requires_grad=True)]
 
 
-def _moving_site(target: Tensor, alpha: float, name: str) -> Callable[[dict[str, Tensor]], list[Hook]]:
-    """The hooks of a run that moves site `name` alone `alpha` of the way to `target`, keeping the
-    moved activation in the run's store as the grad leaf."""
-    return lambda got: [_mix_towards(target, alpha, name, got)]
+def _moving_site(target: Tensor, alpha: float, name: str, cols: Tensor | None
+                 ) -> Callable[[dict[str, Tensor]], list[Hook]]:
+    """The hooks of a run that moves site `name` alone (at columns `cols` alone, where given)
+    `alpha` of the way to `target`, keeping the moved activation in the run's store as the grad
+    leaf."""
+    return lambda got: [_mix_towards(target, alpha, name, got, cols)]
+
+
+@dataclass(frozen=True)
+class _Column:
+    """One selector's column in a group's base runs (counted from `start`): `moves` `[g, new]`,
+    True at it in the rows where it lies at or after the pair's first differing token (`valid`,
+    `[g]`); `at` `[g]` its index there (0 in the other rows). Built on the host, moved once."""
+
+    moves: Bool[Tensor, "g new"]
+    at: Int[Tensor, " g"]
+    valid: Bool[Tensor, " g"]
+    rows: Int[Tensor, " g"]
+
+    def take(self, x: Tensor) -> Tensor:
+        """`x` `[g, new, ...]` at each row's column: `[g, ...]`."""
+        return x[self.rows, self.at]
+
+
+def _position_columns(group: Any, positions: set[str], start: int) -> dict[str, _Column | None]:
+    """Each selector's `_Column`, None where no row has it at or after its first differing token
+    (every activation there is the same in both stories: nothing to move, no run to make)."""
+    device = group.batch.input_ids.device
+    out: dict[str, _Column | None] = {}
+    for position in positions:
+        cols, first = group.position_cols[position], group.first_diff_cols
+        valid = [col >= max(start, f) for col, f in zip(cols, first, strict=True)]
+        if not any(valid):
+            out[position] = None
+            continue
+        at = torch.tensor([col - start if ok else 0 for col, ok in zip(cols, valid, strict=True)])
+        moves = torch.zeros((group.g, group.width - start), dtype=torch.bool)
+        ok = torch.tensor(valid)
+        moves[ok, at[ok]] = True
+        out[position] = _Column(*(to_device(t, device) for t in (moves, at, ok, torch.arange(group.g))))
+    return out
+
+
+def _column_score(src: Tensor, base: Tensor, grad: Tensor | None, column: _Column | None, start: int, width: int
+                  ) -> Float[Tensor, "g pos head"]:
+    """A selector path's scores laid out as `column_scores`' (`[g, width, head]`), nonzero only at
+    each row's column: `(source - base) . gradient` there, the gradient already taken at it."""
+    s = None
+    if grad is not None and column is not None:
+        diff = column.take(src[:, start:].to(base.dtype)) - column.take(base.detach())
+        s = (diff * grad).float().sum(-1)
+        s = (s if s.ndim == 2 else s[:, None]) * column.valid[:, None].to(s.dtype)
+    heads = 1 if s is None else s.shape[1]
+    full = torch.zeros((base.shape[0], width, heads), device=base.device)
+    if s is not None and column is not None:
+        full[column.rows, start + column.at] = s
+    return full
+
+
+def _path_runs(hooks: Mapping[str, int], targets: Mapping[str, Tensor], names: list[str],
+               moves: Mapping[str, PathMove], columns: Mapping[str, _Column | None], alpha: float, path: IGPath
+               ) -> list[tuple[list[str], str | None, int | None, Callable[[dict[str, Tensor]], list[Hook]]]]:
+    """The runs of one integrated-gradients step: (hooks whose gradient it gives, the path key
+    they go to (None: each its own hook), the block it starts at, its hooks). Along the embeddings
+    one run moves the stories' embeddings; along the sites one run per path moves its site alone
+    (none for a selector no row has at a differing token)."""
+    if path == "embeddings":
+        return [(names, None, None, _moving_embeddings(targets[EMBED_HOOK], alpha, names))]
+    runs: list[tuple[list[str], str | None, int | None, Callable[[dict[str, Tensor]], list[Hook]]]] = []
+    for key, m in moves.items():
+        column = None if m.position is None else columns[m.position]
+        if m.hook in names and (m.position is None or column is not None):
+            runs.append(([m.hook], key, hooks[m.hook],
+                         _moving_site(targets[m.hook], alpha, m.hook, None if column is None else column.moves)))
+    return runs
 
 
 def _path_grads(
     model: Model, group: Any, hooks: Mapping[str, int], src: Mapping[str, Tensor], names: list[str],
-    grads: list[Tensor | None], runs: _BaseRuns, *, steps: int, path: IGPath,
-) -> list[Tensor | None]:
-    """The gradients of `names` averaged over the `steps` points of the integrated-gradients path
-    (`grads`: the plain run's, its first point), one run per step along the embeddings, one per
-    step and site along the sites."""
+    grads: list[Tensor | None], runs: _BaseRuns, moves: Mapping[str, PathMove], *, steps: int, path: IGPath,
+) -> tuple[dict[str, Tensor | None], dict[str, _Column | None]]:
+    """Each path's gradient of its hook (`moves`: path key -> what it moves) averaged over the
+    `steps` points of the integrated-gradients path (`grads`: the plain run's per hook in `names`,
+    every path's first point): one run per step along the embeddings, one per step and path along
+    the sites; and the selectors' columns. A selector path keeps its gradient at its column alone
+    (`[g, ...]`): a full-width one per hook and position would grow memory with the positions."""
+    plain = dict(zip(names, grads, strict=True))
     start, rows, fk = runs.start, runs.rows, group.batch.forward_kwargs()
+    columns = _position_columns(group, {m.position for m in moves.values() if m.position is not None}, start)
+
+    def kept(key: str, x: Tensor | None) -> Tensor | None:  # a selector path keeps its column alone
+        position = moves[key].position
+        if x is None or position is None:
+            return x
+        column = columns[position]
+        return None if column is None else column.take(x)
+
+    acc: dict[str, Tensor | None] = {key: kept(key, plain.get(m.hook)) for key, m in moves.items()}
+    if steps == 1:
+        return acc, columns
     # The points each path moves towards, taken out of inference mode once.
-    if steps > 1:
-        targets = ({EMBED_HOOK: src[EMBED_HOOK][:, start:].clone()} if path == "embeddings"
-                   else {n: src[n][:, start:].clone() for n in names})
-    moves: list[tuple[list[str], int | None, Callable[[dict[str, Tensor]], list[Hook]]]]
+    targets = ({EMBED_HOOK: src[EMBED_HOOK][:, start:].clone()} if path == "embeddings"
+               else {n: src[n][:, start:].clone() for n in names})
     for step in range(1, steps):
-        alpha = step / steps
-        if path == "embeddings":  # one run: the stories' embeddings moved, every site's gradient
-            moves = [(names, None, _moving_embeddings(targets[EMBED_HOOK], alpha, names))]
-        else:  # one run per site: only it moved, every block after it recomputed
-            moves = [([n], hooks[n], _moving_site(targets[n], alpha, n)) for n in names]
-        for moved, layer, make in moves:
+        for moved, key, layer, make in _path_runs(hooks, targets, names, moves, columns, step / steps, path):
             got: dict[str, Tensor] = {}
-            skip = (layer, runs.entry[layer]) if layer in runs.entry else None
+            skip = (layer, runs.entry[layer]) if layer is not None and layer in runs.entry else None
             with torch.enable_grad():
                 last, _ = forward_last(model, group.batch.input_ids, fk, make(got), rows=rows.base,
                                        prefix=runs.prefix, start=start, prefix_rows=rows.pairs, skip=skip)
                 m = logit_diff(last, rows.base_tokens)
                 step_grads = torch.autograd.grad(m.sum(), [got[h] for h in moved], allow_unused=True)
             for h, x in zip(moved, step_grads, strict=True):
-                k = names.index(h)
-                if x is not None:
-                    prev = grads[k]
-                    grads[k] = x.float() if prev is None else prev + x.float()
-    return [None if gr is None else gr / steps for gr in grads]
+                k = key if key is not None else h
+                at = kept(k, x)
+                if at is not None:
+                    prev = acc[k]
+                    acc[k] = at.float() if prev is None else prev + at.float()
+    return {k: None if gr is None else gr / steps for k, gr in acc.items()}, columns
 
 
 def _group_scores(
-    model: Model, group: Any, hooks: Mapping[str, int], direction: Direction, *, reuse_prefix: bool = True,
-    steps: int = 1, path: IGPath = "sites",
+    model: Model, group: Any, hooks: Mapping[str, int], moves: Mapping[str, PathMove], direction: Direction, *,
+    reuse_prefix: bool = True, steps: int = 1, path: IGPath = "sites",
 ) -> tuple[dict[str, Tensor], Tensor, Tensor]:
-    """Per-hook attribution scores `[g, pos, head]` (head axis 1 for non-head sites), and the base
-    and source metrics of the group's pairs, all on the model's device; `hooks` maps each hook
-    point to its block.
+    """Attribution scores `[g, pos, head]` (head axis 1 for non-head sites) per path key (`moves`,
+    `path_key`), and the base and source metrics of the group's pairs, all on the model's device;
+    `hooks` maps each hook point to its block.
 
     The two stories of a pair share every token before the first that differs, so the
     grad-enabled base run starts there, on the source run's keys and values (no activation
@@ -286,12 +412,17 @@ def _group_scores(
     checked = prefix is not None and shortcuts_verdict(model) is True
     entering = set(hooks.values()) - {0} if steps > 1 and path == "sites" and checked else set()
     base, metric, names, grads, runs = _plain_run(model, group, hooks, _BaseRuns(rows, prefix, start, {}), entering)
-    grads = _path_grads(model, group, hooks, src, names, grads, runs, steps=steps, path=path)
-    scores = {
-        name: column_scores(src[name][:, start:].to(base[name].dtype) - base[name].detach(), grad, start,
-                            group.width, rows.differs)
-        for name, grad in zip(names, grads, strict=True)
-    }
+    path_grads, columns = _path_grads(model, group, hooks, src, names, grads, runs, moves, steps=steps, path=path)
+    scores = {}
+    for key, m in moves.items():
+        if m.hook not in base:
+            continue
+        if m.position is None:
+            scores[key] = column_scores(src[m.hook][:, start:].to(base[m.hook].dtype) - base[m.hook].detach(),
+                                        path_grads[key], start, group.width, rows.differs)
+        else:
+            scores[key] = _column_score(src[m.hook], base[m.hook], path_grads[key], columns[m.position], start,
+                                        group.width)
     return scores, metric.double(), src_metric.double()
 
 
@@ -393,8 +524,8 @@ def attribution_patching(
     columns (for "all": every token from the first that differs between the two stories).
     `steps > 1` averages the gradient over that many points on the path between the two stories
     (integrated gradients), along their token embeddings (`path="embeddings"`: `steps` forwards and
-    backwards instead of one) or along each site's own activation (`path="sites"`: about
-    `steps` x the number of hook points, each run from its site's block).
+    backwards instead of one) or along each site's own activation at each position swept
+    (`path="sites"`: about `steps` x hook points x positions, each run from its site's block).
     `sites` and `positions` read as in `exact_patching` (`tomlens patch --sites` / `--positions`):
     by default the role positions, `positions=("all",)` the every-position sweep, or `sites` as a
     mapping of kinds to their own cell positions. With `progress`, positions left out (a role span
@@ -410,11 +541,13 @@ def attribution_patching(
     check_selectors(cells, prepared)
     n_pair = len(prepared.pairs)
     hooks = hook_blocks(cells)
+    moves = path_moves(cells, steps=int(steps), path=path)
     parts = []  # per group, on the device: [cell + 2, g] (cell values, then base and source metrics)
     for group in tqdm(prepared.groups, desc=f"attribution ({direction})", unit="group", disable=not progress):
-        scores, base_metric, src_metric = _group_scores(model, group, hooks, direction, reuse_prefix=reuse_prefix,
-                                                        steps=int(steps), path=path)
-        index = CellIndex(cells, group, prepared.n_aligned, device=base_metric.device)
+        scores, base_metric, src_metric = _group_scores(model, group, hooks, moves, direction,
+                                                        reuse_prefix=reuse_prefix, steps=int(steps), path=path)
+        index = CellIndex(cells, group, prepared.n_aligned, device=base_metric.device,
+                          key=lambda c: path_key(c, steps=int(steps), path=path))
         values = base_metric[None, :] + index.values(scores)
         parts.append(torch.cat([values, base_metric[None, :], src_metric[None, :]]))
     table = to_host_by_pair(parts, prepared.groups, n_pair)

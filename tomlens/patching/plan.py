@@ -57,7 +57,14 @@ from tomlens.hooks import Site, hook_name
 from tomlens.hooks.attention import is_joint_qkv
 from tomlens.models.protocol import Model
 from tomlens.patching import engine, exact
-from tomlens.patching.attribution import IG_PATHS, IGPath, attribution_patching, check_integrable, hook_blocks
+from tomlens.patching.attribution import (
+    IG_PATHS,
+    IGPath,
+    attribution_patching,
+    check_integrable,
+    hook_blocks,
+    path_moves,
+)
 from tomlens.patching.cells import MENTIONS, Cell, canonical_kind, plan_cells
 from tomlens.patching.checkpoints import Checkpoints
 from tomlens.patching.engine import forward_cost
@@ -330,7 +337,9 @@ class AttributionSweep:
         if self.steps > 1 and path == "embeddings":
             check_integrable(model)  # before any stage runs, not after the exact sweep
         self.cells = plan_cells(model, self.spec, n_aligned=prepared.n_aligned)
-        how = (f"steps={self.steps}" if self.steps > 1 else "") + (f" path={path}" if self.steps > 1 and
+        # "sites@position": the site path moves one position at a time (chunks written when it moved
+        # every differing token are not resumed into a run of the new path)
+        how = (f"steps={self.steps}" if self.steps > 1 else "") + (f" path={path}@position" if self.steps > 1 and
                                                                    path != "embeddings" else "")
         tag = hashlib.sha256((repr(self.cells) + how).encode()).hexdigest()[:12]
         self.names = [f"attribution-{direction}-g{gi:04d}-{tag}" for gi in range(len(prepared.groups))]
@@ -339,8 +348,9 @@ class AttributionSweep:
     def cost(self, gi: int) -> float:
         """Multiply-adds of one group: the source forward, then per run a forward and a backward
         (about two forwards) from the first differing token: one run per step along the
-        embeddings; the plain run, then per step one run per hook point, through the blocks from
-        its block on, along the sites."""
+        embeddings; the plain run, then per step one run per hook point and position (a selector
+        no pair of a group has at a differing token costs less: an upper bound), through the
+        blocks from its block on, along the sites."""
         grp = self.prepared.groups[gi]
         run = 3 * forward_cost(self.model, grp.g, grp.width - int(grp.first_diff.min()))
         runs: float  # a whole number of runs along the embeddings, a mean over hooks along the sites
@@ -348,7 +358,9 @@ class AttributionSweep:
             runs = self.steps
         else:
             n = self.model.cfg.n_layers
-            runs = 1 + (self.steps - 1) * sum((n - block) / n for block in hook_blocks(self.cells).values())
+            blocks = hook_blocks(self.cells)
+            moves = path_moves(self.cells, steps=self.steps, path=self.path).values()
+            runs = 1 + (self.steps - 1) * sum((n - blocks[m.hook]) / n for m in moves)
         return forward_cost(self.model, grp.g, grp.width) + runs * run
 
     def pending(self) -> list[int]:
