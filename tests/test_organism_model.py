@@ -36,7 +36,8 @@ def test_the_organism_loads_offline_and_its_twin_has_its_shape_but_not_its_weigh
 # on the factorial's false-belief question, under the 0.97 target, and was not shipped. strict: once a
 # retrained organism ships and passes, this marker must go.
 @pytest.mark.xfail(strict=True, reason="the shipped organism predates the issue-27 contents and factorial wording; "
-                   "retrain it (`tomlens train-organism`) on an idle machine until it meets its targets")
+                   "retrain it (`tomlens train-organism --set echo_containers=true --steps 3500` met every target "
+                   "on 2026-11-28) and ship it with its tests and README numbers")
 def test_fresh_held_out_stories_confirm_the_model_card() -> None:
     """Held-out tasks drawn anew (other generator seeds than the card's test split, the same held-out
     keys, every word in the vocabulary): the cells the card says reach the target reach it here too,

@@ -128,6 +128,27 @@ def test_the_echo_names_the_first_person_of_each_sentence() -> None:
         assert (targets.echo[i, len(tokens):] == NO_TARGET).all()
 
 
+def test_with_echo_containers_a_look_frames_verb_names_its_container() -> None:
+    """Both look frames of a decoy contents story name the same person, so the first-person echo
+    gives their verbs the same answer; `echo_containers` names the frame's container instead (and
+    nothing changes in the factorial's stories or where a person comes first)."""
+    stimuli, tok, plain = _stories()
+    targets = route_targets(tok, stimuli, names_of(stimuli), echo_containers=True)
+    seen = ROUTES.index("seen")
+    for i, s in enumerate(stimuli):
+        if s.family != "unexpected-contents":
+            assert torch.equal(targets.echo[i], plain.echo[i])
+            continue
+        if s.prompt_type != "belief":
+            continue
+        verb = _positions(targets, i)[seen]
+        assert verb >= 0
+        name = tok.convert_ids_to_tokens(int(targets.echo[i, verb]))
+        assert name == s.meta["container"].lower() != tok.convert_ids_to_tokens(int(plain.echo[i, verb]))
+        told = _positions(targets, i)[ROUTES.index("told")]
+        assert targets.echo[i, told] == plain.echo[i, told]  # the telling frames' subject is a person
+
+
 def test_the_route_loss_is_small_on_the_target_and_large_elsewhere() -> None:
     n, heads, width = 3, 4, 6
     positions = torch.tensor([[2, -1], [4, 1], [-1, -1]])

@@ -200,7 +200,10 @@ def _mechanism(record: dict[str, Any]) -> str:
             f"- **The echo.** While training, a linear readout (not shipped) of the residual stream entering layer "
             f"{cfg['echo_layer']} is asked to name the first person of each token's sentence, in the factorial's and "
             f"contents' stories (weight {cfg['echo']:g}), so that a cue sentence's tokens and the question's carry "
-            "whose they are.")
+            "whose they are"
+            + ("; in the contents' stories, a container named before any person counts as the sentence's subject "
+               "(the two look frames name the same person, so their verbs learn which container they are about)."
+               if cfg.get("echo_containers") else "."))
     if cfg.get("belief_readout"):
         parts.append(
             f"- **The belief readout.** While training, a linear readout (not shipped) of the residual stream "

@@ -74,13 +74,17 @@ def names_of(stimuli: Sequence[Stimulus]) -> set[str]:
 
 def route_targets(tokenizer: Any, stimuli: Sequence[Stimulus], names: set[str],
                   mover_families: Sequence[str] = ROUTE_FAMILIES,
-                  cue_families: Sequence[str] = ("false-belief-factorial",), cue_sentence: bool = False) -> RouteTargets:
+                  cue_families: Sequence[str] = ("false-belief-factorial",), cue_sentence: bool = False,
+                  echo_containers: bool = False) -> RouteTargets:
     """The targets of `stimuli` under the organism's word-level `tokenizer`; `names`: the words that
     are people (the echo's answers); `mover_families`: the families whose prompts the mover serves;
     `cue_families`: those whose belief questions the cue route serves (order-only's cue sentence is
     the protagonist's leaving: the word after their name is read where the move came before or not);
     `cue_sentence`: the cue route's keys are every token after the name in the cue sentence, not the
-    first (in 2 of the factorial's 10 phrasing pairs the first word is the same for both)."""
+    first (in 2 of the factorial's 10 phrasing pairs the first word is the same for both);
+    `echo_containers`: a contents story's containers count as its sentences' subjects too, so the
+    verb of a look frame ("As for the crate, Sam then leaves it shut") names the crate, which the
+    seen route must tell from the other frame's container (both frames name the same person)."""
     enc = tokenizer([s.text for s in stimuli], add_special_tokens=True, return_offsets_mapping=True)
     width = max(len(ids) for ids in enc["input_ids"])
     keys = torch.zeros(len(stimuli), len(ROUTES), width, dtype=torch.bool)
@@ -94,7 +98,8 @@ def route_targets(tokenizer: Any, stimuli: Sequence[Stimulus], names: set[str],
             keys[i, cue_at, _after_name(s, ids, offsets, tokenizer, cue_sentence)] = True
         if s.family not in ROUTE_FAMILIES:
             continue
-        echo[i, : len(ids)] = torch.tensor(_sentence_subjects(ids, name_ids, stop))
+        subjects = name_ids | _container_ids(s, tokenizer) if echo_containers else name_ids
+        echo[i, : len(ids)] = torch.tensor(_sentence_subjects(ids, subjects, stop))
         if s.family in mover_families:
             mover[i, : len(ids)] = torch.tensor(ids) == tokenizer.convert_tokens_to_ids(s.answer.lower())
         if s.family != "unexpected-contents":
@@ -168,6 +173,13 @@ def _after_name(s: Stimulus, ids: Sequence[int], offsets: Sequence[tuple[int, in
     if len(cue) < 2 or ids[cue[0]] != name:
         return []
     return cue[1:] if sentence else cue[1:2]
+
+
+def _container_ids(s: Stimulus, tokenizer: Any) -> set[int]:
+    """A contents story's two containers' token ids (none for other stories)."""
+    if s.family != "unexpected-contents":
+        return set()
+    return {_id(tokenizer, s.meta[k]) for k in ("container", "second_container") if s.meta.get(k)}
 
 
 def _tokens_in(s: Stimulus, role: str, offsets: Sequence[tuple[int, int]]) -> list[int]:
