@@ -161,6 +161,20 @@ def test_integrated_gradients_at_a_position_converge_to_patching_that_position_a
     assert errors[64] < 0.2 * errors[8] < 0.2 * errors[1]  # moving every token: 9e-5 at 64 steps, 5e-5 at 8
 
 
+def test_a_head_path_at_a_token_before_the_stories_differ_scores_zero(load_tiny):
+    """A selector that every pair has before its first differing token (the protagonist's first
+    mention, in the first sentence) makes no path runs, and each of its head cells scores 0, with
+    the head axis kept (a skipped path once gave a one-head score table, which a head past the
+    first indexed out of)."""
+    from tomlens.stimuli.pairs import make_pairs
+
+    model = load_tiny("tiny-llama")
+    pairs, _ = make_pairs("unexpected-transfer", n=2, seed=3, tokenizer=model.tokenizer)
+    got = attribution_patching(model, pairs, sites={"heads": ["protagonist"]}, steps=2, path="sites", progress=False)
+    assert got.values.shape[0] == model.cfg.n_layers * model.cfg.n_heads
+    torch.testing.assert_close(got.values, got.corrupted[None, :].expand_as(got.values))
+
+
 def test_attribution_matches_a_finite_difference(load_tiny):
     """The score is the derivative of the metric along (clean - corrupted) at the corrupted run."""
     model = load_tiny("tiny-llama")

@@ -309,7 +309,7 @@ def _column_score(src: Tensor, base: Tensor, grad: Tensor | None, column: _Colum
         diff = column.take(src[:, start:].to(base.dtype)) - column.take(base.detach())
         s = (diff * grad).float().sum(-1)
         s = (s if s.ndim == 2 else s[:, None]) * column.valid[:, None].to(s.dtype)
-    heads = 1 if s is None else s.shape[1]
+    heads = base.shape[2] if base.ndim == 4 else 1  # a head hook keeps its head axis, as in `column_scores`
     full = torch.zeros((base.shape[0], width, heads), device=base.device)
     if s is not None and column is not None:
         full[column.rows, start + column.at] = s
