@@ -130,17 +130,22 @@ def test_integrated_gradient_attribution_equals_a_one_pair_reference(load_tiny, 
         attribution_patching(model, pairs, sites={"heads": ["each"]}, steps=2, path="heads", progress=False)
 
 
+def _site_path_errors(load_tiny, sites) -> dict[int, float]:
+    """The largest gap between attribution along the sites and exact patching of `sites`, on two
+    tiny-llama pairs, at 1 (plain), 8 and 64 steps."""
+    model = load_tiny("tiny-llama")
+    pairs = short_pairs(model.tokenizer, 2)
+    exact = exact_patching(model, pairs, sites=sites, progress=False).values
+    return {steps: (attribution_patching(model, pairs, sites=sites, steps=steps, path="sites", progress=False).values
+                    - exact).abs().max().item() for steps in (1, 8, 64)}
+
+
 def test_integrated_gradients_along_a_site_converge_to_patching_it(load_tiny):
     """Along the sites, a hook whose one cell is the whole moved activation (the residual stream at
     every differing token) is integrated from the corrupted run to the clean one: with many steps the
     estimate is exact patching's value (the left sum's error shrinks as 1/steps), which plain
     attribution, a tangent at the corrupted run, is not held to."""
-    model = load_tiny("tiny-llama")
-    pairs = short_pairs(model.tokenizer, 2)
-    sites = {"resid_pre": ["all"]}
-    exact = exact_patching(model, pairs, sites=sites, progress=False).values
-    errors = {steps: (attribution_patching(model, pairs, sites=sites, steps=steps, path="sites", progress=False).values
-                      - exact).abs().max().item() for steps in (1, 8, 64)}
+    errors = _site_path_errors(load_tiny, {"resid_pre": ["all"]})
     assert errors[1] > 1e-3  # the tangent is off: there is something to converge
     assert errors[64] < 0.2 * errors[8] < 0.2 * errors[1]  # the left Riemann sum closing in, not a fixed offset
 
@@ -151,12 +156,7 @@ def test_integrated_gradients_at_a_position_converge_to_patching_that_position_a
     is exact patching's value. A path that moved every differing token converged to what they do
     together instead (the organism's layer-0 heads at the final token: 0.15 and 0.24 of the gap,
     0.01 each patched alone)."""
-    model = load_tiny("tiny-llama")
-    pairs = short_pairs(model.tokenizer, 2)
-    sites = {"resid_pre": ["final"]}
-    exact = exact_patching(model, pairs, sites=sites, progress=False).values
-    errors = {steps: (attribution_patching(model, pairs, sites=sites, steps=steps, path="sites", progress=False).values
-                      - exact).abs().max().item() for steps in (1, 8, 64)}
+    errors = _site_path_errors(load_tiny, {"resid_pre": ["final"]})
     assert errors[1] > 1e-4  # the tangent is off (2.2e-4 here)
     assert errors[64] < 0.2 * errors[8] < 0.2 * errors[1]  # moving every token: 9e-5 at 64 steps, 5e-5 at 8
 
