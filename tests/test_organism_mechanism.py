@@ -7,8 +7,22 @@ import pytest
 import torch
 
 from tomlens.errors import TomlensError
-from tomlens.organism.interchange import head_outputs, patched_final_logits, usable
-from tomlens.organism.train import OrganismConfig, encode, final_logits, llama_config, quick_config, swap_targets
+from tomlens.organism.interchange import (
+    head_outputs,
+    layer_outputs,
+    layers_patched_final_logits,
+    patched_final_logits,
+    usable,
+)
+from tomlens.organism.train import (
+    OrganismConfig,
+    encode,
+    final_logits,
+    llama_config,
+    quick_config,
+    swap_targets,
+    upstream_loss_and_right,
+)
 from tomlens.organism.vocab import build_tokenizer, words
 from tomlens.stimuli import generate
 
@@ -37,6 +51,43 @@ def test_patching_a_head_with_its_own_output_changes_nothing_and_with_another_st
         other = patched_final_logits(model, enc.ids, enc.lengths, 1, 2, d_head, own.roll(1, dims=0))
     assert torch.allclose(plain, same, atol=1e-5)
     assert not torch.allclose(plain, other, atol=1e-3)
+
+
+def test_patching_whole_layers_with_their_own_outputs_changes_nothing_and_matches_patching_each_head() -> None:
+    """The upstream-invariance loss sets every head of the layers before the interchange head from
+    another story: with the story's own outputs nothing changes, and setting one layer's heads is
+    setting each of them."""
+    model, enc, _, cfg = _model_and_prompts()
+    d_head = cfg.d_model // cfg.n_heads
+    own = layer_outputs(model, enc.ids, enc.lengths, range(1))
+    assert set(own) == {0} and own[0].shape == (len(enc.ids), cfg.n_heads * d_head)
+    assert torch.allclose(own[0][:, 2 * d_head:3 * d_head], head_outputs(model, enc.ids, enc.lengths, 0, 2, d_head))
+    other = {0: own[0].roll(1, dims=0)}
+    with torch.no_grad():
+        plain = final_logits(model, enc.ids, enc.lengths)
+        same = layers_patched_final_logits(model, enc.ids, enc.lengths, own)
+        moved = layers_patched_final_logits(model, enc.ids, enc.lengths, other)
+        one_head = patched_final_logits(model, enc.ids, enc.lengths, 0, 2, d_head, other[0][:, 2 * d_head:3 * d_head])
+        only_head_2 = own[0].clone()
+        only_head_2[:, 2 * d_head:3 * d_head] = other[0][:, 2 * d_head:3 * d_head]
+        same_as_one = layers_patched_final_logits(model, enc.ids, enc.lengths, {0: only_head_2})
+    assert torch.allclose(plain, same, atol=1e-5)
+    assert not torch.allclose(plain, moved, atol=1e-3)
+    assert torch.allclose(one_head, same_as_one, atol=1e-5)
+
+
+def test_each_belief_prompt_is_paired_with_its_task_s_story_of_the_other_belief() -> None:
+    model, enc, stimuli, cfg = _model_and_prompts()
+    for i, j in enumerate(enc.partner.tolist()):
+        assert j >= 0, stimuli[i].id  # order-only: every belief prompt has its other-condition story
+        assert stimuli[j].task_id == stimuli[i].task_id
+        assert stimuli[j].belief_is_reference != stimuli[i].belief_is_reference
+    base = torch.arange(len(stimuli))
+    loss, right = upstream_loss_and_right(model, enc, base, cfg)
+    assert loss.requires_grad and right.shape == (len(stimuli),)
+    reality = [s for s in generate("order-only", n=2, seed=0) if s.prompt_type == "reality"]
+    tok = build_tokenizer(sorted({w for s in reality for w in words(s.text + " " + " ".join(s.options))}))
+    assert (encode(tok, reality).partner == -1).all()  # no belief to swap
 
 
 def test_the_swap_target_is_the_base_place_the_source_belief_picks() -> None:
@@ -76,7 +127,13 @@ def test_an_interchange_head_the_model_lacks_is_refused() -> None:
         OrganismConfig(interchange=1.0, interchange_families=("bigtom",))
     with pytest.raises(TomlensError, match="not a \\(layer, head\\) pair"):
         OrganismConfig(interchange_head=(2,))
-    for bad in ({"interchange": -1.0}, {"interchange": float("nan")}, {"knockout_after": 1.5}):
+    with pytest.raises(TomlensError, match="in the first layer"):
+        OrganismConfig(interchange_head=(0, 1), upstream_invariance=1.0)
+    assert OrganismConfig(interchange=0.0, interchange_head=(0, 1)).upstream_invariance == 1.0  # idle without it
+    with pytest.raises(TomlensError, match="not true or false"):
+        OrganismConfig(echo_containers="False")  # type: ignore[arg-type]
+    for bad in ({"interchange": -1.0}, {"interchange": float("nan")}, {"knockout_after": 1.5},
+                {"upstream_invariance": -0.5}):
         with pytest.raises(TomlensError, match="out of range"):
             OrganismConfig(**bad)
     assert OrganismConfig(interchange_families="order-only").interchange_families == ("order-only",)

@@ -12,7 +12,7 @@ from tomlens.errors import TomlensError
 # list that starts with a negative dose goes after "=" (--alphas=-4,-2,0,2,4), or the doses go as
 # separate words (--alphas -4 -2 0 2 4); the help says so.
 ALPHAS_HELP = ("doses: --alphas=-4,-2,0,2,4 (with '=' when the list starts with a negative number) or "
-               "--alphas -4 -2 0 2 4 (default -4,-2,-1,0,1,2,4)")
+               "--alphas -4 -2 0 2 4 (default -4,-2,-1,-0.5,0,0.5,1,2,4)")
 
 
 def _floats(items: list[str], flag: str) -> tuple[float, ...]:

@@ -46,9 +46,9 @@ def model_card(record: dict[str, Any]) -> str:
             "question below, on which every method (probes, patching, attribution, ablation, steering) must "
             "find belief." if meets_target(record) else
             "It is the positive control of `tomlens validate` on order-only stories, where it answers every "
-            "held-out question and where training put its belief variable (below), but it does **not** answer "
-            "every kind of belief question (see the table): read it as a model that tracks belief only where "
-            "its accuracy says so." if cfg.get("interchange") and _order_only_solved(record) else
+            "held-out question and where training put its belief variable (below), but **not** every "
+            f"condition of its other families reaches the target of {ACCURACY_TARGET} (see the table): read "
+            "it as a model that tracks belief only where its accuracy says so." if cfg.get("interchange") and _order_only_solved(record) else
             "It was meant as the positive control of `tomlens validate`, but it does **not** answer every kind "
             "of belief question (see the table): read it as a model that tracks belief only where its "
             "accuracy says so.")
@@ -159,6 +159,15 @@ def _mechanism(record: dict[str, Any]) -> str:
             "`tomlens validate` should find it there: this head in the top k of the patching ranking, and "
             "its mean ablation removing the false beliefs (a probe or a steering direction may read the "
             "story's order, which fixes the belief here, at any layer from the first on).")
+        if cfg.get("upstream_invariance"):
+            kept = ", ".join(f"{k} {v:.3f}" for k, v in record.get("test_upstream_accuracy", {}).items()) \
+                or "not measured"
+            parts.append(
+                f"- **The belief is formed in L{layer}H{head}, not before it** (weight "
+                f"{cfg['upstream_invariance']:g}): with every head of layers 0 to {layer - 1} at the final token "
+                "taken from the same task's story of the other belief, the answer must stay the story's own, so the "
+                "bit cannot reach the final token through an earlier head and the planted head relays nothing. "
+                f"Share of held-out belief questions that keep their answer under that swap: {kept}.")
     if cfg.get("routes"):
         layer, heads = cfg["route_layer"], cfg["route_heads"]
         mover = cfg["mover_head"]

@@ -11,13 +11,16 @@ current place when they saw it). The head can only help by carrying the source's
 belief-is-the-start bit and nothing about its words. (The source run has no gradient: the loss
 teaches the later layers to read the head, and the answer loss teaches the head to write it.
 Whether it does is measured, not assumed: the held-out swap accuracy in the model card, and
-`tomlens validate`'s head ranking and ablation.)
+`tomlens validate`'s head ranking and ablation.) A head that carries the bit may only relay it from
+an earlier head at the same token; the upstream invariance (every head of the earlier layers at the
+final token taken from the story of the other belief, the story's own answer still asked for) keeps
+the bit from reaching the final token before the planted head.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Iterator, Mapping
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import torch
@@ -78,13 +81,48 @@ def patched_final_logits(model: Any, ids: Tensor, lengths: Tensor, layer: int, h
                          values: Tensor) -> Tensor:
     """Logits at each row's last real token ([n, vocab]) with the head's output there set to
     `values` ([n, d_head])."""
+    return _final_logits_with(model, ids, lengths, {layer: (slice(head * d_head, (head + 1) * d_head), values)})
 
-    def put(x: Tensor) -> tuple[Tensor]:
-        rows, cols = _final(x, lengths)
-        x = x.clone()
-        x[rows, cols, head * d_head:(head + 1) * d_head] = values.to(x.dtype)
-        return (x,)
 
-    with _o_proj_hook(model, layer, put):
+def layer_outputs(model: Any, ids: Tensor, lengths: Tensor, layers: range) -> dict[int, Tensor]:
+    """Every head's output of each layer in `layers` at each row's last real token, concatenated
+    ({layer: [n, n_heads * d_head]}); no gradient."""
+    got: dict[int, Tensor] = {}
+
+    def grabber(layer: int) -> Any:
+        def grab(x: Tensor) -> None:
+            rows, cols = _final(x, lengths)
+            got[layer] = x[rows, cols].detach().clone()
+        return grab
+
+    with torch.no_grad(), ExitStack() as stack:
+        for layer in layers:
+            stack.enter_context(_o_proj_hook(model, layer, grabber(layer)))
+        model(input_ids=ids, attention_mask=padding_mask(ids, lengths))
+    return got
+
+
+def layers_patched_final_logits(model: Any, ids: Tensor, lengths: Tensor, values: Mapping[int, Tensor]) -> Tensor:
+    """Logits at each row's last real token ([n, vocab]) with every head of each layer in `values`
+    set there to its value ([n, n_heads * d_head])."""
+    return _final_logits_with(model, ids, lengths, {layer: (slice(None), v) for layer, v in values.items()})
+
+
+def _final_logits_with(model: Any, ids: Tensor, lengths: Tensor,
+                       patches: Mapping[int, tuple[slice, Tensor]]) -> Tensor:
+    """Logits at each row's last real token ([n, vocab]), with the output-projection input of each
+    patched layer set to its values in its columns at that token."""
+
+    def putter(cols: slice, values: Tensor) -> Any:
+        def put(x: Tensor) -> tuple[Tensor]:
+            rows, pos = _final(x, lengths)
+            x = x.clone()
+            x[rows, pos, cols] = values.to(x.dtype)
+            return (x,)
+        return put
+
+    with ExitStack() as stack:
+        for layer, (cols, values) in patches.items():
+            stack.enter_context(_o_proj_hook(model, layer, putter(cols, values)))
         logits = model(input_ids=ids, attention_mask=padding_mask(ids, lengths)).logits
     return logits[torch.arange(len(ids)), lengths - 1]
