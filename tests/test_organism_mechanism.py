@@ -19,6 +19,7 @@ from tomlens.organism.train import (
     encode,
     final_logits,
     llama_config,
+    partners,
     quick_config,
     swap_targets,
     upstream_loss_and_right,
@@ -76,12 +77,24 @@ def test_patching_whole_layers_with_their_own_outputs_changes_nothing_and_matche
     assert torch.allclose(one_head, same_as_one, atol=1e-5)
 
 
-def test_each_belief_prompt_is_paired_with_its_task_s_story_of_the_other_belief() -> None:
+def test_each_belief_prompt_is_paired_with_its_task_s_story_of_the_other_belief_asked_the_same_way() -> None:
     model, enc, stimuli, cfg = _model_and_prompts()
     for i, j in enumerate(enc.partner.tolist()):
         assert j >= 0, stimuli[i].id  # order-only: every belief prompt has its other-condition story
         assert stimuli[j].task_id == stimuli[i].task_id
         assert stimuli[j].belief_is_reference != stimuli[i].belief_is_reference
+        assert len(enc.ids[j].nonzero()) == len(enc.ids[i].nonzero())  # the same sentences, reordered
+    for family in ("false-belief-factorial", "unexpected-contents"):  # the same factor levels, version, question
+        prompts = [s for s in generate(family, n=2, seed=0) if s.prompt_type == "belief"]
+        got = partners(prompts)
+        assert (got >= 0).any()
+        for i, j in enumerate(got.tolist()):
+            if j < 0:
+                continue
+            a, b = prompts[i], prompts[j]
+            assert a.task_id == b.task_id and a.belief_is_reference != b.belief_is_reference
+            assert a.id.split("-", 4)[4] == b.id.split("-", 4)[4], (a.id, b.id)  # "fs-rs-imp-belief", "rev-belief"
+            assert a.text.rsplit(".", 1)[-1] == b.text.rsplit(".", 1)[-1] and a.options == b.options
     base = torch.arange(len(stimuli))
     loss, right = upstream_loss_and_right(model, enc, base, cfg)
     assert loss.requires_grad and right.shape == (len(stimuli),)
@@ -109,6 +122,20 @@ def test_the_swap_target_is_the_base_place_the_source_belief_picks() -> None:
     assert stimuli[fb].reference_state != stimuli[fb].world_state
 
 
+def test_the_upstream_invariance_loss_takes_part_in_training() -> None:
+    """Two reduced runs that differ only in the loss's weight end with different weights (the loss
+    reaches the optimiser), and draw the same batches (it adds no random draw)."""
+    from dataclasses import replace
+
+    from tomlens.organism.train import train
+
+    on, _, with_loss = train(replace(quick_config(), steps=3), progress=False, log_every=0)
+    off, _, without = train(replace(quick_config(), steps=3, upstream_invariance=0.0), progress=False, log_every=0)
+    assert with_loss["split"] == without["split"]
+    w_on, w_off = (next(iter(m.model.layers[0].self_attn.o_proj.parameters())) for m in (on, off))
+    assert not torch.allclose(w_on, w_off)
+
+
 def test_the_knockout_runs_once_the_swap_is_learnt() -> None:
     from dataclasses import replace
 
@@ -133,7 +160,7 @@ def test_an_interchange_head_the_model_lacks_is_refused() -> None:
     with pytest.raises(TomlensError, match="not true or false"):
         OrganismConfig(echo_containers="False")  # type: ignore[arg-type]
     for bad in ({"interchange": -1.0}, {"interchange": float("nan")}, {"knockout_after": 1.5},
-                {"upstream_invariance": -0.5}):
+                {"upstream_invariance": -0.5}, {"upstream_invariance": float("inf")}, {"upstream_invariance": "abc"}):
         with pytest.raises(TomlensError, match="out of range"):
             OrganismConfig(**bad)
     assert OrganismConfig(interchange_families="order-only").interchange_families == ("order-only",)

@@ -4,6 +4,7 @@ held-out stories, and the methods find on it what its random twin does not have.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,7 @@ import torch
 from tomlens.behaviour import score
 from tomlens.models import load_model, provenance
 from tomlens.models.organism import ORGANISM_NAME, organism_dir
-from tomlens.organism.card import RECORD
+from tomlens.organism.card import RECORD, meets_target
 from tomlens.organism.data import held_out_stories
 from tomlens.organism.train import ACCURACY_TARGET
 from tomlens.runs.validate import CHECKS, ValidationResult, fast_config
@@ -34,8 +35,8 @@ def test_fresh_held_out_stories_confirm_the_model_card() -> None:
     """Held-out tasks drawn anew (other generator seeds than the card's test split, the same held-out
     keys, every word in the vocabulary): the cells the card says reach the target reach it here too,
     and those it says do not, do not. Four generator seeds, pooled: errors cluster in a few held-out
-    template combinations, so one seed's 100-odd prompts of a cell swing by several points (the
-    factorial's true-belief question: 0.93 on one seed, 0.996 over ten)."""
+    template combinations, so one seed's 20 to 200 prompts of a cell swing by several points (the
+    contents' informed belief: 0.89 on one seed, 0.992 over ten)."""
     import pandas as pd
 
     record = json.loads((organism_dir() / RECORD).read_text())
@@ -63,17 +64,24 @@ def test_fresh_held_out_stories_confirm_the_model_card() -> None:
             assert value < ACCURACY_TARGET, (cell, value)
         else:  # just under the target on the card's sample: the same within sampling error
             assert abs(value - card[cell]) <= 0.1, (cell, value, card[cell])
-    # the positive control's own family answers every held-out question on the card's split (the shipped
-    # organism misses the target elsewhere by one prompt: contents false belief 122 of 126, 0.968; 0.992 on
-    # the fresh stories above)
-    assert all(v >= ACCURACY_TARGET for k, v in card.items() if k.startswith("order-only/")), card
+    # The card's own split: the positive control's family answers every held-out question, and the one cell
+    # under the target misses it by a single prompt (contents false belief, 122 of 126) and reaches it on the
+    # fresh stories above (0.992 on ten seeds). The card and README say so; a retrain changes these lines.
+    assert all(v == 1.0 for k, v in card.items() if k.startswith("order-only/")), card
+    missed = {k for k, v in card.items() if v < ACCURACY_TARGET}
+    assert missed == {"unexpected-contents/false_belief/belief"}, missed
+    for cell in missed:
+        n = record["split"]["test_counts"][cell]
+        assert round(card[cell] * n) >= math.ceil(ACCURACY_TARGET * n) - 1, (cell, card[cell], n)
+        assert accuracy[cell] >= ACCURACY_TARGET, (cell, accuracy[cell])
+    assert not meets_target(record)  # so the card says the target is not met, and train-organism exits 1
 
 
 def _validate(name: str, tmp_path: Path) -> ValidationResult:
     from tomlens.runs.validate import run
 
     # 48 tasks: a probe needs rows; steering at the middle depths only (layers 1 to 3: every layer
-    # triples the steering passes; the full run's steering picks layer 0) and 20 random head sets
+    # triples the steering passes; the full run's steering picks layer 2) and 20 random head sets
     # keep it fast
     result = run(fast_config(name, n_tasks=48, store=str(tmp_path / "store"), steering_depths=(0.25, 0.5, 0.75),
                              n_random_heads=20), progress=False)
@@ -178,7 +186,7 @@ def test_the_belief_reaches_the_final_token_through_the_planted_head_and_no_earl
     assert planted > 0.9 and abs(before) < 0.1, (planted, before)
 
 
-def test_attribution_finds_the_planted_head_only_when_it_integrates_along_each_head() -> None:
+def test_attribution_along_each_head_finds_the_planted_head_where_plain_attribution_misses_it() -> None:
     """Plain attribution misses the head the belief is planted in, which exact patching ranks first:
     it reads a saturated slope at the base run, so its estimate for the head is near zero (or of the
     wrong sign) where patching the head restores the whole gap. Integrating along each layer's head

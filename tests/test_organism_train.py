@@ -80,9 +80,9 @@ def test_the_schedule_options_do_what_the_card_says() -> None:
     card = model_card(bare)
     assert "The belief readout." not in card
     share = bare["test_upstream_accuracy"]["order-only"]  # on by default
-    assert 0.0 <= share <= 1.0 and f"order-only {share:.3f}" in card and "not before it" in card
+    assert 0.0 <= share <= 1.0 and f"keep their answer under that swap: order-only {share:.3f}" in card
     _, _, free = train(replace(quick_config(), steps=2, upstream_invariance=0.0), progress=False, log_every=0)
-    assert free["test_upstream_accuracy"] == {} and "not before it" not in model_card(free)
+    assert free["test_upstream_accuracy"] == {} and "upstream invariance" not in model_card(free)
 
 
 def test_a_run_without_a_family_does_not_meet_the_target() -> None:

@@ -85,14 +85,15 @@ def settings(items: list[str]) -> dict[str, Any]:
 
 def estimate_minutes(cfg) -> float:  # noqa: ANN001 - an OrganismConfig
     """Measured here for the default recipe (2 CPU threads, 5 layers, d_model 64, batch 64, the
-    routes, echo and belief readout on, the upstream invariance on): about 0.65 s a step until the
-    curriculum ends (a quarter of the steps), 0.9 s after (every family's stories, 32 swap pairs a
-    step, each run three times, and the held-out evaluations every 250 steps; 3165 s for 3500
-    steps); without the upstream invariance 0.31 and 0.5 s; 0.3 s without the interchange; plus
+    routes, echo and belief readout on, the upstream invariance on): about 0.7 s a step until the
+    curriculum ends (a quarter of the steps), 0.95 s after (every family's stories, 32 swap pairs a
+    step, each in five forwards: the source, the swap, the knockout, and the upstream swap's source
+    and base; and the held-out evaluations every 250 steps; 3165 s for 3500 steps); without the
+    upstream invariance 0.31 and 0.5 s; 0.3 s without the interchange; plus
     about a minute to generate and split the stories. Other settings move it (64 swap pairs
     throughout cost more)."""
     size = (cfg.batch_size / 64) * (cfg.n_layers / 5) * (cfg.d_model / 64) ** 2
     share = min(max(cfg.first_share, 0.0), 1.0)
-    first, later = (0.65, 0.9) if cfg.upstream_invariance else (0.31, 0.5)
+    first, later = (0.7, 0.95) if cfg.upstream_invariance else (0.31, 0.5)
     per_step = (first * share + later * (1 - share)) if cfg.interchange else 0.3
     return 1 + cfg.steps * per_step * size / 60

@@ -45,9 +45,9 @@ def model_card(record: dict[str, Any]) -> str:
     role = ("It is the **positive control** of `tomlens validate`: a model known to answer every belief "
             "question below, on which every method (probes, patching, attribution, ablation, steering) must "
             "find belief." if meets_target(record) else
-            "It is the positive control of `tomlens validate` on order-only stories, where it answers every "
-            "held-out question and where training put its belief variable (below), but **not** every "
-            f"condition of its other families reaches the target of {ACCURACY_TARGET} (see the table): read "
+            "It is the positive control of `tomlens validate` on order-only stories, where every held-out cell "
+            f"reaches the target of {ACCURACY_TARGET} and where training put its belief variable (below), but **not** every "
+            "condition of its other families does (see the table): read "
             "it as a model that tracks belief only where its accuracy says so." if cfg.get("interchange") and _order_only_solved(record) else
             "It was meant as the positive control of `tomlens validate`, but it does **not** answer every kind "
             "of belief question (see the table): read it as a model that tracks belief only where its "
@@ -93,8 +93,9 @@ It {met}.
 {rows}
 
 ## What it has learnt, and what not
-Where a cell above is under the target, the organism does not know that belief: do not read its
-internals there as belief tracking. `tomlens validate --model tom-organism` reports, per method,
+Where a cell above is under the target, the organism has not shown that it knows that belief (a
+cell a prompt or two short may be sampling; fresh held-out stories tell): do not read its internals
+there as belief tracking until they do. `tomlens validate --model tom-organism` reports, per method,
 whether belief is found where the checks look (the final token of the belief question).
 
 ## Use
@@ -162,12 +163,15 @@ def _mechanism(record: dict[str, Any]) -> str:
         if cfg.get("upstream_invariance"):
             kept = ", ".join(f"{k} {v:.3f}" for k, v in record.get("test_upstream_accuracy", {}).items()) \
                 or "not measured"
+            earlier = "layer 0" if layer == 1 else f"layers 0 to {layer - 1}"
             parts.append(
-                f"- **The belief is formed in L{layer}H{head}, not before it** (weight "
-                f"{cfg['upstream_invariance']:g}): with every head of layers 0 to {layer - 1} at the final token "
-                "taken from the same task's story of the other belief, the answer must stay the story's own, so the "
-                "bit cannot reach the final token through an earlier head and the planted head relays nothing. "
-                f"Share of held-out belief questions that keep their answer under that swap: {kept}.")
+                f"- **The answer takes the belief from L{layer}H{head}, not from an earlier head at the final "
+                f"token** (the upstream invariance, weight {cfg['interchange'] * cfg['upstream_invariance']:g}, on "
+                f"{', '.join(cfg['interchange_families'])} belief questions): with every head of {earlier} at the "
+                "final token taken from the same task's story of the other belief, the answer must stay the story's "
+                "own. So the planted head is where the belief enters the answer, not a relay of an earlier head "
+                "there (a probe may still read the story's order at the final token before it; the answer does "
+                f"not use it). Share of held-out belief questions that keep their answer under that swap: {kept}.")
     if cfg.get("routes"):
         layer, heads = cfg["route_layer"], cfg["route_heads"]
         mover = cfg["mover_head"]

@@ -162,8 +162,8 @@ class OrganismConfig:
         for name, value, low, high in (("interchange", self.interchange, 0.0, math.inf),
                                        ("knockout_after", self.knockout_after, 0.0, 1.0),
                                        ("upstream_invariance", self.upstream_invariance, 0.0, math.inf)):
-            if not low <= float(value) <= high:  # NaN fails too
-                raise TomlensError(f"{name} = {value} is out of range", f"use a number from {low} to {high}")
+            if not _number_in(value, low, high):
+                raise TomlensError(f"{name} = {value!r} is out of range", f"use a finite number from {low} to {high}")
         if set(self.first_families) - set(FAMILIES) or not 0.0 <= self.first_share < 1.0:
             raise TomlensError(f"curriculum first_families {list(self.first_families)}, first_share {self.first_share}",
                                f"choose families from {list(FAMILIES)} and a share in [0, 1)")
@@ -244,6 +244,13 @@ class OrganismConfig:
             if missing:
                 raise TomlensError(f"task counts lack {sorted(missing)}", f"give a count for each of {list(FAMILIES)}")
 
+def _number_in(value: Any, low: float, high: float) -> bool:
+    """A finite number (not a bool) from `low` to `high`; NaN, infinities and text are not."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    return math.isfinite(value) and low <= value <= high
+
+
 def llama_config(cfg: OrganismConfig, vocab_size: int) -> Any:
     from transformers import LlamaConfig
 
@@ -290,19 +297,28 @@ def encode(tokenizer: Any, stimuli: Sequence[Stimulus]) -> Encoded:
 
 
 def partners(stimuli: Sequence[Stimulus]) -> Tensor:
-    """For each swappable prompt, the first swappable prompt of its task whose protagonist believes
-    the other thing (the minimal pair patching compares), else -1 ([n])."""
-    by_task: dict[str, list[int]] = {}
+    """For each swappable prompt, the swappable prompt of its task asked the same way (the same id
+    but for its condition code: the factorial's factor levels and question form, the contents'
+    version) whose protagonist believes the other thing, the first such where there are several;
+    else -1 ([n]). In order-only, the minimal pair patching compares."""
+    by_question: dict[tuple[str, str], list[int]] = {}
     for i, s in enumerate(stimuli):
         if usable(s):
-            by_task.setdefault(s.task_id, []).append(i)
+            by_question.setdefault((s.task_id, _asked_as(s)), []).append(i)
     out = torch.full((len(stimuli),), -1, dtype=torch.long)
-    for rows in by_task.values():
+    for rows in by_question.values():
         for i in rows:
             other = [j for j in rows if stimuli[j].belief_is_reference != stimuli[i].belief_is_reference]
             if other:
                 out[i] = other[0]
     return out
+
+
+def _asked_as(s: Stimulus) -> str:
+    """The part of a prompt's id after its task id and condition code ("fs-rs-imp-belief",
+    "rev-belief", "belief")."""
+    rest = s.id[len(s.task_id) + 1:] if s.id.startswith(s.task_id + "-") else s.id
+    return rest.split("-", 1)[1] if "-" in rest else rest
 
 
 def swap_rows(enc: Encoded, stimuli: Sequence[Stimulus], families: Sequence[str]) -> Tensor:

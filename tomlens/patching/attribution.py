@@ -9,8 +9,8 @@ the patched activation, decent for small activations such as head outputs, and p
 such as the residual stream: use it to rank, then confirm the top cells with exact patching.
 
 It fails where the metric saturates at the base run: a head whose patch moves the answer a long way
-can have almost no gradient there (the organism's planted head: exact effect 0.98, plain estimate
-0.02, ranked fourth; ninth on the previous organism). `steps > 1` is integrated gradients: the
+can have almost no gradient there (the organism's planted head: exact effect 0.99, plain estimate
+-0.06; on earlier organisms 0.02 and ranked fourth, and ninth). `steps > 1` is integrated gradients: the
 gradient is averaged over runs part of the way to the source story, which cross the slope. `path`
 says what moves. "sites" (the default) moves each hook point's activation at the cell's position
 (every head of a layer together; every differing token at once for cells at "all" and "each", so an
@@ -20,13 +20,14 @@ recomputes every block after it, as exact patching of a cell there does, so noth
 moved for it; a cell that is its hook's whole activation there (the residual stream at a position,
 or at "all") converges to its patching effect, and heads of one layer still share what they do only
 together. Moving every differing token for a cell at one position credited it with what the hook
-does at all of them together: the organism's layer-0 heads at the final token got 0.15 and 0.24 of
+does at all of them together: an earlier organism's layer-0 heads at the final token got 0.15 and 0.24 of
 the gap (exact patching 0.01 each; layer 0's heads patched together there 0.06), which broke the
 attribution check of `tomlens validate --seed 5`. "embeddings" moves the token embeddings (EAP-IG,
 Hanna et al. 2024), one run per step for every site at once, but then every head moves together, and
 where one head reads another the chain's effect is shared out among them while exact patching
-credits each with all that passes through it (the organism's planted head, read by two heads of the
-next layer: 0.98 patched, 0.16 along the embeddings and ranked third, 1.08 along the sites). The
+credits each with all that passes through it (an earlier organism's planted head, read by two heads
+of the next layer: 0.98 patched, 0.16 along the embeddings and ranked third, 1.08 along the sites;
+the current organism's readers carry little, and both paths rank its planted head first). The
 sites cost `steps` runs per hook point and position swept (each from its block on) instead of
 `steps` in all: independent of heads, but each selector position swept costs as much again (the
 role positions of `tomlens patch`: 3 for heads, 4 for the residual stream).
