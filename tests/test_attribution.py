@@ -154,7 +154,7 @@ def test_integrated_gradients_at_a_position_converge_to_patching_that_position_a
     """A cell at one position (the residual stream at the final token) is integrated along a path
     that moves its hook at that position alone, as patching it does: with many steps the estimate
     is exact patching's value. A path that moved every differing token converged to what they do
-    together instead (the organism's layer-0 heads at the final token: 0.15 and 0.24 of the gap,
+    together instead (the previous organism's layer-0 heads at the final token: 0.15 and 0.24 of the gap,
     0.01 each patched alone)."""
     errors = _site_path_errors(load_tiny, {"resid_pre": ["final"]})
     assert errors[1] > 1e-4  # the tangent is off (2.2e-4 here)

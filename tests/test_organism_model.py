@@ -105,9 +105,9 @@ def test_the_checks_find_belief_where_training_put_it_on_the_organism_and_nothin
 
 
 # Seeds a new user might pick: the issue's 4242, which failed steering under the old rule (its most-flipping random
-# direction of 20 flipped 0.125 > 0.10), and the first small ones after 0 (the test above). With the command's
-# defaults on 13 seeds (0-5, 7, 42, 123, 2024, 4242, 31337, 99991) the old rule failed steering on 4 (2, 123, 4242,
-# 99991); this one passes it on all 13. Seed 5 failed attribution (Spearman 0.786 < 0.8 over its 8 active heads)
+# direction of 20 flipped 0.125 > 0.10), and the first small ones after 0 (the test above). On the previous organism,
+# with the command's defaults on 13 seeds (0-5, 7, 42, 123, 2024, 4242, 31337, 99991) the old rule failed steering on
+# 4 (2, 123, 4242, 99991); this one passed it on all 13. Seed 5 failed attribution (Spearman 0.786 < 0.8 over its 8 active heads)
 # while integrated gradients moved every differing token for a head at the final token: layer-0 heads L0H3 and L0H5
 # got 0.15 and 0.24 of the gap, exact patching 0.01 each. Moving the final token alone, as patching it does, it passes.
 SEEDS = (1, 2, 3, 4, 5, 4242)
@@ -123,8 +123,8 @@ def test_every_check_passes_on_the_organism_and_fails_on_its_twin_whatever_the_s
     drawn (their maximum does, and failed --seed 4242 with the belief direction flipping every
     answer). The sizes are `tomlens validate`'s but for fewer permutations and random head sets
     (each check's null is a mean over them, or a max-statistic over units judged by its p-value) and
-    steering at layers 1 and 2 (the belief is kept out of the final token until layer 2's planted head
-    writes it, so layers 0 and 1 flip nothing and the full run chooses layer 2; its other three
+    steering at layers 1 and 2 (the answer takes the belief only from layer 2's planted head at the
+    final token, so layers 0 and 1 flip nothing and the full run chooses layer 2; its other three
     layers would more than double the steering passes)."""
     from tomlens.runs.validate import run
 
@@ -144,7 +144,7 @@ def test_integrated_gradients_at_the_final_token_share_out_what_its_layer_does_t
     """Completeness, per layer: along the sites, a layer's heads at the final token move together
     at that token alone, so their estimates add up to patching all of them there (up to the 8-step
     sum's error), in padded groups of order-only pairs. The path used to move every differing token,
-    and layer 0's heads then added up to 0.38 of the gap against 0.06 patched together at the final
+    and on the previous organism layer 0's heads then added up to 0.38 of the gap against 0.06 patched together at the final
     token (seed 5; two of them 0.15 and 0.24, each 0.01 patched alone), which failed validation."""
     from tomlens.patching.attribution import attribution_patching
     from tomlens.patching.heads import HeadSetSweep
@@ -165,8 +165,8 @@ def test_integrated_gradients_at_the_final_token_share_out_what_its_layer_does_t
         assert abs(heads[layer] - float(joint[layer])) < 0.1, (layer, heads.to_dict(), joint.tolist())
 
 
-def test_the_belief_reaches_the_final_token_through_the_planted_head_and_no_earlier_one() -> None:
-    """The planted head is where the belief is formed, not a relay: patched from the false-belief
+def test_the_belief_reaches_the_answer_through_the_planted_head_and_no_earlier_one_at_the_final_token() -> None:
+    """The planted head is where the belief enters the answer, not a relay: patched from the false-belief
     story at the final token it restores the gap alone, and every head of the layers before it,
     patched there together, restores next to nothing (a retrain without the upstream-invariance
     loss formed the belief in L1H6, which restored 0.97 alone, and L2H0 only passed it on)."""

@@ -14,7 +14,7 @@ Whether it does is measured, not assumed: the held-out swap accuracy in the mode
 `tomlens validate`'s head ranking and ablation.) A head that carries the bit may only relay it from
 an earlier head at the same token; the upstream invariance (every head of the earlier layers at the
 final token taken from the story of the other belief, the story's own answer still asked for) keeps
-the bit from reaching the final token before the planted head.
+the answer from using what the final token holds before the planted head.
 """
 
 from __future__ import annotations

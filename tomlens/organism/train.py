@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -88,11 +89,13 @@ class OrganismConfig:
     # head carries nothing yet, and answering the current place would only teach a reality bias
     interchange_knockout: bool = True
     knockout_after: float = 0.95
-    # weight of a loss that keeps the belief out of the heads *before* the interchange head at the
-    # final token (0: off; it runs with the interchange, on its base stories, and not without): with every head of the layers below it there taken from the same task's
-    # story of the other belief, the base story's own answer is still asked for. Without it a
-    # retrain (3500 steps) formed the belief in L1H6 and had L2H0 relay it: patching either alone
-    # restored the gap, so the planted head was no longer where the belief is formed
+    # weight of a loss that keeps the answer from taking the belief from a head *before* the
+    # interchange head at the final token (0: off; it runs with the interchange, on its base stories,
+    # and not without): with every head of the layers below it there taken from the same task's story
+    # of the other belief, the base story's own answer is still asked for. Without it a retrain (3500
+    # steps) formed the belief in L1H6 and had L2H0 relay it: patching either alone restored the gap,
+    # so the planted head was no longer where the belief enters the answer (a probe may still read
+    # the story's order at the final token before it: the loss constrains use, not presence)
     upstream_invariance: float = 1.0
     # a curriculum: for the first `first_share` of the steps, the answer batches come from these
     # families only (order-only first: its interchange is learnt within a few hundred steps alone,
@@ -246,9 +249,13 @@ class OrganismConfig:
 
 def _number_in(value: Any, low: float, high: float) -> bool:
     """A finite number (not a bool) from `low` to `high`; NaN, infinities and text are not."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         return False
-    return math.isfinite(value) and low <= value <= high
+    try:
+        number = float(value)
+    except OverflowError:  # an integer too large for a float
+        return False
+    return math.isfinite(number) and low <= number <= high
 
 
 def llama_config(cfg: OrganismConfig, vocab_size: int) -> Any:
@@ -317,7 +324,10 @@ def partners(stimuli: Sequence[Stimulus]) -> Tensor:
 def _asked_as(s: Stimulus) -> str:
     """The part of a prompt's id after its task id and condition code ("fs-rs-imp-belief",
     "rev-belief", "belief")."""
-    rest = s.id[len(s.task_id) + 1:] if s.id.startswith(s.task_id + "-") else s.id
+    if not s.id.startswith(s.task_id + "-"):
+        raise TomlensError(f"prompt {s.id!r} does not begin with its task id {s.task_id!r}, so its story of the "
+                           "other belief cannot be found", "give the organism's generators' stimuli, whose ids do")
+    rest = s.id[len(s.task_id) + 1:]
     return rest.split("-", 1)[1] if "-" in rest else rest
 
 
@@ -380,7 +390,8 @@ def upstream_accuracy(model: Any, enc: Encoded, stimuli: Sequence[Stimulus], cfg
                       batch: int = 256) -> dict[str, float]:
     """Per interchange family: the share of held-out belief prompts that keep their own answer when
     every head before the interchange head's layer, at the final token, comes from the same task's
-    story of the other belief (1.0: the belief does not enter the final token before that head)."""
+    story of the other belief (1.0: the answer does not use what the final token holds before that
+    head)."""
     model.eval()
     out: dict[str, float] = {}
     for family in cfg.interchange_families:

@@ -172,7 +172,7 @@ class PathMove:
 def moved_position(cell: Cell, *, steps: int, path: IGPath) -> str | None:
     """The position a cell's integrated-gradients path moves alone: along the sites (steps > 1) a
     selector cell's own, since a path that moved the other columns too would credit the cell with
-    what they do together (the organism's layer-0 heads at the final token: 0.15 and 0.24 of the
+    what they do together (the previous organism's layer-0 heads at the final token: 0.15 and 0.24 of the
     gap with every differing token moved, 0.01 each patched alone, layer 0's heads together 0.06);
     None (every column) for "all" and "each" cells, plain attribution and the embeddings path."""
     if steps == 1 or path != "sites" or cell.position in ("all", "each"):
@@ -585,7 +585,7 @@ def compare(
 
     `spearman_active` is the Spearman over the `n_active` cells whose |importance| reaches `active`
     (a share of the clean-corrupted gap) in either method. Over all cells the many that do nothing
-    in both carry it: on the previous organism plain attribution scored 0.99 there while ranking the
+    in both carry it: on an earlier organism plain attribution scored 0.99 there while ranking the
     head that matters ninth (0.44-0.59 over the active heads), and integrated gradients, which rank
     it first, scored 0.68-0.88 there from reshuffled noise (0.95-0.98 over the active heads)."""
     from scipy.stats import pearsonr, spearmanr
