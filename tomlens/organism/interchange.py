@@ -66,15 +66,7 @@ def _final(x: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor]:
 
 def head_outputs(model: Any, ids: Tensor, lengths: Tensor, layer: int, head: int, d_head: int) -> Tensor:
     """Head `head` of layer `layer` at each row's last real token ([n, d_head]); no gradient."""
-    got: list[Tensor] = []
-
-    def grab(x: Tensor) -> None:
-        rows, cols = _final(x, lengths)
-        got.append(x[rows, cols, head * d_head:(head + 1) * d_head].detach().clone())
-
-    with torch.no_grad(), _o_proj_hook(model, layer, grab):
-        model(input_ids=ids, attention_mask=padding_mask(ids, lengths))
-    return got[0]
+    return layer_outputs(model, ids, lengths, range(layer, layer + 1))[layer][:, head * d_head:(head + 1) * d_head]
 
 
 def patched_final_logits(model: Any, ids: Tensor, lengths: Tensor, layer: int, head: int, d_head: int,

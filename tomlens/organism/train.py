@@ -18,7 +18,7 @@ import functools
 import math
 import numbers
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -396,12 +396,17 @@ def upstream_accuracy(model: Any, enc: Encoded, stimuli: Sequence[Stimulus], cfg
     out: dict[str, float] = {}
     for family in cfg.interchange_families:
         rows = swap_rows(enc, stimuli, (family,))
-        rows = rows[enc.partner[rows] >= 0] if len(rows) else rows
-        if not len(rows):
-            continue
-        right = [upstream_loss_and_right(model, enc, rows[i:i + batch], cfg)[1] for i in range(0, len(rows), batch)]
-        out[family] = float(torch.cat(right).float().mean())
+        rows = rows[enc.partner[rows] >= 0]
+        if len(rows):
+            out[family] = _share_right(lambda b: upstream_loss_and_right(model, enc, b, cfg)[1], batch, rows)
     return out
+
+
+def _share_right(right_of: Callable[..., Tensor], batch: int, *rows: Tensor) -> float:
+    """The share of rows that `right_of` calls right ([m] bool), given `batch` of them at a time: the
+    same slice of each tensor in `rows` (each [n])."""
+    n = len(rows[0])
+    return float(torch.cat([right_of(*(r[i:i + batch] for r in rows)) for i in range(0, n, batch)]).float().mean())
 
 
 @torch.no_grad()
@@ -421,11 +426,8 @@ def swap_accuracy(model: Any, enc: Encoded, stimuli: Sequence[Stimulus], cfg: Or
         source = rows[torch.randperm(len(rows), generator=gen)]
         differ = enc.believes_reference[rows] != enc.believes_reference[source]  # the pairs a swap changes
         rows, source = rows[differ], source[differ]
-        if not len(rows):
-            continue
-        right = [swap_loss_and_right(model, enc, rows[i:i + batch], source[i:i + batch], cfg)[1]
-                 for i in range(0, len(rows), batch)]
-        out[family] = float(torch.cat(right).float().mean())
+        if len(rows):
+            out[family] = _share_right(lambda b, s: swap_loss_and_right(model, enc, b, s, cfg)[1], batch, rows, source)
     return out
 
 
