@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import gzip
 import json
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pytest
 
-from tomlens.audit import AuditReport, Rule, audit_stimuli, register_rule, sample_per_task
+from tomlens.audit import AuditReport, Contrast, Rule, audit_stimuli, register_contrast, register_rule, sample_per_task
 from tomlens.audit import contrasts as contrasts_module
 from tomlens.audit.evaluate import (
     AT_CHANCE,
@@ -233,6 +234,28 @@ def test_a_registered_rule_joins_the_battery_for_its_family_and_reads_what_it_ca
         contrasts_module._EXTRA_RULES.pop("audit-test-family")
     rows = [r for r in report.shortcuts if r.heuristic == "rule: cue field"]
     assert rows and rows[0].source == "family rule"
+
+
+def test_registering_a_rule_or_contrast_again_replaces_it_rather_than_adding_rows():
+    """A script or notebook cell run twice registers the same names twice: the audit must show one
+    row per (contrast, heuristic), as the features are keyed by name."""
+    stimuli = [s.with_(family="audit-test-family", meta={"cue": s.condition}) for s in _same_words(40)]
+    try:
+        for _ in range(2):
+            register_rule("audit-test-family", Rule("cue field", lambda s: s.meta["cue"], "a leaked field"))
+            register_contrast("audit-test-family", Contrast("cue contrast", lambda s: s.meta["cue"], "the cue"))
+        register_contrast("audit-test-family", Contrast("keyed option position", lambda s: s.answer_index,
+                                                        "the generic contrast, as this family keys it", chance=0.5))
+        report = audit_stimuli(stimuli)
+    finally:
+        contrasts_module._EXTRA_RULES.pop("audit-test-family")
+        contrasts_module._EXTRA_CONTRASTS.pop("audit-test-family")
+    keys = Counter((r.contrast, r.heuristic) for r in report.rows)
+    assert keys and set(keys.values()) == {1}, keys
+    assert Counter(r.contrast for r in report.rows if r.heuristic == "rule: cue field") == {
+        "keyed option position": 1, "cue contrast": 1}
+    position = [r for r in report.rows if r.contrast == "keyed option position" and r.heuristic == "length"]
+    assert len(position) == 1 and position[0].chance == 0.5
 
 
 def test_a_contrast_a_family_states_openly_is_left_out_with_its_reason():

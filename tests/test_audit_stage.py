@@ -55,6 +55,21 @@ def test_a_saved_audit_is_stale_when_its_rows_change(tmp_path):
     assert "changed" in changed_since(folder, other)
 
 
+def test_two_sets_of_one_family_and_seed_with_other_options_are_audited_as_their_own_tasks():
+    """`decoys = false` and the default tell other stories under the same task ids: merged, the
+    audit held them out as one task and counted 16 tasks as 8."""
+    config = AuditConfig(stimuli=(StimuliSpec(family="unexpected-transfer", n=8),
+                                  StimuliSpec(family="unexpected-transfer", n=8, options={"decoys": False})),
+                         min_tasks=8, per_task=2)
+    rows = config.audited_rows()
+    assert len({s.task_id for s in rows}) == 16
+    assert {s.task_id for s in rows if s.task_id.endswith("@1")} == {f"{s.task_id}@1" for s in rows if "@" not in s.task_id}
+    report = run(config, progress=False).report
+    assert max(r.n_tasks for r in report.rows) == 16
+    # a set alone keeps its ids
+    assert not any("@" in s.task_id for s in AuditConfig(stimuli=config.stimuli[:1], min_tasks=8).audited_rows())
+
+
 def test_a_probe_finding_on_a_file_is_withheld_by_the_set_s_families():
     report = AuditReport((_row("my-family", "shortcut"),), families=("my-family",))
     found = Finding("belief is linearly decodable at 0.9 on held-out mine.jsonl stories", "found", "t", "m", "probes")

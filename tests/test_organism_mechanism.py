@@ -169,7 +169,11 @@ def test_an_interchange_head_the_model_lacks_is_refused() -> None:
     with pytest.raises(TomlensError, match="not true or false"):
         OrganismConfig(echo_containers="False")  # type: ignore[arg-type]
     for bad in ({"interchange": -1.0}, {"interchange": float("nan")}, {"knockout_after": 1.5},
-                {"upstream_invariance": -0.5}, {"upstream_invariance": float("inf")}, {"upstream_invariance": "abc"}):
+                {"upstream_invariance": -0.5}, {"upstream_invariance": float("inf")}, {"upstream_invariance": "abc"},
+                {"routes": "1"}, {"echo": float("inf")}, {"belief_readout": True}, {"routes": 10 ** 400}):
         with pytest.raises(TomlensError, match="out of range"):
             OrganismConfig(**bad)
+    with pytest.raises(TomlensError, match="not a set of shares"):
+        OrganismConfig(family_mix={"order-only": "1"})  # type: ignore[dict-item]
+    assert OrganismConfig(interchange=0.0).keeps_upstream is False and OrganismConfig().keeps_upstream
     assert OrganismConfig(interchange_families="order-only").interchange_families == ("order-only",)

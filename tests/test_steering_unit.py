@@ -106,6 +106,16 @@ def test_add_hook_adds_alpha_v_at_the_final_column_only() -> None:
     assert torch.allclose(delta, torch.tensor([0.0, 1.0, -2.0])[:, None] * v, atol=1e-6)
 
 
+def test_steering_hooks_refuse_a_direction_that_is_not_finite() -> None:
+    """Built without `steering` (which checks with the model), a NaN direction would make every
+    steered answer NaN with no word said."""
+    ok = Direction("belief", "mean_difference", 1, torch.ones(4))
+    bad = Direction("broken", "mean_difference", 2, torch.tensor([1.0, float("nan"), 0.0, 0.0]))
+    with pytest.raises(TomlensError, match="'broken' \\(layer 2\\) has NaN"):
+        steering_hooks([ok, bad], 1.0, n_rows=2)
+    assert len(steering_hooks([ok], 1.0, n_rows=2)) == 1
+
+
 def test_project_out_leaves_no_component_and_patch_swaps_exactly_the_component() -> None:
     gen = torch.Generator().manual_seed(0)
     h = torch.randn(4, 6, generator=gen)

@@ -125,3 +125,24 @@ def test_the_contents_variant_of_a_fresh_seed_passes_the_audit_whole():
     assert len(mine) >= 12 and not [r for r in mine.values() if r.verdict == SHORTCUT], report.table()
     last = mine["last-mentioned option"]
     assert last.ci_low <= 0.5 <= last.ci_high, report.table()
+
+
+def test_the_contents_variant_s_bags_average_chance_over_fresh_seeds():
+    """Over 0.60 on single seeds (0.63 on 101, 0.62 on 202) is the spread of 64 tasks, not a cue:
+    the keyed option's position is a coin per task, and a bag can only learn which position a
+    content word happened to be listed in. Over 50 seeds the 3-gram bag (story) read 0.514 with a
+    standard deviation of 0.050 (the binomial spread of 64 tasks at chance is 0.0625), 3 of them over
+    0.60. A cue in the generator would move the mean, which twelve seeds pin to about +-0.015."""
+    from tomlens.audit.evaluate import held_out_correct, task_folds
+    from tomlens.audit.heuristics import generic_battery
+
+    bag = next(h for h in generic_battery() if h.name == "3-gram bag (story)")
+    accuracies = []
+    for seed in range(7000, 7012):
+        rows = [s for s in belief_tracking(64, seed=seed, family=CONTENTS) if s.prompt_type == "belief"]
+        labels = [s.answer_index for s in rows]
+        correct = held_out_correct(bag.encode(rows), labels, task_folds([s.task_id for s in rows], 0))
+        accuracies.append(float(correct.mean()))
+    mean = sum(accuracies) / len(accuracies)
+    assert abs(mean - 0.5) < 0.05, (mean, accuracies)
+    assert max(accuracies) < 0.70, accuracies

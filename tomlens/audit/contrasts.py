@@ -50,13 +50,21 @@ CONDITION = Contrast("condition", _condition, "the set's conditions, told apart"
 
 
 def register_contrast(family: str, contrast: Contrast) -> None:
-    """Audit `family`'s sets (built-in or a user's, by `Stimulus.family`) on one more contrast."""
-    _EXTRA_CONTRASTS.setdefault(family, []).append(contrast)
+    """Audit `family`'s sets (built-in or a user's, by `Stimulus.family`) on one more contrast. One
+    registered under a name already registered for `family` replaces it (a script or notebook cell
+    run twice must not audit the contrast twice)."""
+    _register(_EXTRA_CONTRASTS, family, contrast)
 
 
 def register_rule(family: str, rule: Rule) -> None:
-    """Try one more shortcut rule on `family`'s sets."""
-    _EXTRA_RULES.setdefault(family, []).append(rule)
+    """Try one more shortcut rule on `family`'s sets; a rule of a name already registered for
+    `family` replaces it, as `register_contrast` does."""
+    _register(_EXTRA_RULES, family, rule)
+
+
+def _register(registry: dict[str, list[Any]], family: str, item: Contrast | Rule) -> None:
+    kept = [x for x in registry.get(family, []) if x.name != item.name]
+    registry[family] = [*kept, item]
 
 
 def _module(family: str) -> ModuleType | None:
@@ -77,12 +85,21 @@ def _declared(family: str, single: str, by_family: str, empty: Any = ()) -> Any:
 
 
 def family_contrasts(family: str) -> list[Contrast]:
-    """What `family` declares and what was registered for it, in that order."""
-    return list(_declared(family, "CONTRASTS", "CONTRASTS_BY_FAMILY")) + _EXTRA_CONTRASTS.get(family, [])
+    """What `family` declares and what was registered for it, in that order; a registered contrast
+    of a declared one's name takes its place."""
+    return _declared_then_registered(_declared(family, "CONTRASTS", "CONTRASTS_BY_FAMILY"),
+                                     _EXTRA_CONTRASTS.get(family, []))
 
 
 def family_rules(family: str) -> list[Rule]:
-    return list(_declared(family, "RULES", "RULES_BY_FAMILY")) + _EXTRA_RULES.get(family, [])
+    """What `family` declares and what was registered for it; a registered rule of a declared
+    rule's name takes its place (one row per name: the audit keys its features by name)."""
+    return _declared_then_registered(_declared(family, "RULES", "RULES_BY_FAMILY"), _EXTRA_RULES.get(family, []))
+
+
+def _declared_then_registered(declared: Sequence[Any], registered: list[Any]) -> list[Any]:
+    names = {x.name for x in registered}
+    return [x for x in declared if x.name not in names] + registered
 
 
 def unaudited(family: str) -> dict[str, str]:
@@ -92,10 +109,12 @@ def unaudited(family: str) -> dict[str, str]:
 
 
 def contrasts_for(family: str, stimuli: Sequence[Stimulus]) -> list[Contrast]:
-    """The contrasts to audit one family's rows on: the generic two, the family's own, and, for a
-    family that declares none, its conditions (when there are 2 to `MAX_CONDITIONS` of them)."""
+    """The contrasts to audit one family's rows on: the generic two (unless the family's own takes
+    one's name), the family's own, and, for a family that declares none, its conditions (when there
+    are 2 to `MAX_CONDITIONS` of them)."""
     own = family_contrasts(family)
-    out = [ANSWER_POSITION, BELIEF, *own]
+    names = {c.name for c in own}
+    out = [*(c for c in (ANSWER_POSITION, BELIEF) if c.name not in names), *own]
     if not own and 2 <= len({s.condition for s in stimuli}) <= MAX_CONDITIONS:
         out.append(CONDITION)
     left_out = unaudited(family)

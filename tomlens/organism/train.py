@@ -135,6 +135,12 @@ class OrganismConfig:
     belief_layer: int = 3
     threads: int | None = 2  # torch threads while training: a fixed count, so the weights do not depend on the core count
 
+    @property
+    def keeps_upstream(self) -> bool:
+        """Whether the upstream-invariance loss trains (it swaps heads of the interchange's bases, so
+        it needs the interchange), and so whether its held-out accuracy is logged and recorded."""
+        return bool(self.interchange and self.upstream_invariance)
+
     def __post_init__(self) -> None:
         """Check every setting (one TomlensError for the first bad one, in a fixed order) and turn
         lists from a TOML file or the command line into the tuples the fields are."""
@@ -183,7 +189,7 @@ class OrganismConfig:
 
     def _check_batches(self) -> None:
         mix = self.family_mix
-        if mix is not None and (set(mix) - set(FAMILIES) or not all(0.0 <= float(v) < math.inf for v in mix.values())
+        if mix is not None and (set(mix) - set(FAMILIES) or not all(_number_in(v, 0.0, math.inf) for v in mix.values())
                                 or not sum(mix.values()) > 0):
             raise TomlensError(f"family_mix {mix} is not a set of shares of {list(FAMILIES)}",
                                "give each family a finite share of 0 or more, summing to more than 0")
@@ -240,8 +246,9 @@ class OrganismConfig:
                                f"{self.n_layers}-layer model",
                                f"choose a layer from 1 to {self.n_layers - 1}")
         for name in ("routes", "echo", "belief_readout"):
-            if not 0.0 <= float(getattr(self, name)) < math.inf:
-                raise TomlensError(f"{name} = {getattr(self, name)} is out of range", "use a weight of 0 or more")
+            if not _number_in(getattr(self, name), 0.0, math.inf):  # "1" from the command line is not a weight
+                raise TomlensError(f"{name} = {getattr(self, name)!r} is out of range",
+                                   "use a finite weight of 0 or more")
         for sizes in (self.train_tasks, self.test_tasks):
             missing = set(FAMILIES) - set(sizes)
             if missing:
@@ -744,7 +751,7 @@ def _log_held_out(cfg: OrganismConfig, data: _Data, model: Any, watch: _Watch, s
     acc = accuracy_by_condition(model, data.test_enc, data.split.test)
     swaps = swap_accuracy(model, data.test_enc, data.split.test, cfg) if cfg.interchange else {}
     upstream = upstream_accuracy(model, data.test_enc, data.split.test, cfg) \
-        if cfg.interchange and cfg.upstream_invariance else {}
+        if cfg.keeps_upstream else {}
     looks = route_attention(model, data.test_enc, data.test_routes, cfg) \
         if data.test_routes is not None and cfg.routes else {}
     watch.history.append({"step": step + 1, "loss": watch.running, "min_test_accuracy": min(acc.values()),
@@ -778,7 +785,7 @@ def _training_record(cfg: OrganismConfig, data: _Data, learner: _Learner, watch:
         "train_accuracy": accuracy_by_condition(model, data.train_enc, split.train),
         "test_swap_accuracy": swap_accuracy(model, data.test_enc, split.test, cfg) if cfg.interchange else {},
         "test_upstream_accuracy": upstream_accuracy(model, data.test_enc, split.test, cfg)
-        if cfg.interchange and cfg.upstream_invariance else {},
+        if cfg.keeps_upstream else {},
         "test_route_attention": looks,
         "knockout_from_step": watch.knockout_step,
         "swap_learnt_step": watch.learnt_step,

@@ -65,8 +65,24 @@ class AuditConfig:
         """The rows audited: every audited spec's, then at most `per_task` of each task."""
         from tomlens.audit import sample_per_task
 
-        rows = [s for spec in self.audited_specs() for s in spec.load()]
+        rows = _distinct_tasks([spec.load() for spec in self.audited_specs()])
         return rows if self.per_task is None else sample_per_task(rows, self.per_task, seed=self.seed)
+
+
+def _distinct_tasks(sets: list[list[Any]]) -> list[Any]:
+    """The sets' rows, one list; a set whose task ids an earlier set of its family already used
+    (the same generator and seed with other options tells other stories under the same ids) has its
+    ids suffixed with its place ("@2"), so the audit holds out and counts its tasks apart."""
+    used: set[tuple[str, str]] = set()
+    out: list[Any] = []
+    for k, rows in enumerate(sets):
+        ids = {(s.family, s.task_id) for s in rows if s.task_id}
+        if ids & used:
+            rows = [s.with_(task_id=f"{s.task_id}@{k}") if s.task_id else s for s in rows]
+            ids = {(s.family, s.task_id) for s in rows if s.task_id}
+        used |= ids
+        out.extend(rows)
+    return out
 
 
 @dataclass

@@ -116,7 +116,18 @@ def steering_hooks(directions: Sequence[Direction], alpha: float, *, n_rows: int
                    device: torch.device | str | None = None) -> list[Hook]:
     """Hooks applying every direction with dose `alpha` to all `n_rows` rows (one hook per layer;
     several directions at one layer are applied in turn). `device`: where the forwards run; the
-    vectors, doses and sources are put there once, here, instead of copied in every forward."""
+    vectors, doses and sources are put there once, here, instead of copied in every forward. A
+    direction with NaN or infinite entries is refused (one read for them all), as `steering` does:
+    added to the residual stream it would turn every answer into NaN without a word."""
+    check_finite(directions)
+    return _row_steering_hooks(directions, alpha, n_rows=n_rows, mode=mode, positions=positions, source=source,
+                               device=device)
+
+
+def _row_steering_hooks(directions: Sequence[Direction], alpha: float, *, n_rows: int, mode: str,
+                        positions: str, source: Tensor | Mapping[int, Tensor] | None,
+                        device: torch.device | str | None) -> list[Hook]:
+    """`steering_hooks` for directions already checked (`steering` checks them with the model)."""
     check_mode(mode, positions)
     device = None if device is None else torch.device(device)
     by_layer: dict[int, list[Direction]] = {}
@@ -172,8 +183,8 @@ def steering(model: Model, directions: Sequence[Direction], alpha: float, *, mod
     if n_rows is None:
         hooks = _broadcast_hooks(directions, alpha, mode, positions, device)
     else:
-        hooks = steering_hooks(directions, alpha, n_rows=n_rows, mode=mode, positions=positions, source=source,
-                               device=device)
+        hooks = _row_steering_hooks(directions, alpha, n_rows=n_rows, mode=mode, positions=positions,
+                                    source=source, device=device)
     with model.hooks(fwd_hooks=hooks):
         yield
 
