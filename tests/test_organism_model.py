@@ -4,7 +4,6 @@ held-out stories, and the methods find on it what its random twin does not have.
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import pytest
@@ -64,17 +63,11 @@ def test_fresh_held_out_stories_confirm_the_model_card() -> None:
             assert value < ACCURACY_TARGET, (cell, value)
         else:  # just under the target on the card's sample: the same within sampling error
             assert abs(value - card[cell]) <= 0.1, (cell, value, card[cell])
-    # The card's own split: the positive control's family answers every held-out question, and the one cell
-    # under the target misses it by a single prompt (contents false belief, 122 of 126) and reaches it on the
-    # fresh stories above (0.992 on ten seeds). The card and README say so; a retrain changes these lines.
+    # The card's own split: the positive control's family answers every held-out question and every cell
+    # meets the target, so the card says so and train-organism exits 0 on the default recipe. (Seed 0 of the
+    # same recipe left contents false belief one prompt under it, 122 of 126; the default seed is 1.)
     assert all(v == 1.0 for k, v in card.items() if k.startswith("order-only/")), card
-    missed = {k for k, v in card.items() if v < ACCURACY_TARGET}
-    assert missed == {"unexpected-contents/false_belief/belief"}, missed
-    for cell in missed:
-        n = record["split"]["test_counts"][cell]
-        assert round(card[cell] * n) >= math.ceil(ACCURACY_TARGET * n) - 1, (cell, card[cell], n)
-        assert accuracy[cell] >= ACCURACY_TARGET, (cell, accuracy[cell])
-    assert not meets_target(record)  # so the card says the target is not met, and train-organism exits 1
+    assert min(card.values()) >= ACCURACY_TARGET and meets_target(record), card
 
 
 def _validate(name: str, tmp_path: Path) -> ValidationResult:
@@ -142,10 +135,11 @@ def test_every_check_passes_on_the_organism_and_fails_on_its_twin_whatever_the_s
 
 def test_integrated_gradients_at_the_final_token_share_out_what_its_layer_does_there() -> None:
     """Completeness, per layer: along the sites, a layer's heads at the final token move together
-    at that token alone, so their estimates add up to patching all of them there (up to the 8-step
+    at that token alone, so their estimates add up to patching all of them there (up to the 32-step
     sum's error), in padded groups of order-only pairs. The path used to move every differing token,
-    and on the previous organism layer 0's heads then added up to 0.38 of the gap against 0.06 patched together at the final
-    token (seed 5; two of them 0.15 and 0.24, each 0.01 patched alone), which failed validation."""
+    and on an earlier organism layer 0's heads then added up to 0.38 of the gap against 0.06 patched together at the final
+    token (seed 5; two of them 0.15 and 0.24, each 0.01 patched alone), which failed validation. With
+    8 steps the saturated planted head overshoots: layer 2 sums to 1.10 against 0.996 here."""
     from tomlens.patching.attribution import attribution_patching
     from tomlens.patching.heads import HeadSetSweep
     from tomlens.patching.metric import summarise
@@ -159,9 +153,9 @@ def test_integrated_gradients_at_the_final_token_share_out_what_its_layer_does_t
                           [[(layer, h) for h in range(n_heads)] for layer in range(n_layers)], position="final")
     layers.run(progress=False)
     joint = summarise(*layers.values()).mean
-    got = attribution_patching(model, pairs, sites="heads", positions=("final",), steps=8, progress=False)
+    got = attribution_patching(model, pairs, sites="heads", positions=("final",), steps=32, progress=False)
     heads = got.select("head", "final").groupby("layer")["effect"].sum()
-    for layer in range(n_layers):  # 8 steps: layer 2's planted head, saturated, overshoots by 0.055
+    for layer in range(n_layers):
         assert abs(heads[layer] - float(joint[layer])) < 0.1, (layer, heads.to_dict(), joint.tolist())
 
 
@@ -191,10 +185,12 @@ def test_attribution_along_each_head_finds_the_planted_head_where_plain_attribut
     it reads a saturated slope at the base run, so its estimate for the head is near zero (or of the
     wrong sign) where patching the head restores the whole gap. Integrating along each layer's head
     outputs in turn (the blocks after them recomputed, as patching a head does) ranks it first, within
-    0.1 of exact patching, and agrees with exact patching on the top 2. (Integrating along the token
-    embeddings shares a chain's effect out between its heads: on the organism before this one, whose
-    planted head fed two strong readers, it put the planted head third; this one's readers carry
-    little, and that path ranks it first too.)"""
+    0.1 of exact patching once the sum has converged, and agrees with exact patching on the top 2. The
+    planted head saturates the answer, so the 8-step sum overshoots it (1.34 here, 1.08 at 16 steps,
+    0.98 at 32 and 64, exact 0.99); it still ranks it first. (Integrating along the token embeddings
+    shares a chain's effect out between its heads: on an earlier organism, whose planted head fed two
+    strong readers, it put the planted head third; on this one it ranks it first on validate's pairs,
+    0.43 against its reader L3H5's 0.34.)"""
     from tomlens.patching import exact_patching
     from tomlens.patching.attribution import attribution_patching
     from tomlens.runs import pairs
@@ -216,7 +212,8 @@ def test_attribution_along_each_head_finds_the_planted_head_where_plain_attribut
     assert next(iter(exact)) == planted and exact[planted] > 0.9
     plain = attribution()
     assert abs(plain[planted] - exact[planted]) > 0.5, plain[planted]  # the slope at the base run
-    sites = attribution(steps=8, path="sites")
+    assert next(iter(attribution(steps=8, path="sites"))) == planted
+    sites = attribution(steps=32, path="sites")
     assert next(iter(sites)) == planted and abs(sites[planted] - exact[planted]) < 0.1, sites[planted]
     assert set(list(sites)[:2]) == set(list(exact)[:2])
 

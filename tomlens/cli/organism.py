@@ -88,7 +88,8 @@ def estimate_minutes(cfg) -> float:  # noqa: ANN001 - an OrganismConfig
     routes, echo and belief readout on, the upstream invariance on): about 0.7 s a step until the
     curriculum ends (a quarter of the steps), 0.95 s after (every family's stories, 32 swap pairs a
     step, each in five forwards: the source, the swap, the knockout, and the upstream swap's source
-    and base; and the held-out evaluations every 250 steps; 3165 s for 3500 steps); without the
+    and base; and the held-out evaluations every 250 steps; 3165 s and, with light work beside it,
+    3281 s for 3500 steps); without the
     upstream invariance 0.31 and 0.5 s; 0.3 s without the interchange; plus
     about a minute to generate and split the stories. Other settings move it (64 swap pairs
     throughout cost more)."""

@@ -3,8 +3,8 @@
 A small Llama with a word-level tokenizer, trained on tomlens's own false-belief stories: the model
 on which the methods are checked (`tomlens validate`). Interchange training put its order-only
 belief variable in head L2H0 at the question's final token; its model card says so and gives its
-held-out accuracy per condition (every order-only cell 1.00; every other cell 0.97 or more but the
-contents' false belief, 0.968: one prompt short of the target, 0.992 on fresh stories). Its
+held-out accuracy per condition (every order-only and contents cell 1.00, every factorial cell
+0.986 or more: every cell meets the 0.97 target). Its
 folder (weights, config, tokenizer, training record, model card) is package data; it loads offline
 like any local model folder.
 """
@@ -19,7 +19,7 @@ from tomlens.io import file_sha256
 
 ORGANISM_NAME = "tom-organism"
 DESCRIPTION = ("the model organism: a small Llama trained by tomlens on its belief stories (every order-only "
-               "cell right held out, the other families 0.97 or more but one cell at 0.968; its order-only belief "
+               "and contents cell right held out, the factorial's 0.986 or more; its order-only belief "
                "variable put in head L2H0; see its MODEL_CARD.md), shipped")
 
 
