@@ -14,6 +14,7 @@ import pytest
 
 from tomlens.audit import AuditReport, Contrast, Rule, audit_stimuli, register_contrast, register_rule, sample_per_task
 from tomlens.audit import contrasts as contrasts_module
+from tomlens.audit.contrasts import family_contrasts, family_rules
 from tomlens.audit.evaluate import (
     AT_CHANCE,
     BELOW,
@@ -244,8 +245,9 @@ def test_registering_a_rule_or_contrast_again_replaces_it_rather_than_adding_row
         for _ in range(2):
             register_rule("audit-test-family", Rule("cue field", lambda s: s.meta["cue"], "a leaked field"))
             register_contrast("audit-test-family", Contrast("cue contrast", lambda s: s.meta["cue"], "the cue"))
-        register_contrast("audit-test-family", Contrast("keyed option position", lambda s: s.answer_index,
-                                                        "the generic contrast, as this family keys it", chance=0.5))
+        register_contrast("audit-test-family", Contrast(  # the generic contrast, on the control rows only
+            "keyed option position", lambda s: s.answer_index if s.condition == "control" else None,
+            "the generic contrast, as this family keys it", chance=0.5))
         report = audit_stimuli(stimuli)
     finally:
         contrasts_module._EXTRA_RULES.pop("audit-test-family")
@@ -255,7 +257,27 @@ def test_registering_a_rule_or_contrast_again_replaces_it_rather_than_adding_row
     assert Counter(r.contrast for r in report.rows if r.heuristic == "rule: cue field") == {
         "keyed option position": 1, "cue contrast": 1}
     position = [r for r in report.rows if r.contrast == "keyed option position" and r.heuristic == "length"]
-    assert len(position) == 1 and position[0].chance == 0.5
+    assert len(position) == 1 and position[0].n_rows == sum(s.condition == "control" for s in stimuli)
+
+
+def test_a_registered_rule_or_contrast_of_a_declared_name_takes_the_declared_one_s_place():
+    """A built-in family's rule or contrast registered again under its name is replaced, not doubled."""
+    family = "false-belief-factorial"
+    declared_rule, declared_contrast = family_rules(family)[0], family_contrasts(family)[0]
+    mine_rule = Rule(declared_rule.name, lambda s: None, "mine")
+    mine_contrast = Contrast(declared_contrast.name, lambda s: None, "mine")
+    try:
+        for _ in range(2):
+            register_rule(family, mine_rule)
+            register_contrast(family, mine_contrast)
+        rules, contrasts = family_rules(family), family_contrasts(family)
+    finally:
+        contrasts_module._EXTRA_RULES.pop(family)
+        contrasts_module._EXTRA_CONTRASTS.pop(family)
+    assert [r.name for r in rules].count(declared_rule.name) == 1 and mine_rule in rules
+    assert declared_rule not in rules and len(rules) == len(family_rules(family))
+    assert [c.name for c in contrasts].count(declared_contrast.name) == 1 and mine_contrast in contrasts
+    assert declared_contrast not in contrasts
 
 
 def test_a_contrast_a_family_states_openly_is_left_out_with_its_reason():

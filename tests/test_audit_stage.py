@@ -62,12 +62,35 @@ def test_two_sets_of_one_family_and_seed_with_other_options_are_audited_as_their
                                   StimuliSpec(family="unexpected-transfer", n=8, options={"decoys": False})),
                          min_tasks=8, per_task=2)
     rows = config.audited_rows()
-    assert len({s.task_id for s in rows}) == 16
+    assert len({s.task_id for s in rows}) == 16 and len({s.id for s in rows}) == len(rows)
     assert {s.task_id for s in rows if s.task_id.endswith("@1")} == {f"{s.task_id}@1" for s in rows if "@" not in s.task_id}
     report = run(config, progress=False).report
     assert max(r.n_tasks for r in report.rows) == 16
     # a set alone keeps its ids
     assert not any("@" in s.task_id for s in AuditConfig(stimuli=config.stimuli[:1], min_tasks=8).audited_rows())
+
+
+def test_one_family_and_seed_at_two_sizes_is_audited_once_per_story():
+    """A behaviour set of 8 tasks and a probe set of 12 of one generator and seed share their first 8
+    stories word for word: each is audited once (suffixed, the copies would sit in training and
+    held-out folds both, and count twice)."""
+    config = AuditConfig(stimuli=(StimuliSpec(family="order-only", n=8), StimuliSpec(family="order-only", n=12)),
+                         min_tasks=8, per_task=None)
+    rows = config.audited_rows()
+    alone = AuditConfig(stimuli=config.stimuli[1:], min_tasks=8, per_task=None).audited_rows()
+    assert [(s.id, s.task_id, s.text) for s in rows] == [(s.id, s.task_id, s.text) for s in alone]
+    assert len({s.task_id for s in rows}) == 12
+
+
+def test_a_suffix_never_takes_an_id_a_set_already_has():
+    from tomlens.runs.audit import _distinct_tasks
+    from tomlens.stimuli import generate
+
+    first = generate("order-only", n=1, seed=0)
+    taken = [s.with_(task_id=f"{s.task_id}@1", id=f"{s.id}@1") for s in first]
+    retold = [s.with_(text=s.text + " Then it rains.") for s in first]
+    tasks = {s.task_id for s in _distinct_tasks([first, taken, retold])}
+    assert tasks == {first[0].task_id, f"{first[0].task_id}@1", f"{first[0].task_id}@2"}
 
 
 def test_a_probe_finding_on_a_file_is_withheld_by_the_set_s_families():

@@ -130,9 +130,10 @@ def test_the_contents_variant_of_a_fresh_seed_passes_the_audit_whole():
 def test_the_contents_variant_s_bags_average_chance_over_fresh_seeds():
     """Over 0.60 on single seeds (0.63 on 101, 0.62 on 202) is the spread of 64 tasks, not a cue:
     the keyed option's position is a coin per task, and a bag can only learn which position a
-    content word happened to be listed in. Over 50 seeds the 3-gram bag (story) read 0.514 with a
-    standard deviation of 0.050 (the binomial spread of 64 tasks at chance is 0.0625), 3 of them over
-    0.60. A cue in the generator would move the mean, which twelve seeds pin to about +-0.015."""
+    content word happened to be listed in. Over 50 seeds, measured as here (seeds 1-20, 1000-1019, 101,
+    202, ..., 909 and 4242), the 3-gram bag (story) read 0.514 with a standard deviation of 0.050 (the
+    binomial spread of 64 tasks at chance is 0.0625), 3 of them over 0.60. A cue in the generator
+    would move the mean, which twelve seeds pin to about +-0.015 (these twelve: 0.513, three over 0.60)."""
     from tomlens.audit.evaluate import held_out_correct, task_folds
     from tomlens.audit.heuristics import generic_battery
 

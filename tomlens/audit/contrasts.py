@@ -14,12 +14,13 @@ from __future__ import annotations
 import importlib
 from collections.abc import Sequence
 from types import ModuleType
-from typing import Any
+from typing import Any, TypeVar
 
 from tomlens.stimuli import FAMILIES
 from tomlens.stimuli.records import Stimulus
 from tomlens.stimuli.shortcuts import Contrast, Rule
 
+Named = TypeVar("Named", Contrast, Rule)
 _EXTRA_CONTRASTS: dict[str, list[Contrast]] = {}
 _EXTRA_RULES: dict[str, list[Rule]] = {}
 MAX_CONDITIONS = 8  # more conditions than this make "condition" a catalogue, not a contrast
@@ -62,9 +63,9 @@ def register_rule(family: str, rule: Rule) -> None:
     _register(_EXTRA_RULES, family, rule)
 
 
-def _register(registry: dict[str, list[Any]], family: str, item: Contrast | Rule) -> None:
-    kept = [x for x in registry.get(family, []) if x.name != item.name]
-    registry[family] = [*kept, item]
+def _register(registry: dict[str, list[Named]], family: str, item: Named) -> None:
+    kept: list[Named] = [x for x in registry.get(family, []) if x.name != item.name]
+    registry[family] = kept + [item]
 
 
 def _module(family: str) -> ModuleType | None:
@@ -97,7 +98,7 @@ def family_rules(family: str) -> list[Rule]:
     return _declared_then_registered(_declared(family, "RULES", "RULES_BY_FAMILY"), _EXTRA_RULES.get(family, []))
 
 
-def _declared_then_registered(declared: Sequence[Any], registered: list[Any]) -> list[Any]:
+def _declared_then_registered(declared: Sequence[Named], registered: list[Named]) -> list[Named]:
     names = {x.name for x in registered}
     return [x for x in declared if x.name not in names] + registered
 

@@ -13,12 +13,15 @@ import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tomlens.errors import TomlensError
 from tomlens.messages import say
 from tomlens.models.protocol import Model
 from tomlens.runs.base import ModelSpec, StimuliSpec, config_from_dict
+
+if TYPE_CHECKING:
+    from tomlens.stimuli.records import Stimulus
 
 __all__ = ["AuditConfig", "AuditResult", "run"]
 REPORT_FILE = "audit.json"
@@ -61,28 +64,46 @@ class AuditConfig:
             out.setdefault(repr((spec.family, spec.path, spec.n, spec.seed, sorted(dict(spec.options).items()))), spec)
         return list(out.values())
 
-    def audited_rows(self) -> list[Any]:
+    def audited_rows(self) -> list[Stimulus]:
         """The rows audited: every audited spec's, then at most `per_task` of each task."""
         from tomlens.audit import sample_per_task
 
-        rows = _distinct_tasks([spec.load() for spec in self.audited_specs()])
+        rows = _distinct_tasks([list(spec.load()) for spec in self.audited_specs()])
         return rows if self.per_task is None else sample_per_task(rows, self.per_task, seed=self.seed)
 
 
-def _distinct_tasks(sets: list[list[Any]]) -> list[Any]:
-    """The sets' rows, one list; a set whose task ids an earlier set of its family already used
-    (the same generator and seed with other options tells other stories under the same ids) has its
-    ids suffixed with its place ("@2"), so the audit holds out and counts its tasks apart."""
-    used: set[tuple[str, str]] = set()
-    out: list[Any] = []
-    for k, rows in enumerate(sets):
-        ids = {(s.family, s.task_id) for s in rows if s.task_id}
-        if ids & used:
-            rows = [s.with_(task_id=f"{s.task_id}@{k}") if s.task_id else s for s in rows]
-            ids = {(s.family, s.task_id) for s in rows if s.task_id}
-        used |= ids
-        out.extend(rows)
+def _distinct_tasks(sets: list[list[Stimulus]]) -> list[Stimulus]:
+    """The sets' rows, one list, each story once and each task held out as one. A row an earlier set
+    already holds (the same id and text: the same generator and seed at another `n`) is dropped. A
+    task whose rows reuse an earlier set's ids for other text (the same seed with other options
+    tells other stories under the same ids) gets a suffix ("ut-s0-0003@1", unused by any set), so
+    the audit holds it out and counts it apart; rows that only add to an earlier task (another
+    condition of it) keep its id."""
+    texts: dict[tuple[str, str], str] = {}
+    used = {(s.family, s.task_id) for rows in sets for s in rows if s.task_id}
+    out: list[Stimulus] = []
+    for rows in sets:
+        retold = {(s.family, s.task_id) for s in rows
+                  if s.task_id and texts.get((s.family, s.id), s.text) != s.text}
+        renamed = {key: _unused_id(key, used) for key in retold}
+        for s in rows:
+            if texts.get((s.family, s.id)) == s.text:
+                continue
+            key = (s.family, s.task_id)
+            if key in renamed:
+                s = s.with_(task_id=renamed[key], id=f"{s.id}@{renamed[key].rsplit('@', 1)[1]}")
+            texts[(s.family, s.id)] = s.text
+            out.append(s)
     return out
+
+
+def _unused_id(key: tuple[str, str], used: set[tuple[str, str]]) -> str:
+    family, task = key
+    k = 1
+    while (family, f"{task}@{k}") in used:
+        k += 1
+    used.add((family, f"{task}@{k}"))
+    return f"{task}@{k}"
 
 
 @dataclass
