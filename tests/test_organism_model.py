@@ -100,7 +100,7 @@ def test_the_checks_find_belief_where_training_put_it_on_the_organism_and_nothin
 # Seeds a new user might pick: the 4242, which failed steering under the old rule (its most-flipping random
 # direction of 20 flipped 0.125 > 0.10), and the first small ones after 0 (the test above). On an earlier organism,
 # with the command's defaults on 13 seeds (0-5, 7, 42, 123, 2024, 4242, 31337, 99991) the old rule failed steering on
-# 4 (2, 123, 4242, 99991) and the new one on none (not rerun on the 13 for this organism; the six here pass). Seed 5
+# 4 (2, 123, 4242, 99991) and the new one on none; on this organism every check passes on all 13 (2026-11-28). Seed 5
 # failed attribution (Spearman 0.786 < 0.8 over its 8 active heads)
 # while integrated gradients moved every differing token for a head at the final token: layer-0 heads L0H3 and L0H5
 # got 0.15 and 0.24 of the gap, exact patching 0.01 each. Moving the final token alone, as patching it does, it passes.
