@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from tomlens.audit import audit_stimuli, sample_per_task
-from tomlens.audit.evaluate import BAG_CEILING, SHORTCUT
-from tomlens.audit.heuristics import first_mentioned, last_mentioned, most_mentioned
+from tomlens.audit.evaluate import BAG_CEILING, SHORTCUT, held_out_correct, task_folds
+from tomlens.audit.heuristics import first_mentioned, generic_battery, last_mentioned, most_mentioned
 from tomlens.stimuli.false_belief import CONTENTS, TRANSFER, make_tasks
 from tomlens.stimuli.records import Stimulus
 from tomlens.stimuli.tracking import FAMILY, belief_tracking, put_first
@@ -134,9 +134,6 @@ def test_the_contents_variant_s_bags_average_chance_over_fresh_seeds():
     202, ..., 909 and 4242), the 3-gram bag (story) read 0.514 with a standard deviation of 0.050 (the
     binomial spread of 64 tasks at chance is 0.0625), 3 of them over 0.60. A cue in the generator
     would move the mean, which twelve seeds pin to about +-0.015 (these twelve: 0.513, three over 0.60)."""
-    from tomlens.audit.evaluate import held_out_correct, task_folds
-    from tomlens.audit.heuristics import generic_battery
-
     bag = next(h for h in generic_battery() if h.name == "3-gram bag (story)")
     accuracies = []
     for seed in range(7000, 7012):

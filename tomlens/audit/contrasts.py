@@ -114,8 +114,7 @@ def contrasts_for(family: str, stimuli: Sequence[Stimulus]) -> list[Contrast]:
     one's name), the family's own, and, for a family that declares none, its conditions (when there
     are 2 to `MAX_CONDITIONS` of them)."""
     own = family_contrasts(family)
-    names = {c.name for c in own}
-    out = [*(c for c in (ANSWER_POSITION, BELIEF) if c.name not in names), *own]
+    out = _declared_then_registered((ANSWER_POSITION, BELIEF), own)
     if not own and 2 <= len({s.condition for s in stimuli}) <= MAX_CONDITIONS:
         out.append(CONDITION)
     left_out = unaudited(family)

@@ -89,9 +89,8 @@ def estimate_minutes(cfg) -> float:  # noqa: ANN001 - an OrganismConfig
     curriculum ends (a quarter of the steps), 0.95 s after (every family's stories, 32 swap pairs a
     step, each in five forwards: the source, the swap, the knockout, and the upstream swap's source
     and base; and the held-out evaluations every 250 steps; 3165 s and, with light work beside it,
-    3281 s for 3500 steps); without the
-    upstream invariance 0.31 and 0.5 s; 0.3 s without the interchange; plus
-    about a minute to generate and split the stories. Other settings move it (64 swap pairs
+    3281 s for 3500 steps); without the upstream invariance 0.31 and 0.5 s; 0.3 s without the
+    interchange; plus about a minute to generate and split the stories. Other settings move it (64 swap pairs
     throughout cost more)."""
     size = (cfg.batch_size / 64) * (cfg.n_layers / 5) * (cfg.d_model / 64) ** 2
     share = min(max(cfg.first_share, 0.0), 1.0)
