@@ -151,3 +151,23 @@ def assert_same_and_small(counts: dict[Any, tuple[int, str]], bound: int) -> Non
     totals = {k: v[0] for k, v in counts.items()}
     assert len(set(totals.values())) == 1, counts
     assert next(iter(totals.values())) <= bound, counts
+
+
+class OpCounter(TorchDispatchMode):
+    """Every op a block dispatches (`with OpCounter() as c: ...`, then `c.total`). On a GPU each is
+    at most one kernel launch, and a small model's forward on a fast GPU is bound by its launches
+    (the Llama-3.2-1B shape: about 940 per batch through the bridge), so this count is what a CPU
+    test can hold the GPU's per-forward overhead to. Views count too: a conservative count."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: Counter[str] = Counter()
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        self.counts[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))

@@ -22,6 +22,7 @@ import math
 import os
 import sys
 import time
+from array import array
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -34,15 +35,16 @@ from tqdm.auto import tqdm
 
 from tomlens.activations import store as st
 from tomlens.activations.activation_set import ActivationSet, row_labels
-from tomlens.devices import dtype_name, parse_dtype
+from tomlens.devices import dtype_name, parse_dtype, to_device
 from tomlens.errors import TomlensError
 from tomlens.hooks import capture, check_sites, parse_sites
 from tomlens.hooks.sites import Site
 from tomlens.io import sha256_hex, write_json, write_jsonl
 from tomlens.messages import say, warn
-from tomlens.models import encode, provenance
-from tomlens.models.positions import check_selectors, parse_selectors, resolve_positions
+from tomlens.models import provenance
+from tomlens.models.positions import check_selectors, parse_selectors, token_positions
 from tomlens.models.protocol import Model
+from tomlens.models.tokens import padded, tokenize
 from tomlens.oom import OOM_ERRORS, release_memory
 from tomlens.stimuli.records import Stimulus, stimuli_hash
 
@@ -320,7 +322,8 @@ class _Runner:
         self.bar: tqdm | None = None  # made once the rows left to run are known
         self.tokens = 0
         self.start = time.perf_counter()
-        self.lengths: dict[int, int] = {}
+        self.ids: dict[int, array[int]] = {}  # row -> its token ids, kept from `measure` (4 bytes a token)
+        self.at: dict[int, list[int]] = {}  # row -> unpadded token index of each selector
         self.done = 0  # prompts of the run order whose forward finished (resumed ones included)
 
     def close(self) -> None:
@@ -328,14 +331,16 @@ class _Runner:
             self.bar.close()
 
     def measure(self, chunk: int = 2048) -> list[int]:
-        """The run order, rows sorted by token count (ties by row), before any forward: this also
-        fails early on a span no token covers."""
+        """The run order, rows sorted by token count (ties by row), before any forward: every row is
+        tokenized here, once, and its positions resolved on the host (so a span no token covers
+        fails before any forward); the batches reuse both."""
         for c in range(0, len(self.stimuli), chunk):
             rows = self.stimuli[c : c + chunk]
-            batch = encode(self.model, [s.text for s in rows])
-            resolve_positions(rows, batch, self.selectors)
-            self.lengths.update(zip(range(c, c + len(rows)), batch.lengths, strict=True))
-        return sorted(range(len(self.stimuli)), key=lambda r: (self.lengths[r], r))
+            ids, offsets = tokenize(self.model, [s.text for s in rows])
+            for r, row_ids, at in zip(range(c, c + len(rows)), ids, token_positions(rows, offsets, self.selectors),
+                                      strict=True):
+                self.ids[r], self.at[r] = array("i", row_ids), at
+        return sorted(range(len(self.stimuli)), key=lambda r: (len(self.ids[r]), r))
 
     def shards(
         self, order: list[int], start: int, rows_per: int, flush_seconds: float
@@ -368,7 +373,7 @@ class _Runner:
             del out
             pos += len(rows)
             self.done = pos
-            self.tokens += sum(self.lengths[r] for r in rows)
+            self.tokens += sum(len(self.ids[r]) for r in rows)
             bar.update(len(rows))
             bar.set_postfix(tok_s=f"{self.tokens / max(1e-9, time.perf_counter() - self.start):.0f}",
                             batch=self.batch_size, refresh=False)
@@ -379,9 +384,9 @@ class _Runner:
                 wait = min(flush_seconds, 2 * wait)
 
     def _run_batch(self, rows: list[int]) -> dict[Site, torch.Tensor]:
-        chunk = [self.stimuli[r] for r in rows]
-        batch = encode(self.model, [s.text for s in chunk])
-        pos = resolve_positions(chunk, batch, self.selectors)
+        batch = padded(self.model, [self.ids[r] for r in rows])
+        at = [[pad + i for i in self.at[r]] for pad, r in zip(batch.pad, rows, strict=True)]
+        pos = to_device(torch.tensor(at, dtype=torch.long), batch.input_ids.device)
         with torch.inference_mode():
             return capture(self.model, batch, self.sites, pos, dtype=self.dtype)
 

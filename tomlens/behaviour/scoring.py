@@ -34,6 +34,7 @@ from tomlens.devices import to_device
 from tomlens.errors import TomlensError
 from tomlens.hooks.logits import keeps_last_logits
 from tomlens.hooks.patch import PrefixCache
+from tomlens.models.plain import forward_logits, forward_logits_and_cache
 from tomlens.models.protocol import Model
 from tomlens.models.tokens import _accepts_position_ids, _model_device, encode
 from tomlens.oom import OOM_ERRORS, release_memory
@@ -260,7 +261,7 @@ def _forward_plain(model: Model, chunk: Sequence[_Row], keep: int, trim: bool) -
     kwargs: dict[str, Any] = {**batch.forward_kwargs(), "use_cache": False}
     if trim:
         kwargs["logits_to_keep"] = keep
-    return model(batch.input_ids, **kwargs)[:, -keep:]
+    return forward_logits(model, batch.input_ids, **kwargs)[:, -keep:]
 
 
 def _suffix_batch(chunk: Sequence[_Row], prefix: int, pad_id: int
@@ -295,7 +296,7 @@ def _forward_shared(model: Model, chunk: Sequence[_Row], prefix: int, keep: int,
     head = to_device(head, device)
     if trim:
         head_kwargs["logits_to_keep"] = 1
-    _, hf_cache = model(head, return_type="logits_and_cache", **head_kwargs)
+    _, hf_cache = forward_logits_and_cache(model, head, **head_kwargs)
     cache = PrefixCache.from_output(hf_cache)
     if cache is None:
         return None
@@ -306,7 +307,7 @@ def _forward_shared(model: Model, chunk: Sequence[_Row], prefix: int, keep: int,
                               "past_key_values": cache.select(torch.zeros(len(chunk), dtype=torch.long), prefix)}
     if trim:
         kwargs["logits_to_keep"] = keep
-    return model(to_device(ids, device), **kwargs)[:, -keep:]
+    return forward_logits(model, to_device(ids, device), **kwargs)[:, -keep:]
 
 
 def score_options(

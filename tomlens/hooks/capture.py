@@ -20,6 +20,7 @@ from torch import Tensor
 
 from tomlens.hooks.heads import head_out
 from tomlens.hooks.sites import Site, hook_name
+from tomlens.models.plain import PlainForward, plain_forward
 from tomlens.models.protocol import Model
 
 
@@ -41,7 +42,63 @@ def capture(
     `[batch, n_sel, head, d_head]` for `z`, `[batch, n_sel, head, d_model]` for `head_out`
     (a site with a `head` drops the head axis). Tensors stay on the model's device, in `dtype`
     (default: the model's). Call under `torch.inference_mode()` unless gradients are needed.
+
+    Residual-stream sites of a bridge with no hook attached are read off the Hugging Face model
+    without the bridge's wrappers (`plain_forward`: the same numbers, a fraction of the kernel
+    launches); every other site through the bridge's hook points.
     """
+    plain = plain_forward(model) if all(s.kind in RESIDUAL_KINDS for s in sites) else None
+    if plain is not None:
+        return _capture_plain(plain, batch, sites, positions, dtype)
+    return _capture_bridge(model, batch, sites, positions, dtype)
+
+
+# Residual-stream kinds and which side of a decoder layer carries them: its input or its output.
+RESIDUAL_KINDS: dict[str, str] = {"resid_pre": "input", "resid_post": "output"}
+
+
+def _keep(out: dict[Site, Tensor], site: Site, value: Tensor, dtype: torch.dtype | None) -> None:
+    if site.head is not None:
+        value = value[:, :, site.head].contiguous()
+    out[site] = value if dtype is None or value.dtype == dtype else value.to(dtype)
+
+
+def _capture_plain(plain: PlainForward, batch: Any, sites: Sequence[Site], positions: Tensor,
+                   dtype: torch.dtype | None) -> dict[Site, Tensor]:
+    """Residual-stream sites off the unwrapped decoder layers: a pre-hook reads a layer's input, a
+    hook its output; the last one in forward order raises, so nothing after it runs."""
+    rows = torch.arange(positions.shape[0], device=positions.device)[:, None]
+    out: dict[Site, Tensor] = {}
+    last = max(sites, key=lambda s: (s.layer, RESIDUAL_KINDS[s.kind] == "output"))
+
+    def keep(site: Site, tensor: Tensor) -> None:
+        _keep(out, site, tensor[rows, positions], dtype)  # advanced indexing: a copy, [b, n_sel, d]
+        if site == last:
+            raise _Captured
+
+    def on_input(site: Site):
+        return lambda module, args, kwargs: keep(site, args[0] if args else kwargs["hidden_states"])
+
+    def on_output(site: Site):
+        return lambda module, args, kwargs, result: keep(site, result[0] if isinstance(result, tuple) else result)
+
+    handles = [plain.layers[s.layer].register_forward_pre_hook(on_input(s), with_kwargs=True)
+               if RESIDUAL_KINDS[s.kind] == "input" else
+               plain.layers[s.layer].register_forward_hook(on_output(s), with_kwargs=True)
+               for s in dict.fromkeys(sites)]
+    try:
+        plain.model(batch.input_ids, use_cache=False, **batch.forward_kwargs())
+    except _Captured:
+        pass
+    finally:
+        for handle in handles:
+            handle.remove()
+    return _all_there(sites, out)
+
+
+def _capture_bridge(model: Model, batch: Any, sites: Sequence[Site], positions: Tensor,
+                    dtype: torch.dtype | None) -> dict[Site, Tensor]:
+    """Any site, through the bridge's hook points; the hook that captures the last one raises."""
     groups: dict[str, list[Site]] = defaultdict(list)
     for site in sites:
         groups[hook_name(site)].append(site)
@@ -51,13 +108,10 @@ def capture(
 
     def make_hook(name: str, group: list[Site]):
         def hook(tensor: Tensor, hook: Any) -> None:
-            idx = positions.to(tensor.device)
+            idx = positions.to(tensor.device)  # a device map may place blocks on several devices
             picked = tensor[rows.to(tensor.device), idx]  # advanced indexing: a copy, [b, n_sel, ...]
             for site in group:
-                value = head_out(model, site.layer, picked) if site.kind == "head_out" else picked
-                if site.head is not None:
-                    value = value[:, :, site.head].contiguous()
-                out[site] = value.to(dtype) if dtype is not None else value
+                _keep(out, site, head_out(model, site.layer, picked) if site.kind == "head_out" else picked, dtype)
             pending.discard(name)
             if not pending:
                 raise _Captured
@@ -73,6 +127,10 @@ def capture(
             model(batch.input_ids, **kwargs)
         except _Captured:
             pass
+    return _all_there(sites, out)
+
+
+def _all_there(sites: Sequence[Site], out: dict[Site, Tensor]) -> dict[Site, Tensor]:
     missing = [str(s) for s in sites if s not in out]
     if missing:
         raise RuntimeError(f"the forward finished without firing the hooks for {missing}")

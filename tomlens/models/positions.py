@@ -199,22 +199,21 @@ def token_index(stimulus: Stimulus, offsets: Sequence[tuple[int, int]], selector
     return tokens[0] if first else tokens[-1]
 
 
-def span_position(stimulus: Stimulus, batch: Any, row: int, selector: str) -> int:
-    """Padded index of the first or last token whose characters overlap the selector's span."""
-    return batch.pad[row] + token_index(stimulus, batch.offsets[row], selector)
-
-
 def host_positions(stimuli: Sequence[Stimulus], batch: Any, selectors: Sequence[str]) -> list[list[int]]:
     """Padded token index of every selector for every row, from the tokenizer's output alone.
 
     Read off the batch's host-side pads, lengths and offsets, never its device tensors: on a GPU
     each `int()` of a device value waits for every queued kernel (two per prompt made a caching
     forward run as dozens of short bursts)."""
-    return [
-        [batch.pad[row] + batch.lengths[row] - 1 if sel == FINAL else span_position(s, batch, row, sel)
-         for sel in selectors]
-        for row, s in enumerate(stimuli)
-    ]
+    return [[batch.pad[row] + i for i in at] for row, at in enumerate(token_positions(stimuli, batch.offsets, selectors))]
+
+
+def token_positions(stimuli: Sequence[Stimulus], offsets: Sequence[Sequence[tuple[int, int]]],
+                    selectors: Sequence[str]) -> list[list[int]]:
+    """Unpadded token index of every selector for every row, from each row's character offsets
+    (`tokenize`'s): where a row sits in a padded batch adds its pad count, and nothing else."""
+    return [[len(offs) - 1 if sel == FINAL else token_index(s, offs, sel) for sel in selectors]
+            for s, offs in zip(stimuli, offsets, strict=True)]
 
 
 def resolve_positions(

@@ -23,7 +23,8 @@ from tomlens.errors import TomlensError
 
 @dataclass(frozen=True)
 class EncodedBatch:
-    """A left-padded batch of texts with per-token character offsets (unpadded order)."""
+    """A left-padded batch of texts with per-token character offsets (unpadded order; empty for a
+    batch `padded` from ids kept earlier, whose positions were resolved when they were made)."""
 
     input_ids: Int[Tensor, "batch pos"]
     attention_mask: Int[Tensor, "batch pos"]
@@ -120,6 +121,13 @@ def encode(model: Any, texts: Sequence[str]) -> EncodedBatch:
 
     Tensors are placed on the model's device. Needs a fast tokenizer (for character offsets).
     """
+    ids, offsets = tokenize(model, texts)
+    return padded(model, ids, offsets=offsets, texts=texts)
+
+
+def tokenize(model: Any, texts: Sequence[str]) -> tuple[list[list[int]], list[list[tuple[int, int]]]]:
+    """Each text's token ids and their character offsets, unpadded, on the host (`encode` pads
+    them; a caller that sorts rows by length first keeps them, so nothing is tokenized twice)."""
     if isinstance(texts, str):
         raise TypeError("encode takes a sequence of texts, not a single string")
     texts = list(texts)
@@ -134,7 +142,11 @@ def encode(model: Any, texts: Sequence[str]) -> EncodedBatch:
     enc = tokenizer(texts, return_offsets_mapping=True, padding=False, truncation=False)
     ids: list[list[int]] = [list(x) for x in enc["input_ids"]]
     offsets = [[(int(a), int(b)) for a, b in row] for row in enc["offset_mapping"]]
-    lengths = [len(x) for x in ids]
+    _check_lengths(model, [len(x) for x in ids])
+    return ids, offsets
+
+
+def _check_lengths(model: Any, lengths: list[int]) -> None:
     if min(lengths) == 0:
         empty = lengths.index(0)
         raise TomlensError(f"text {empty} tokenizes to nothing", "remove empty prompts")
@@ -145,7 +157,17 @@ def encode(model: Any, texts: Sequence[str]) -> EncodedBatch:
             f"text {longest} is {max(lengths)} tokens long; the model's context is {n_ctx}",
             "shorten the prompt or use a model with a longer context",
         )
+
+
+def padded(model: Any, ids: Sequence[Sequence[int]], *, offsets: list[list[tuple[int, int]]] | None = None,
+           texts: Sequence[str] = ()) -> EncodedBatch:
+    """Token ids the model's tokenizer made (`encode`'s, or ones kept from an earlier call),
+    left-padded into a batch on the model's device. Without `offsets` the batch has none (`[]`):
+    its positions were resolved when the ids were made, and it cannot resolve any of its own."""
+    lengths = [len(x) for x in ids]
+    _check_lengths(model, lengths)
     width = max(lengths)
+    tokenizer = model.tokenizer
     pad_id = tokenizer.pad_token_id
     if pad_id is None:
         pad_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
@@ -153,14 +175,14 @@ def encode(model: Any, texts: Sequence[str]) -> EncodedBatch:
     input_ids = torch.full((len(ids), width), int(pad_id), dtype=torch.long)
     mask = torch.zeros((len(ids), width), dtype=torch.long)
     for row, (seq, p) in enumerate(zip(ids, pads, strict=True)):
-        input_ids[row, p:] = torch.tensor(seq, dtype=torch.long)
+        input_ids[row, p:] = torch.as_tensor(seq, dtype=torch.long)
         mask[row, p:] = 1
     position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
     device = _model_device(model)  # built on the host, each moved once without a host sync
     return EncodedBatch(
         input_ids=to_device(input_ids, device),
         attention_mask=to_device(mask, device),
-        offsets=offsets,
+        offsets=[] if offsets is None else offsets,
         pad=pads,
         lengths=lengths,
         last=to_device(torch.full((len(ids),), width - 1, dtype=torch.long), device),

@@ -1,0 +1,166 @@
+"""The bridge-free forward that caching uses for the residual stream (`tomlens.models.plain`).
+
+It must compute what the bridge computes, stand aside whenever the bridge has to run (a hook
+attached, an architecture whose wrappers own weights of their own), share the bridge's weights
+rather than copy them, and leave the bridge as it was. And it must be what makes a cache cheap on
+a GPU: no more ops than transformers' own forward, plus one gather per site (counted on the CPU)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from syncs import OpCounter, tiny_with_layers
+
+from tomlens.hooks import capture
+from tomlens.hooks.capture import _capture_bridge
+from tomlens.hooks.sites import Site
+from tomlens.models import encode, load_model
+from tomlens.models.plain import plain_forward
+from tomlens.models.positions import resolve_positions
+from tomlens.stimuli import generate
+
+pytestmark = pytest.mark.integration
+
+POSITIONS = ["final", "protagonist", "object:first"]
+
+
+def _batch(model: Any, n: int = 8) -> tuple[Any, torch.Tensor]:
+    stimuli = generate("order-only", n=4, seed=3)[:n]
+    batch = encode(model, [s.text for s in stimuli])
+    return batch, resolve_positions(stimuli, batch, POSITIONS)
+
+
+def _residual_sites(model: Any) -> list[Site]:
+    return [Site(k, layer) for layer in range(model.cfg.n_layers) for k in ("resid_pre", "resid_post")]
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gemma3", "tom-organism"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_plain_forward_reads_the_residual_stream_the_bridge_does(name: str, dtype: str) -> None:
+    model = load_model(name, dtype=dtype, device="cpu")
+    batch, pos = _batch(model)
+    sites = _residual_sites(model)
+    assert plain_forward(model) is not None
+    with torch.inference_mode():
+        got = capture(model, batch, sites, pos)
+        want = _capture_bridge(model, batch, sites, pos, None)
+    for site in sites:
+        assert got[site].dtype == want[site].dtype and got[site].shape == want[site].shape
+        torch.testing.assert_close(got[site], want[site], msg=lambda m, s=site: f"{s}: {m}")
+
+
+def test_capture_keeps_the_requested_dtype_and_stops_after_the_last_site(load_tiny: Any) -> None:
+    model = load_tiny("tiny-llama")
+    batch, pos = _batch(model)
+    plain = plain_forward(model)
+    assert plain is not None
+    ran: list[int] = []
+    handles = [layer.register_forward_pre_hook(lambda m, a, i=i: ran.append(i)) for i, layer in enumerate(plain.layers)]
+    try:
+        with torch.inference_mode():
+            got = capture(model, batch, [Site("resid_pre", 0)], pos, dtype=torch.float16)
+    finally:
+        for h in handles:
+            h.remove()
+    assert ran == [0]  # the pre-hook of layer 0 raised before layer 0 or 1 ran any further
+    assert got[Site("resid_pre", 0)].dtype == torch.float16
+
+
+def test_an_architecture_whose_wrappers_own_weights_stays_on_the_bridge(load_tiny: Any) -> None:
+    """The GPT-2 bridge splits the fused query-key-value weight into weights of its own and computes
+    attention with those: a rebuilt transformers GPT-2 would not be what the bridge runs."""
+    model = load_tiny("tiny-gpt2")
+    assert plain_forward(model) is None
+    batch, pos = _batch(model)
+    sites = _residual_sites(model)
+    with torch.inference_mode():
+        got = capture(model, batch, sites, pos)
+        want = _capture_bridge(model, batch, sites, pos, None)
+    for site in sites:
+        torch.testing.assert_close(got[site], want[site])
+
+
+def test_a_hook_on_the_bridge_keeps_capture_on_the_bridge(load_tiny: Any) -> None:
+    model = load_tiny("tiny-llama")
+    batch, pos = _batch(model)
+    site = Site("resid_post", 1)
+    with torch.inference_mode():
+        plain = capture(model, batch, [site], pos)[site]
+        with model.hooks(fwd_hooks=[("blocks.0.hook_resid_pre", lambda t, hook: t + 1.0)]):
+            assert plain_forward(model) is None
+            hooked = capture(model, batch, [site], pos)[site]
+        assert plain_forward(model) is not None
+        again = capture(model, batch, [site], pos)[site]
+    assert (hooked - plain).abs().max() > 0.1  # the steering-like hook ran
+    torch.testing.assert_close(again, plain, rtol=0, atol=0)
+
+
+def test_the_plain_forward_shares_the_bridges_weights_and_leaves_it_as_it_was() -> None:
+    model = load_model("tiny-llama", device="cpu")
+    batch, pos = _batch(model)
+    with torch.inference_mode():
+        before = model(batch.input_ids, **batch.forward_kwargs())
+    hooks_before = _hooks_of(model)
+    plain = plain_forward(model)
+    assert plain is not None and plain_forward(model) is plain  # built once per bridge
+    assert {p.data_ptr() for p in plain.model.parameters()} == {p.data_ptr() for p in model.parameters()}
+    assert _hooks_of(model) == hooks_before  # the twin got hook dictionaries of its own
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in plain.model.modules())
+    site = Site("resid_post", 1)
+    with torch.no_grad():
+        next(iter(plain.layers[0].parameters())).mul_(3.0)  # a weight changed in place: both see it
+    with torch.inference_mode():
+        got = capture(model, batch, [site], pos)[site]
+        want = _capture_bridge(model, batch, [site], pos, None)[site]
+        after = model(batch.input_ids, **batch.forward_kwargs())
+    torch.testing.assert_close(got, want)
+    assert (after - before).abs().max() > 0  # the bridge ran the changed weight too
+    assert len(model.hook_dict) > 0 and plain_forward(model) is plain
+
+
+def _hooks_of(model: Any) -> list[tuple[int, int]]:
+    return [(len(m._forward_hooks), len(m._forward_pre_hooks)) for m in model.modules()]
+
+
+def _plain_transformers_ops(model: Any, batch: Any) -> int:
+    """Ops of transformers' own forward to the logits, same config, no bridge: the baseline."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_config(model.original_model.config).eval()
+    with OpCounter() as c, torch.inference_mode():
+        hf(batch.input_ids, use_cache=False, **batch.forward_kwargs())
+    return c.total
+
+
+def test_caching_the_residual_stream_costs_a_plain_forward_plus_one_op_per_site(load_tiny: Any, tmp_path: Any) -> None:
+    """Through the bridge, every layer of tiny Llama dispatched about 16 ops more than transformers'
+    own (its norms' scale computed again for a hook, casts and copies around each wrapper): on a
+    GPU, where a small model's forward is bound by launches, that made caching 2.4x a plain forward."""
+    for model in (load_tiny("tiny-llama"), tiny_with_layers("tiny-llama", 6, tmp_path), load_tiny("tiny-gemma3")):
+        batch, pos = _batch(model)
+        sites = [Site("resid_post", layer) for layer in range(model.cfg.n_layers)]
+        with OpCounter() as c, torch.inference_mode():
+            capture(model, batch, sites, pos)
+        baseline = _plain_transformers_ops(model, batch)
+        assert c.total <= baseline + len(sites), (model.cfg.n_layers, c.total, baseline, c.counts.most_common(8))
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gemma3"])
+def test_option_scores_through_the_plain_forward_are_the_bridges(name: str, load_tiny: Any) -> None:
+    """Scoring reads logits only, so it runs the plain forward (the shared-prefix batches too, whose
+    key/value cache is then transformers' own); a hook attached puts it back on the bridge."""
+    from tomlens.behaviour.scoring import score_options
+
+    model = load_tiny(name)
+    stimuli = generate("unexpected-transfer", n=2, seed=1)[:12]
+    with OpCounter() as plain_ops:
+        plain = score_options(model, stimuli, batch_size=4, progress=False)
+    with model.hooks(fwd_hooks=[("blocks.0.hook_resid_pre", lambda t, hook: t)]), OpCounter() as bridge_ops:
+        bridge = score_options(model, stimuli, batch_size=4, progress=False)
+    for got, want in zip(plain, bridge, strict=True):
+        for a, b in zip(got, want, strict=True):
+            assert a.logp_first == pytest.approx(b.logp_first, abs=1e-5)
+            assert a.logp_sum == pytest.approx(b.logp_sum, abs=1e-5) and a.n_tokens == b.n_tokens
+    assert plain_ops.total < bridge_ops.total, (plain_ops.total, bridge_ops.total)
