@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from tomlens.activations.cache import cache_activations
-from tomlens.stimuli import FAMILIES, Stimulus, generate
+from tomlens.stimuli import FAMILIES, Span, Stimulus, generate
 
 
 def _asdict_form(s: Stimulus) -> dict[str, Any]:
@@ -39,12 +39,13 @@ def test_a_records_dict_is_the_one_asdict_made_for_every_family() -> None:
 @pytest.mark.unit
 def test_a_records_dict_copies_meta_all_the_way_down() -> None:
     base = generate("order-only", n=1, seed=0)[0]
-    s = base.with_(meta={"nested": {"list": [1, {"x": (2, 3)}]}, "tuple": (4, [5])})
+    s = base.with_(meta={"nested": {"list": [1, {"x": (2, 3)}]}, "tuple": (4, [5]), "span": Span(1, 2)})
     d = s.to_dict()
-    assert d == _asdict_form(s)
+    assert d == _asdict_form(s) and d["meta"]["span"] == {"start": 1, "end": 2}
+    json.dumps(d)  # a dataclass in meta becomes a dict, as asdict made it: the record still hashes
     d["meta"]["nested"]["list"][1]["x"] = None
     d["meta"]["tuple"][1].append(6)
-    assert s.meta == {"nested": {"list": [1, {"x": (2, 3)}]}, "tuple": (4, [5])}
+    assert s.meta == {"nested": {"list": [1, {"x": (2, 3)}]}, "tuple": (4, [5]), "span": Span(1, 2)}
 
 
 @pytest.mark.integration

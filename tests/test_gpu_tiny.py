@@ -314,3 +314,30 @@ def test_caching_on_cuda_syncs_a_fixed_number_of_times_whatever_the_batches_and_
     # per call: the weights' fingerprint read back (one), the wait before the one shard is written
     # (one); the rest of the bound is slack for a one-off read, never one per batch
     assert at_8 <= 4, f"{at_8} syncs for one call (one shard)"
+
+
+# ---------------------------------------------------------------------------------------------- plain forward
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gemma3"])
+def test_the_plain_forward_on_cuda_computes_the_bridges_numbers(on_gpu, transfer, name, dtype):
+    """Caching the residual stream and scoring run the Hugging Face model without the bridge's
+    wrappers: the same kernels in the same order, so the same numbers on the GPU too, bit for bit."""
+    from tomlens.hooks import capture
+    from tomlens.hooks.capture import _capture_bridge
+    from tomlens.hooks.sites import Site
+    from tomlens.models.plain import plain_forward
+    from tomlens.models.positions import resolve_positions
+
+    model = on_gpu(name, dtype)
+    assert plain_forward(model) is not None
+    batch = encode(model, [s.text for s in transfer])
+    pos = resolve_positions(transfer, batch, POSITIONS)
+    sites = [Site(k, layer) for layer in range(model.cfg.n_layers) for k in ("resid_pre", "resid_post")]
+    with torch.inference_mode():
+        got, want = capture(model, batch, sites, pos), _capture_bridge(model, batch, sites, pos, None)
+    for site in sites:
+        torch.testing.assert_close(got[site], want[site], rtol=0, atol=0, msg=lambda m, s=site: f"{s}: {m}")
+    plain = score_options(model, transfer, batch_size=4, progress=False)
+    with model.hooks(fwd_hooks=[("blocks.0.hook_resid_pre", lambda t, hook: t)]):
+        bridge = score_options(model, transfer, batch_size=4, progress=False)
+    assert plain == bridge

@@ -43,10 +43,13 @@ def capture(
     (a site with a `head` drops the head axis). Tensors stay on the model's device, in `dtype`
     (default: the model's). Call under `torch.inference_mode()` unless gradients are needed.
 
-    Residual-stream sites of a bridge with no hook attached are read off the Hugging Face model
-    without the bridge's wrappers (`plain_forward`: the same numbers, a fraction of the kernel
-    launches); every other site through the bridge's hook points.
+    A call whose sites are all residual-stream sites (`resid_pre`, `resid_post`) reads them off the
+    Hugging Face model without the bridge's wrappers where nothing makes the bridge compute otherwise
+    (`tomlens.models.plain`: the same numbers, fewer kernel launches); any other call runs the
+    bridge and reads its hook points.
     """
+    if not sites:
+        return {}
     plain = plain_forward(model) if all(s.kind in RESIDUAL_KINDS for s in sites) else None
     if plain is not None:
         return _capture_plain(plain, batch, sites, positions, dtype)

@@ -3,20 +3,31 @@
 Why: the bridge replaces every module of the Hugging Face model it wraps (each decoder layer, its
 attention, each linear layer, each norm) by a wrapper that holds the original and runs hook points
 around it, and some wrappers recompute what the original computes (a norm's scale, for its hook).
-On the Llama-3.2-1B shape that is about 940 kernel launches per forward on a GPU, 58 per layer,
-where transformers' own forward makes about 40; a forward of a small model on a fast GPU is bound by
-launches, so caching through the bridge ran 2.4x slower than a plain transformers forward.
+On the Llama-3.2-1B shape that is about 940 kernel launches per forward on a GPU, 58 per layer; a
+forward of a small model on a fast GPU is bound by launches, so caching through the bridge ran 2.4x
+slower than a plain transformers forward.
 
 Where only the residual stream is read (a cache of `resid_pre` / `resid_post`) or only the logits
-(option scoring) and no hook is attached, tomlens runs `plain_forward(model)` instead: the same
-modules rebuilt without the wrappers. It shares every parameter and buffer with the bridge (no
-copy; a weight changed in place is seen by both) and computes the same numbers, in the same order,
-as the bridge does. It is built once per bridge and kept while the bridge lives.
+(option scoring), tomlens runs `plain_forward(model)` instead: the same modules rebuilt without the
+wrappers. It shares every parameter and buffer with the bridge (the originals' own dictionaries: a
+weight changed or replaced, a `.to()` or a loaded state dict is seen by both) and runs the same
+operations in the same order, so on the CPU its numbers are bit-identical to the bridge's (tested on
+Llama-, Gemma-, Qwen- and Mistral-style models). It is built once per bridge, kept while the bridge
+lives, and rebuilt when a module of the bridge is swapped for another.
 
-It is not used, and `plain_forward` returns None, where it could differ from what the bridge runs:
-a hook attached to the bridge (steering, a patch: the bridge must run them), a module whose
-`forward` was replaced (a device map's dispatch hooks, tomlens's own block skipping), or a model
-that is not a bridge over a Hugging Face model.
+Before each use the bridge is checked for anything that would make it compute otherwise, and then the
+bridge runs (`plain_forward` returns None):
+  - a hook anywhere in it: on a hook point (steering, patching), on a wrapper or a wrapped module,
+    forward or backward, or a global module hook (the hooks TransformerLens wires itself, to feed
+    its hook points, are not counted: they only read);
+  - a module whose `forward` was replaced (tomlens's block skipping, a device map's dispatch);
+  - a module in train mode (dropout);
+  - a bridge setting that changes its arithmetic (`use_attn_result`, `use_split_qkv_input`,
+    `use_attn_in`, `use_hook_mlp_in`: the bridge then computes attention its own way);
+  - a device-mapped model, a model that is not a bridge over a Hugging Face model, or one whose
+    wrappers own weights of their own (GPT-2 and GPT-NeoX: the bridge splits the fused
+    query-key-value weight and computes attention with the parts).
+The check walks the bridge's modules once per call (about a microsecond a module; no device work).
 """
 
 from __future__ import annotations
@@ -27,9 +38,15 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
+import torch.nn.modules.module as torch_module
 from torch import Tensor, nn
 
 _WRAPPED = "_original_component"  # where a TransformerLens bridge component keeps the module it wraps
+# Bridge settings under which the bridge computes attention (or the MLP input) its own way.
+_OWN_ARITHMETIC = ("use_attn_result", "use_split_qkv_input", "use_attn_in", "use_hook_mlp_in")
+_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+_GLOBAL_HOOKS = tuple(getattr(torch_module, n, {}) for n in (
+    "_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks", "_global_backward_pre_hooks"))
 
 
 @dataclass(frozen=True)
@@ -42,27 +59,38 @@ class PlainForward:
     layers: tuple[nn.Module, ...]
 
 
+@dataclass(frozen=True)
+class _Built:
+    """A bridge's twin (None: it cannot have one) and the bridge's module tree it was built from."""
+
+    twin: PlainForward | None
+    modules: tuple[nn.Module, ...]  # every module of the bridge, the wrapped originals included
+    parents: tuple[tuple[nn.Module, tuple[nn.Module | None, ...]], ...]  # each parent and its children then
+
+    @classmethod
+    def of(cls, model: nn.Module, modules: tuple[nn.Module, ...]) -> _Built:
+        parents = tuple((m, tuple(m._modules.values())) for m in modules if m._modules)
+        return cls(_build(model), modules, parents)
+
+    def current(self) -> bool:
+        """No module of the bridge was swapped for another since the twin was built."""
+        return all(tuple(m._modules.values()) == kids for m, kids in self.parents)
+
+
 class _NotPlain(Exception):
     """A module of the wrapped model cannot be rebuilt faithfully (its `forward` was replaced)."""
 
 
-_BUILT: weakref.WeakKeyDictionary[Any, PlainForward | None] = weakref.WeakKeyDictionary()
+_BUILT: weakref.WeakKeyDictionary[Any, _Built] = weakref.WeakKeyDictionary()
 
 
 def plain_forward(model: Any) -> PlainForward | None:
-    """The bridge's model without its wrappers, or None where it must not stand in for the bridge
-    (see the module docstring). Costs a walk over the bridge's hook points per call (no device work)."""
-    if _hooked(model):
+    """The bridge's model without its wrappers, or None where the bridge must run itself (see the
+    module docstring)."""
+    built = _built(model)
+    if built is None or built.twin is None or _computes_otherwise(model, built.modules):
         return None
-    try:
-        return _BUILT[model]
-    except KeyError:
-        pass
-    except TypeError:  # not weak-referenceable: not a bridge
-        return None
-    built = _build(model)
-    _BUILT[model] = built
-    return built
+    return built.twin
 
 
 def forward_logits(model: Any, input_ids: Tensor, **kwargs: Any) -> Tensor:
@@ -83,14 +111,40 @@ def forward_logits_and_cache(model: Any, input_ids: Tensor, **kwargs: Any) -> tu
     return out.logits, out.past_key_values
 
 
-def _hooked(model: Any) -> bool:
-    """Whether a hook is attached to the bridge's hook points, to the bridge itself or to one of its
-    blocks, or a block's `forward` is replaced: then only the bridge's own forward runs it."""
-    points = getattr(model, "hook_dict", None)
-    if points is None:
+def _built(model: Any) -> _Built | None:
+    """The twin built for `model`, rebuilt when a module of it was swapped since; None for an
+    object that is no bridge (no hook points, or not weak-referenceable)."""
+    if not isinstance(model, nn.Module) or getattr(type(model), "hook_dict", None) is None:
+        return None  # (read off the class: the bridge's `hook_dict` builds a dictionary each time)
+    built = _BUILT.get(model)
+    if built is None or not built.current():
+        modules = tuple(model.modules())
+        if _computes_otherwise(model, modules):
+            return None  # build later, from the tree as it is without the hooks or overrides
+        built = _Built.of(model, modules)
+        _BUILT[model] = built
+    return built
+
+
+def _computes_otherwise(model: Any, modules: tuple[nn.Module, ...]) -> bool:
+    """Whether the bridge would compute something its twin does not: see the module docstring."""
+    cfg = getattr(model, "cfg", None)
+    if any(getattr(cfg, flag, False) for flag in _OWN_ARITHMETIC) or any(_GLOBAL_HOOKS):
         return True
-    watched = [model, *getattr(model, "blocks", ()), *points.values()]
-    return any(m._forward_hooks or m._forward_pre_hooks or "forward" in vars(m) for m in watched)
+    for m in modules:
+        d = m.__dict__
+        if d["training"] or "forward" in d:
+            return True
+        if (d["_forward_hooks"] or d["_forward_pre_hooks"] or d["_backward_hooks"] or d["_backward_pre_hooks"]) \
+                and not all(_wired_by_transformer_lens(h) for name in _HOOK_DICTS for h in d[name].values()):
+            return True
+    return False
+
+
+def _wired_by_transformer_lens(hook: Any) -> bool:
+    """A hook TransformerLens's wrappers attach themselves (to feed their hook points); a hook point's
+    own hooks are the user's, whatever wraps them, and are told apart by where they sit (a HookPoint)."""
+    return getattr(hook, "__module__", "").startswith("transformer_lens.model_bridge")
 
 
 def _build(model: Any) -> PlainForward | None:
@@ -105,7 +159,7 @@ def _build(model: Any) -> PlainForward | None:
     except (_NotPlain, KeyError):
         return None
     if {id(p) for p in plain.parameters()} != {id(p) for p in hf.parameters()}:
-        return None  # a wrapper owned a weight of its own: the rebuilt model would not compute the same
+        return None  # a wrapper owns a weight of its own: the rebuilt model would not compute the same
     return PlainForward(plain, layers)
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import copy
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, fields, is_dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -149,9 +149,12 @@ _DICT_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(Stimulus) if f.name
 
 
 def _copied(value: Any) -> Any:
-    """A copy of a JSON-like value down to its leaves (dicts, lists and tuples rebuilt; anything
-    else deep-copied, as `dataclasses.asdict` would): a caller may change `to_dict`'s meta freely."""
+    """A copy of a JSON-like value down to its leaves, as `dataclasses.asdict` made it: dicts, lists
+    and tuples rebuilt, a dataclass instance turned into a dict, anything else deep-copied; so a
+    caller may change `to_dict`'s meta freely."""
     kind = type(value)
+    if is_dataclass(value) and not isinstance(value, type):
+        return _copied(asdict(value))
     if kind is dict:
         return {k: v if type(v) in _LEAVES else _copied(v) for k, v in value.items()}
     if kind is list or kind is tuple:
