@@ -200,13 +200,13 @@ def test_a_shard_is_written_every_two_minutes_of_work_by_default(load_tiny, tmp_
     the first shards sooner (after 15 s, then 30 s, 60 s, ...) so an early Ctrl-C keeps them."""
     model = load_tiny("tiny-gpt2")
     clock = [0.0]
-    real_capture = cache_mod.capture
+    real_capture = cache_mod.capture_via
 
     def fifty_seconds_a_batch(*args, **kwargs):
         clock[0] += 50.0
         return real_capture(*args, **kwargs)
 
-    monkeypatch.setattr(cache_mod, "capture", fifty_seconds_a_batch)
+    monkeypatch.setattr(cache_mod, "capture_via", fifty_seconds_a_batch)
     monkeypatch.setattr(cache_mod, "time", SimpleNamespace(perf_counter=lambda: clock[0], strftime=time.strftime))
     acts = cache_activations(model, STORIES, ["resid_post"], ["final"], store=tmp_path, batch_size=1, progress=False)
     assert cache_mod.FLUSH_SECONDS == 120

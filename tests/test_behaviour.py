@@ -250,7 +250,7 @@ def test_a_cache_that_cannot_be_shared_falls_back_to_plain_forwards(name, monkey
     forward_plain = scoring._forward_plain
     monkeypatch.setattr(scoring.PrefixCache, "from_output", classmethod(lambda cls, cache: None))
     monkeypatch.setattr(scoring, "_forward_plain",
-                        lambda m, chunk, *a: plain_rows.append(len(chunk)) or forward_plain(m, chunk, *a))
+                        lambda m, plain, chunk, *a: plain_rows.append(len(chunk)) or forward_plain(m, plain, chunk, *a))
     _assert_same_scores(score_options(model, stimuli, batch_size=4, progress=False), shared)
     assert sum(plain_rows) == len(scoring._plan(model.tokenizer, stimuli))  # every row, once
 

@@ -158,7 +158,7 @@ def test_shared_prefix_scores_equal_plain_transformers(name, prepend_bos, monkey
     prefixes: list[int] = []
     shared = scoring._forward_shared
     monkeypatch.setattr(scoring, "_forward_shared",
-                        lambda m, chunk, prefix, *a: prefixes.append(prefix) or shared(m, chunk, prefix, *a))
+                        lambda m, plain, chunk, prefix, *a: prefixes.append(prefix) or shared(m, plain, chunk, prefix, *a))
     got = score_options(model, stimuli, batch_size=4, progress=False)
     assert prefixes and min(prefixes) >= len(model.tokenizer(STORY)["input_ids"]) - 2  # the story runs once
     want = _reference(build_tiny(name, seed=0), embedded_tokenizer(tokenizer_dir()), stimuli, bos=bool(prepend_bos))

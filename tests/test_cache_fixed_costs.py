@@ -5,6 +5,7 @@ and every prompt was tokenized twice). Counted here, never timed."""
 from __future__ import annotations
 
 import json
+from collections import OrderedDict, namedtuple
 from dataclasses import asdict
 from typing import Any
 
@@ -46,6 +47,18 @@ def test_a_records_dict_copies_meta_all_the_way_down() -> None:
     d["meta"]["nested"]["list"][1]["x"] = None
     d["meta"]["tuple"][1].append(6)
     assert s.meta == {"nested": {"list": [1, {"x": (2, 3)}]}, "tuple": (4, [5]), "span": Span(1, 2)}
+
+
+@pytest.mark.unit
+def test_a_records_dict_copies_other_containers_as_asdict_did() -> None:
+    """A dict subclass or a namedtuple holding a dataclass: `asdict` rebuilt both and turned the
+    dataclass into a dict; so must `to_dict`, or the record would not be JSON (its hash) at all."""
+    Pair = namedtuple("Pair", "left right")
+    s = generate("order-only", n=1, seed=0)[0].with_(
+        meta={"ordered": OrderedDict(span=Span(1, 2)), "pair": Pair(Span(3, 4), [5])})
+    d = s.to_dict()
+    assert d == _asdict_form(s) and json.dumps(d) == json.dumps(_asdict_form(s))
+    assert d["meta"]["ordered"]["span"] == {"start": 1, "end": 2} and d["meta"]["pair"].right == [5]
 
 
 @pytest.mark.integration

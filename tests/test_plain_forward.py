@@ -7,6 +7,9 @@ a GPU: no more ops than transformers' own forward, plus one gather per site (cou
 
 from __future__ import annotations
 
+import gc
+import importlib
+import weakref
 from typing import Any
 
 import pytest
@@ -17,7 +20,7 @@ from tomlens.hooks import capture
 from tomlens.hooks.capture import _capture_bridge
 from tomlens.hooks.sites import Site
 from tomlens.models import encode, load_model
-from tomlens.models.plain import plain_forward
+from tomlens.models.plain import forward_logits, plain_forward
 from tomlens.models.positions import resolve_positions
 from tomlens.stimuli import generate
 
@@ -268,3 +271,67 @@ def test_capturing_no_site_runs_nothing(load_tiny: Any) -> None:
     with OpCounter() as c:
         assert capture(model, batch, [], pos) == {}
     assert c.total == 0
+
+
+def test_a_hook_or_a_swap_on_the_wrapped_models_containers_puts_the_bridge_back() -> None:
+    """The causal LM and its decoder model are no modules of the bridge, but the bridge's forward runs
+    through them: a hook there, or a module swapped into them, must reach the twin's decision too."""
+    model = load_model("tiny-llama", device="cpu")
+    batch, pos = _batch(model)
+    hf = model.original_model
+    for target in (hf, hf.model):
+        handle = target.register_forward_pre_hook(lambda m, a: None)
+        try:
+            assert plain_forward(model) is None
+        finally:
+            handle.remove()
+    first = plain_forward(model)
+    assert first is not None
+    final_norm = hf.model.norm
+    hf.model.norm = torch.nn.Identity().eval()
+    try:
+        second = plain_forward(model)
+        assert second is not None and second is not first
+        with torch.inference_mode():
+            got = forward_logits(model, second, batch.input_ids, **batch.forward_kwargs())
+            want = model(batch.input_ids, **batch.forward_kwargs())
+        real = batch.attention_mask.bool()
+        torch.testing.assert_close(got[real], want[real], rtol=0, atol=0)
+    finally:
+        hf.model.norm = final_norm
+
+
+def test_the_twin_does_not_keep_its_bridge_alive() -> None:
+    model = load_model("tiny-llama", device="cpu")
+    assert plain_forward(model) is not None
+    gone = weakref.ref(model)
+    del model
+    gc.collect()
+    assert gone() is None
+
+
+def test_stateful_rotary_scaling_stays_on_the_bridge() -> None:
+    """Dynamic rotary scaling keeps the length it last saw in plain attributes, which a copy does not share."""
+    model = load_model("tiny-llama", device="cpu")
+    config = model.original_model.config
+    config.rope_parameters = {**(config.rope_parameters or {}), "rope_type": "dynamic", "factor": 2.0}
+    assert plain_forward(model) is None
+
+
+def test_a_cache_call_and_a_scoring_call_each_decide_once(load_tiny: Any, tmp_path: Any, monkeypatch: Any) -> None:
+    """The decision walks every module, so a batch loop makes it once, not per batch."""
+    from tomlens.activations import cache
+    from tomlens.behaviour import scoring
+
+    capture_module = importlib.import_module("tomlens.hooks.capture")  # the package's `capture` is the function
+    model = load_tiny("tiny-llama")
+    stimuli = generate("order-only", n=4, seed=3)
+    asked: list[str] = []
+    decide = plain_forward
+    monkeypatch.setattr(capture_module, "plain_forward", lambda m: asked.append("cache") or decide(m))
+    monkeypatch.setattr(scoring, "plain_forward", lambda m: asked.append("scoring") or decide(m))
+    acts = cache.cache_activations(model, stimuli, "resid_post", ["final"], store=tmp_path, batch_size=2,
+                                   progress=False)
+    scoring.score_options(model, stimuli, batch_size=2, progress=False)
+    assert not acts.reused and len(stimuli) >= 8
+    assert asked == ["cache", "scoring"]

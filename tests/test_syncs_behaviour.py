@@ -85,7 +85,7 @@ def test_shared_prefix_scoring_adds_no_sync(name, load_tiny, monkeypatch):
     prefixes: list[int] = []
     shared = scoring._forward_shared
     monkeypatch.setattr(scoring, "_forward_shared",
-                        lambda m, chunk, prefix, *a: prefixes.append(prefix) or shared(m, chunk, prefix, *a))
+                        lambda m, plain, chunk, prefix, *a: prefixes.append(prefix) or shared(m, plain, chunk, prefix, *a))
     score_options(model, _one_story(8), batch_size=4, progress=False)  # warm-up outside the count
     for n, batch_size in ((8, 4), (16, 4), (16, 8)):
         prefixes.clear()

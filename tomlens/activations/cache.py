@@ -37,7 +37,8 @@ from tomlens.activations import store as st
 from tomlens.activations.activation_set import ActivationSet, row_labels
 from tomlens.devices import dtype_name, parse_dtype, to_device
 from tomlens.errors import TomlensError
-from tomlens.hooks import capture, check_sites, parse_sites
+from tomlens.hooks import check_sites, parse_sites
+from tomlens.hooks.capture import capture_via, twin_for
 from tomlens.hooks.sites import Site
 from tomlens.io import sha256_hex, write_json, write_jsonl
 from tomlens.messages import say, warn
@@ -317,6 +318,7 @@ class _Runner:
         self.model, self.stimuli, self.layers, self.selectors, self.dtype = model, stimuli, layers, selectors, dtype
         self.device = _model_dtype_device(model)[1]
         self.sites = [Site(k, layer) for k, ls in layers.items() for layer in ls]
+        self.plain = twin_for(model, self.sites)  # asked once: nothing changes the model between batches
         self.batch_size = max(1, int(batch_size))
         self.progress = progress
         self.bar: tqdm | None = None  # made once the rows left to run are known
@@ -388,7 +390,7 @@ class _Runner:
         at = [[pad + i for i in self.at[r]] for pad, r in zip(batch.pad, rows, strict=True)]
         pos = to_device(torch.tensor(at, dtype=torch.long), batch.input_ids.device)
         with torch.inference_mode():
-            return capture(self.model, batch, self.sites, pos, dtype=self.dtype)
+            return capture_via(self.plain, self.model, batch, self.sites, pos, dtype=self.dtype)
 
 
     def _in_row_order(self, ran: list[int], parts: dict[str, list[Tensor]]) -> tuple[Tensor, dict[str, Tensor]]:

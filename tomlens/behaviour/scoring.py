@@ -34,7 +34,7 @@ from tomlens.devices import to_device
 from tomlens.errors import TomlensError
 from tomlens.hooks.logits import keeps_last_logits
 from tomlens.hooks.patch import PrefixCache
-from tomlens.models.plain import forward_logits, forward_logits_and_cache
+from tomlens.models.plain import PlainForward, forward_logits, forward_logits_and_cache, plain_forward
 from tomlens.models.protocol import Model
 from tomlens.models.tokens import _accepts_position_ids, _model_device, encode
 from tomlens.oom import OOM_ERRORS, release_memory
@@ -254,14 +254,15 @@ def _batch_targets(chunk: Sequence[_Row], keep: int) -> tuple[list[list[int]], l
     return [rows, positions, tokens], spans
 
 
-def _forward_plain(model: Model, chunk: Sequence[_Row], keep: int, trim: bool) -> Float[Tensor, "batch keep vocab"]:
+def _forward_plain(model: Model, plain: PlainForward | None, chunk: Sequence[_Row], keep: int, trim: bool
+                   ) -> Float[Tensor, "batch keep vocab"]:
     """The last `keep` positions' logits of one left-padded forward of the whole rows (with `trim`,
     the model unembeds those positions only)."""
     batch = encode(model, [r.job.text for r in chunk])
     kwargs: dict[str, Any] = {**batch.forward_kwargs(), "use_cache": False}
     if trim:
         kwargs["logits_to_keep"] = keep
-    return forward_logits(model, batch.input_ids, **kwargs)[:, -keep:]
+    return forward_logits(model, plain, batch.input_ids, **kwargs)[:, -keep:]
 
 
 def _suffix_batch(chunk: Sequence[_Row], prefix: int, pad_id: int
@@ -281,8 +282,8 @@ def _suffix_batch(chunk: Sequence[_Row], prefix: int, pad_id: int
     return ids, mask, positions
 
 
-def _forward_shared(model: Model, chunk: Sequence[_Row], prefix: int, keep: int, trim: bool
-                    ) -> Float[Tensor, "batch keep vocab"] | None:
+def _forward_shared(model: Model, plain: PlainForward | None, chunk: Sequence[_Row], prefix: int, keep: int,
+                    trim: bool) -> Float[Tensor, "batch keep vocab"] | None:
     """The last `keep` positions' logits of the rows, their shared first `prefix` tokens run once
     (batch 1) and every row's rest against those keys and values, expanded to the batch (the same
     numbers as one forward of the whole rows, within float rounding). None where the model's cache
@@ -296,7 +297,7 @@ def _forward_shared(model: Model, chunk: Sequence[_Row], prefix: int, keep: int,
     head = to_device(head, device)
     if trim:
         head_kwargs["logits_to_keep"] = 1
-    _, hf_cache = forward_logits_and_cache(model, head, **head_kwargs)
+    _, hf_cache = forward_logits_and_cache(model, plain, head, **head_kwargs)
     cache = PrefixCache.from_output(hf_cache)
     if cache is None:
         return None
@@ -307,7 +308,7 @@ def _forward_shared(model: Model, chunk: Sequence[_Row], prefix: int, keep: int,
                               "past_key_values": cache.select(torch.zeros(len(chunk), dtype=torch.long), prefix)}
     if trim:
         kwargs["logits_to_keep"] = keep
-    return forward_logits(model, to_device(ids, device), **kwargs)[:, -keep:]
+    return forward_logits(model, plain, to_device(ids, device), **kwargs)[:, -keep:]
 
 
 def score_options(
@@ -328,6 +329,7 @@ def score_options(
     rows = _rows(model, _plan(model.tokenizer, stimuli))
     common = _common_prefixes(rows)
     trim, share = keeps_last_logits(model), _accepts_position_ids(model)
+    plain = plain_forward(model)  # logits only: the model without the bridge's wrappers, where it can stand in
     batch_size = max(1, int(batch_size))
     batches = _plan_batches(rows, common, batch_size, share)
     logps: list[Tensor] = []  # per finished batch, its targets' log-probs, still on the device
@@ -341,12 +343,12 @@ def score_options(
             keep = max(r.keep for r in chunk)
             table, chunk_spans = _batch_targets(chunk, keep)
             try:
-                logits = _forward_shared(model, chunk, b.prefix, keep, trim) if b.prefix else None
+                logits = _forward_shared(model, plain, chunk, b.prefix, keep, trim) if b.prefix else None
                 if logits is None and b.prefix:  # the cache cannot be shared: batch the rest plainly
                     share = False
                     batches[k:] = _plan_batches(rows, common, batch_size, share, first=b.start)
                     continue
-                logits = logits if logits is not None else _forward_plain(model, chunk, keep, trim)
+                logits = logits if logits is not None else _forward_plain(model, plain, chunk, keep, trim)
                 lp = _continuation_logprobs(logits, to_device(table, logits.device))
             except OOM_ERRORS:
                 if batch_size == 1:

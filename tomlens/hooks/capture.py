@@ -48,9 +48,20 @@ def capture(
     (`tomlens.models.plain`: the same numbers, fewer kernel launches); any other call runs the
     bridge and reads its hook points.
     """
+    return capture_via(twin_for(model, sites), model, batch, sites, positions, dtype=dtype)
+
+
+def twin_for(model: Model, sites: Sequence[Site]) -> PlainForward | None:
+    """What a capture of `sites` runs: the plain forward (residual-stream sites only, where it can
+    stand in for the bridge) or None, the bridge. A loop over many batches asks once (`capture_via`)."""
+    return plain_forward(model) if sites and all(s.kind in RESIDUAL_KINDS for s in sites) else None
+
+
+def capture_via(plain: PlainForward | None, model: Model, batch: Any, sites: Sequence[Site],
+                positions: Int[Tensor, "batch n_sel"], *, dtype: torch.dtype | None = None) -> dict[Site, Tensor]:
+    """`capture` through `plain` (`twin_for(model, sites)`, asked once before the loop) or the bridge."""
     if not sites:
         return {}
-    plain = plain_forward(model) if all(s.kind in RESIDUAL_KINDS for s in sites) else None
     if plain is not None:
         return _capture_plain(plain, batch, sites, positions, dtype)
     return _capture_bridge(model, batch, sites, positions, dtype)

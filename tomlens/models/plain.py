@@ -10,24 +10,27 @@ slower than a plain transformers forward.
 Where only the residual stream is read (a cache of `resid_pre` / `resid_post`) or only the logits
 (option scoring), tomlens runs `plain_forward(model)` instead: the same modules rebuilt without the
 wrappers. It shares every parameter and buffer with the bridge (the originals' own dictionaries: a
-weight changed or replaced, a `.to()` or a loaded state dict is seen by both) and runs the same
-operations in the same order, so on the CPU its numbers are bit-identical to the bridge's (tested on
-Llama-, Gemma-, Qwen- and Mistral-style models). It is built once per bridge, kept while the bridge
-lives, and rebuilt when a module of the bridge is swapped for another.
+weight changed or replaced, a `.to()` or a loaded state dict is seen by both) and runs the
+originals' operations in the same order. Tested bit-identical to the bridge on the CPU for Llama,
+Gemma 3 and the organism (fp32 and bf16); other architectures should agree to float rounding, not
+necessarily bit for bit. It is built once per bridge, does not keep the bridge alive, and is rebuilt
+when a module of the bridge or of the model it wraps is swapped for another.
 
-Before each use the bridge is checked for anything that would make it compute otherwise, and then the
-bridge runs (`plain_forward` returns None):
-  - a hook anywhere in it: on a hook point (steering, patching), on a wrapper or a wrapped module,
-    forward or backward, or a global module hook (the hooks TransformerLens wires itself, to feed
-    its hook points, are not counted: they only read);
-  - a module whose `forward` was replaced (tomlens's block skipping, a device map's dispatch);
-  - a module in train mode (dropout);
-  - a bridge setting that changes its arithmetic (`use_attn_result`, `use_split_qkv_input`,
-    `use_attn_in`, `use_hook_mlp_in`: the bridge then computes attention its own way);
-  - a device-mapped model, a model that is not a bridge over a Hugging Face model, or one whose
-    wrappers own weights of their own (GPT-2 and GPT-NeoX: the bridge splits the fused
-    query-key-value weight and computes attention with the parts).
-The check walks the bridge's modules once per call (about a microsecond a module; no device work).
+Each caller asks once per call (`cache_activations`, `score_options`), and the bridge runs instead
+(`plain_forward` returns None) where it would compute otherwise:
+  - a hook anywhere in it or in the model it wraps: on a hook point (steering, patching), on a
+    wrapper or a wrapped module or container, forward or backward, or a global module hook; the
+    two hooks TransformerLens's blocks wire themselves to feed their hook points are known by name
+    and not counted (they change nothing unless `use_hook_mlp_in` is set, which is checked);
+  - a module in train mode (dropout), or a module whose `forward` was replaced (tomlens's block
+    skipping, a device map's dispatch);
+  - a bridge setting under which it computes other than the original (`use_attn_result`,
+    `use_split_qkv_input`, `use_attn_in`, `use_hook_mlp_in`);
+  - a device-mapped model; dynamic or long-context rotary scaling (it keeps its state in plain
+    attributes, which a copy does not share); a model that is not a bridge over a Hugging Face
+    model, or one whose wrappers own weights of their own (GPT-2 and GPT-NeoX: the bridge splits the
+    fused query-key-value weight and computes attention with the parts).
+The check walks every module once (about half a millisecond at the Llama-3.2-1B depth; no device work).
 """
 
 from __future__ import annotations
@@ -42,11 +45,19 @@ import torch.nn.modules.module as torch_module
 from torch import Tensor, nn
 
 _WRAPPED = "_original_component"  # where a TransformerLens bridge component keeps the module it wraps
-# Bridge settings under which the bridge computes attention (or the MLP input) its own way.
 _OWN_ARITHMETIC = ("use_attn_result", "use_split_qkv_input", "use_attn_in", "use_hook_mlp_in")
 _HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 _GLOBAL_HOOKS = tuple(getattr(torch_module, n, {}) for n in (
     "_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks", "_global_backward_pre_hooks"))
+# The hooks TransformerLens 4.3's blocks attach to their norms after the first forward: they read the
+# norm's input for `hook_resid_mid`-style hook points (and feed `hook_mlp_in` only if it is used).
+_WIRED_BY_THE_BRIDGE = frozenset({
+    ("transformer_lens.model_bridge.generalized_components.block",
+     "BlockBridge._maybe_wire_capture_hooks.<locals>._capture_pre_ln1"),
+    ("transformer_lens.model_bridge.generalized_components.block",
+     "BlockBridge._maybe_wire_capture_hooks.<locals>._capture_mlp_in"),
+})
+_STATEFUL_ROPE = frozenset({"dynamic", "longrope"})
 
 
 @dataclass(frozen=True)
@@ -61,20 +72,24 @@ class PlainForward:
 
 @dataclass(frozen=True)
 class _Built:
-    """A bridge's twin (None: it cannot have one) and the bridge's module tree it was built from."""
+    """A bridge's twin (None: it cannot have one) and the tree it was built from: every module of the
+    bridge and of the model it wraps, the bridge itself left out (a strong reference to it here
+    would keep it, and its weights, alive for good), with each module's children at the time."""
 
     twin: PlainForward | None
-    modules: tuple[nn.Module, ...]  # every module of the bridge, the wrapped originals included
-    parents: tuple[tuple[nn.Module, tuple[nn.Module | None, ...]], ...]  # each parent and its children then
+    modules: tuple[nn.Module, ...]
+    children: tuple[tuple[nn.Module | None, ...], ...]
+    root_children: tuple[nn.Module | None, ...]
 
     @classmethod
     def of(cls, model: nn.Module, modules: tuple[nn.Module, ...]) -> _Built:
-        parents = tuple((m, tuple(m._modules.values())) for m in modules if m._modules)
-        return cls(_build(model), modules, parents)
+        return cls(_build(model), modules, tuple(tuple(m._modules.values()) for m in modules),
+                   tuple(model._modules.values()))
 
-    def current(self) -> bool:
-        """No module of the bridge was swapped for another since the twin was built."""
-        return all(tuple(m._modules.values()) == kids for m, kids in self.parents)
+    def current(self, model: nn.Module) -> bool:
+        """No module was swapped for another since the twin was built."""
+        return tuple(model._modules.values()) == self.root_children and all(
+            tuple(m._modules.values()) == kids for m, kids in zip(self.modules, self.children, strict=True))
 
 
 class _NotPlain(Exception):
@@ -86,24 +101,23 @@ _BUILT: weakref.WeakKeyDictionary[Any, _Built] = weakref.WeakKeyDictionary()
 
 def plain_forward(model: Any) -> PlainForward | None:
     """The bridge's model without its wrappers, or None where the bridge must run itself (see the
-    module docstring)."""
+    module docstring). Ask once per call of a batch loop, not per batch: the check walks every module."""
     built = _built(model)
     if built is None or built.twin is None or _computes_otherwise(model, built.modules):
         return None
     return built.twin
 
 
-def forward_logits(model: Any, input_ids: Tensor, **kwargs: Any) -> Tensor:
-    """`model(input_ids, **kwargs)`: the logits `[batch, pos, vocab]`, through the plain forward
-    where it stands in for the bridge (kwargs as transformers takes them: `attention_mask`,
-    `position_ids`, `use_cache`, `logits_to_keep`, `past_key_values`)."""
-    plain = plain_forward(model)
+def forward_logits(model: Any, plain: PlainForward | None, input_ids: Tensor, **kwargs: Any) -> Tensor:
+    """`model(input_ids, **kwargs)`: the logits `[batch, pos, vocab]`, through `plain` (what
+    `plain_forward(model)` said) where it is not None (kwargs as transformers takes them:
+    `attention_mask`, `position_ids`, `use_cache`, `logits_to_keep`, `past_key_values`)."""
     return model(input_ids, **kwargs) if plain is None else plain.model(input_ids, **kwargs).logits
 
 
-def forward_logits_and_cache(model: Any, input_ids: Tensor, **kwargs: Any) -> tuple[Tensor, Any]:
+def forward_logits_and_cache(model: Any, plain: PlainForward | None, input_ids: Tensor,
+                             **kwargs: Any) -> tuple[Tensor, Any]:
     """The logits and transformers' key/value cache after them (call with `use_cache=True`)."""
-    plain = plain_forward(model)
     if plain is None:
         logits, cache = model(input_ids, return_type="logits_and_cache", **kwargs)
         return logits, cache
@@ -112,13 +126,15 @@ def forward_logits_and_cache(model: Any, input_ids: Tensor, **kwargs: Any) -> tu
 
 
 def _built(model: Any) -> _Built | None:
-    """The twin built for `model`, rebuilt when a module of it was swapped since; None for an
-    object that is no bridge (no hook points, or not weak-referenceable)."""
-    if not isinstance(model, nn.Module) or getattr(type(model), "hook_dict", None) is None:
-        return None  # (read off the class: the bridge's `hook_dict` builds a dictionary each time)
+    """The twin built for `model`, rebuilt when a module was swapped since; None for an object that is
+    no bridge over a Hugging Face model."""
+    hf = getattr(model, "original_model", None)
+    if not isinstance(model, nn.Module) or getattr(type(model), "hook_dict", None) is None \
+            or not isinstance(hf, nn.Module):
+        return None  # (`hook_dict` read off the class: the bridge's property builds a dictionary each time)
     built = _BUILT.get(model)
-    if built is None or not built.current():
-        modules = tuple(model.modules())
+    if built is None or not built.current(model):
+        modules = tuple(dict.fromkeys((*list(model.modules())[1:], *hf.modules())))
         if _computes_otherwise(model, modules):
             return None  # build later, from the tree as it is without the hooks or overrides
         built = _Built.of(model, modules)
@@ -131,27 +147,23 @@ def _computes_otherwise(model: Any, modules: tuple[nn.Module, ...]) -> bool:
     cfg = getattr(model, "cfg", None)
     if any(getattr(cfg, flag, False) for flag in _OWN_ARITHMETIC) or any(_GLOBAL_HOOKS):
         return True
-    for m in modules:
+    for m in (model, *modules):
         d = m.__dict__
         if d["training"] or "forward" in d:
             return True
         if (d["_forward_hooks"] or d["_forward_pre_hooks"] or d["_backward_hooks"] or d["_backward_pre_hooks"]) \
-                and not all(_wired_by_transformer_lens(h) for name in _HOOK_DICTS for h in d[name].values()):
+                and not all((getattr(h, "__module__", None), getattr(h, "__qualname__", None)) in _WIRED_BY_THE_BRIDGE
+                            for name in _HOOK_DICTS for h in d[name].values()):
             return True
     return False
-
-
-def _wired_by_transformer_lens(hook: Any) -> bool:
-    """A hook TransformerLens's wrappers attach themselves (to feed their hook points); a hook point's
-    own hooks are the user's, whatever wraps them, and are told apart by where they sit (a HookPoint)."""
-    return getattr(hook, "__module__", "").startswith("transformer_lens.model_bridge")
 
 
 def _build(model: Any) -> PlainForward | None:
     hf = getattr(model, "original_model", None)
     blocks = getattr(model, "blocks", None)
-    if not isinstance(hf, nn.Module) or blocks is None or getattr(hf, "hf_device_map", None):
-        return None  # a device map places and moves tensors through hooks of its own
+    if not isinstance(hf, nn.Module) or blocks is None or getattr(hf, "hf_device_map", None) \
+            or _STATEFUL_ROPE & set(_rope_types(getattr(hf, "config", None))):
+        return None  # a device map moves tensors through hooks of its own; a stateful rope keeps state in attributes
     memo: dict[int, nn.Module] = {}
     try:
         plain = _unwrapped(hf, memo)
@@ -161,6 +173,22 @@ def _build(model: Any) -> PlainForward | None:
     if {id(p) for p in plain.parameters()} != {id(p) for p in hf.parameters()}:
         return None  # a wrapper owns a weight of its own: the rebuilt model would not compute the same
     return PlainForward(plain, layers)
+
+
+def _rope_types(config: Any) -> list[str]:
+    """The rotary scaling types a config names (`rope_scaling`, or transformers 5's `rope_parameters`,
+    which may hold one set per attention type)."""
+    found: list[str] = []
+
+    def walk(value: Any) -> None:
+        if isinstance(value, dict):
+            found.extend(str(value[k]) for k in ("rope_type", "type") if k in value)
+            for v in value.values():
+                walk(v)
+
+    for name in ("rope_scaling", "rope_parameters"):
+        walk(getattr(config, name, None))
+    return found
 
 
 def _innermost(module: nn.Module) -> nn.Module:

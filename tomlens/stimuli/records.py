@@ -6,10 +6,9 @@ token positions through the tokenizer's offsets without hard-coded indices.
 
 from __future__ import annotations
 
-import copy
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field, fields, is_dataclass, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -149,17 +148,24 @@ _DICT_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(Stimulus) if f.name
 
 
 def _copied(value: Any) -> Any:
-    """A copy of a JSON-like value down to its leaves, as `dataclasses.asdict` made it: dicts, lists
-    and tuples rebuilt, a dataclass instance turned into a dict, anything else deep-copied; so a
-    caller may change `to_dict`'s meta freely."""
+    """A copy of a value in `meta` exactly as `dataclasses.asdict` made it (plain dicts, lists and
+    tuples rebuilt here, fast; anything else, a dataclass, a namedtuple or a dict subclass, by
+    `asdict` itself), so a caller may change `to_dict`'s meta freely."""
     kind = type(value)
-    if is_dataclass(value) and not isinstance(value, type):
-        return _copied(asdict(value))
+    if kind in _LEAVES:
+        return value
     if kind is dict:
         return {k: v if type(v) in _LEAVES else _copied(v) for k, v in value.items()}
     if kind is list or kind is tuple:
         return kind(v if type(v) in _LEAVES else _copied(v) for v in value)
-    return value if kind in _LEAVES else copy.deepcopy(value)
+    return asdict(_Holder(value))["value"]
+
+
+@dataclass(frozen=True)
+class _Holder:
+    """One value, for `asdict` to copy the way it copies a field."""
+
+    value: Any
 
 
 _LEAVES: frozenset[type] = frozenset({str, int, float, bool, type(None)})
