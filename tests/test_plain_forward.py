@@ -302,12 +302,41 @@ def test_a_hook_or_a_swap_on_the_wrapped_models_containers_puts_the_bridge_back(
 
 
 def test_the_twin_does_not_keep_its_bridge_alive() -> None:
+    """Neither when nothing refers back to the bridge (then it goes at once, no collection needed)
+    nor when a permanent hook's closure does (a cycle, which the garbage collector clears)."""
     model = load_model("tiny-llama", device="cpu")
     assert plain_forward(model) is not None
     gone = weakref.ref(model)
     del model
+    assert gone() is None
+    model = load_model("tiny-llama", device="cpu")
+    assert plain_forward(model) is not None
+    model.add_perma_hook("blocks.0.hook_resid_pre", lambda t, hook, m=model: t)
+    gone = weakref.ref(model)
+    del model
     gc.collect()
     assert gone() is None
+
+
+def test_an_attribute_reassigned_after_the_build_needs_forget() -> None:
+    """The twin's modules copy the originals' attributes: `forget` rebuilds it from the model as it is;
+    the wrapped model replaced as a whole is seen without it."""
+    from tomlens.models.plain import forget
+
+    model = load_model("tiny-llama", device="cpu")
+    batch, pos = _batch(model)
+    site = Site("resid_post", 1)
+    first = plain_forward(model)
+    attention = model.blocks[0].attn.original_component
+    attention.scaling = attention.scaling * 4.0
+    assert plain_forward(model) is first  # not seen: the documented limit
+    forget(model)
+    second = plain_forward(model)
+    assert second is not None and second is not first
+    with torch.inference_mode():
+        got = capture(model, batch, [site], pos)[site]
+        want = _capture_bridge(model, batch, [site], pos, None)[site]
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 def test_stateful_rotary_scaling_stays_on_the_bridge() -> None:
@@ -316,6 +345,11 @@ def test_stateful_rotary_scaling_stays_on_the_bridge() -> None:
     config = model.original_model.config
     config.rope_parameters = {**(config.rope_parameters or {}), "rope_type": "dynamic", "factor": 2.0}
     assert plain_forward(model) is None
+    gemma = load_model("tiny-gemma3", device="cpu")
+    per_type = gemma.original_model.config.rope_parameters  # Gemma 3: one set per attention type
+    assert set(per_type) >= {"sliding_attention", "full_attention"}
+    per_type["full_attention"] = {**per_type["full_attention"], "rope_type": "dynamic", "factor": 2.0}
+    assert plain_forward(gemma) is None
 
 
 def test_a_cache_call_and_a_scoring_call_each_decide_once(load_tiny: Any, tmp_path: Any, monkeypatch: Any) -> None:

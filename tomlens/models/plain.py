@@ -13,8 +13,11 @@ wrappers. It shares every parameter and buffer with the bridge (the originals' o
 weight changed or replaced, a `.to()` or a loaded state dict is seen by both) and runs the
 originals' operations in the same order. Tested bit-identical to the bridge on the CPU for Llama,
 Gemma 3 and the organism (fp32 and bf16); other architectures should agree to float rounding, not
-necessarily bit for bit. It is built once per bridge, does not keep the bridge alive, and is rebuilt
-when a module of the bridge or of the model it wraps is swapped for another.
+necessarily bit for bit. It is built once per bridge and kept on the bridge (so it goes when the
+bridge goes), and is rebuilt when a module of the bridge or of the model it wraps is swapped for
+another. Its modules are copies of the originals' attributes, though: an attribute reassigned on a
+wrapped module after the twin was built (an attention's `scaling`, a module's `config`) is not seen
+by the twin; call `forget(model)` after such a change, and the next call builds it again.
 
 Each caller asks once per call (`cache_activations`, `score_options`), and the bridge runs instead
 (`plain_forward` returns None) where it would compute otherwise:
@@ -30,13 +33,12 @@ Each caller asks once per call (`cache_activations`, `score_options`), and the b
     attributes, which a copy does not share); a model that is not a bridge over a Hugging Face
     model, or one whose wrappers own weights of their own (GPT-2 and GPT-NeoX: the bridge splits the
     fused query-key-value weight and computes attention with the parts).
-The check walks every module once (about half a millisecond at the Llama-3.2-1B depth; no device work).
+The check walks every module twice (about half a millisecond at the Llama-3.2-1B depth; no device work).
 """
 
 from __future__ import annotations
 
 import copy
-import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -57,7 +59,7 @@ _WIRED_BY_THE_BRIDGE = frozenset({
     ("transformer_lens.model_bridge.generalized_components.block",
      "BlockBridge._maybe_wire_capture_hooks.<locals>._capture_mlp_in"),
 })
-_STATEFUL_ROPE = frozenset({"dynamic", "longrope"})
+_KEPT_ON_THE_BRIDGE = "_tomlens_plain_forward"  # the bridge's __dict__ key of its `_Built`
 
 
 @dataclass(frozen=True)
@@ -73,30 +75,31 @@ class PlainForward:
 @dataclass(frozen=True)
 class _Built:
     """A bridge's twin (None: it cannot have one) and the tree it was built from: every module of the
-    bridge and of the model it wraps, the bridge itself left out (a strong reference to it here
-    would keep it, and its weights, alive for good), with each module's children at the time."""
+    bridge and of the model it wraps, with each module's children at the time. Kept in the bridge's
+    own `__dict__`, so it goes when the bridge goes; the bridge itself is left out of it, so keeping
+    it makes no reference cycle (the bridge and its weights are freed at once, not at the next
+    garbage collection)."""
 
     twin: PlainForward | None
+    hf: nn.Module  # the bridge's `original_model` then
     modules: tuple[nn.Module, ...]
     children: tuple[tuple[nn.Module | None, ...], ...]
     root_children: tuple[nn.Module | None, ...]
 
     @classmethod
-    def of(cls, model: nn.Module, modules: tuple[nn.Module, ...]) -> _Built:
-        return cls(_build(model), modules, tuple(tuple(m._modules.values()) for m in modules),
+    def of(cls, model: nn.Module, hf: nn.Module, modules: tuple[nn.Module, ...]) -> _Built:
+        return cls(_build(model), hf, modules, tuple(tuple(m._modules.values()) for m in modules),
                    tuple(model._modules.values()))
 
     def current(self, model: nn.Module) -> bool:
-        """No module was swapped for another since the twin was built."""
-        return tuple(model._modules.values()) == self.root_children and all(
+        """No module was swapped for another since the twin was built (nor the wrapped model itself)."""
+        return getattr(model, "original_model", None) is self.hf \
+            and tuple(model._modules.values()) == self.root_children and all(
             tuple(m._modules.values()) == kids for m, kids in zip(self.modules, self.children, strict=True))
 
 
 class _NotPlain(Exception):
     """A module of the wrapped model cannot be rebuilt faithfully (its `forward` was replaced)."""
-
-
-_BUILT: weakref.WeakKeyDictionary[Any, _Built] = weakref.WeakKeyDictionary()
 
 
 def plain_forward(model: Any) -> PlainForward | None:
@@ -132,13 +135,13 @@ def _built(model: Any) -> _Built | None:
     if not isinstance(model, nn.Module) or getattr(type(model), "hook_dict", None) is None \
             or not isinstance(hf, nn.Module):
         return None  # (`hook_dict` read off the class: the bridge's property builds a dictionary each time)
-    built = _BUILT.get(model)
+    built = model.__dict__.get(_KEPT_ON_THE_BRIDGE)
     if built is None or not built.current(model):
         modules = tuple(dict.fromkeys((*list(model.modules())[1:], *hf.modules())))
         if _computes_otherwise(model, modules):
             return None  # build later, from the tree as it is without the hooks or overrides
-        built = _Built.of(model, modules)
-        _BUILT[model] = built
+        built = _Built.of(model, hf, modules)
+        model.__dict__[_KEPT_ON_THE_BRIDGE] = built  # past the bridge's __setattr__; not a module or weight
     return built
 
 
@@ -162,7 +165,7 @@ def _build(model: Any) -> PlainForward | None:
     hf = getattr(model, "original_model", None)
     blocks = getattr(model, "blocks", None)
     if not isinstance(hf, nn.Module) or blocks is None or getattr(hf, "hf_device_map", None) \
-            or _STATEFUL_ROPE & set(_rope_types(getattr(hf, "config", None))):
+            or any("dynamic" in kind or kind == "longrope" for kind in _rope_types(getattr(hf, "config", None))):
         return None  # a device map moves tensors through hooks of its own; a stateful rope keeps state in attributes
     memo: dict[int, nn.Module] = {}
     try:
@@ -177,7 +180,7 @@ def _build(model: Any) -> PlainForward | None:
 
 def _rope_types(config: Any) -> list[str]:
     """The rotary scaling types a config names (`rope_scaling`, or transformers 5's `rope_parameters`,
-    which may hold one set per attention type)."""
+    which may hold one set per attention type), its text model's config included."""
     found: list[str] = []
 
     def walk(value: Any) -> None:
@@ -186,9 +189,18 @@ def _rope_types(config: Any) -> list[str]:
             for v in value.values():
                 walk(v)
 
-    for name in ("rope_scaling", "rope_parameters"):
-        walk(getattr(config, name, None))
+    text = config.get_text_config() if hasattr(config, "get_text_config") else None  # a multimodal model's
+    for part in (config,) if text is config else (config, text):
+        for name in ("rope_scaling", "rope_parameters"):
+            walk(getattr(part, name, None))
     return found
+
+
+def forget(model: Any) -> None:
+    """Drop the twin built for `model`, so the next `plain_forward` builds it from the model as it is
+    now: after reassigning an attribute of a wrapped module (see the module docstring)."""
+    if isinstance(model, nn.Module):
+        model.__dict__.pop(_KEPT_ON_THE_BRIDGE, None)
 
 
 def _innermost(module: nn.Module) -> nn.Module:
@@ -214,4 +226,4 @@ def _unwrapped(module: nn.Module, memo: dict[int, nn.Module]) -> nn.Module:
     return twin
 
 
-__all__ = ["PlainForward", "forward_logits", "forward_logits_and_cache", "plain_forward"]
+__all__ = ["PlainForward", "forget", "forward_logits", "forward_logits_and_cache", "plain_forward"]
