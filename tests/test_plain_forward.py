@@ -369,3 +369,20 @@ def test_a_cache_call_and_a_scoring_call_each_decide_once(load_tiny: Any, tmp_pa
     scoring.score_options(model, stimuli, batch_size=2, progress=False)
     assert not acts.reused and len(stimuli) >= 8
     assert asked == ["cache", "scoring"]
+
+
+def test_a_forward_that_asked_for_attentions_leaves_the_twin_in_use() -> None:
+    """transformers 5 leaves a recording hook on every layer once a forward asks for attentions or
+    hidden states (search and the attention views do); it records nothing otherwise, so the twin
+    stays in use. Found in the full suite, where a shared model had run such a forward first."""
+    model = load_model("tiny-llama", device="cpu")
+    batch, pos = _batch(model)
+    with torch.inference_mode():
+        model(batch.input_ids, output_attentions=True, **batch.forward_kwargs())
+    assert any(m._forward_hooks for m in model.original_model.modules())
+    assert plain_forward(model) is not None
+    site = Site("resid_post", 1)
+    with torch.inference_mode():
+        got = capture(model, batch, [site], pos)[site]
+        want = _capture_bridge(model, batch, [site], pos, None)[site]
+    torch.testing.assert_close(got, want, rtol=0, atol=0)

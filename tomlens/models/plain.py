@@ -22,9 +22,10 @@ by the twin; call `forget(model)` after such a change, and the next call builds 
 Each caller asks once per call (`cache_activations`, `score_options`), and the bridge runs instead
 (`plain_forward` returns None) where it would compute otherwise:
   - a hook anywhere in it or in the model it wraps: on a hook point (steering, patching), on a
-    wrapper or a wrapped module or container, forward or backward, or a global module hook; the
-    two hooks TransformerLens's blocks wire themselves to feed their hook points are known by name
-    and not counted (they change nothing unless `use_hook_mlp_in` is set, which is checked);
+    wrapper or a wrapped module or container, forward or backward, or a global module hook; three
+    hooks that only read are known by name and not counted: the two TransformerLens's blocks wire
+    to feed their hook points (they change nothing unless `use_hook_mlp_in` is set, which is
+    checked) and the one transformers leaves once a forward asked for attentions or hidden states;
   - a module in train mode (dropout), or a module whose `forward` was replaced (tomlens's block
     skipping, a device map's dispatch);
   - a bridge setting under which it computes other than the original (`use_attn_result`,
@@ -51,13 +52,17 @@ _OWN_ARITHMETIC = ("use_attn_result", "use_split_qkv_input", "use_attn_in", "use
 _HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 _GLOBAL_HOOKS = tuple(getattr(torch_module, n, {}) for n in (
     "_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks", "_global_backward_pre_hooks"))
-# The hooks TransformerLens 4.3's blocks attach to their norms after the first forward: they read the
-# norm's input for `hook_resid_mid`-style hook points (and feed `hook_mlp_in` only if it is used).
-_WIRED_BY_THE_BRIDGE = frozenset({
+# Hooks that only read, known by module and name: the two TransformerLens 4.3's blocks attach to their
+# norms after the first forward (they read the norm's input for `hook_resid_mid`-style hook points,
+# and feed `hook_mlp_in` only if it is used), and the one transformers 5 leaves on a layer once a
+# forward asked for `output_attentions` / `output_hidden_states` (it records only while one does).
+_READ_ONLY_HOOKS = frozenset({
     ("transformer_lens.model_bridge.generalized_components.block",
      "BlockBridge._maybe_wire_capture_hooks.<locals>._capture_pre_ln1"),
     ("transformer_lens.model_bridge.generalized_components.block",
      "BlockBridge._maybe_wire_capture_hooks.<locals>._capture_mlp_in"),
+    ("transformers.utils.output_capturing", "install_output_capuring_hook.<locals>.output_capturing_hook"),
+    ("transformers.utils.output_capturing", "install_output_capturing_hook.<locals>.output_capturing_hook"),
 })
 _KEPT_ON_THE_BRIDGE = "_tomlens_plain_forward"  # the bridge's __dict__ key of its `_Built`
 
@@ -155,7 +160,7 @@ def _computes_otherwise(model: Any, modules: tuple[nn.Module, ...]) -> bool:
         if d["training"] or "forward" in d:
             return True
         if (d["_forward_hooks"] or d["_forward_pre_hooks"] or d["_backward_hooks"] or d["_backward_pre_hooks"]) \
-                and not all((getattr(h, "__module__", None), getattr(h, "__qualname__", None)) in _WIRED_BY_THE_BRIDGE
+                and not all((getattr(h, "__module__", None), getattr(h, "__qualname__", None)) in _READ_ONLY_HOOKS
                             for name in _HOOK_DICTS for h in d[name].values()):
             return True
     return False
