@@ -321,7 +321,7 @@ def test_caching_on_cuda_syncs_a_fixed_number_of_times_whatever_the_batches_and_
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-gemma3"])
 def test_the_plain_forward_on_cuda_computes_the_bridges_numbers(on_gpu, transfer, name, dtype):
     """Caching the residual stream and scoring run the Hugging Face model without the bridge's
-    wrappers: the same kernels in the same order, so the same numbers on the GPU too, bit for bit."""
+    wrappers: the same operations in the same order, so the same numbers on the GPU too, to rounding."""
     from tomlens.hooks import capture
     from tomlens.hooks.capture import _capture_bridge
     from tomlens.hooks.sites import Site
@@ -336,8 +336,12 @@ def test_the_plain_forward_on_cuda_computes_the_bridges_numbers(on_gpu, transfer
     with torch.inference_mode():
         got, want = capture(model, batch, sites, pos), _capture_bridge(model, batch, sites, pos, None)
     for site in sites:
-        torch.testing.assert_close(got[site], want[site], rtol=0, atol=0, msg=lambda m, s=site: f"{s}: {m}")
+        torch.testing.assert_close(got[site], want[site], msg=lambda m, s=site: f"{s}: {m}")
     plain = score_options(model, transfer, batch_size=4, progress=False)
     with model.hooks(fwd_hooks=[("blocks.0.hook_resid_pre", lambda t, hook: t)]):
         bridge = score_options(model, transfer, batch_size=4, progress=False)
-    assert plain == bridge
+    for got_pair, want_pair in zip(plain, bridge, strict=True):
+        for a, b in zip(got_pair, want_pair, strict=True):
+            assert a.n_tokens == b.n_tokens and a.first_token == b.first_token
+            tol = 1e-3 if dtype == "float32" else 5e-2  # bf16 log-probs near -11: one ulp is 0.06
+            assert a.logp_sum == pytest.approx(b.logp_sum, abs=tol) and a.logp_first == pytest.approx(b.logp_first, abs=tol)

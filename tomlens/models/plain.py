@@ -11,9 +11,9 @@ Where only the residual stream is read (a cache of `resid_pre` / `resid_post`) o
 (option scoring), tomlens runs `plain_forward(model)` instead: the same modules rebuilt without the
 wrappers. It shares every parameter and buffer with the bridge (the originals' own dictionaries: a
 weight changed or replaced, a `.to()` or a loaded state dict is seen by both) and runs the
-originals' operations in the same order. Tested bit-identical to the bridge on the CPU for Llama,
-Gemma 3 and the organism (fp32 and bf16); other architectures should agree to float rounding, not
-necessarily bit for bit. It is built once per bridge and kept on the bridge (so it goes when the
+originals' operations in the same order. Tested equal to the bridge's numbers for Llama, Gemma 3
+and the organism (fp32 and bf16; bit-identical on the CPUs tried, compared to float rounding, as
+kernels may differ by machine); other architectures should agree to float rounding. It is built once per bridge and kept on the bridge (so it goes when the
 bridge goes), and is rebuilt when a module of the bridge or of the model it wraps is swapped for
 another. Its modules are copies of the originals' attributes, though: an attribute reassigned on a
 wrapped module after the twin was built (an attention's `scaling`, a module's `config`) is not seen
