@@ -27,24 +27,35 @@ lint: setup
 demo: setup
 	$(PY) -m tomlens demo --out demo-out
 
-# `make test THREADS=n` runs the suite on n CPU threads (torch reads OMP_NUM_THREADS and
-# MKL_NUM_THREADS when it starts). The thread count changes reduction order, so CI runs it with 1 and 2.
-THREADS ?=
-THREAD_ENV = $(if $(THREADS),OMP_NUM_THREADS=$(THREADS) MKL_NUM_THREADS=$(THREADS))
+# `make test THREADS=n` runs the suite on n CPU threads per test process (torch reads OMP_NUM_THREADS
+# and MKL_NUM_THREADS when it starts). The thread count changes reduction order, so CI runs it with 1
+# and 2. The cores left over run tests side by side (pytest-xdist): WORKERS processes, each on THREADS
+# threads, as many as the cores hold (at least 1, which runs in this process). THREADS defaults to 1,
+# so `make test` uses every core.
+THREADS ?= 1
+CORES   := $(shell nproc 2>/dev/null || echo 1)
+WORKERS ?= $(shell n=$$(( $(CORES) / $(THREADS) )); [ $$n -ge 1 ] && echo $$n || echo 1)
+XDIST    = $(if $(filter 1,$(WORKERS)),-p no:xdist,-n $(WORKERS) --dist worksteal)
+THREAD_ENV = OMP_NUM_THREADS=$(THREADS) MKL_NUM_THREADS=$(THREADS)
+# Which tests `make test` runs (a pytest -m expression); CI's second run narrows it (.ci/run).
+MARKERS ?= not gpu
+
+# The gpu tier's CPU references run on the machine's own thread count unless THREADS is given.
+GPU_THREAD_ENV = $(if $(filter file,$(origin THREADS)),,$(THREAD_ENV))
 
 # The gpu tier is not part of `make test`: `make test-gpu` runs it (it skips, in one line, without CUDA).
 test: setup
-	$(THREAD_ENV) HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m pytest -q -m "not gpu"
+	$(THREAD_ENV) HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m pytest -q $(XDIST) -m "$(MARKERS)"
 
 # One tier of the suite (tests/conftest.py gives every test one): `make test-unit` in about a minute.
 test-unit test-integration test-acceptance: setup
-	$(THREAD_ENV) HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m pytest -q -m $(@:test-%=%)
+	$(THREAD_ENV) HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m pytest -q $(XDIST) -m $(@:test-%=%)
 
 # CUDA against CPU results (tests/test_gpu_*.py). `setup` would install a CPU torch into .venv, so on a
 # machine whose own python has CUDA torch and tomlens's dependencies, name it: `make test-gpu PY=python3`
 # (the command line's PY wins over the one above, and then nothing is set up).
 test-gpu: $(if $(filter $(VENV)/bin/python,$(PY)),setup)
-	$(THREAD_ENV) HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m pytest -q -m gpu $(wildcard tests/test_gpu_*.py)
+	$(GPU_THREAD_ENV) HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m pytest -q -m gpu $(wildcard tests/test_gpu_*.py)
 
 bench: setup
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) benchmarks/run.py

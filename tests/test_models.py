@@ -375,3 +375,34 @@ def test_random_init_keeps_the_architecture_and_tokenizer_with_fresh_seeded_weig
         load_model("random:")
     with pytest.raises(TomlensError, match="has no revisions"):
         load_model("random:tiny-gpt2", revision="main")
+
+
+def test_a_model_is_remembered_as_a_model_and_anything_else_is_asked_each_time():
+    """`isinstance(x, Model)` keeps a yes per object (the suite's type checker asks it on every call),
+    forgets the object with it, and still says no to what lacks a member, hashable or not."""
+    import gc
+    import weakref
+
+    from tomlens.models import load_model
+    from tomlens.models.protocol import _ACCEPTED_MODELS, Model
+
+    model = load_model("tiny-llama", device="cpu", dtype="float32")
+    assert isinstance(model, Model) and model in _ACCEPTED_MODELS
+    assert isinstance(model, Model)  # from memory
+    gone = weakref.ref(model)
+    del model
+    gc.collect()
+    assert gone() is None and not any(m is None for m in _ACCEPTED_MODELS)
+
+    class AlmostAModel:
+        cfg = tokenizer = hook_dict = blocks = None
+
+        def __call__(self, *args): ...
+        def hooks(self, *args): ...
+        def parameters(self, *args): ...
+
+    almost = AlmostAModel()  # no named_parameters
+    assert not isinstance(almost, Model) and almost not in _ACCEPTED_MODELS
+    almost.named_parameters = lambda *a: iter(())  # type: ignore[attr-defined]
+    assert isinstance(almost, Model) and almost in _ACCEPTED_MODELS
+    assert not isinstance([1], Model) and not isinstance({}, Model)  # unhashable: asked, not kept

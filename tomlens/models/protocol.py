@@ -10,6 +10,7 @@ the members the bridge declares; `blocks` it reaches through `__getattr__`, whic
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -42,11 +43,41 @@ class ModelConfig(Protocol):
     def n_ctx(self) -> int: ...
 
 
+_ACCEPTED_MODELS: weakref.WeakSet[Any] = weakref.WeakSet()  # objects `isinstance(_, Model)` accepted
+
+
+class _RemembersModels(type(Protocol)):  # type: ignore[misc]
+    """`isinstance(x, Model)` that remembers each object it accepted.
+
+    Why: on Python 3.11 the check reads every member, and the bridge's `hook_dict` property builds
+    its whole alias table each time (a quarter of a millisecond on a 2-layer model); the test
+    suite's checker asks it on every call with a `model` argument, an eighth of a validation run's
+    time there. A loaded model does not lose members, so a yes is kept for the object's life
+    (weakly); a no, or an object that cannot be weakly referenced, is asked again each time. The
+    memory is a module global: an attribute of the protocol, or an annotation here (which 3.11 reads
+    through the class), would become one of its members.
+    """
+
+    def __instancecheck__(cls, instance: Any) -> bool:
+        try:
+            if instance in _ACCEPTED_MODELS:
+                return True
+        except TypeError:  # unhashable or not weakly referenceable: no memory
+            return super().__instancecheck__(instance)
+        accepted = super().__instancecheck__(instance)
+        if accepted:
+            try:
+                _ACCEPTED_MODELS.add(instance)
+            except TypeError:
+                pass
+        return accepted
+
+
 # runtime_checkable: the test suite wraps the packages in beartype (tests/conftest.py), which checks
 # every annotation on every call and can only check a protocol that `isinstance` accepts; that check
 # sees that the members exist (on Python 3.11 it reads each one), not their types.
 @runtime_checkable
-class Model(Protocol):
+class Model(Protocol, metaclass=_RemembersModels):
     """A loaded model as tomlens uses it: shape, tokenizer, forward call, hook points and blocks.
 
     `blocks[layer].attn` is the bridge's attention component (`W_O`, `b_O`, `original_component`);
