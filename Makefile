@@ -32,9 +32,16 @@ demo: setup
 # and 2. The cores left over run tests side by side (pytest-xdist): WORKERS processes, each on THREADS
 # threads, as many as the cores hold (at least 1, which runs in this process). THREADS defaults to 1,
 # so `make test` uses every core.
+# nproc without the OpenMP variables, which it would obey; at most MAX_WORKERS processes (each loads
+# torch and its models: about 2 GB).
 THREADS ?= 1
-CORES   := $(shell nproc 2>/dev/null || echo 1)
-WORKERS ?= $(shell n=$$(( $(CORES) / $(THREADS) )); [ $$n -ge 1 ] && echo $$n || echo 1)
+ifeq ($(shell echo '$(THREADS)' | grep -Ex '[1-9][0-9]*'),)
+$(error THREADS=$(THREADS) is not a positive whole number: give e.g. THREADS=1 or THREADS=2)
+endif
+MAX_WORKERS ?= 8
+CORES   := $(shell env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc 2>/dev/null || echo 1)
+WORKERS ?= $(shell n=$$(( $(CORES) / $(THREADS) )); [ $$n -gt $(MAX_WORKERS) ] && n=$(MAX_WORKERS); \
+                   [ $$n -ge 1 ] && echo $$n || echo 1)
 XDIST    = $(if $(filter 1,$(WORKERS)),-p no:xdist,-n $(WORKERS) --dist worksteal)
 THREAD_ENV = OMP_NUM_THREADS=$(THREADS) MKL_NUM_THREADS=$(THREADS)
 # Which tests `make test` runs (a pytest -m expression); CI's second run narrows it (.ci/run).

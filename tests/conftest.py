@@ -42,8 +42,8 @@ TINY_NAMES: tuple[str, ...] = ("tiny-gpt2", "tiny-llama", "tiny-neox")
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
-    """CI runs the suite on 1 and on 2 threads (`make test THREADS=n`); a run that silently used
-    another count would test one reduction order twice."""
+    """CI runs the tests on 1 and on 2 threads per process (`make test THREADS=n`, .ci/run); a run
+    that silently used another count would test one reduction order twice."""
     import torch
 
     want = os.environ.get("OMP_NUM_THREADS")

@@ -302,12 +302,42 @@ def test_a_hook_or_a_swap_on_the_wrapped_models_containers_puts_the_bridge_back(
         hf.model.norm = final_norm
 
 
+def _reaches(start: Any, target: Any, limit: int = 500_000) -> bool:
+    """Whether `target` can be reached from `start` by references, tensors, classes and modules left
+    out; a function is followed through its closure and defaults only (its globals reach everything)."""
+    import types
+
+    seen, todo = {id(start)}, [start]
+    while todo:
+        obj = todo.pop()
+        if isinstance(obj, types.FunctionType):
+            refs: list[Any] = [*(c.cell_contents for c in obj.__closure__ or () if c.cell_contents is not None),
+                               obj.__defaults__, obj.__kwdefaults__]
+        else:
+            refs = gc.get_referents(obj)
+        for ref in refs:
+            if ref is target:
+                return True
+            if ref is None or id(ref) in seen or isinstance(ref, torch.Tensor | type | types.ModuleType):
+                continue
+            seen.add(id(ref))
+            todo.append(ref)
+        assert len(seen) < limit, "the walk grew past its limit"
+    return False
+
+
 def test_the_twin_does_not_keep_its_bridge_alive() -> None:
-    """Neither when nothing of ours refers back to the bridge nor when a permanent hook's closure
-    does. A freshly loaded bridge already sits in reference cycles of TransformerBridge's own
-    closures, so both cases are judged after a collection: the twin must add nothing that outlives it."""
+    """Nothing the twin's record refers to leads back to the bridge, so the record adds no cycle, and
+    the bridge goes with its last reference once collected (a freshly loaded TransformerBridge
+    already sits in cycles of its own closures), also when a permanent hook's closure holds it."""
+    from tomlens.models.plain import _KEPT_ON_THE_BRIDGE
+
     model = load_model("tiny-llama", device="cpu")
     assert plain_forward(model) is not None
+    record = model.__dict__[_KEPT_ON_THE_BRIDGE]
+    assert not _reaches(record, model)
+    assert _reaches(model.blocks[0], model.blocks[0].attn)  # the walk does follow references
+    del record
     gone = weakref.ref(model)
     del model
     gc.collect()

@@ -82,8 +82,8 @@ class _Built:
     """A bridge's twin (None: it cannot have one) and the tree it was built from: every module of the
     bridge and of the model it wraps, with each module's children at the time. Kept in the bridge's
     own `__dict__`, so it goes when the bridge goes; the bridge itself is left out of it, so keeping
-    it makes no reference cycle (the bridge and its weights are freed at once, not at the next
-    garbage collection)."""
+    it adds no reference cycle (nothing here outlives the bridge; TransformerBridge's own closures
+    may still hold it until the next garbage collection)."""
 
     twin: PlainForward | None
     hf: nn.Module  # the bridge's `original_model` then

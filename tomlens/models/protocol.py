@@ -53,22 +53,26 @@ class _RemembersModels(type(Protocol)):  # type: ignore[misc]
     its whole alias table each time (a quarter of a millisecond on a 2-layer model); the test
     suite's checker asks it on every call with a `model` argument, an eighth of a validation run's
     time there. A loaded model does not lose members, so a yes is kept for the object's life
-    (weakly); a no, or an object that cannot be weakly referenced, is asked again each time. The
+    (weakly; a test double that deletes a member after it was accepted stays accepted); a no, or an
+    object that cannot be weakly referenced or hashed, is asked again each time. Only `Model`
+    itself remembers. The
     memory is a module global: an attribute of the protocol, or an annotation here (which 3.11 reads
     through the class), would become one of its members.
     """
 
     def __instancecheck__(cls, instance: Any) -> bool:
+        if cls is not Model:  # a protocol or class derived from Model has members of its own
+            return super().__instancecheck__(instance)
         try:
-            if instance in _ACCEPTED_MODELS:
+            if instance in _ACCEPTED_MODELS:  # False for what cannot be weakly referenced
                 return True
-        except TypeError:  # unhashable or not weakly referenceable: no memory
+        except TypeError:  # unhashable: no memory
             return super().__instancecheck__(instance)
         accepted = super().__instancecheck__(instance)
         if accepted:
             try:
                 _ACCEPTED_MODELS.add(instance)
-            except TypeError:
+            except TypeError:  # not weakly referenceable: asked again next time
                 pass
         return accepted
 
