@@ -54,7 +54,7 @@ GPU_THREAD_ENV = $(if $(filter file,$(origin THREADS)),,$(THREAD_ENV))
 test: setup
 	$(THREAD_ENV) HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m pytest -q $(XDIST) -m "$(MARKERS)"
 
-# One tier of the suite (tests/conftest.py gives every test one): `make test-unit` in about a minute.
+# One tier of the suite (tests/conftest.py gives every test one), e.g. `make test-unit` (no model booted).
 test-unit test-integration test-acceptance: setup
 	$(THREAD_ENV) HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m pytest -q $(XDIST) -m $(@:test-%=%)
 

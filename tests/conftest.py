@@ -117,7 +117,7 @@ def smollm2(embedded_model: Any) -> Any:
 
 
 # ---- Tiers: every test is exactly one of unit / integration / acceptance / gpu -----------------
-# unit: no model is booted (pure functions, files, tokenizers); `pytest -m unit` takes seconds.
+# unit: no model is booted (pure functions, files, tokenizers, the shortcut audits).
 # integration: tiny random models and several modules together.
 # acceptance: the embedded model, subprocess CLIs, the demo, kill -9 fault tests.
 # gpu: results on CUDA against the CPU's (tiny models and random-llama-1b); `make test-gpu` runs it,

@@ -55,9 +55,8 @@ class _RemembersModels(type(Protocol)):  # type: ignore[misc]
     time there. A loaded model does not lose members, so a yes is kept for the object's life
     (weakly; a test double that deletes a member after it was accepted stays accepted); a no, or an
     object that cannot be weakly referenced or hashed, is asked again each time. Only `Model`
-    itself remembers. The
-    memory is a module global: an attribute of the protocol, or an annotation here (which 3.11 reads
-    through the class), would become one of its members.
+    itself remembers. The memory is a module global: an attribute of the protocol, or an annotation
+    here (which 3.11 reads through the class), would become one of its members.
     """
 
     def __instancecheck__(cls, instance: Any) -> bool:
