@@ -40,8 +40,10 @@ $(error THREADS=$(THREADS) is not a positive whole number: give e.g. THREADS=1 o
 endif
 MAX_WORKERS ?= 8
 CORES   := $(shell env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc 2>/dev/null || echo 1)
-WORKERS ?= $(shell n=$$(( $(CORES) / $(THREADS) )); [ $$n -gt $(MAX_WORKERS) ] && n=$(MAX_WORKERS); \
+ifndef WORKERS  # worked out once (`?=` would rerun the shell at each use)
+WORKERS := $(shell n=$$(( $(CORES) / $(THREADS) )); [ $$n -gt $(MAX_WORKERS) ] && n=$(MAX_WORKERS); \
                    [ $$n -ge 1 ] && echo $$n || echo 1)
+endif
 XDIST    = $(if $(filter 1,$(WORKERS)),-p no:xdist,-n $(WORKERS) --dist worksteal)
 THREAD_ENV = OMP_NUM_THREADS=$(THREADS) MKL_NUM_THREADS=$(THREADS)
 # Which tests `make test` runs (a pytest -m expression); CI's second run narrows it (.ci/run).

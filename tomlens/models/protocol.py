@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, suppress
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from torch import nn
@@ -60,20 +60,21 @@ class _RemembersModels(type(Protocol)):  # type: ignore[misc]
     """
 
     def __instancecheck__(cls, instance: Any) -> bool:
-        if cls is not Model:  # a protocol or class derived from Model has members of its own
-            return super().__instancecheck__(instance)
-        try:
-            if instance in _ACCEPTED_MODELS:  # False for what cannot be weakly referenced
-                return True
-        except TypeError:  # unhashable: no memory
-            return super().__instancecheck__(instance)
+        remembers = cls is Model  # a protocol or class derived from Model has members of its own
+        if remembers and _remembered(instance):
+            return True
         accepted = super().__instancecheck__(instance)
-        if accepted:
-            try:
+        if remembers and accepted:
+            with suppress(TypeError):  # unhashable or not weakly referenceable: asked again next time
                 _ACCEPTED_MODELS.add(instance)
-            except TypeError:  # not weakly referenceable: asked again next time
-                pass
         return accepted
+
+
+def _remembered(instance: Any) -> bool:
+    try:
+        return instance in _ACCEPTED_MODELS  # False for what cannot be weakly referenced
+    except TypeError:  # unhashable
+        return False
 
 
 # runtime_checkable: the test suite wraps the packages in beartype (tests/conftest.py), which checks
